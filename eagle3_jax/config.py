@@ -1,0 +1,314 @@
+"""Static, hashable configurations.
+
+Every config here is a frozen dataclass, so it can be a `static_argnames` argument of a jitted
+function: two equal configs hit the same compiled executable.
+
+Capture convention (stated once, used everywhere): `capture_layer_ids` are indices of target
+layers whose INPUT residual stream is captured for the drafter, before that layer runs. The EAGLE
+reference code and vLLM use this convention (default 2, L//2, L-3); TensorRT-LLM names the same
+tensors as the OUTPUT of layers 1, L//2-1, L-4, and SGLang adds 1 to config-provided ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a model we run; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1/3.3 `rope_type: llama3` frequency scaling."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def _field(d: dict, name: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+    if name not in d or d[name] is None:
+        if default is ...:
+            raise ConfigError(f"{where}: missing required field '{name}'")
+        return default
+    value = d[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ConfigError(f"{where}: field '{name}' must be {kind}, got {value!r}")
+    return value
+
+
+def _positive(value: int, name: str, where: str) -> int:
+    if value <= 0:
+        raise ConfigError(f"{where}: field '{name}' must be positive, got {value}")
+    return value
+
+
+def parse_rope(d: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None) from a transformers-4 or transformers-5 config."""
+    # transformers 5 moved theta and scaling into `rope_parameters`; transformers 4 has
+    # `rope_theta` plus an optional `rope_scaling` dict.
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: 'rope_parameters'/'rope_scaling' must be objects")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{where}: field 'rope_theta' must be a positive number, got {theta!r}")
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ConfigError(f"{where}: unsupported rope_type {rope_type!r} (supported: default, llama3)")
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    for f in fields:
+        if f not in merged:
+            raise ConfigError(f"{where}: llama3 rope scaling needs field '{f}'")
+    scaling_cfg = Llama3RopeScaling(
+        factor=float(merged["factor"]),
+        low_freq_factor=float(merged["low_freq_factor"]),
+        high_freq_factor=float(merged["high_freq_factor"]),
+        original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+    )
+    if scaling_cfg.high_freq_factor <= scaling_cfg.low_freq_factor:
+        raise ConfigError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    return float(theta), scaling_cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-3 family target (LlamaForCausalLM)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...] = ()
+    # Input of these layers is captured for EAGLE-3 (see module docstring).
+    capture_layer_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        where = "target config"
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _positive(getattr(self, name), name, where)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{where}: num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"{where}: head_dim {self.head_dim} must be even for RoPE")
+        if not self.capture_layer_ids:
+            object.__setattr__(self, "capture_layer_ids", default_capture_layers(self.num_layers))
+        for i in self.capture_layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise ConfigError(f"{where}: capture layer id {i} outside 0..{self.num_layers - 1}")
+
+    @classmethod
+    def from_hf(cls, d: dict, where: str = "config.json") -> ModelConfig:
+        model_type = d.get("model_type", "llama")
+        if model_type != "llama":
+            raise ConfigError(f"{where}: field 'model_type' is {model_type!r}; only 'llama' is supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{where}: field 'hidden_act' must be 'silu', got {d['hidden_act']!r}")
+        for flag in ("attention_bias", "mlp_bias"):
+            if d.get(flag):
+                raise ConfigError(f"{where}: field '{flag}' is true; biases are not supported")
+        hidden = _field(d, "hidden_size", int, where)
+        heads = _field(d, "num_attention_heads", int, where)
+        _positive(heads, "num_attention_heads", where)
+        theta, scaling = parse_rope(d, where)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=_field(d, "vocab_size", int, where),
+            hidden_size=hidden,
+            intermediate_size=_field(d, "intermediate_size", int, where),
+            num_layers=_field(d, "num_hidden_layers", int, where),
+            num_heads=heads,
+            num_kv_heads=_field(d, "num_key_value_heads", int, where, heads),
+            head_dim=_field(d, "head_dim", int, where, hidden // heads),
+            rms_norm_eps=_field(d, "rms_norm_eps", float, where, 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=_field(d, "max_position_embeddings", int, where, 2048),
+            tie_word_embeddings=_field(d, "tie_word_embeddings", bool, where, False),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        return cls.from_hf(read_json(path), where=str(path))
+
+    def with_capture_layers(self, ids: tuple[int, ...]) -> ModelConfig:
+        return dataclasses.replace(self, capture_layer_ids=tuple(ids))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default: the input of layers 2, L//2 and L-3 (low, mid, high)."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """An EAGLE-3 draft head (one Llama decoder layer over [embedding, hidden]).
+
+    `target_hidden_size` is the width of each captured target hidden state: the 70B drafters
+    have hidden_size < target_hidden_size and ship their own embedding.
+    """
+
+    vocab_size: int  # target vocabulary (embedding rows)
+    draft_vocab_size: int  # lm_head rows
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    max_position_embeddings: int
+    target_hidden_size: int
+    num_captures: int = 3
+    # Target layers whose input feeds fc, if the drafter says (eagle_config); else the target's.
+    capture_layer_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        where = "draft config"
+        for name in ("vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size",
+                     "num_heads", "num_kv_heads", "head_dim", "target_hidden_size", "num_captures"):
+            _positive(getattr(self, name), name, where)
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError(f"{where}: draft_vocab_size {self.draft_vocab_size} exceeds vocab_size "
+                              f"{self.vocab_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{where}: num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_hf(cls, d: dict, where: str = "draft config.json") -> DraftConfig:
+        layers = d.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise ConfigError(f"{where}: field 'num_hidden_layers' is {layers}; an EAGLE-3 drafter has 1")
+        hidden = _field(d, "hidden_size", int, where)
+        heads = _field(d, "num_attention_heads", int, where)
+        _positive(heads, "num_attention_heads", where)
+        vocab = _field(d, "vocab_size", int, where)
+        # No rope_theta in the public 8B drafter: the EAGLE reference falls back to 10000.
+        theta, scaling = parse_rope(d, where)
+        eagle = d.get("eagle_config") or {}
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            vocab_size=vocab,
+            draft_vocab_size=_field(d, "draft_vocab_size", int, where, vocab),
+            hidden_size=hidden,
+            intermediate_size=_field(d, "intermediate_size", int, where),
+            num_heads=heads,
+            num_kv_heads=_field(d, "num_key_value_heads", int, where, heads),
+            head_dim=_field(d, "head_dim", int, where, hidden // heads),
+            rms_norm_eps=_field(d, "rms_norm_eps", float, where, 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=_field(d, "max_position_embeddings", int, where, 2048),
+            target_hidden_size=_field(d, "target_hidden_size", int, where, hidden),
+            num_captures=len(aux) if aux else 3,
+            capture_layer_ids=tuple(int(i) for i in aux) if aux else None,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> DraftConfig:
+        return cls.from_hf(read_json(path), where=str(path))
+
+    def to_hf(self) -> dict:
+        """The public EAGLE-3 config.json layout (loads in other EAGLE-3 engines)."""
+        d: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float16",
+        }
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.capture_layer_ids is not None:
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.capture_layer_ids)}
+        return d
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def check_draft_fits(target: ModelConfig, draft: DraftConfig, has_own_embedding: bool) -> None:
+    """Raise ConfigError naming the mismatch when a drafter cannot serve this target."""
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"drafter vocab_size {draft.vocab_size} does not match the target's "
+                          f"{target.vocab_size}")
+    if draft.target_hidden_size != target.hidden_size:
+        raise ConfigError(f"drafter target_hidden_size {draft.target_hidden_size} does not match the "
+                          f"target's hidden_size {target.hidden_size}")
+    if not has_own_embedding and draft.hidden_size != target.hidden_size:
+        raise ConfigError(f"drafter hidden_size {draft.hidden_size} differs from the target's "
+                          f"{target.hidden_size} and the drafter has no embed_tokens of its own")
+    layers = draft.capture_layer_ids or target.capture_layer_ids
+    if len(layers) != draft.num_captures:
+        raise ConfigError(f"drafter expects {draft.num_captures} captures, target provides {len(layers)}")
+    for i in layers:
+        if not 0 <= i < target.num_layers:
+            raise ConfigError(f"drafter capture layer {i} outside the target's 0..{target.num_layers - 1}")
+
+
+def read_json(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def count_params(shapes: Any) -> int:
+    """Number of scalars in a pytree of arrays or ShapeDtypeStructs."""
+    import jax
+
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))

@@ -1,0 +1,97 @@
+"""The EAGLE-3 draft head as pure functions.
+
+One step, for token embeddings e and incoming hidden states g (see ../shared/EAGLE3.md, section 2):
+  h = fc(g) when g is the target's capture [.., n_capture * H_target], else h = g (the draft's own
+  pre-norm output of the previous step, [.., H]);
+  x = concat(input_layernorm(e), hidden_norm(h))            # embedding FIRST, width 2H
+  h = h + o_proj(attention(q, k, v of x))                    # RoPE, GQA, paged KV
+  h = h + mlp(post_attention_layernorm(h))                   # SwiGLU
+  logits = lm_head(norm(h)) over the draft vocabulary; target id = draft id + d2t[draft id].
+The pre-norm h is what the next chain step takes as g.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from eagle3_jax.config import DraftConfig
+from eagle3_jax.model.layers import attention_block, rms_norm, rope_inv_freq, swiglu
+from eagle3_jax.model.llama import KVCache
+
+
+@struct.dataclass
+class DraftParams:
+    fc: jax.Array  # [n_capture * H_target, H]
+    hidden_norm: jax.Array  # [H]
+    input_norm: jax.Array  # [H]
+    wq: jax.Array  # [2H, heads*hd]
+    wk: jax.Array  # [2H, kvh*hd]
+    wv: jax.Array  # [2H, kvh*hd]
+    wo: jax.Array  # [heads*hd, H]
+    mlp_norm: jax.Array  # [H]
+    w_gate: jax.Array  # [H, I]
+    w_up: jax.Array  # [H, I]
+    w_down: jax.Array  # [I, H]
+    norm: jax.Array  # [H]
+    lm_head: jax.Array  # [H, V_draft]
+    d2t: jax.Array  # [V_draft] int32 offsets: target id = draft id + d2t[draft id]
+    embed: jax.Array | None  # [V, H] own embedding (70B layout); None: use the target's
+
+
+def init_draft_params(cfg: DraftConfig, key: jax.Array, dtype=jnp.bfloat16,
+                      own_embedding: bool = False) -> DraftParams:
+    """Random draft weights with the identity vocabulary map (d2t = 0)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    keys = iter(jax.random.split(key, 10))
+
+    def dense(*shape):
+        return (0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    ones = jnp.ones((h,), dtype)
+    return DraftParams(
+        fc=dense(cfg.num_captures * cfg.target_hidden_size, h), hidden_norm=ones, input_norm=ones,
+        wq=dense(2 * h, cfg.q_size), wk=dense(2 * h, cfg.kv_size), wv=dense(2 * h, cfg.kv_size),
+        wo=dense(cfg.q_size, h), mlp_norm=ones, w_gate=dense(h, i), w_up=dense(h, i),
+        w_down=dense(i, h), norm=ones, lm_head=dense(h, cfg.draft_vocab_size),
+        d2t=jnp.zeros((cfg.draft_vocab_size,), jnp.int32),
+        embed=dense(cfg.vocab_size, h) if own_embedding else None)
+
+
+def fuse_captures(params: DraftParams, captures: jax.Array) -> jax.Array:
+    """Target captures [..., n_capture * H_target] -> the first step's hidden input [..., H]."""
+    return captures @ params.fc
+
+
+def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
+                  h: jax.Array, positions: jax.Array, cache: KVCache,
+                  block_table: jax.Array) -> tuple[jax.Array, KVCache]:
+    """One draft step over T tokens per row.
+
+    tokens, positions [B, T]; h [B, T, H]: `fuse_captures` of the target's captures on the first
+    step, the draft's own previous pre-norm output on chain steps; block_table [B, nb].
+    -> (pre-norm hidden [B, T, H], cache).
+    """
+    embed = target_embed if params.embed is None else params.embed
+    e = embed[tokens].astype(h.dtype)
+    x = jnp.concatenate([rms_norm(e, params.input_norm, cfg.rms_norm_eps),
+                         rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
+    attn, k_pages, v_pages = attention_block(
+        x, None, params.wq, params.wk, params.wv, params.wo, positions, cache.k[0], cache.v[0],
+        block_table, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        eps=cfg.rms_norm_eps, inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    h = h + attn
+    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate, params.w_up, params.w_down)
+    return h, KVCache(k=(k_pages,), v=(v_pages,))
+
+
+def draft_logits(params: DraftParams, cfg: DraftConfig, hidden: jax.Array) -> jax.Array:
+    """pre-norm hidden [..., H] -> f32 logits over the draft vocabulary [..., V_draft]."""
+    return jnp.dot(rms_norm(hidden, params.norm, cfg.rms_norm_eps), params.lm_head,
+                   preferred_element_type=jnp.float32)
+
+
+def to_target_ids(params: DraftParams, draft_ids: jax.Array) -> jax.Array:
+    """Draft-vocabulary ids -> target ids through the d2t offsets."""
+    return draft_ids + params.d2t[draft_ids]

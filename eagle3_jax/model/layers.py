@@ -1,0 +1,97 @@
+"""Llama building blocks as pure functions: RMSNorm, RoPE (with llama3 scaling), SwiGLU and
+grouped-query attention over a paged KV cache.
+
+Paged KV layout (shared by target and drafter): one array per layer and per K/V,
+`[num_pages, page_size, kv_heads, head_dim]`. A request owns pages through its block table row
+`[max_blocks]`; logical position p lives at page `block_table[p // page_size]`, slot
+`p % page_size`. Page 0 is the scratch page: unallocated block-table entries point at it, so
+writes from padded rows and padded tokens land there and are never read by a real row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.config import Llama3RopeScaling
+
+SCRATCH_PAGE = 0
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """[..., D] -> [..., D]; statistics in f32, as transformers' LlamaRMSNorm."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
+    """[head_dim // 2] f32 inverse frequencies, llama3-scaled when asked (Llama-3.1 recipe)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [B, T, heads, hd], positions [B, T] -> rotated x (rotate-half layout, as transformers)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, hd/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """x [B, T, D]; w_gate, w_up [D, I]; w_down [I, D] -> [B, T, D]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
+    """Scatter new [B, T, kvh, hd] at positions [B, T] into pages [P, page, kvh, hd]."""
+    page_size = pages.shape[1]
+    page = jnp.take_along_axis(block_table, positions // page_size, axis=1)  # [B, T]
+    return pages.at[page, positions % page_size].set(new.astype(pages.dtype), mode="drop")
+
+
+def gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
+    """pages [P, page, kvh, hd], block_table [B, nb] -> [B, nb * page, kvh, hd] in logical order."""
+    b, nb = block_table.shape
+    ctx = pages[block_table]  # [B, nb, page, kvh, hd]
+    return ctx.reshape(b, nb * pages.shape[1], *pages.shape[2:])
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
+                    block_table: jax.Array) -> jax.Array:
+    """Causal GQA of new queries over everything cached for their row.
+
+    q [B, T, H, hd] (already rotated), positions [B, T] (each query's position), k/v_pages
+    [P, page, kvh, hd] (already holding this step's keys), block_table [B, nb] -> [B, T, H, hd].
+    A query at position p sees cached positions 0..p of its row, which this or earlier steps wrote.
+    """
+    b, t, h, hd = q.shape
+    k = gather_kv(k_pages, block_table)  # [B, S, kvh, hd]
+    v = gather_kv(v_pages, block_table)
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(hd))
+    key_pos = jnp.arange(k.shape[1])
+    visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, hd)

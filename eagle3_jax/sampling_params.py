@@ -1,0 +1,125 @@
+"""Per-request sampling parameters (host side).
+
+`SamplingParams` is an immutable, validated description of how one request is
+decoded.  The device-side math lives in `eagle3_jax.engine.sampling`; use
+`eagle3_jax.engine.sampling.row_sampling_from_params` to turn a batch of these
+into per-row arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+DRAFT_ACCEPTANCE_MODES = ("draft_q", "one_hot")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one request.
+
+    Attributes:
+      max_tokens: maximum number of generated tokens (> 0).
+      temperature: softmax temperature; 0 means greedy (argmax, token-exact).
+      top_k: keep only the k most likely tokens (0 = off).
+      top_p: nucleus sampling mass in (0, 1] (1 = off).
+      min_p: keep tokens with p >= min_p * p_max, in [0, 1] (0 = off).
+      seed: per-request PRNG seed (non-negative int) or None (engine picks one).
+      stop_token_ids: token ids that end generation (in addition to EOS).
+      stop: stop strings.
+      ignore_eos: keep generating after EOS.
+      draft_acceptance: "draft_q" = lossless rejection sampling with the draft's
+        real distribution q (accepts the most); "one_hot" = the vLLM/SGLang
+        shortcut treating q as one-hot on the drafted token (also lossless,
+        accepts less, does not need q).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    draft_acceptance: str = "draft_q"
+
+    def __post_init__(self) -> None:
+        def _set(name, value):
+            object.__setattr__(self, name, value)
+
+        def _is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def _is_real(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+        # --- max_tokens
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        _set("max_tokens", int(self.max_tokens))
+
+        # --- temperature
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a finite float >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        _set("temperature", float(self.temperature))
+
+        # --- top_k
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        _set("top_k", int(self.top_k))
+
+        # --- top_p (NaN fails the comparison)
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _set("top_p", float(self.top_p))
+
+        # --- min_p
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        _set("min_p", float(self.min_p))
+
+        # --- seed
+        if self.seed is not None:
+            if not _is_int(self.seed) or self.seed < 0:
+                raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
+            _set("seed", int(self.seed))
+
+        # --- stop_token_ids
+        if isinstance(self.stop_token_ids, (str, bytes)) or _is_int(self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
+            )
+        ids = tuple(self.stop_token_ids)
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(
+                    f"stop_token_ids must contain non-negative ints, got {self.stop_token_ids!r}"
+                )
+        _set("stop_token_ids", tuple(int(t) for t in ids))
+
+        # --- stop strings (a bare string is one stop string)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain non-empty strings, got {self.stop!r}")
+        _set("stop", stop)
+
+        # --- ignore_eos
+        _set("ignore_eos", bool(self.ignore_eos))
+
+        # --- draft_acceptance
+        if self.draft_acceptance not in DRAFT_ACCEPTANCE_MODES:
+            raise ValueError(
+                f"draft_acceptance must be one of {DRAFT_ACCEPTANCE_MODES}, "
+                f"got {self.draft_acceptance!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True iff decoding is greedy (temperature == 0)."""
+        return self.temperature == 0.0

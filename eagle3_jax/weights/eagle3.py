@@ -1,0 +1,141 @@
+"""EAGLE-3 drafter checkpoints in the public layout <-> DraftParams.
+
+Layout (../shared/EAGLE3.md, section 1): `config.json` plus `pytorch_model.bin` or
+`model.safetensors` with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
+and, in the 70B layout, `embed_tokens.weight`. Loaders elsewhere call the midlayer `layers.0.`
+and d2t `draft_id_to_target_id`; both spellings load. We write the public names, fp16.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.config import DraftConfig, ModelConfig, check_draft_fits
+from eagle3_jax.model.eagle3 import DraftParams
+from eagle3_jax.weights.tensors import CheckpointError, TensorFiles, check_names, take, write
+
+# (our field, public name, transposed, stored shape)
+_TENSORS = (
+    ("fc", "fc.weight", True, lambda c: (c.hidden_size, c.num_captures * c.target_hidden_size)),
+    ("hidden_norm", "midlayer.hidden_norm.weight", False, lambda c: (c.hidden_size,)),
+    ("input_norm", "midlayer.input_layernorm.weight", False, lambda c: (c.hidden_size,)),
+    ("wq", "midlayer.self_attn.q_proj.weight", True, lambda c: (c.q_size, 2 * c.hidden_size)),
+    ("wk", "midlayer.self_attn.k_proj.weight", True, lambda c: (c.kv_size, 2 * c.hidden_size)),
+    ("wv", "midlayer.self_attn.v_proj.weight", True, lambda c: (c.kv_size, 2 * c.hidden_size)),
+    ("wo", "midlayer.self_attn.o_proj.weight", True, lambda c: (c.hidden_size, c.q_size)),
+    ("mlp_norm", "midlayer.post_attention_layernorm.weight", False, lambda c: (c.hidden_size,)),
+    ("w_gate", "midlayer.mlp.gate_proj.weight", True, lambda c: (c.intermediate_size, c.hidden_size)),
+    ("w_up", "midlayer.mlp.up_proj.weight", True, lambda c: (c.intermediate_size, c.hidden_size)),
+    ("w_down", "midlayer.mlp.down_proj.weight", True, lambda c: (c.hidden_size, c.intermediate_size)),
+    ("norm", "norm.weight", False, lambda c: (c.hidden_size,)),
+    ("lm_head", "lm_head.weight", True, lambda c: (c.draft_vocab_size, c.hidden_size)),
+)
+EMBED = "embed_tokens.weight"
+D2T, T2D = "d2t", "t2d"
+_ALIASES = {"layers.0.": "midlayer.", "model.layers.0.": "midlayer.", "draft_id_to_target_id": D2T,
+            "model.embed_tokens.weight": EMBED}
+
+
+def canonical_name(name: str) -> str:
+    for alias, public in _ALIASES.items():
+        if name == alias or (alias.endswith(".") and name.startswith(alias)):
+            return public + name[len(alias):]
+    return name
+
+
+def read_drafter_tensors(directory: Path) -> Mapping[str, np.ndarray]:
+    """Tensors of a drafter directory, .safetensors preferred, else pytorch_model.bin (needs torch)."""
+    if any(directory.glob("*.safetensors")):
+        files = TensorFiles(directory)
+        return {canonical_name(k): files[k] for k in files}
+    bin_path = directory / "pytorch_model.bin"
+    if not bin_path.is_file():
+        raise CheckpointError(f"{directory}: no model.safetensors or pytorch_model.bin")
+    try:
+        import torch
+    except ImportError:
+        raise CheckpointError(
+            f"{bin_path} is a PyTorch pickle; reading it needs torch: `pip install torch` (a CPU build "
+            "is enough), or convert it once with `eagle3-jax convert-draft` on a machine that has torch"
+        ) from None
+    try:
+        state = torch.load(bin_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{bin_path}: unreadable PyTorch checkpoint ({e})") from None
+    return {canonical_name(k): v.float().numpy() if v.is_floating_point() else v.numpy()
+            for k, v in state.items()}
+
+
+def draft_params_from_tensors(tensors: Mapping[str, np.ndarray], cfg: DraftConfig, dtype=jnp.bfloat16,
+                              where: str = "drafter") -> DraftParams:
+    found = set(tensors) - {T2D}  # t2d is only used in training
+    expected = {name for _, name, _, _ in _TENSORS} | {D2T}
+    has_embed = EMBED in found
+    check_names(found - {EMBED}, expected, where)
+    fields = {}
+    for field, name, transpose, shape in _TENSORS:
+        x = np.asarray(take(tensors, name, shape(cfg), where))
+        fields[field] = jnp.asarray((x.T if transpose else x).astype(dtype))
+    d2t = np.asarray(take(tensors, D2T, (cfg.draft_vocab_size,), where)).astype(np.int64)
+    target_ids = np.arange(cfg.draft_vocab_size) + d2t
+    bad = np.flatnonzero((target_ids < 0) | (target_ids >= cfg.vocab_size))
+    if bad.size:
+        raise CheckpointError(f"{where}: d2t maps draft id {bad[0]} to target id {target_ids[bad[0]]}, "
+                              f"outside the vocabulary 0..{cfg.vocab_size - 1}")
+    embed = None
+    if has_embed:
+        embed = jnp.asarray(np.asarray(take(tensors, EMBED, (cfg.vocab_size, cfg.hidden_size), where)).astype(dtype))
+    return DraftParams(**fields, d2t=jnp.asarray(d2t, jnp.int32), embed=embed)
+
+
+def load_drafter(directory: str | Path, target: ModelConfig | None = None,
+                 dtype=jnp.bfloat16) -> tuple[DraftConfig, DraftParams]:
+    """(config, params) of a drafter directory; with `target`, also check that it fits."""
+    directory = Path(directory)
+    cfg = DraftConfig.from_json(directory / "config.json")
+    params = draft_params_from_tensors(read_drafter_tensors(directory), cfg, dtype, where=str(directory))
+    if target is not None:
+        check_draft_fits(target, cfg, has_own_embedding=params.embed is not None)
+    return cfg, params
+
+
+def drafter_tensors(params: DraftParams, cfg: DraftConfig, dtype=np.float16) -> dict[str, np.ndarray]:
+    """The public tensor names and dtypes (fp16 weights, int64 d2t, bool t2d)."""
+    out = {}
+    for field, name, transpose, _ in _TENSORS:
+        x = np.asarray(getattr(params, field), np.float32)
+        out[name] = (x.T if transpose else x).astype(dtype)
+    d2t = np.asarray(params.d2t, np.int64)
+    out[D2T] = d2t
+    t2d = np.zeros(cfg.vocab_size, bool)
+    t2d[np.arange(cfg.draft_vocab_size) + d2t] = True
+    out[T2D] = t2d
+    if params.embed is not None:
+        out[EMBED] = np.asarray(params.embed, np.float32).astype(dtype)
+    return out
+
+
+def save_drafter(params: DraftParams, cfg: DraftConfig, directory: str | Path) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write(drafter_tensors(params, cfg), directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    return directory
+
+
+def convert_bin_to_safetensors(directory: str | Path, out: str | Path | None = None) -> Path:
+    """pytorch_model.bin -> model.safetensors with the same public names (needs torch)."""
+    directory = Path(directory)
+    out = Path(out) if out else directory
+    tensors = read_drafter_tensors(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    stored = {k: (v.astype(np.float16) if np.issubdtype(v.dtype, np.floating) else v) for k, v in tensors.items()}
+    write(stored, out / "model.safetensors")
+    if out != directory:
+        (out / "config.json").write_text((directory / "config.json").read_text())
+    return out

@@ -1,0 +1,115 @@
+"""Convert a llama.cpp GGUF Llama model into a Hugging Face directory (config.json,
+model.safetensors, tokenizer files with the chat template).
+
+Quantized tensors are dequantized with the `gguf` package. llama.cpp stores q_proj and k_proj
+with their rows permuted for its interleaved RoPE; we undo that so the weights use the
+rotate-half layout of transformers and of `eagle3_jax.model.layers.apply_rope`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from eagle3_jax.weights.tensors import CheckpointError, write
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str:
+    base, suffix = gguf_name.rsplit(".", 1)
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)", base):
+        if m.group(2) not in _LAYER_NAMES:
+            raise CheckpointError(f"GGUF tensor '{gguf_name}' has no Llama counterpart")
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
+    if base not in _GLOBAL_NAMES:
+        raise CheckpointError(f"GGUF tensor '{gguf_name}' has no Llama counterpart")
+    return f"{_GLOBAL_NAMES[base]}.{suffix}"
+
+
+def unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of q/k: [heads*hd, D] -> same shape, HF order."""
+    hd = w.shape[0] // heads
+    return w.reshape(heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise CheckpointError(f"GGUF metadata lacks '{key}'")
+        return default
+    return field.contents()
+
+
+def hf_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"GGUF architecture is {arch!r}; only 'llama' converts")
+    names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    vocab = int(_field(reader, "llama.vocab_size", len(_field(reader, "tokenizer.ggml.tokens"))))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, "llama.context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        "torch_dtype": "float32",
+    }
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write config.json, model.safetensors (f32, the exact dequantized values) and tokenizer."""
+    import gguf  # heavy-ish and only needed here
+    from transformers import AutoTokenizer
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except Exception as e:  # the gguf package raises assorted errors on a damaged file
+        raise CheckpointError(f"{gguf_path}: unreadable GGUF ({e})") from None
+    config = hf_config(reader)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
+        name = hf_name(t.name)
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape(tuple(reversed([int(n) for n in t.shape])))  # ggml dims are reversed
+        if name.endswith("q_proj.weight"):
+            w = unpermute_rotary(w, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_rotary(w, config["num_key_value_heads"])
+        tensors[name] = w
+    write(tensors, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
