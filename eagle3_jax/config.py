@@ -312,3 +312,47 @@ def count_params(shapes: Any) -> int:
     import jax
 
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Shapes of the compiled step functions and of the KV pool.
+
+    batch_buckets: decode batch sizes compiled; a running set of n requests runs in the smallest
+        bucket >= n, its padded rows pointing at the dummy slot 0.
+    prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
+        largest bucket.
+    num_speculative_tokens: K draft tokens per iteration (0 = target only).
+    page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable).
+    max_model_len: longest prompt + output a request may have.
+    """
+
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prefill_buckets: tuple[int, ...] = (32, 128, 512)
+    num_speculative_tokens: int = 3
+    page_size: int = 16
+    num_pages: int = 4096
+    max_model_len: int = 4096
+
+    def __post_init__(self):
+        where = "engine config"
+        if not self.batch_buckets or sorted(set(self.batch_buckets)) != list(self.batch_buckets):
+            raise ConfigError(f"{where}: batch_buckets must be increasing, got {self.batch_buckets}")
+        if not self.prefill_buckets or sorted(set(self.prefill_buckets)) != list(self.prefill_buckets):
+            raise ConfigError(f"{where}: prefill_buckets must be increasing, got {self.prefill_buckets}")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
+                              f"{self.num_speculative_tokens}")
+        for name in ("page_size", "max_model_len"):
+            _positive(getattr(self, name), name, where)
+        if self.num_pages < 2:
+            raise ConfigError(f"{where}: num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.batch_buckets[-1]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        # Room for the committed tokens plus two iterations in flight (overlap) of K + 1 each.
+        return -(-(self.max_model_len + 2 * (self.num_speculative_tokens + 1)) // self.page_size)

@@ -62,9 +62,12 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
 
 def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
     """Scatter new [B, T, kvh, hd] at positions [B, T] into pages [P, page, kvh, hd]."""
-    page_size = pages.shape[1]
-    page = jnp.take_along_axis(block_table, positions // page_size, axis=1)  # [B, T]
-    return pages.at[page, positions % page_size].set(new.astype(pages.dtype), mode="drop")
+    page_size, num_blocks = pages.shape[1], block_table.shape[1]
+    block = positions // page_size
+    page = jnp.take_along_axis(block_table, jnp.clip(block, 0, num_blocks - 1), axis=1)  # [B, T]
+    # Padded tokens can sit past the table's end: send them to scratch, never onto a real page.
+    page = jnp.where(block < num_blocks, page, SCRATCH_PAGE)
+    return pages.at[page, positions % page_size].set(new.astype(pages.dtype))
 
 
 def gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
@@ -95,3 +98,22 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, hd)
+
+
+def attention_block(x: jax.Array, norm_w: jax.Array, wq, wk, wv, wo, positions: jax.Array, k_pages,
+                    v_pages, block_table: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
+                    eps: float, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pre-norm attention over the paged cache. x [B, T, D] -> (attn out [B, T, D], k, v pages).
+
+    Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs, so it
+    passes its own already-normed input with norm_w=None).
+    """
+    b, t, _ = x.shape
+    h = x if norm_w is None else rms_norm(x, norm_w, eps)
+    q = apply_rope((h @ wq).reshape(b, t, heads, head_dim), positions, inv_freq)
+    k = apply_rope((h @ wk).reshape(b, t, kv_heads, head_dim), positions, inv_freq)
+    v = (h @ wv).reshape(b, t, kv_heads, head_dim)
+    k_pages = write_kv(k_pages, k, positions, block_table)
+    v_pages = write_kv(v_pages, v, positions, block_table)
+    out = paged_attention(q, k_pages, v_pages, positions, block_table)
+    return out.reshape(b, t, heads * head_dim) @ wo, k_pages, v_pages

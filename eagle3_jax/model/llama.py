@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.config import ModelConfig
-from eagle3_jax.model.layers import apply_rope, paged_attention, rms_norm, rope_inv_freq, swiglu, write_kv
+from eagle3_jax.model.layers import attention_block, rms_norm, rope_inv_freq, swiglu
 
 
 @struct.dataclass
@@ -67,25 +67,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> LlamaPa
         for _ in range(cfg.num_layers))
     return LlamaParams(embed=dense(cfg.vocab_size, d), layers=layers, norm=jnp.ones((d,), dtype),
                        lm_head=None if cfg.tie_word_embeddings else dense(d, cfg.vocab_size))
-
-
-def attention_block(x: jax.Array, norm_w: jax.Array, wq, wk, wv, wo, positions: jax.Array, k_pages,
-                    v_pages, block_table: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
-                    eps: float, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pre-norm attention over the paged cache. x [B, T, D] -> (attn out [B, T, D], k, v pages).
-
-    Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs, so it
-    passes its own already-normed input with norm_w=None).
-    """
-    b, t, _ = x.shape
-    h = x if norm_w is None else rms_norm(x, norm_w, eps)
-    q = apply_rope((h @ wq).reshape(b, t, heads, head_dim), positions, inv_freq)
-    k = apply_rope((h @ wk).reshape(b, t, kv_heads, head_dim), positions, inv_freq)
-    v = (h @ wv).reshape(b, t, kv_heads, head_dim)
-    k_pages = write_kv(k_pages, k, positions, block_table)
-    v_pages = write_kv(v_pages, v, positions, block_table)
-    out = paged_attention(q, k_pages, v_pages, positions, block_table)
-    return out.reshape(b, t, heads * head_dim) @ wo, k_pages, v_pages
 
 
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,

@@ -1,0 +1,162 @@
+"""The public Python surface: `LLM`, `SamplingParams`, `RequestOutput`.
+
+    from eagle3_jax import LLM, SamplingParams
+    llm = LLM()                                   # SmolLM2-135M-Instruct + our EAGLE-3 drafter
+    out = llm.generate(["Why is the sky blue?"], SamplingParams(max_tokens=64))[0]
+    print(out.text, out.metrics.acceptance_length)
+
+Prompts are chat messages (a list of {"role", "content"} dicts), strings (one user turn; the chat
+template is applied: without it acceptance collapses), or lists of token ids taken as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax import assets
+from eagle3_jax.config import EngineConfig
+from eagle3_jax.engine.driver import Engine
+from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
+from eagle3_jax.sampling_params import SamplingParams
+from eagle3_jax.weights.eagle3 import load_drafter
+from eagle3_jax.weights.llama import load_llama
+
+Prompt = Union[str, Sequence[dict], Sequence[int]]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: int | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop", "length" or "error"
+    error: str | None
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    token_ids: list[int]  # tokens accepted since the previous delta
+    text: str  # their text
+    finished: bool
+    output: RequestOutput | None  # set on the last delta
+
+
+def default_dtype():
+    """bf16 on accelerators; f32 on the CPU, where tests compare against f32 references."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+class LLM:
+    """An EAGLE-3 engine over a Hugging Face Llama target and an optional drafter.
+
+    target: a directory with config.json, safetensors and (optionally) tokenizer files; None is
+        the embedded default, SmolLM2-135M-Instruct, prepared on first use.
+    draft: a drafter directory in the public EAGLE-3 layout; "default" uses the shipped drafter
+        when the target is the default; None runs the target alone.
+    """
+
+    def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
+                 num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
+                 warmup: bool = True, progress: bool = True):
+        if target is None:
+            target = assets.prepare_default_target(progress=progress)
+        target = Path(target)
+        if draft == "default":
+            draft = assets.DEFAULT_DRAFT if target.resolve() == assets.DEFAULT_TARGET.resolve() else None
+        dtype = dtype or default_dtype()
+        cfg, params = load_llama(target, dtype)
+        draft_cfg = draft_params = None
+        if draft is not None:
+            draft_cfg, draft_params = load_drafter(draft, cfg, dtype)
+        self.tokenizer = _load_tokenizer(target)
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        engine_config = engine_config or EngineConfig()
+        engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens)
+        self.engine = Engine(cfg, params, draft_cfg, draft_params, engine_config, eos_token_ids=sorted(eos),
+                             detokenize=self.decode if self.tokenizer is not None else None)
+        if warmup:
+            self.engine.warmup(progress=progress)
+
+    # ---- prompts and text --------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt; raises RequestError for an empty or unusable one."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise RequestError("prompt is empty")
+            prompt = [{"role": "user", "content": prompt}]
+        if len(prompt) == 0:
+            raise RequestError("prompt is empty")
+        if all(isinstance(m, dict) for m in prompt):
+            if self.tokenizer is None:
+                raise RequestError("this target has no tokenizer: pass token ids")
+            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+            return list(ids)
+        if not all(isinstance(t, int) or hasattr(t, "__index__") for t in prompt):
+            raise RequestError("a prompt is a string, a list of chat messages or a list of token ids")
+        return [int(t) for t in prompt]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A bad request gets finish_reason "error" and
+        its message in `.error`; the others are served as usual."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        slots: list[Request | RequestOutput] = []
+        for prompt, params in zip(prompts, sampling_params):
+            try:
+                slots.append(self.engine.add_request(self.encode(prompt), params))
+            except RequestError as e:
+                slots.append(self._error_output(prompt, str(e)))
+        self.engine.run([r for r in slots if isinstance(r, Request)], progress=use_tqdm)
+        return [r if isinstance(r, RequestOutput) else self._output(r) for r in slots]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield tokens as they are accepted (a few per iteration); the last delta has the output."""
+        req = self.engine.add_request(self.encode(prompt), sampling_params or SamplingParams())
+        seen = 0
+        while not req.finished:
+            self.engine.step()
+            if len(req.output) > seen or req.finished:
+                new = req.output[seen:]
+                seen = len(req.output)
+                yield StreamDelta(new, self.decode(new), req.finished, self._output(req) if req.finished else None)
+        while self.engine.has_unfinished() and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
+            self.engine.step()  # drain the surplus iteration so the engine is idle again
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.text if req.params.stop and req.text else self.decode(req.output)
+        return RequestOutput(req.id, req.prompt, list(req.output), text, req.finish_reason, req.error, req.metrics)
+
+    def _error_output(self, prompt: Prompt, message: str) -> RequestOutput:
+        ids = list(prompt) if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt) else []
+        return RequestOutput(None, ids, [], "", "error", message, RequestMetrics())
+
+
+def _load_tokenizer(directory: Path):
+    if not (directory / "tokenizer.json").is_file() and not (directory / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))

@@ -1,0 +1,61 @@
+"""The device-resident state the step functions thread (and donate) from call to call.
+
+`Slots` is our Eagle3ResourceManager: per-slot device buffers that carry everything one
+speculative iteration hands to the next, so nothing goes back to the host between draft steps or
+between iterations. The hidden states themselves never leave the compiled iteration: the
+verify's captures feed the draft extend inside the same executable; what crosses iterations is
+the proposals, their draft distribution q, the last token and the length.
+
+Slot 0 is the dummy slot: padded batch rows read and write it, and its block table row is all
+scratch pages, so padding never touches a real request.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.engine.sampling import RowSampling
+from eagle3_jax.model.llama import KVCache
+
+DUMMY_SLOT = 0
+
+
+@struct.dataclass
+class Slots:
+    """Per-slot state, S = max_num_seqs + 1 rows (row 0 is the dummy)."""
+
+    last_token: jax.Array  # [S] i32, the token at position `length`, not yet in the target cache
+    length: jax.Array  # [S] i32, tokens in the target cache
+    drafts: jax.Array  # [S, K] i32, proposals in target ids
+    draft_probs: jax.Array  # [S, K, V_draft] f32, q the proposals were drawn from
+    sampling: RowSampling  # [S] per-row parameters and base PRNG keys
+    num_generated: jax.Array  # [S] i32, tokens emitted so far (keys fold it in)
+
+
+@struct.dataclass
+class DeviceState:
+    target_kv: KVCache
+    draft_kv: KVCache | None
+    slots: Slots
+
+
+def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineConfig,
+               dtype) -> DeviceState:
+    s, k = engine.max_num_seqs + 1, engine.num_speculative_tokens if draft else 0
+    vd = draft.draft_vocab_size if draft else 1
+    pages = (engine.num_pages, engine.page_size)
+    target_kv = KVCache.zeros(target.num_layers, *pages, target.num_kv_heads, target.head_dim, dtype)
+    draft_kv = (KVCache.zeros(1, *pages, draft.num_kv_heads, draft.head_dim, dtype) if draft else None)
+    def zeros_i():  # a fresh buffer each: donated leaves must not alias
+        return jnp.zeros((s,), jnp.int32)
+
+    sampling = RowSampling(temperature=jnp.zeros((s,), jnp.float32), top_k=zeros_i(),
+                           top_p=jnp.ones((s,), jnp.float32), min_p=jnp.zeros((s,), jnp.float32),
+                           key=jnp.zeros((s, 2), jnp.uint32), one_hot=jnp.zeros((s,), bool))
+    slots = Slots(last_token=zeros_i(), length=zeros_i(), drafts=jnp.zeros((s, k), jnp.int32),
+                  draft_probs=jnp.zeros((s, k, vd), jnp.float32), sampling=sampling,
+                  num_generated=zeros_i())
+    return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
