@@ -76,6 +76,8 @@ class LLM:
         draft_cfg = draft_params = None
         if draft is not None:
             draft_cfg, draft_params = load_drafter(draft, cfg, dtype)
+            if draft_cfg.capture_layer_ids is not None:  # the drafter was trained on these layers
+                cfg = cfg.with_capture_layers(draft_cfg.capture_layer_ids)
         self.tokenizer = _load_tokenizer(target)
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -113,10 +115,14 @@ class LLM:
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams | dict] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A bad request gets finish_reason "error" and
-        its message in `.error`; the others are served as usual."""
+        """One RequestOutput per prompt, in order.
+
+        `sampling_params` is one SamplingParams for all, or one per prompt: a SamplingParams or a
+        dict of its fields (a request payload, validated here). A bad request gets finish_reason
+        "error" and its message in `.error`; the others are served as usual.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -126,8 +132,10 @@ class LLM:
         slots: list[Request | RequestOutput] = []
         for prompt, params in zip(prompts, sampling_params):
             try:
+                if not isinstance(params, SamplingParams):
+                    params = SamplingParams(**params)
                 slots.append(self.engine.add_request(self.encode(prompt), params))
-            except RequestError as e:
+            except (RequestError, ValueError, TypeError) as e:
                 slots.append(self._error_output(prompt, str(e)))
         self.engine.run([r for r in slots if isinstance(r, Request)], progress=use_tqdm)
         return [r if isinstance(r, RequestOutput) else self._output(r) for r in slots]
@@ -146,7 +154,7 @@ class LLM:
             self.engine.step()  # drain the surplus iteration so the engine is idle again
 
     def _output(self, req: Request) -> RequestOutput:
-        text = req.text if req.params.stop and req.text else self.decode(req.output)
+        text = req.text if req.text is not None else self.decode(req.output)
         return RequestOutput(req.id, req.prompt, list(req.output), text, req.finish_reason, req.error, req.metrics)
 
     def _error_output(self, prompt: Prompt, message: str) -> RequestOutput:

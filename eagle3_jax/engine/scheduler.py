@@ -68,7 +68,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
-    text: str = ""
+    text: str | None = None  # set when a stop string cut the output text
 
     @property
     def finished(self) -> bool:
@@ -115,10 +115,6 @@ class Scheduler:
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         """Validate and queue a request; raise RequestError naming the problem."""
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
         if len(prompt) == 0:
             raise RequestError("prompt is empty")
         ids = np.asarray(prompt)

@@ -120,6 +120,15 @@ def drafter_tensors(params: DraftParams, cfg: DraftConfig, dtype=np.float16) -> 
     return out
 
 
+def public_shapes(cfg: DraftConfig, own_embedding: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the public layout, for `cfg` (t2d excluded: training only)."""
+    shapes = {name: shape(cfg) for _, name, _, shape in _TENSORS}
+    shapes[D2T] = (cfg.draft_vocab_size,)
+    if own_embedding:
+        shapes[EMBED] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
 def save_drafter(params: DraftParams, cfg: DraftConfig, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

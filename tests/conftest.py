@@ -1,0 +1,98 @@
+"""Shared fixtures: the real SmolLM2 target (prepared once per machine), MT-bench prompts, and
+engines shared across tests so each compiled bucket is built once per session."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eagle3_jax import assets
+from eagle3_jax.config import DraftConfig, ModelConfig
+
+# The CPU is the test platform; f32 everywhere so parity is meaningful.
+jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    return assets.prepare_default_target(progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cfg(smollm2_dir):
+    return ModelConfig.from_json(smollm2_dir / "config.json")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def mtbench():
+    return [q["turns"][0] for q in assets.mtbench_questions()]
+
+
+@pytest.fixture(scope="session")
+def chat_ids(tokenizer, mtbench):
+    """Chat-templated MT-bench first turns as token ids."""
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)) for q in mtbench]
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own GGUF loader: an independent reference for our conversion and forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = assets.fetch(assets.SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def random_drafter_dir(tmp_path_factory, smollm2_cfg):
+    """A random SmolLM2-shaped drafter in the public layout (nearly every proposal rejected)."""
+    from eagle3_jax.model.eagle3 import init_draft_params
+    from eagle3_jax.weights.eagle3 import save_drafter
+
+    # max_position_embeddings 32: every prompt runs past the drafter's nominal RoPE range.
+    cfg = smollm2_draft_config(smollm2_cfg, draft_vocab_size=2048, max_position_embeddings=32)
+    params = init_draft_params(cfg, jax.random.PRNGKey(7), jnp.float32)
+    return save_drafter(params, cfg, tmp_path_factory.mktemp("random_drafter"))
+
+
+def smollm2_draft_config(target: ModelConfig, draft_vocab_size: int, max_position_embeddings=2048) -> DraftConfig:
+    return DraftConfig(vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
+                       hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                       num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                       rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=None,
+                       max_position_embeddings=max_position_embeddings, target_hidden_size=target.hidden_size)
+
+
+def write_json(path, obj):
+    path.write_text(json.dumps(obj))
+    return path
+
+
+# Small shapes keep CPU compilation cheap: prompts over 64 tokens are prefilled in chunks.
+TEST_ENGINE = dict(batch_buckets=(1, 8), prefill_buckets=(64,), max_model_len=384, num_pages=256)
+
+
+def make_llm(target, draft=None, num_draft=3, **engine):
+    from eagle3_jax.api import LLM
+    from eagle3_jax.config import EngineConfig
+
+    return LLM(target=target, draft=draft, num_speculative_tokens=num_draft,
+               engine_config=EngineConfig(**{**TEST_ENGINE, **engine}), progress=False)
+
+
+@pytest.fixture(scope="session")
+def target_llm(smollm2_dir):
+    return make_llm(smollm2_dir)

@@ -1,0 +1,192 @@
+"""Foundation: the Llama target against transformers, configs, checkpoints and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle3_jax.config import ConfigError, ModelConfig, count_params
+from eagle3_jax.model import llama
+from eagle3_jax.model.layers import rope_inv_freq
+from eagle3_jax.weights.llama import load_llama, save_llama
+from eagle3_jax.weights.tensors import CheckpointError, write
+
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+}
+LLAMA33_70B = {**LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+               "num_attention_heads": 64}
+TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 128, "tie_word_embeddings": False}
+
+
+def contiguous_forward(params, cfg, ids, length=128):
+    """Whole-sequence forward of one row through the paged path, padded to `length` tokens so
+    every prompt shares one executable (causal: the padding cannot change earlier positions)."""
+    t, pages = len(ids), length // 16
+    cache = llama.KVCache.zeros(cfg.num_layers, pages + 1, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    padded = jnp.asarray([ids + [0] * (length - t)])
+    hidden, captures, _ = _forward(params, cfg, padded, jnp.arange(length)[None], cache,
+                                   jnp.arange(1, pages + 1)[None])
+    return np.asarray(llama.logits(params, hidden))[0, :t], np.asarray(captures)[0, :t]
+
+
+_forward = jax.jit(llama.forward, static_argnames="cfg")
+
+
+@pytest.fixture(scope="module")
+def smollm2_params(smollm2_dir):
+    return load_llama(smollm2_dir, jnp.float32)
+
+
+def test_logits_parity_with_transformers(smollm2_params, hf_model, chat_ids):
+    import torch
+
+    cfg, params = smollm2_params
+    for ids in chat_ids[:4]:
+        ours, captures = contiguous_forward(params, cfg, ids)
+        with torch.no_grad():
+            out = hf_model(torch.tensor([ids]), output_hidden_states=True)
+        ref = out.logits[0].numpy()
+        rel = np.abs(ours - ref).max(-1) / np.abs(ref).max(-1)  # per position
+        assert rel.max() <= 1e-4, rel.max()
+        # Captures are the residual stream entering layers 2, L//2, L-3: HF's hidden_states[i].
+        assert cfg.capture_layer_ids == (2, 15, 27)
+        ref_caps = np.concatenate([out.hidden_states[i][0].numpy() for i in cfg.capture_layer_ids], -1)
+        np.testing.assert_allclose(captures, ref_caps, rtol=1e-4, atol=1e-4 * np.abs(ref_caps).max())
+
+
+def test_greedy_matches_transformers_generate(target_llm, hf_model, chat_ids):
+    import torch
+
+    from eagle3_jax import SamplingParams
+
+    prompts = chat_ids[:8]
+    ours = target_llm.generate(prompts, SamplingParams(max_tokens=48))
+    for ids, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
+                                    eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+        assert out.token_ids == ref
+        assert out.finish_reason == ("stop" if ref[-1] == 2 else "length")
+
+
+def test_param_counts_from_eval_shape():
+    for config, expected in ((LLAMA31_8B, 8_030_261_248), (LLAMA33_70B, 70_553_706_496)):
+        cfg = ModelConfig.from_hf(config)
+        shapes = jax.eval_shape(lambda k, c=cfg: llama.init_params(c, k), jax.random.PRNGKey(0))
+        assert count_params(shapes) == expected
+
+
+def test_llama3_rope_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = LlamaConfig(**{k: v for k, v in LLAMA31_8B.items() if k not in ("architectures", "model_type")})
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    cfg = ModelConfig.from_hf(LLAMA31_8B)
+    np.testing.assert_allclose(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), ref.numpy(),
+                               rtol=1e-6)
+
+
+def test_transformers5_rope_parameters_layout():
+    v4 = ModelConfig.from_hf(LLAMA31_8B)
+    v5_dict = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_theta", "rope_scaling")}
+    v5_dict["rope_parameters"] = {"rope_theta": 500000.0, **LLAMA31_8B["rope_scaling"]}
+    assert ModelConfig.from_hf(v5_dict) == v4
+    assert v4.head_dim == 128 and v4.num_kv_heads == 8 and v4.eos_token_ids == (128001, 128008, 128009)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mistral"}, "model_type"),
+    ({"hidden_size": None}, "hidden_size"),
+    ({"num_attention_heads": 5}, "num_key_value_heads"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"vocab_size": "many"}, "vocab_size"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_bad_configs_name_the_field(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**LLAMA31_8B, **change})
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    cfg = ModelConfig.from_hf(TINY)
+    params = llama.init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    save_llama(params, tmp_path)
+    return tmp_path, cfg, params
+
+
+def test_checkpoint_round_trip_and_sharded_index(tiny_checkpoint, tmp_path_factory):
+    from safetensors.numpy import load_file
+
+    path, cfg, params = tiny_checkpoint
+    _, loaded = load_llama(path, jnp.float32)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool((a == b).all()), params, loaded))
+    # The same tensors split over two files with an index load identically.
+    sharded = tmp_path_factory.mktemp("sharded")
+    tensors = load_file(str(path / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        write({n: tensors[n] for n in part}, sharded / file)
+    index = {"weight_map": {n: f for f, part in halves.items() for n in part}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    (sharded / "config.json").write_text(json.dumps(TINY))
+    _, from_shards = load_llama(sharded, jnp.float32)
+    np.testing.assert_array_equal(from_shards.layers[2].w_down, params.layers[2].w_down)
+
+
+def test_wrong_shape_missing_and_extra_tensors_are_named(tiny_checkpoint):
+    from safetensors.numpy import load_file
+
+    path, _, _ = tiny_checkpoint
+    tensors = load_file(str(path / "model.safetensors"))
+    good = dict(tensors)
+    tensors["model.layers.1.self_attn.k_proj.weight"] = np.zeros((8, 32), np.float32)
+    write(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*\(8, 32\).*\(16, 32\)"):
+        load_llama(path, jnp.float32)
+    del good["model.norm.weight"]
+    write(good, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing.*model.norm.weight"):
+        load_llama(path, jnp.float32)
+    good["model.norm.weight"] = np.ones(32, np.float32)
+    good["model.layers.9.mlp.up_proj.weight"] = np.ones((2, 2), np.float32)
+    write(good, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected.*layers.9"):
+        load_llama(path, jnp.float32)
+
+
+def test_truncated_safetensors_names_the_file(tiny_checkpoint):
+    path, _, _ = tiny_checkpoint
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_llama(path, jnp.float32)
+
+
+def test_bad_prompts_get_clear_errors(target_llm, chat_ids):
+    from eagle3_jax import SamplingParams
+
+    limit = target_llm.engine.cfg.max_model_len
+    outs = target_llm.generate(["", [], [5, 49152, 7], [1] * limit, chat_ids[0]], SamplingParams(max_tokens=4))
+    assert [o.finish_reason for o in outs] == ["error"] * 4 + ["length"]
+    assert "empty" in outs[0].error and "empty" in outs[1].error
+    assert "49152" in outs[2].error and "vocabulary" in outs[2].error
+    assert f"{limit} tokens" in outs[3].error and "context" in outs[3].error
+    assert len(outs[4].token_ids) == 4
