@@ -1,0 +1,313 @@
+"""Tensor parallelism (Megatron layout) through jax.sharding: we only say where each array lives,
+XLA's SPMD partitioner (Shardy) derives the per-device program and inserts the collectives.
+
+One mesh axis, "tp". The layout, per weight (ours are [in, out], so `x @ w`):
+
+  wq, wk, wv, w_gate, w_up   [D, out]  P(None, "tp")  column-parallel: each device computes its own
+                                                      heads / its slice of the MLP, no communication
+  wo, w_down                 [in, D]   P("tp", None)  row-parallel: each device contracts its slice,
+                                                      one all-reduce of [B, T, D] restores the sum
+  norms, d2t                           P()            replicated (tiny)
+  embed                      [V, D]    P("tp", None)  vocab-parallel: masked local lookup + one
+                                                      all-reduce of [B, T, D]
+  lm_head                    [D, V]    P(None, "tp")  vocab-parallel: logits come out [.., V/tp]
+                                                      per device, no communication in the matmul
+
+So one transformer layer costs exactly two all-reduces of [B, T, D] (after wo, after w_down) and
+the residual stream (hidden states, captures) stays replicated between layers.
+
+Why vocab-parallel: Llama-3's 128256 x 8192 embedding and lm_head are 2.1 GB each in bf16;
+replicated they would take 4.2 GB of every device, and the lm_head matmul is a large share of a
+decode step's weight reads, so splitting it speeds decode up as much as splitting the layers does.
+
+Heads: the q/k/v column split is contiguous over the flattened [heads * head_dim] output, so the
+reshape to [B, T, heads, hd] in the model puts whole heads on each device (heads % tp == 0 is
+required). GQA: q head j reads kv head j // (H / kvh).
+  - kvh % tp == 0: device r holds q heads [r*H/tp, (r+1)*H/tp) and kv heads [r*kvh/tp, ...): the
+    kv heads its q heads need, because H/tp = (kvh/tp) * (H/kvh). The KV cache pages
+    [P, page, kvh, hd] are split on the kv-head axis the same way.
+  - otherwise (e.g. kvh = 2 at tp = 8) the kv heads cannot be divided: wk/wv and the KV cache are
+    replicated. Each device still holds only its own q heads and reads the (full) local K/V, so
+    the contiguous q split stays correct. Cost: every device stores the whole KV cache. (Every
+    Llama-3 model has kvh = 8, so this only arises beyond tp 8 or with other small models.) Here
+    Shardy computes the new K/V of a step split by kv-head groups and all-gathers them
+    ([B, T, kvh, hd], activations, 2 per layer) before writing the replicated cache.
+
+Draft head (DraftParams): fc [n_capture * H_t, H] is row-parallel, P("tp", None): the captures
+arrive replicated, so each device slices its rows for free and one all-reduce of [B, T, H] gives
+the replicated residual the midlayer needs (column-parallel would give a D-sharded residual that
+needs an all-gather anyway). The midlayer follows the target's layout; its lm_head over the draft
+vocabulary and its own embedding (70B layout) are vocab-parallel.
+
+Fused step functions (verify + draft in one executable) must pin activations, because sharding
+propagation is not cost-based: `replicate` the residual stream (forward's hidden and captures,
+fuse_captures / draft_forward outputs) and pass logits through `vocab_logits` (computed
+vocab-sharded, then one all-gather of the [.., V] activation). Then a whole iteration has only the
+collectives above plus one logits all-gather per lm_head call (see tests/test_parallel.py).
+
+Vocabulary sizes that tp does not divide fall back to a replicated embedding / lm_head (correct,
+just more memory); head counts or intermediate sizes that tp does not divide raise
+`ShardingError` naming the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.model.eagle3 import DraftParams
+from eagle3_jax.model import llama
+from eagle3_jax.model.llama import KVCache, LayerParams, LlamaParams
+
+TP = "tp"
+REPLICATED = P()  # hidden states [B, T, D], captures [B, T, n * D], tokens, positions, block tables
+COLUMN = P(None, TP)  # [in, out] split on out
+ROW = P(TP, None)  # [in, out] split on in
+VOCAB_ROWS = P(TP, None)  # embedding [V, D] split on V
+LOGITS = P(None, None, TP)  # logits [B, T, V] as the vocab-parallel lm_head leaves them
+
+
+class ShardingError(ValueError):
+    """A model that cannot be split `tp` ways; the message names the numbers."""
+
+
+def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh with axis "tp" over the first `tp` devices (or the given ones).
+
+    The axis is `AxisType.Auto` (sharding propagation decides intermediate layouts); recent jax's
+    `jax.make_mesh` defaults to Explicit axes, which would type-check every op instead.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if tp < 1:
+        raise ShardingError(f"tp must be >= 1, got {tp}")
+    if len(devices) < tp:
+        raise ShardingError(f"tp={tp} needs {tp} devices, only {len(devices)} available "
+                            f"({devices[0].platform if devices else 'none'})")
+    return Mesh(np.array(devices[:tp]), (TP,), axis_types=(AxisType.Auto,))
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def kv_heads_split(num_kv_heads: int, tp: int) -> bool:
+    """True when the kv heads (wk/wv columns, KV cache) are divided over tp; else replicated."""
+    return num_kv_heads % tp == 0
+
+
+def _check(what: str, n: int, tp: int, where: str) -> None:
+    if n % tp:
+        raise ShardingError(f"{where}: {what} {n} is not divisible by tp={tp}; "
+                            f"use a tp that divides {n}")
+
+
+def _vocab_ok(v: int, tp: int) -> bool:
+    return v % tp == 0
+
+
+def _layer_specs(q_heads: int, kv_heads: int, intermediate: int, tp: int, where: str) -> dict:
+    _check("num_attention_heads", q_heads, tp, where)
+    _check("intermediate_size", intermediate, tp, where)
+    kv = COLUMN if kv_heads_split(kv_heads, tp) else REPLICATED
+    return dict(wq=COLUMN, wk=kv, wv=kv, wo=ROW, mlp_norm=REPLICATED, w_gate=COLUMN, w_up=COLUMN,
+                w_down=ROW)
+
+
+def llama_param_specs(cfg: ModelConfig, tp: int) -> LlamaParams:
+    """PartitionSpecs shaped like LlamaParams (lm_head None when tied)."""
+    layer = LayerParams(attn_norm=REPLICATED, **_layer_specs(
+        cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp, "target"))
+    vocab = _vocab_ok(cfg.vocab_size, tp)
+    return LlamaParams(
+        embed=VOCAB_ROWS if vocab else REPLICATED,  # [V, D]
+        layers=tuple(layer for _ in range(cfg.num_layers)),
+        norm=REPLICATED,
+        # Tied: logits use `embed` [V, D] itself, whose V split already makes them vocab-parallel.
+        lm_head=None if cfg.tie_word_embeddings else (COLUMN if vocab else REPLICATED),  # [D, V]
+    )
+
+
+def draft_param_specs(cfg: DraftConfig, tp: int, own_embedding: bool) -> DraftParams:
+    """PartitionSpecs shaped like DraftParams (embed None unless the drafter ships its own)."""
+    layer = _layer_specs(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp, "draft")
+    _check("fc input width (num_captures * target_hidden_size)",
+           cfg.num_captures * cfg.target_hidden_size, tp, "draft")
+    return DraftParams(
+        fc=ROW,  # [n_capture * H_t, H]: replicated captures in, all-reduced [.., H] out
+        hidden_norm=REPLICATED, input_norm=REPLICATED, norm=REPLICATED,
+        lm_head=COLUMN if _vocab_ok(cfg.draft_vocab_size, tp) else REPLICATED,  # [H, V_draft]
+        d2t=REPLICATED,  # [V_draft] int32, indexed by the (global) argmax
+        embed=(VOCAB_ROWS if _vocab_ok(cfg.vocab_size, tp) else REPLICATED) if own_embedding else None,
+        **layer,
+    )
+
+
+def kv_page_spec(num_kv_heads: int, tp: int) -> P:
+    """Spec of one page array [num_pages, page_size, kvh, hd]: split on kvh, or replicated."""
+    return P(None, None, TP, None) if kv_heads_split(num_kv_heads, tp) else REPLICATED
+
+
+def kv_cache_specs(num_layers: int, num_kv_heads: int, tp: int) -> KVCache:
+    spec = kv_page_spec(num_kv_heads, tp)
+    return KVCache(k=(spec,) * num_layers, v=(spec,) * num_layers)
+
+
+def llama_cache_specs(cfg: ModelConfig, tp: int) -> KVCache:
+    return kv_cache_specs(cfg.num_layers, cfg.num_kv_heads, tp)
+
+
+def draft_cache_specs(cfg: DraftConfig, tp: int) -> KVCache:
+    return kv_cache_specs(1, cfg.num_kv_heads, tp)
+
+
+def logits_spec(vocab_size: int, tp: int) -> P:
+    """Where [B, T, V] logits of a vocab-parallel lm_head live (replicated if V % tp)."""
+    return LOGITS if _vocab_ok(vocab_size, tp) else REPLICATED
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    """Pytree of PartitionSpecs -> same pytree of NamedShardings on `mesh` (None stays None)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def shard_params(params: Any, mesh: Mesh, specs: Any) -> Any:
+    """Place an existing pytree (LlamaParams, DraftParams, KVCache) per `specs`.
+
+    Each array is sliced per device: from host (numpy) arrays nothing is copied whole onto a
+    device; from device arrays jax moves only the slices.
+    """
+    return jax.device_put(params, named(mesh, specs))
+
+
+def spec_at(specs: Any, path: Sequence[str | int]) -> P:
+    """The spec at a field path such as ('layers', 3, 'wq') or ('embed',)."""
+    node = specs
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    if not _is_spec(node):
+        raise KeyError(f"no PartitionSpec at path {tuple(path)} (found {node!r})")
+    return node
+
+
+def make_place(mesh: Mesh, specs: Any) -> Callable[[np.ndarray, tuple], jax.Array]:
+    """A `place(host_array, path)` for `weights.llama.params_from_hf(..., place=...)`.
+
+    Each device receives only its slice of the host tensor (make_array_from_callback asks for
+    the slices of this process's devices), so a 70B checkpoint never sits whole on one device;
+    the host holds one converted tensor at a time.
+    """
+
+    def place(x: np.ndarray, path: tuple) -> jax.Array:
+        sharding = NamedSharding(mesh, spec_at(specs, path))
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return place
+
+
+def shard_shape(shape: Sequence[int], spec: P | None, tp: int) -> tuple[int, ...]:
+    """Per-device shape of an array of `shape` under `spec` on a tp-way mesh (no devices needed)."""
+    if spec is None:
+        return tuple(shape)
+    out = []
+    for i, n in enumerate(shape):
+        axis = spec[i] if i < len(spec) else None
+        names = axis if isinstance(axis, tuple) else (axis,)
+        ways = tp if TP in names else 1
+        if n % ways:
+            raise ShardingError(f"dimension {i} of shape {tuple(shape)} ({n}) is not divisible by tp={tp}")
+        out.append(n // ways)
+    return tuple(out)
+
+
+def per_device_bytes(shapes: Any, specs: Any, tp: int, dtype_bytes: int | None = None) -> int:
+    """Bytes one device holds of a pytree of arrays / ShapeDtypeStructs under `specs`.
+
+    `dtype_bytes` overrides the itemsize of floating-point leaves (int leaves keep theirs).
+    """
+    def leaf_bytes(spec: P, x) -> int:
+        itemsize = np.dtype(x.dtype).itemsize
+        if dtype_bytes is not None and np.issubdtype(np.dtype(x.dtype), np.floating):
+            itemsize = dtype_bytes
+        return math.prod(shard_shape(x.shape, spec, tp)) * itemsize
+
+    return int(sum(jax.tree.leaves(jax.tree.map(leaf_bytes, specs, shapes, is_leaf=_is_spec))))
+
+
+def replicated_like(tree: Any) -> Any:
+    """P() for every leaf of `tree` (slot state, sampling parameters, token buffers)."""
+    return jax.tree.map(lambda _: REPLICATED, tree)
+
+
+# ------------------------------------------------------------------------------------------------
+# Activation constraints for fused step functions. Sharding propagation is not cost-based: left
+# alone inside a whole speculative iteration, Shardy pushes the draft fc's row split back into
+# the target's residual stream (all-gathers / all-to-alls of [B, T, D]) and, when logits must
+# end replicated for sampling, prefers all-gathering the lm_head WEIGHTS over the logits. These
+# pin the Megatron layout. All are no-ops when mesh is None (single device).
+
+
+def replicate(tree: Any, mesh: Mesh | None) -> Any:
+    """Constrain every array of `tree` to be replicated: use on forward's (hidden, captures) and
+    on the draft's fuse_captures / draft_forward outputs (the residual stream)."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: NamedSharding(mesh, REPLICATED), tree))
+
+
+def vocab_logits(logits: jax.Array, mesh: Mesh | None, *, gather: bool = True) -> jax.Array:
+    """Logits [..., V] from a vocab-parallel lm_head: pinned vocab-sharded where the matmul makes
+    them (so each device multiplies by its lm_head slice, no weight moves), then, with `gather`,
+    one all-gather of the [..., V] activation so sort/cumsum-based sampling runs locally (left
+    sharded, a top-p sampler costs dozens of small collectives). An argmax alone can take
+    gather=False: it moves only per-shard (max, index) pairs."""
+    if mesh is None:
+        return logits
+    v = logits.shape[-1]
+    if v % mesh.shape[TP]:
+        return logits
+    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(*([None] * (logits.ndim - 1)), TP)))
+    if gather:
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, REPLICATED))
+    return logits
+
+
+# ------------------------------------------------------------------------------------------------
+# A sharded forward: the pattern the engine's step functions follow.
+
+
+def forward_shardings(mesh: Mesh, param_specs: LlamaParams, cache_specs: KVCache):
+    """(in_shardings, out_shardings) for `llama.forward(params, tokens, positions, cache, bt)`
+    with cfg bound: everything but params and cache replicated; the cache comes back in the
+    layout it went in (so donation aliases it and the next step needs no resharding)."""
+    rep = NamedSharding(mesh, REPLICATED)
+    params_s, cache_s = named(mesh, param_specs), named(mesh, cache_specs)
+    return (params_s, rep, rep, cache_s, rep), (rep, rep, cache_s)
+
+
+def jit_forward(cfg: ModelConfig, mesh: Mesh, *, with_logits: bool = False, donate_cache: bool = True):
+    """jit(llama.forward) on a tp mesh, the pattern for the engine's step functions:
+    (params, tokens, positions, cache, block_table) ->
+    (hidden [B, T, D] replicated, captures [B, T, n*D] replicated, cache sharded as on entry),
+    with `with_logits` first also f32 logits [B, T, V], left vocab-sharded (LOGITS) as the
+    vocab-parallel lm_head makes them (an argmax of them moves only per-shard (max, index)
+    pairs; a sort-based sampler wants `vocab_logits(..., gather=True)` inside its jit)."""
+    tp = mesh.shape[TP]
+    ins, outs = forward_shardings(mesh, llama_param_specs(cfg, tp), llama_cache_specs(cfg, tp))
+
+    def fn(params, tokens, positions, cache, block_table):
+        hidden, captures, cache = llama.forward(params, cfg, tokens, positions, cache, block_table)
+        if with_logits:
+            return llama.logits(params, hidden), hidden, captures, cache
+        return hidden, captures, cache
+
+    if with_logits:
+        outs = (NamedSharding(mesh, logits_spec(cfg.vocab_size, tp)),) + outs
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs,
+                   donate_argnums=(3,) if donate_cache else ())

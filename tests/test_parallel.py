@@ -1,0 +1,293 @@
+"""Tensor parallelism (eagle3_jax.parallel) on the CPU.
+
+Tests that need 8 devices run tests/parallel_worker.py in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (this process may already have initialised
+jax with one device) and read its JSON. The 70B layout and memory-plan tests only use
+jax.eval_shape and run here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.model.eagle3 import init_draft_params
+from eagle3_jax.model.llama import init_params
+from eagle3_jax.parallel import plan as plan_mod
+from eagle3_jax.parallel import sharding as S
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+REPO = Path(__file__).resolve().parents[1]
+TPS = ("1", "2", "4", "8")
+
+
+TASKS = ("equivalence", "hlo", "layout")
+_procs: dict[str, subprocess.Popen] = {}
+
+
+def _start_workers() -> None:
+    """Start every worker task at once (they are independent; compilation dominates)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=8"]),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    for task in TASKS:
+        _procs[task] = subprocess.Popen([sys.executable, str(WORKER), task], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@functools.cache
+def worker(task: str) -> dict:
+    if not _procs:
+        _start_workers()
+    proc = _procs[task]
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"parallel_worker {task} timed out")
+    if proc.returncode != 0:
+        pytest.fail(f"parallel_worker {task} failed ({proc.returncode}):\n{stderr[-4000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert result["device_count"] == 8
+    return result
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reap_workers():
+    yield
+    for proc in _procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# (a) numerics: every tp computes what one device computes
+
+
+@pytest.mark.parametrize("kvh", [8, 2])
+def test_logits_and_greedy_tokens_match_tp1(kvh):
+    res = worker("equivalence")[f"kvh{kvh}"]
+    ref_tokens = res["1"]["tokens"]
+    assert len(ref_tokens) == 2 and len(ref_tokens[0]) == 16
+    for tp in TPS[1:]:
+        r = res[tp]
+        assert r["prefill_rel"] < 1e-5, (tp, r)
+        assert r["verify_rel"] < 1e-5, (tp, r)
+        assert r["captures_rel"] < 1e-5, (tp, r)
+        assert r["tokens"] == ref_tokens, f"tp {tp} greedy tokens differ"
+        # Logits stay vocab-sharded; the cache is split on kv heads when tp divides them.
+        assert r["logits_sharding"] == "P(None, None, 'tp')"
+        split = kvh % int(tp) == 0
+        assert r["cache_sharding"] == ("P(None, None, 'tp', None)" if split else "P()"), (tp, r)
+    # The greedy comparison means something only if no step was a near-tie.
+    assert min(r["min_top2_margin"] for r in res.values()) > 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# (c) what the partitioner did with a verify-shaped step (B=8, T=4) at tp 8
+
+
+def _weight_like(shapes: list[list[int]], weights: list[list[int]]) -> list[list[int]]:
+    """Collective operands that are not [B=8, T=4, ...] activations, or equal a weight's shape."""
+    return [s for s in shapes if s[:2] != [8, 4] or s in weights]
+
+
+def test_verify_step_collectives_tp8_kv_split():
+    res = worker("hlo")["kvh8"]
+    ops = res["collectives"]
+    reduces = [s for c in ops if c["op"] == "all-reduce" for s in c["shapes"]]
+    # 2 per layer (after wo, after w_down) + 1 for the vocab-parallel embedding lookup (each
+    # device looks up the ids in its vocab slice, zeros elsewhere, then sums). The vocab-parallel
+    # lm_head needs none: logits stay [B, T, V/tp] per device.
+    assert len(reduces) == 2 * res["num_layers"] + 1
+    assert all(s == [8, 4, 64] for s in reduces)  # [B, T, D] residual-stream partial sums
+    assert not [c for c in ops if c["op"] != "all-reduce"], ops  # no all-gather at all
+    # An argmax over vocab-sharded logits [8, 4, 256] moves only per-shard (max, index) partials
+    # (on jax 0.10: two all-gathers of [B, T, tp]), never the logits themselves.
+    am = res["argmax_collectives"]
+    assert am and all(s[-1] <= 8 for c in am for s in c["shapes"]), am
+
+
+def test_verify_step_collectives_tp8_kv_replicated():
+    res = worker("hlo")["kvh2"]
+    ops = res["collectives"]
+    reduces = [s for c in ops if c["op"] == "all-reduce" for s in c["shapes"]]
+    assert len(reduces) == 2 * res["num_layers"] + 1
+    gathers = [s for c in ops if c["op"] == "all-gather" for s in c["shapes"]]
+    # kv heads (2) replicated over 8 devices: Shardy computes each step's new K and V split by
+    # kv head and gathers them ([B, T, kvh, hd] activations) for the replicated cache write.
+    # (jax 0.10: 2 per layer; allowed to disappear if a later partitioner computes them locally.)
+    assert all(s == [8, 4, 2, 8] for s in gathers), gathers
+    assert len(gathers) <= 2 * res["num_layers"]
+    assert not _weight_like(gathers, res["weight_shapes"])
+    assert {c["op"] for c in ops} <= {"all-reduce", "all-gather"}, ops
+
+
+def test_draft_step_collectives_tp8():
+    res = worker("hlo")["draft"]
+    ops = res["collectives"]
+    reduces = [s for c in ops if c["op"] == "all-reduce" for s in c["shapes"]]
+    # Row-parallel fc + vocab-parallel own embedding + wo + w_down; XLA may combine the first
+    # two into one tuple all-reduce, so count operands. All [B, T, H_draft].
+    assert len(reduces) == 4 and all(s == [8, 4, 32] for s in reduces), ops
+    assert all(c["op"] == "all-reduce" for c in ops), ops
+
+
+def test_fused_iteration_collectives_tp8():
+    """verify + greedy pick + draft extend + one chain step in one executable, with
+    sharding.replicate / vocab_logits pinning the layout: only the Megatron collectives."""
+    res = worker("hlo")
+    sh = res["shapes"]
+    b, t, d, hd, v, vd, layers = (sh[k] for k in ("B", "T", "D", "H_draft", "V", "V_draft", "layers"))
+    ops = res["fused_constrained"]["collectives"]
+    by_op = {}
+    for c in ops:
+        by_op.setdefault(c["op"], []).extend(tuple(s) for s in c["shapes"])
+    assert set(by_op) == {"all-reduce", "all-gather"}, ops
+    assert sorted(by_op["all-reduce"]) == sorted(
+        [(b, t, d)] * (2 * layers + 1)  # target: embedding + (wo, w_down) per layer
+        + [(b, t, hd)] * 4  # draft extend: fc, own embedding, wo, w_down
+        + [(b, 1, hd)] * 3)  # chain step: own embedding, wo, w_down
+    # Logits are computed vocab-sharded and gathered once each (target, 2 draft steps).
+    assert sorted(by_op["all-gather"]) == sorted([(b, t, v), (b, 1, vd), (b, 1, vd)])
+
+
+# --------------------------------------------------------------------------------------------
+# (b) the 70B layout at tp 8, and loading straight onto the mesh
+
+
+def llama70b() -> ModelConfig:
+    return ModelConfig.from_hf(dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        max_position_embeddings=131072, tie_word_embeddings=False))
+
+
+def drafter70b() -> DraftConfig:
+    return DraftConfig.from_hf(dict(
+        hidden_size=6144, intermediate_size=16384, num_attention_heads=48, num_key_value_heads=8,
+        head_dim=128, num_hidden_layers=1, vocab_size=128256, draft_vocab_size=32000,
+        target_hidden_size=8192, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=2048))
+
+
+def _leaves(shapes, specs):
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, jax.sharding.PartitionSpec))
+    return [(jax.tree_util.keystr(p), x, s)
+            for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(shapes), spec_leaves, strict=True)]
+
+
+def test_70b_every_weight_split_8_ways_except_norms():
+    cfg, dcfg = llama70b(), drafter70b()
+    target = _leaves(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), S.llama_param_specs(cfg, 8))
+    draft = _leaves(jax.eval_shape(lambda: init_draft_params(dcfg, jax.random.key(0), own_embedding=True)),
+                    S.draft_param_specs(dcfg, 8, own_embedding=True))
+    assert len(target) == 80 * 9 + 3 and len(draft) == 15
+    for name, x, spec in target + draft:
+        total = math.prod(x.shape) * x.dtype.itemsize
+        per_device = math.prod(S.shard_shape(x.shape, spec, 8)) * x.dtype.itemsize
+        replicated = "norm" in name or name.endswith("d2t")
+        assert per_device == (total if replicated else total // 8), (name, x.shape, spec)
+        assert replicated or total % 8 == 0
+    # The worker checked the same shard shapes against jax's own NamedSharding on 8 devices.
+    layout = worker("layout")
+    assert layout["shard_shape_checked"] == len(target) + len(draft)
+    assert layout["shard_shape_mismatches"] == []
+
+
+def test_params_from_hf_place_lands_sharded():
+    placed = worker("layout")["place"]
+    split = placed["kvh8_tie0"]
+    assert split["equal"]
+    assert split["placed"]["embed"] == dict(spec="P('tp', None)", devices=8, shard_shapes=[[32, 64]])
+    assert split["placed"]["wq"]["shard_shapes"] == [[64, 8]]
+    assert split["placed"]["wk"]["shard_shapes"] == [[64, 8]]
+    assert split["placed"]["wo"]["shard_shapes"] == [[8, 64]]
+    assert split["placed"]["norm"] == dict(spec="P()", devices=8, shard_shapes=[[64]])
+    rep = placed["kvh2_tie1"]  # kv heads do not divide 8: wk replicated; tied embedding split
+    assert rep["equal"]
+    assert rep["placed"]["wk"] == dict(spec="P()", devices=8, shard_shapes=[[64, 16]])
+    assert rep["placed"]["embed"]["shard_shapes"] == [[32, 64]]
+
+
+def test_specs_errors_and_fallbacks():
+    cfg = llama70b()
+    with pytest.raises(S.ShardingError, match="num_attention_heads 64 is not divisible by tp=3"):
+        S.llama_param_specs(cfg, 3)
+    specs = S.llama_param_specs(cfg, 16)  # 8 kv heads over 16: replicated K/V and cache
+    assert specs.layers[0].wk == S.REPLICATED and specs.layers[0].wq == S.COLUMN
+    assert S.llama_cache_specs(cfg, 16).k[0] == S.REPLICATED
+    assert S.llama_cache_specs(cfg, 8).k[0] == jax.sharding.PartitionSpec(None, None, "tp", None)
+    odd_vocab = ModelConfig.from_hf(dict(vocab_size=1001, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=8,
+                                         num_key_value_heads=8, tie_word_embeddings=True))
+    s = S.llama_param_specs(odd_vocab, 8)
+    assert s.embed == S.REPLICATED and s.lm_head is None
+    assert S.logits_spec(odd_vocab.vocab_size, 8) == S.REPLICATED
+    with pytest.raises(S.ShardingError, match="needs 8 devices"):
+        S.make_mesh(8, devices=jax.devices()[:1])
+
+
+# --------------------------------------------------------------------------------------------
+# (d) the memory plan for 70B at tp 2, 4, 8 on 141 GB GPUs
+
+
+def _hand_70b_weight_bytes(tp: int) -> tuple[int, int]:
+    v, d, i, layers, kv = 128256, 8192, 28672, 80, 8 * 128
+    layer = (2 * d * d + 2 * d * kv + 3 * d * i) // tp + 2 * d  # q, o, k, v, gate/up/down; norms
+    target = 2 * (2 * v * d // tp + layers * layer + d)  # embed + lm_head, layers, final norm
+    h, di, dkv, dv, th = 6144, 16384, 8 * 128, 32000, 8192
+    split = 3 * th * h + 2 * h * h + 2 * 2 * h * dkv + h * h + 3 * h * di + h * dv + v * h
+    draft = 2 * (split // tp + 4 * h) + 4 * dv  # fc, q (2H in), k/v, o, mlp, lm_head, embed; norms; d2t
+    return target, draft
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_plan_70b(tp):
+    p = plan_mod.plan_memory(llama70b(), drafter70b(), tp, max_batch=8, max_len=8192, page_size=16)
+    target, draft = _hand_70b_weight_bytes(tp)
+    assert p["weights_target"] == target and p["weights_draft"] == draft
+    assert p["draft_own_embedding"]
+    # KV per token and device: 80 layers x (K, V) x 8/tp heads x 128 x 2 B, + the drafter's layer.
+    assert p["kv_bytes_per_token"] == (80 + 1) * 2 * (8 // tp) * 128 * 2
+    pages = 8 * 8192 // 16 + 1
+    assert p["kv_target"] == pages * 16 * 80 * 2 * (8 // tp) * 128 * 2
+    assert p["fits"] and p["max_batch_at_max_len"] >= 8
+    assert p["max_kv_tokens"] == p["kv_budget"] // p["kv_bytes_per_token"]
+
+
+def test_plan_scaling_and_table():
+    plans = [plan_mod.plan_memory(llama70b(), drafter70b(), tp, max_batch=8, max_len=8192, page_size=16)
+             for tp in (1, 2, 4, 8)]
+    assert not plans[0]["fits"]  # 141 GB of bf16 weights do not fit one 141 GB GPU
+    assert [p["max_kv_tokens"] for p in plans] == sorted(p["max_kv_tokens"] for p in plans)
+    assert plans[0]["weights_target"] == 2 * 70_553_706_496  # Llama-3.3-70B's parameter count
+    table = plan_mod.format_plan(plans)
+    assert "tp=8" in table and "weights: target" in table and "max KV tokens" in table
+
+
+def test_plan_cli(tmp_path, capsys):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0)))
+    (tmp_path / "d.json").write_text(json.dumps(drafter70b().to_hf()))
+    assert plan_mod.main(["--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d.json"),
+                          "--tp", "4", "8", "--max-batch", "8", "--max-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=4" in out and "tp=8" in out and "17.64 GB" in out
+    assert plan_mod.main(["--target", str(tmp_path / "t"), "--tp", "3"]) == 2
+    assert "not divisible by tp=3" in capsys.readouterr().err
