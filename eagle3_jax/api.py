@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import assets
-from eagle3_jax.config import EngineConfig
+from eagle3_jax.config import EngineConfig, ModelConfig
 from eagle3_jax.engine.driver import Engine
 from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
+from eagle3_jax.parallel import sharding
 from eagle3_jax.sampling_params import SamplingParams
 from eagle3_jax.weights.eagle3 import load_drafter
 from eagle3_jax.weights.llama import load_llama
@@ -65,14 +66,20 @@ class LLM:
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
-                 warmup: bool = True, progress: bool = True):
+                 tensor_parallel_size: int = 1, warmup: bool = True, progress: bool = True):
         if target is None:
             target = assets.prepare_default_target(progress=progress)
         target = Path(target)
         if draft == "default":
             draft = assets.DEFAULT_DRAFT if target.resolve() == assets.DEFAULT_TARGET.resolve() else None
         dtype = dtype or default_dtype()
-        cfg, params = load_llama(target, dtype)
+        mesh = place = None
+        if tensor_parallel_size > 1:
+            mesh = sharding.make_mesh(tensor_parallel_size)
+            # Each tensor goes straight to its shards: a 70B target never sits whole on one device.
+            target_cfg = ModelConfig.from_json(target / "config.json")
+            place = sharding.make_place(mesh, sharding.llama_param_specs(target_cfg, tensor_parallel_size))
+        cfg, params = load_llama(target, dtype, place=place)
         draft_cfg = draft_params = None
         if draft is not None:
             draft_cfg, draft_params = load_drafter(draft, cfg, dtype)
@@ -85,7 +92,7 @@ class LLM:
         engine_config = engine_config or EngineConfig()
         engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens)
         self.engine = Engine(cfg, params, draft_cfg, draft_params, engine_config, eos_token_ids=sorted(eos),
-                             detokenize=self.decode if self.tokenizer is not None else None)
+                             detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh)
         if warmup:
             self.engine.warmup(progress=progress)
 

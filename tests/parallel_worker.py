@@ -298,8 +298,34 @@ def run_place() -> dict:
     return out
 
 
+def run_engine() -> dict:
+    """Greedy speculative decoding through the whole engine (prefill, fused iterations with a
+    random drafter, K=3) at tp 1, 2, 4, 8 for both head layouts: tokens per tp."""
+    from eagle3_jax.config import EngineConfig
+    from eagle3_jax.engine.driver import Engine
+    from eagle3_jax.sampling_params import SamplingParams
+
+    out = {}
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
+    for kvh in (8, 2):
+        cfg = small_cfg(kvh)
+        params = jax.tree.map(jnp.asarray, random_params(cfg))
+        dcfg = small_draft(cfg)
+        dparams = E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding=True)
+        engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), num_speculative_tokens=3,
+                                  page_size=PAGE, num_pages=64, max_model_len=64)
+        res = {}
+        for tp in (1, 2, 4, 8):
+            engine = Engine(cfg, params, dcfg, dparams, engine_cfg, mesh=S.make_mesh(tp) if tp > 1 else None)
+            reqs = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
+            engine.run(reqs)
+            res[str(tp)] = [r.output for r in reqs]
+        out[f"kvh{kvh}"] = res
+    return out
+
+
 if __name__ == "__main__":
     task = sys.argv[1]
-    result = {"equivalence": run_equivalence, "hlo": run_hlo, "layout": run_layout}[task]()
+    result = {"equivalence": run_equivalence, "hlo": run_hlo, "layout": run_layout, "engine": run_engine}[task]()
     result["device_count"] = jax.device_count()
     print(json.dumps(result))

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 TPS = ("1", "2", "4", "8")
 
 
-TASKS = ("equivalence", "hlo", "layout")
+TASKS = ("equivalence", "hlo", "layout", "engine")
 _procs: dict[str, subprocess.Popen] = {}
 
 
@@ -93,6 +93,14 @@ def test_logits_and_greedy_tokens_match_tp1(kvh):
         assert r["cache_sharding"] == ("P(None, None, 'tp', None)" if split else "P()"), (tp, r)
     # The greedy comparison means something only if no step was a near-tie.
     assert min(r["min_top2_margin"] for r in res.values()) > 1e-4
+
+
+@pytest.mark.parametrize("kvh", [8, 2])
+def test_speculative_engine_tokens_match_tp1(kvh):
+    res = worker("engine")[f"kvh{kvh}"]
+    assert [len(t) for t in res["1"]] == [12, 12, 12]
+    for tp in TPS[1:]:
+        assert res[tp] == res["1"], f"tp {tp}: greedy speculative tokens differ from tp 1"
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,15 +17,17 @@ from collections.abc import Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, check_draft_fits
 from eagle3_jax.engine import sampling
 from eagle3_jax.engine.scheduler import Request, RequestError, Scheduler
-from eagle3_jax.engine.state import DUMMY_SLOT, init_state
+from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
 from eagle3_jax.engine.steps import StepConfig, iterate_step, prefill_step
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams
+from eagle3_jax.parallel import sharding
 from eagle3_jax.sampling_params import SamplingParams
 
 
@@ -84,16 +86,25 @@ class Engine:
 
     def __init__(self, target: ModelConfig, params: LlamaParams, draft: DraftConfig | None,
                  draft_params: DraftParams | None, cfg: EngineConfig, eos_token_ids: Sequence[int] = (),
-                 detokenize=None, overlap: bool = True):
+                 detokenize=None, overlap: bool = True, mesh: Mesh | None = None):
+        if draft is not None:
+            check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
         self.cfg = cfg
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
-        self.params, self.draft_params = params, draft_params
         k = cfg.num_speculative_tokens if draft is not None else 0
-        self.step_cfg = StepConfig(target=target, draft=draft if k else None, num_draft=k)
+        self.step_cfg = StepConfig(target=target, draft=draft if k else None, num_draft=k, mesh=mesh)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
         self.scheduler = Scheduler(cfg, target.vocab_size, k)
         self.state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype)
+        if mesh is not None:  # weights already placed by their loader stay where they are
+            tp = mesh.shape[sharding.TP]
+            params = sharding.shard_params(params, mesh, sharding.llama_param_specs(target, tp))
+            if draft_params is not None:
+                specs = sharding.draft_param_specs(draft, tp, own_embedding=draft_params.embed is not None)
+                draft_params = sharding.shard_params(draft_params, mesh, specs)
+            self.state = jax.device_put(self.state, state_shardings(self.state, target, self.step_cfg.draft, mesh))
+        self.params, self.draft_params = params, draft_params
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._seed_rng = np.random.default_rng()

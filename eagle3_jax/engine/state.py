@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.engine.sampling import RowSampling
@@ -59,3 +60,15 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
                   draft_probs=jnp.zeros((s, k, vd), jnp.float32), sampling=sampling,
                   num_generated=zeros_i())
     return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
+
+
+def state_shardings(state: DeviceState, target: ModelConfig, draft: DraftConfig | None, mesh: Mesh):
+    """NamedShardings for the state under tensor parallelism: KV pages split by kv heads (where
+    they divide), the per-slot state replicated."""
+    from eagle3_jax.parallel import sharding
+
+    tp = mesh.shape[sharding.TP]
+    specs = DeviceState(target_kv=sharding.llama_cache_specs(target, tp),
+                        draft_kv=sharding.draft_cache_specs(draft, tp) if draft else None,
+                        slots=sharding.replicated_like(state.slots))
+    return sharding.named(mesh, specs)

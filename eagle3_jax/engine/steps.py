@@ -22,12 +22,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.engine import sampling
-from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, Slots
+from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, Slots, state_shardings
 from eagle3_jax.model import eagle3, llama
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams
+from eagle3_jax.parallel.sharding import replicate, vocab_logits
 
 # Independent PRNG streams under each (row key, tokens generated) pair.
 _STREAM_DRAFT, _STREAM_VERIFY, _STREAM_FIRST = 0, 1, 2
@@ -40,10 +43,24 @@ class StepConfig:
     target: ModelConfig
     draft: DraftConfig | None
     num_draft: int  # K; 0 without a drafter
+    mesh: Mesh | None = None  # tensor parallelism: pins the Megatron layout of activations
 
     @property
     def speculative(self) -> bool:
         return self.draft is not None and self.num_draft > 0
+
+
+def _target(params: LlamaParams, cfg: StepConfig, tokens, positions, kv, block_tables):
+    """Target forward with the residual stream replicated across tensor-parallel devices."""
+    hidden, captures, kv = llama.forward(params, cfg.target, tokens, positions, kv, block_tables)
+    return (*replicate((hidden, captures), cfg.mesh), kv)
+
+
+def _finish(state: DeviceState, cfg: StepConfig) -> DeviceState:
+    """The state leaves in the layout it came in, so donation lines up and nothing recompiles."""
+    if cfg.mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, cfg.target, cfg.draft, cfg.mesh))
 
 
 def _gather(tree, rows: jax.Array):
@@ -83,7 +100,8 @@ def propose(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, h: j
             out, draft_kv = eagle3.draft_forward(dparams, dcfg, target_embed, token[:, None], h[:, None],
                                                  (position + j)[:, None], draft_kv, block_table)
             h = out[:, 0]
-        ids, q = _draft_token(eagle3.draft_logits(dparams, dcfg, h), row, sampling.fold_in_rows(keys, j))
+        logits = vocab_logits(eagle3.draft_logits(dparams, dcfg, h), cfg.mesh)
+        ids, q = _draft_token(logits, row, sampling.fold_in_rows(keys, j))
         token = eagle3.to_target_ids(dparams, ids)
         drafts.append(token)
         qs.append(q)
@@ -119,9 +137,8 @@ def iterate(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     s = _gather(state.slots, rows)
     tokens = jnp.concatenate([s.last_token[:, None], s.drafts[:, :k]], axis=1)  # [B, K+1]
     positions = s.length[:, None] + jnp.arange(k + 1)  # [B, K+1]
-    hidden, captures, target_kv = llama.forward(params, cfg.target, tokens, positions, state.target_kv,
-                                                block_tables)
-    logits = llama.logits(params, hidden)  # [B, K+1, V]
+    hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables)
+    logits = vocab_logits(llama.logits(params, hidden), cfg.mesh)  # [B, K+1, V]
     step_keys = sampling.fold_in_rows(s.sampling.key, s.num_generated)
     n, emitted = _verify(cfg, dparams, logits, s.drafts[:, :k], s.draft_probs,
                          s.sampling, sampling.fold_in_rows(step_keys, _STREAM_VERIFY))
@@ -141,7 +158,7 @@ def iterate(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     new = s.replace(last_token=last, length=s.length + n + 1, drafts=drafts, draft_probs=draft_probs,
                     num_generated=num_generated)
     slots = _write_slots(state.slots, rows, new)
-    return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), n, emitted
+    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted
 
 
 def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
@@ -159,12 +176,11 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     """
     t = tokens.shape[1]
     positions = start[:, None] + jnp.arange(t)  # [1, T]
-    hidden, captures, target_kv = llama.forward(params, cfg.target, tokens, positions, state.target_kv,
-                                                block_table)
+    hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_table)
     last_idx = num_valid - 1
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [1, D]
     base_keys = sampling.fold_in_rows(row.key, 0)
-    first = sampling.sample_logits(llama.logits(params, last_hidden), row,
+    first = sampling.sample_logits(vocab_logits(llama.logits(params, last_hidden), cfg.mesh), row,
                                    sampling.fold_in_rows(base_keys, _STREAM_FIRST))  # [1]
     length = start + num_valid
     k = cfg.num_draft if cfg.speculative else 0
@@ -184,7 +200,7 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     new = Slots(last_token=first, length=length, drafts=drafts, draft_probs=draft_probs, sampling=row,
                 num_generated=jnp.ones_like(length))
     slots = _write_slots(state.slots, slot, new)
-    return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), first
+    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), first
 
 
 # One executable per input shape (batch bucket, chunk bucket) and StepConfig; state donated.

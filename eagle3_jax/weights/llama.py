@@ -81,12 +81,12 @@ def params_to_hf(params: LlamaParams) -> dict[str, np.ndarray]:
     return out
 
 
-def load_llama(directory: str | Path, dtype=jnp.bfloat16, cfg: ModelConfig | None = None) -> tuple[ModelConfig, LlamaParams]:
-    """(config, params) from a Hugging Face Llama directory (config.json + safetensors)."""
+def load_llama(directory: str | Path, dtype=jnp.bfloat16, place: Callable | None = None) -> tuple[ModelConfig, LlamaParams]:
+    """(config, params) from a Hugging Face Llama directory (config.json + safetensors).
+    `place(array, path)` puts each tensor on its devices as it is read (see params_from_hf)."""
     directory = Path(directory)
-    if cfg is None:
-        cfg = ModelConfig.from_json(directory / "config.json")
-    return cfg, params_from_hf(TensorFiles(directory), cfg, dtype, where=str(directory))
+    cfg = ModelConfig.from_json(directory / "config.json")
+    return cfg, params_from_hf(TensorFiles(directory), cfg, dtype, where=str(directory), place=place)
 
 
 def save_llama(params: LlamaParams, directory: str | Path) -> None:
