@@ -1,0 +1,99 @@
+"""Engine: continuous batching over buckets, compile-free serving, the page pool, bad requests
+in a live workload, streaming."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_llm
+
+from eagle3_jax import SamplingParams, assets
+
+
+@pytest.fixture(scope="module")
+def drafter(random_drafter_dir):
+    """The shipped drafter (real acceptance) when present, else the random one."""
+    return assets.DEFAULT_DRAFT if (assets.DEFAULT_DRAFT / "config.json").is_file() else random_drafter_dir
+
+
+@pytest.fixture(scope="module")
+def spec_llm(smollm2_dir, drafter):
+    return make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(1, 2, 4, 8))
+
+
+@pytest.fixture(scope="module")
+def workload(chat_ids):
+    """64 requests: MT-bench prompts of 42..245 tokens (some prefilled in several chunks), each
+    with its own output length."""
+    prompts = [ids for ids in chat_ids if len(ids) < 250][:64]
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 33, len(prompts)).tolist()
+    return prompts, lengths
+
+
+def test_mixed_workload_matches_target_alone(spec_llm, target_llm, workload):
+    prompts, lengths = workload
+    assert len(prompts) == 64
+    engine = spec_llm.engine
+    compiled = engine.num_compilations
+    # Bad requests in the middle of the workload: each gets its own error, nothing else changes.
+    bad = {5: ("", {"max_tokens": 8}), 20: ([3, 70000, 5], {"max_tokens": 8}),
+           33: ([7] * 400, {"max_tokens": 8}), 47: (prompts[0], {"max_tokens": 0})}
+    all_prompts, all_params = [], []
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        if i in bad:
+            all_prompts.append(bad[i][0])
+            all_params.append(bad[i][1])
+        all_prompts.append(prompt)
+        all_params.append(SamplingParams(max_tokens=n))
+    outputs = spec_llm.generate(all_prompts, all_params)
+    assert engine.num_compilations == compiled, "a request mix compiled after warm-up"
+
+    errors = [o for o in outputs if o.error]
+    assert [o.finish_reason for o in errors] == ["error"] * 4
+    assert "empty" in errors[0].error
+    assert "70000" in errors[1].error
+    assert "400 tokens" in errors[2].error
+    assert "max_tokens" in errors[3].error
+    served = [o for o in outputs if not o.error]
+    assert len(served) == 64
+    for prompt, n, out in zip(prompts, lengths, served):
+        alone = target_llm.generate([prompt], SamplingParams(max_tokens=n))[0]
+        assert out.token_ids == alone.token_ids
+        assert out.finish_reason == alone.finish_reason
+    # Everything handed back: pages, slots.
+    sched = engine.scheduler
+    assert sched.pool.num_free == sched.pool.capacity
+    assert not sched.running and not sched.waiting and not engine.has_unfinished()
+    assert (sched.block_tables == 0).all()
+
+
+def test_workload_larger_than_the_pool_completes(smollm2_dir, drafter, chat_ids):
+    # 20 pages: room for two requests at a time; the others wait their turn, first come first served.
+    llm = make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(1, 8), num_pages=20)
+    prompts = [ids for ids in chat_ids if len(ids) < 100][:12]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    assert all(len(o.token_ids) == 12 or o.finish_reason == "stop" for o in outputs)
+    assert not any(o.error for o in outputs)
+    pool = llm.engine.scheduler.pool
+    assert pool.num_free == pool.capacity
+
+
+def test_streaming_yields_the_batch_tokens(spec_llm, chat_ids):
+    params = SamplingParams(max_tokens=24)
+    batch = spec_llm.generate([chat_ids[3]], params)[0]
+    deltas = list(spec_llm.stream(chat_ids[3], params))
+    streamed = [t for d in deltas for t in d.token_ids]
+    assert streamed == batch.token_ids
+    assert deltas[-1].finished and deltas[-1].output.token_ids == batch.token_ids
+    assert "".join(d.text for d in deltas).strip()  # text arrives with the tokens
+
+
+def test_stop_token_ids_and_stop_strings(spec_llm, chat_ids):
+    ref = spec_llm.generate([chat_ids[1]], SamplingParams(max_tokens=30))[0]
+    stop_id = ref.token_ids[10]
+    cut = spec_llm.generate([chat_ids[1]], SamplingParams(max_tokens=30, stop_token_ids=[stop_id]))[0]
+    assert cut.token_ids == ref.token_ids[:ref.token_ids.index(stop_id) + 1] and cut.finish_reason == "stop"
+    word = ref.text.split()[4]
+    cut = spec_llm.generate([chat_ids[1]], SamplingParams(max_tokens=30, stop=[word]))[0]
+    assert cut.finish_reason == "stop" and word not in cut.text and ref.text.startswith(cut.text)
