@@ -24,8 +24,7 @@ def _llm(args):
 
     draft = None if args.draft == "none" else args.draft
     buckets = tuple(int(b) for b in args.batch_buckets.split(","))
-    cfg = EngineConfig(batch_buckets=buckets, max_model_len=args.max_model_len,
-                       num_pages=max(64, buckets[-1] * (args.max_model_len // 16 + 4)))
+    cfg = EngineConfig(batch_buckets=buckets, max_model_len=args.max_model_len)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg)
 
 

@@ -314,6 +314,9 @@ def count_params(shapes: Any) -> int:
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
 
 
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Shapes of the compiled step functions and of the KV pool.
@@ -323,7 +326,8 @@ class EngineConfig:
     prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
         largest bucket.
     num_speculative_tokens: K draft tokens per iteration (0 = target only).
-    page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable).
+    page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable);
+        num_pages None sizes the pool so every slot can hold max_model_len tokens.
     max_model_len: longest prompt + output a request may have.
     """
 
@@ -331,7 +335,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     num_speculative_tokens: int = 3
     page_size: int = 16
-    num_pages: int = 4096
+    num_pages: int | None = None
     max_model_len: int = 4096
 
     def __post_init__(self):
@@ -340,11 +344,13 @@ class EngineConfig:
             raise ConfigError(f"{where}: batch_buckets must be increasing, got {self.batch_buckets}")
         if not self.prefill_buckets or sorted(set(self.prefill_buckets)) != list(self.prefill_buckets):
             raise ConfigError(f"{where}: prefill_buckets must be increasing, got {self.prefill_buckets}")
-        if not 0 <= self.num_speculative_tokens <= 16:
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
                               f"{self.num_speculative_tokens}")
         for name in ("page_size", "max_model_len"):
             _positive(getattr(self, name), name, where)
+        if self.num_pages is None:
+            object.__setattr__(self, "num_pages", self.max_num_seqs * self.max_blocks_per_seq + 1)
         if self.num_pages < 2:
             raise ConfigError(f"{where}: num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
 
@@ -354,5 +360,6 @@ class EngineConfig:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        # Room for the committed tokens plus two iterations in flight (overlap) of K + 1 each.
-        return -(-(self.max_model_len + 2 * (self.num_speculative_tokens + 1)) // self.page_size)
+        # Room for the committed tokens plus two iterations in flight (overlap) of up to K + 1
+        # each, for the largest K, so the pool's size does not depend on K.
+        return -(-(self.max_model_len + 2 * (MAX_SPECULATIVE_TOKENS + 1)) // self.page_size)
