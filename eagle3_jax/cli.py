@@ -15,7 +15,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the shipped drafter when the target is the default)")
     p.add_argument("--num-draft", type=int, default=3, help="K, draft tokens per iteration")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--batch-buckets", default="1,2,4,8", help="comma-separated decode batch sizes to compile")
+    p.add_argument("--batch-buckets", default="2,4,8", help="comma-separated decode batch sizes to compile")
 
 
 def _llm(args):
