@@ -50,6 +50,14 @@ class StreamDelta:
     output: RequestOutput | None  # set on the last delta
 
 
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache, so a second start loads executables instead of
+    compiling them (kept under the asset cache unless the user configured a directory)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(assets.cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def default_dtype():
     """bf16 on accelerators; f32 on the CPU, where tests compare against f32 references."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -67,6 +75,7 @@ class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, warmup: bool = True, progress: bool = True):
+        enable_compilation_cache()
         if target is None:
             target = assets.prepare_default_target(progress=progress)
         target = Path(target)

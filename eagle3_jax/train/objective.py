@@ -1,0 +1,202 @@
+"""The EAGLE-3 training objective with the training-time test (TTT), in pure JAX.
+
+Source: the EAGLE reference trainer, SafeAILab/EAGLE `eagle/traineagle3/cnets.py` (Model.forward,
+LlamaAttention.forward) and `eagle/traineagle3/main.py`; arXiv 2503.01840 (EAGLE-3).
+
+Notation, per row of T tokens x_0..x_{T-1}; the frozen target gives captures g_t and logits
+l_t (its distribution of x_{t+1}). Step j = 0..S-1 of the TTT runs the draft at every base index t
+at once:
+  input token  x_{t+1+j}          (`shift_left(tokens, 1 + j)`)
+  input hidden j = 0: fc(g_t); j > 0: the draft's own pre-norm output of step j-1 at the same
+               base t (which sat at position t+j-1: the chain step's "previous hidden")
+  RoPE position t + j             (cnets.py: `position_ids + lck`, lck = steps done so far)
+  target       softmax(l_{t+1+j}) restricted to the draft vocabulary (cnets.py: target_head[..., t2d])
+  mask         x_{t+2+j} is an assistant token and argmax l_{t+1+j} is in the draft vocabulary
+               (cnets.py: position_mask = t2d[target argmax] * loss_mask; the reference indexes the
+               loss mask at t+j, we index it at the predicted token t+2+j)
+Attention (the "extended" TTT mask, cnets.py LlamaAttention.forward): the query of step j at base
+t sees the step-0 keys of bases 0..t (causal) and the step-i key at base t for each i = 1..j (one
+diagonal per step). This is exactly what inference sees: a chain step at position t+j attends to
+the draft prefill's keys 0..t and to the chain steps' own keys at t+1..t+j.
+Loss: sum_j 0.8**j * CE_j (main.py: `ploss_weight = [0.8 ** i ...]`), CE_j = masked mean over
+positions of -sum_v p_v log q_v (forward KL up to the target's entropy; same gradient). The
+reference averages over all B*T positions; we average over the masked ones. S = 7 steps
+(cnets.py `self.length = 7`). Accuracy_j: draft argmax == target argmax, over the assistant
+positions of step j (a target argmax outside the draft vocabulary counts as a miss, as in the
+reference's `acces`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.model import llama
+from eagle3_jax.model.eagle3 import DraftParams, draft_forward, draft_logits, fuse_captures
+from eagle3_jax.model.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+
+STEP_WEIGHT = 0.8  # main.py: ploss_weight = [0.8 ** i for i in range(len(plosses))]
+TTT_STEPS = 7  # cnets.py: self.length = 7
+
+
+def shift_left(x: jax.Array, n: int, fill=0) -> jax.Array:
+    """x [B, T, ...] -> y with y[:, t] = x[:, t + n] where t + n < T, else `fill`
+    (cnets.py `padding(x, left=False)` applied n times)."""
+    if n == 0:
+        return x
+    b, t = x.shape[:2]
+    n = min(n, t)
+    pad = jnp.full((b, n) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, n:], pad], axis=1)
+
+
+def ttt_visibility(seq_len: int, step: int) -> np.ndarray:
+    """The TTT mask of step `step` as a dense boolean [T, (step + 1) * T]: query base t vs the
+    keys of steps 0..step laid out step-major (key i*T + s is step i's key at base s).
+    For documentation and tests; `ttt_attention` never builds it."""
+    t = np.arange(seq_len)
+    blocks = [t[None, :] <= t[:, None]]  # step 0: causal
+    blocks += [t[None, :] == t[:, None]] * step  # steps 1..step: the diagonal
+    return np.concatenate(blocks, axis=1)
+
+
+def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, k_diag: tuple[jax.Array, ...],
+                  v_diag: tuple[jax.Array, ...]) -> jax.Array:
+    """GQA under the TTT mask without materializing it.
+
+    q [B, T, H, hd] (rotated); k0, v0 [B, T, kvh, hd]: step-0 keys/values (causal part);
+    k_diag, v_diag: one [B, T, kvh, hd] per later step 1..j (the current one last), each seen only
+    at the query's own base index. -> [B, T, H, hd].
+    """
+    b, t, h, hd = q.shape
+    kvh = k0.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, hd)
+    scale = 1.0 / math.sqrt(hd)
+    causal = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(query), T(key)]
+    causal = jnp.where(visible, causal, -jnp.inf)
+    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, k, preferred_element_type=jnp.float32)[..., None] * scale
+            for k in k_diag]
+    probs = jax.nn.softmax(jnp.concatenate([causal, *diag], axis=-1), axis=-1)  # [B, kvh, g, T, T + j]
+    probs = probs.astype(v0.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], v0)
+    for i, v in enumerate(v_diag):
+        out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + i], v)
+    return out.reshape(b, t, h, hd)
+
+
+def row_pages(batch: int, seq_len: int, num_layers: int, kv_heads: int, head_dim: int,
+              dtype) -> tuple[llama.KVCache, jax.Array]:
+    """A paged cache holding each row whole in one page of size T: (cache, block_table [B, 1]).
+    Page 0 stays the scratch page."""
+    cache = llama.KVCache.zeros(num_layers, batch + 1, seq_len, kv_heads, head_dim, dtype)
+    return cache, jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
+
+
+def target_pass(params: llama.LlamaParams, cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Frozen full-sequence causal target pass. tokens [B, T] ->
+    (captures [B, T, n_capture * H_t], logits [B, T, V] f32)."""
+    b, t = tokens.shape
+    cache, table = row_pages(b, t, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, params.embed.dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden, captures, _ = llama.forward(params, cfg, tokens, positions, cache, table)
+    return jax.lax.stop_gradient(captures), jax.lax.stop_gradient(llama.logits(params, hidden))
+
+
+def target_distribution(logits: jax.Array, used: jax.Array, t2d: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits [B, T, V]; used [N] target ids of the draft vocabulary; t2d [V] bool ->
+    (p [B, T, N] f32: softmax over the draft vocabulary only, in_vocab [B, T] bool: the target's
+    argmax is a draft token)."""
+    p = jax.nn.softmax(jnp.take(logits, used, axis=-1).astype(jnp.float32), axis=-1)
+    return p, t2d[jnp.argmax(logits, axis=-1)]
+
+
+def chain_step(params: DraftParams, cfg: DraftConfig, embed: jax.Array, tokens: jax.Array, h: jax.Array,
+               positions: jax.Array, k0: jax.Array, v0: jax.Array, k_prev: tuple[jax.Array, ...],
+               v_prev: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A TTT step j >= 1: `draft_forward` with the TTT attention in place of the paged one.
+
+    tokens, positions [B, T]; h [B, T, H] (previous step's pre-norm output); k0, v0 step 0's
+    keys/values; k_prev, v_prev those of steps 1..j-1. -> (pre-norm h [B, T, H], k, v [B, T, kvh, hd]).
+    """
+    b, t, _ = h.shape
+    emb = (embed if params.embed is None else params.embed)[tokens].astype(h.dtype)
+    x = jnp.concatenate([rms_norm(emb, params.input_norm, cfg.rms_norm_eps),
+                         rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q = apply_rope((x @ params.wq).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+    k = apply_rope((x @ params.wk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+    v = (x @ params.wv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    attn = ttt_attention(q, k0, v0, (*k_prev, k), (*v_prev, v))
+    h = h + attn.reshape(b, t, cfg.q_size) @ params.wo
+    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate, params.w_up, params.w_down)
+    return h, k, v
+
+
+def _head_stats(params: DraftParams, cfg: DraftConfig, h: jax.Array, p: jax.Array,
+                mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """h [B, T, H], p [B, T, N], mask [B, T] -> (sum of masked CE, number of masked argmax hits).
+    Rematerialized in the backward pass: the [B, T, N] logits of every step are never kept."""
+    logits = draft_logits(params, cfg, h)  # [B, T, N] f32
+    ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T]
+    hit = (jnp.argmax(logits, -1) == jnp.argmax(p, -1)) & mask
+    return jnp.sum(jnp.where(mask, ce, 0.0)), jax.lax.stop_gradient(jnp.sum(hit))
+
+
+_head_stats_remat = jax.checkpoint(_head_stats, static_argnums=(1,))
+
+
+def step_targets(tokens: jax.Array, loss_mask: jax.Array, p: jax.Array, in_vocab: jax.Array,
+                 j: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The shifted inputs and targets of TTT step j (see the module docstring).
+    -> (input tokens [B, T], target p [B, T, N], loss mask [B, T], accuracy denominator [B, T])."""
+    assistant = shift_left(loss_mask, 2 + j, False)  # the predicted token x_{t+2+j} is assistant
+    return (shift_left(tokens, 1 + j), shift_left(p, 1 + j, 0.0),
+            assistant & shift_left(in_vocab, 1 + j, False), assistant)
+
+
+def ttt_hiddens(params: DraftParams, cfg: DraftConfig, embed: jax.Array, captures: jax.Array,
+                tokens: jax.Array, num_steps: int) -> list[jax.Array]:
+    """The draft's pre-norm outputs [B, T, H] of TTT steps 0..num_steps-1 (base index t in step j
+    is the chain step at position t + j after a prefill of x_0..x_t).
+
+    params in the compute dtype; embed [V, H] the (frozen) target embedding; captures
+    [B, T, n_capture * H_t]; tokens [B, T].
+    """
+    b, t = tokens.shape
+    base = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    h = fuse_captures(params, captures.astype(params.fc.dtype))
+    # Step 0 is plain causal: the inference draft forward over a row-per-page cache.
+    cache, table = row_pages(b, t, 1, cfg.num_kv_heads, cfg.head_dim, h.dtype)
+    h, cache = draft_forward(params, cfg, embed, shift_left(tokens, 1), h, base, cache, table)
+    k0, v0 = cache.k[0][1:], cache.v[0][1:]  # [B, T, kvh, hd], rotated at positions t
+    out, ks, vs = [h], (), ()
+    for j in range(1, num_steps):
+        h, k, v = chain_step(params, cfg, embed, shift_left(tokens, 1 + j), h, base + j, k0, v0, ks, vs)
+        out.append(h)
+        ks, vs = (*ks, k), (*vs, v)
+    return out
+
+
+def ttt_loss(params: DraftParams, cfg: DraftConfig, embed: jax.Array, captures: jax.Array,
+             tokens: jax.Array, loss_mask: jax.Array, p: jax.Array, in_vocab: jax.Array,
+             num_steps: int = TTT_STEPS, step_weight: float = STEP_WEIGHT) -> tuple[jax.Array, dict]:
+    """The weighted TTT loss of one batch.
+
+    Arguments as `ttt_hiddens`, plus loss_mask [B, T] (assistant tokens) and p [B, T, N],
+    in_vocab [B, T] from `target_distribution`.
+    -> (scalar loss, {"loss_steps": [S], "acc_steps": [S]}).
+    """
+    losses, accs = [], []
+    for j, h in enumerate(ttt_hiddens(params, cfg, embed, captures, tokens, num_steps)):
+        _, step_p, mask, denom = step_targets(tokens, loss_mask, p, in_vocab, j)
+        ce_sum, hits = _head_stats_remat(params, cfg, h, step_p, mask)
+        losses.append(ce_sum / jnp.maximum(jnp.sum(mask), 1))
+        accs.append(hits / jnp.maximum(jnp.sum(denom), 1))
+    losses, accs = jnp.stack(losses), jnp.stack(accs)
+    weights = jnp.asarray([step_weight ** j for j in range(num_steps)], jnp.float32)
+    return jnp.sum(weights * losses), {"loss_steps": losses, "acc_steps": accs}

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Acceptance length of a drafter on the 80 MT-bench prompts (chat template, greedy, 256 new
+tokens) for K = 1..6, and single-request speed of target-only vs EAGLE-3, in one run.
+
+    python3 scripts/eval_drafter.py --draft checkpoints/smollm2-135m-eagle3 --out runs/eval.json
+
+Acceptance runs all 80 prompts together in one batch bucket (acceptance does not depend on the
+batch); speed runs prompts one at a time. Stops adding K values when --time-budget-s is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eagle3_jax import LLM, SamplingParams, assets  # noqa: E402
+from eagle3_jax.config import EngineConfig  # noqa: E402
+
+
+def mean_acceptance(outputs) -> tuple[float, list[float]]:
+    """Tokens per target forward over all requests, and the per-position acceptance rates."""
+    iterations = sum(o.metrics.iterations for o in outputs)
+    emitted = sum(o.metrics.emitted for o in outputs)
+    k = len(outputs[0].metrics.accepted_at)
+    rates = [sum(o.metrics.accepted_at[j] for o in outputs) / iterations for j in range(k)]
+    return emitted / iterations, rates
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--target", default=str(assets.DEFAULT_TARGET))
+    ap.add_argument("--draft", default=str(assets.DEFAULT_DRAFT))
+    ap.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the PyPI asset)")
+    ap.add_argument("--ks", default="1,2,3,4,5,6")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--speed-k", type=int, default=4, help="K for the single-request speed comparison")
+    ap.add_argument("--speed-prompts", type=int, default=8)
+    ap.add_argument("--time-budget-s", type=float, default=1e9)
+    ap.add_argument("--out", default="eval.json")
+    a = ap.parse_args(argv)
+    start = time.perf_counter()
+    if a.questions:
+        questions = [json.loads(line)["turns"][0] for line in open(a.questions) if line.strip()]
+    else:
+        questions = [q["turns"][0] for q in assets.mtbench_questions()]
+    params = SamplingParams(max_tokens=a.max_tokens)
+    result = {"prompts": len(questions), "max_tokens": a.max_tokens, "acceptance": {}, "speed": {}}
+
+    def save():
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+
+    all_at_once = EngineConfig(batch_buckets=(len(questions),), prefill_buckets=(512,), max_model_len=1024)
+    for k in [int(x) for x in a.ks.split(",")]:
+        if time.perf_counter() - start > a.time_budget_s:
+            print(f"time budget spent: stopping before K={k}", flush=True)
+            break
+        llm = LLM(a.target, a.draft, num_speculative_tokens=k, engine_config=all_at_once, progress=False)
+        outputs = llm.generate(questions, params)
+        length, rates = mean_acceptance(outputs)
+        result["acceptance"][k] = {"acceptance_length": length, "rates": rates,
+                                   "tokens": sum(len(o.token_ids) for o in outputs)}
+        print(f"K={k}: acceptance length {length:.3f}, rates {' '.join(f'{r:.3f}' for r in rates)}", flush=True)
+        save()
+
+    one = EngineConfig(batch_buckets=(2,), prefill_buckets=(512,), max_model_len=1024)
+    for mode, draft, k in (("target-only", None, 0), (f"EAGLE-3 K={a.speed_k}", a.draft, a.speed_k)):
+        llm = LLM(a.target, draft, num_speculative_tokens=k, engine_config=one, progress=False)
+        llm.generate(questions[:1], SamplingParams(max_tokens=16))  # first-call effects out of the timing
+        tokens, seconds = 0, 0.0
+        for q in questions[:a.speed_prompts]:
+            t = time.perf_counter()
+            out = llm.generate([q], params)[0]
+            seconds += time.perf_counter() - t
+            tokens += len(out.token_ids)
+        result["speed"][mode] = {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds}
+        print(f"{mode}: {tokens / seconds:.1f} tok/s over {a.speed_prompts} prompts, one at a time", flush=True)
+        save()
+    result["seconds"] = time.perf_counter() - start
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Tests for eagle3_jax.train: ShareGPT reading, draft vocabulary, the TTT mask/shifts (also
+against the inference draft path), loss going down, and exact orbax resume. CPU, tiny configs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle3_jax.config import ModelConfig
+from eagle3_jax.model import llama
+from eagle3_jax.model.eagle3 import draft_forward, fuse_captures
+from eagle3_jax.train import data as D
+from eagle3_jax.train import loop as L
+from eagle3_jax.train import objective as O
+
+V, H = 64, 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 4-layer random target (peaky logits), its drafter config and a draft vocabulary of 40."""
+    cfg = ModelConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                      max_position_embeddings=256, tie_word_embeddings=True).with_capture_layers((0, 2, 3))
+    params = llama.init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    params = params.replace(embed=params.embed * 50.0)  # logits far from uniform: something to learn
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 16), 0, V, jnp.int32)
+    _, logits = jax.jit(O.target_pass, static_argnums=1)(params, cfg, tokens)
+    counts = np.bincount(np.asarray(jnp.argmax(logits, -1)).ravel(), minlength=V)
+    vocab = D.build_draft_vocab(counts + 1, 40)
+    dcfg = L.draft_config_for(cfg, 40)
+    dev_vocab = {"used": jnp.asarray(vocab.used), "t2d": jnp.asarray(vocab.t2d),
+                 "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
+    batch = {"tokens": tokens, "loss_mask": jnp.ones(tokens.shape, bool)}
+    return cfg, params, dcfg, vocab, dev_vocab, batch
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_read_truncated_json_array():
+    records = [{"id": "a", "conversations": [{"from": "human", "value": "hi [1, 2]"},
+                                             {"from": "gpt", "value": "hello, \"you\""}]},
+               {"id": "b", "conversations": []}]
+    text = json.dumps(records, indent=2)  # '[\n  {...},\n  {...}\n]'
+    truncated = text[:-2] + ',\n  {"id": "c", "conversations": [{"from": "human", "va'  # cut mid-record
+    assert D.read_json_array_prefix(text) == records
+    assert D.read_json_array_prefix(truncated) == records
+    assert D.read_json_array_prefix(text[:-2] + ",\n  ") == records
+    assert D.read_json_array_prefix("[  ") == []
+
+
+def test_load_sharegpt_counts(tmp_path):
+    rec = {"id": "x", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    path = tmp_path / "s.json"
+    path.write_text("[" + ",".join([json.dumps(rec)] * 3) + ', {"id": "y", "conv')
+    assert len(D.load_sharegpt(path, expect=3)) == 3
+    with pytest.raises(ValueError, match="expected 4"):
+        D.load_sharegpt(path, expect=4)
+
+
+def test_to_messages_roles():
+    conv = lambda *turns: {"conversations": [{"from": f, "value": v} for f, v in turns]}
+    assert D.to_messages(conv(("gpt", "hi"), ("human", "q"), ("chatgpt", "a"), ("user", "q2"))) == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]  # leading gpt, odd tail dropped
+    assert D.to_messages(conv(("system", "be nice"), ("human", "q"), ("gpt", "a")))[0]["role"] == "system"
+    assert D.to_messages(conv(("human", "q"), ("bing", "a"))) is None  # unknown speaker
+    assert D.to_messages(conv(("human", "q"), ("gpt", "  "))) is None  # empty answer
+    assert D.to_messages(conv(("human", "q"), ("gpt", "a"), ("gpt", "b"))) == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]  # broken alternation
+    assert D.to_messages({"conversations": []}) is None
+
+
+def test_drop_mtbench():
+    convs = [[{"role": "user", "content": "Compose an  engaging travel blog"}, {"role": "assistant", "content": "x"}],
+             [{"role": "user", "content": "other"}, {"role": "assistant", "content": "y"}]]
+    kept, dropped = D.drop_mtbench(convs, [{"turns": ["compose an engaging travel blog", "t2"]}])
+    assert dropped == 1 and kept == convs[1:]
+
+
+def test_draft_vocab_toy():
+    counts = np.array([5, 0, 3, 3, 9, 1])
+    v = D.build_draft_vocab(counts, 3)
+    np.testing.assert_array_equal(v.used, [0, 2, 4])  # 4 (9), 0 (5), then 2 beats 3 on the tie
+    np.testing.assert_array_equal(v.d2t, [0, 1, 2])  # target id = draft id + d2t
+    np.testing.assert_array_equal(v.t2d, [True, False, True, False, True, False])
+    assert v.coverage == pytest.approx(17 / 21)
+    np.testing.assert_array_equal(np.arange(3) + v.d2t, v.used)
+    assert D.coverage_table(counts, (1, 3, 6)) == {1: pytest.approx(9 / 21), 3: pytest.approx(17 / 21), 6: 1.0}
+
+
+def test_batch_at_deterministic():
+    ex = D.pad_examples([(np.full(n, n, np.int32), np.ones(n, bool)) for n in range(1, 11)], 4, 0)
+    assert ex.tokens.shape == (10, 4) and ex.lengths.tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]
+    a, b = D.batch_at(ex, 7, 3, seed=1), D.batch_at(ex, 7, 3, seed=1)
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    rows = np.concatenate([D.batch_at(ex, s, 3, 1)["tokens"][:, 0] for s in range(3)])  # one epoch
+    assert len(set(rows.tolist())) == 9  # no row twice within an epoch
+
+
+def test_assistant_mask_chatml():
+    from pathlib import Path
+
+    from eagle3_jax.assets import DEFAULT_TARGET
+
+    if not (Path(DEFAULT_TARGET) / "tokenizer.json").is_file():
+        pytest.skip("SmolLM2 tokenizer not prepared")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_TARGET))
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": " 4 \n"}]
+    text, spans = D.assistant_spans(tok, msgs)
+    assert [text[a:b] for a, b in spans] == ["Hello! How can I help?<|im_end|>", " 4 \n<|im_end|>"]
+    assert spans == D._prefix_spans(tok, msgs, text)
+    (ids, mask), = D.tokenize_conversations(tok, [msgs], 4096)
+    assert tok.decode(ids[mask]) == "Hello! How can I help?<|im_end|> 4 \n<|im_end|>"
+    (ids8, mask8), = D.tokenize_conversations(tok, [msgs], 8)
+    np.testing.assert_array_equal(ids8, ids[:8])
+    np.testing.assert_array_equal(mask8, mask[:8])
+
+
+# ----------------------------------------------------------------------------- TTT mask and shifts
+
+def test_ttt_visibility_exact():
+    m = O.ttt_visibility(4, 2)
+    step0 = np.tril(np.ones((4, 4), bool))
+    expected = np.concatenate([step0, np.eye(4, dtype=bool), np.eye(4, dtype=bool)], axis=1)
+    np.testing.assert_array_equal(m, expected)
+    # Query base 2 at step 2: step-0 keys 0..2, step-1 key at 2, step-2 key at 2.
+    np.testing.assert_array_equal(np.flatnonzero(m[2]), [0, 1, 2, 6, 10])
+    np.testing.assert_array_equal(O.ttt_visibility(4, 0), step0)
+
+
+def test_step_targets_exact():
+    t = 6
+    tokens = jnp.arange(10, 10 + t, dtype=jnp.int32)[None]  # x_i = 10 + i
+    loss_mask = jnp.array([[False, True, True, True, True, True]])
+    in_vocab = jnp.array([[True, True, True, False, True, True]])
+    p = jnp.broadcast_to(jnp.arange(t, dtype=jnp.float32)[None, :, None], (1, t, 3))  # p[t] tagged t
+    got = [O.step_targets(tokens, loss_mask, p, in_vocab, j) for j in range(3)]
+    # step j, base t: input x_{t+1+j}, target the target's logits at t+1+j, mask token t+2+j.
+    np.testing.assert_array_equal(got[0][0][0], [11, 12, 13, 14, 15, 0])
+    np.testing.assert_array_equal(got[1][0][0], [12, 13, 14, 15, 0, 0])
+    np.testing.assert_array_equal(got[2][0][0], [13, 14, 15, 0, 0, 0])
+    np.testing.assert_array_equal(got[0][1][0, :, 0], [1, 2, 3, 4, 5, 0])
+    np.testing.assert_array_equal(got[2][1][0, :, 0], [3, 4, 5, 0, 0, 0])
+    np.testing.assert_array_equal(got[0][3][0], [True, True, True, True, False, False])  # assistant x_{t+2}
+    np.testing.assert_array_equal(got[0][2][0], [True, True, False, True, False, False])  # & in_vocab[t+1]
+    np.testing.assert_array_equal(got[1][2][0], [True, False, True, False, False, False])
+    np.testing.assert_array_equal(got[2][2][0], [False, True, False, False, False, False])
+
+
+def test_ttt_attention_matches_dense_mask():
+    b, t, h, kvh, hd, steps = 2, 5, 4, 2, 8, 3
+    keys = iter(jax.random.split(jax.random.PRNGKey(3), 10))
+    rnd = lambda *s: jax.random.normal(next(keys), s, jnp.float32)
+    q = rnd(b, t, h, hd)
+    ks = [rnd(b, t, kvh, hd) for _ in range(steps)]
+    vs = [rnd(b, t, kvh, hd) for _ in range(steps)]
+    got = jax.jit(O.ttt_attention)(q, ks[0], vs[0], tuple(ks[1:]), tuple(vs[1:]))
+    # Dense reference: all steps' keys side by side under ttt_visibility.
+    k_all = jnp.repeat(jnp.concatenate(ks, 1), h // kvh, axis=2)  # [B, S*T, H, hd]
+    v_all = jnp.repeat(jnp.concatenate(vs, 1), h // kvh, axis=2)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k_all) / math.sqrt(hd)
+    scores = jnp.where(O.ttt_visibility(t, steps - 1), scores, -jnp.inf)
+    want = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), v_all)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ttt_equals_inference_chain(tiny):
+    """TTT step j at base t == prefill of x_0..x_t then j single-token chain steps (paged cache)."""
+    cfg, params, dcfg, vocab, dev_vocab, batch = tiny
+    dp = L.draft_params(L.init_draft_from_target(params, dcfg, vocab.used, jax.random.PRNGKey(2)),
+                        dev_vocab["d2t"], jnp.float32)
+    tokens = batch["tokens"][:2]
+    captures, _ = jax.jit(O.target_pass, static_argnums=1)(params, cfg, tokens)
+    hs = jax.jit(O.ttt_hiddens, static_argnums=(1, 5))(dp, dcfg, params.embed, captures, tokens, 3)
+    forward = jax.jit(draft_forward, static_argnums=1)
+    for t in (0, 5, 11):
+        b = tokens.shape[0]
+        cache, table = O.row_pages(b, 32, 1, dcfg.num_kv_heads, dcfg.head_dim, jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(t + 1), (b, t + 1))
+        h, cache = forward(dp, dcfg, params.embed, tokens[:, 1:t + 2], fuse_captures(dp, captures[:, :t + 1]),
+                                 pos, cache, table)
+        np.testing.assert_allclose(h[:, t], hs[0][:, t], rtol=1e-4, atol=1e-4)
+        h = h[:, t:t + 1]
+        for j in (1, 2):
+            h, cache = forward(dp, dcfg, params.embed, tokens[:, t + 1 + j:t + 2 + j], h,
+                                     jnp.full((b, 1), t + j), cache, table)
+            np.testing.assert_allclose(h[:, 0], hs[j][:, t], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- training
+
+@pytest.fixture(scope="module")
+def trainer(tiny):
+    """(hparams, jitted train step), compiled once for the training tests."""
+    cfg, params, dcfg, vocab, dev_vocab, batch = tiny
+    hp = L.HParams(steps=30, batch_size=4, seq_len=16, lr=3e-3, ttt_steps=3, warmup_frac=0.05)
+    return hp, L.make_train_step(cfg, dcfg, hp, jnp.float32)
+
+
+def _fresh_state(tiny, hp):
+    cfg, params, dcfg, vocab, dev_vocab, batch = tiny
+    return L.init_state(L.init_draft_from_target(params, dcfg, vocab.used, jax.random.PRNGKey(2)), hp)
+
+
+def test_training_lowers_loss(tiny, trainer):
+    cfg, params, dcfg, vocab, dev_vocab, batch = tiny
+    hp, step = trainer
+    state = _fresh_state(tiny, hp)
+    losses = []
+    for s in range(hp.steps):
+        state, m = step(state, params, dev_vocab, batch, L.learning_rate(s, hp))
+        losses.append(float(m["loss"]))
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert m["acc_steps"].shape == (3,) and float(m["acc_steps"][0]) > 0.3
+
+
+def test_resume_is_exact(tiny, trainer, tmp_path):
+    cfg, params, dcfg, vocab, dev_vocab, batch = tiny
+    hp, step = trainer
+    state = _fresh_state(tiny, hp)
+    batches = [jax.tree.map(lambda x: jnp.roll(x, s, axis=1), batch) for s in range(4)]
+    for s in range(2):
+        state, _ = step(state, params, dev_vocab, batches[s], L.learning_rate(s, hp))
+    manager = L.checkpoint_manager(tmp_path / "ckpt")
+    L.save_state(manager, state)
+    template = jax.tree.map(jnp.copy, state)
+    state, _ = step(state, params, dev_vocab, batches[2], L.learning_rate(2, hp))
+    straight = jax.device_get(state)
+
+    restored = L.restore_state(L.checkpoint_manager(tmp_path / "ckpt"), template)
+    assert int(restored["step"]) == 2
+    restored, _ = step(restored, params, dev_vocab, batches[2], L.learning_rate(2, hp))
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(jax.device_get(restored))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_learning_rate_schedule():
+    hp = L.HParams(steps=100, batch_size=1, seq_len=8, lr=1.0, warmup_frac=0.1, final_lr_frac=0.1)
+    assert L.learning_rate(0, hp) == pytest.approx(0.1)
+    assert L.learning_rate(9, hp) == pytest.approx(1.0)
+    assert L.learning_rate(99, hp) == pytest.approx(0.1, abs=1e-3)
+    assert L.learning_rate(55, hp) == pytest.approx(0.55)  # half-way through the cosine
+
+
+def test_export_loads(tiny, tmp_path):
+    from eagle3_jax.weights.eagle3 import load_drafter
+
+    cfg, params, dcfg, vocab, dev_vocab, batch = tiny
+    trainable = L.init_draft_from_target(params, dcfg, vocab.used, jax.random.PRNGKey(2))
+    from eagle3_jax.weights.eagle3 import save_drafter
+
+    save_drafter(L.draft_params(trainable, dev_vocab["d2t"], jnp.float32), dcfg, tmp_path / "d")
+    lcfg, lp = load_drafter(tmp_path / "d", target=cfg, dtype=jnp.float32)
+    assert lcfg.draft_vocab_size == 40
+    np.testing.assert_array_equal(np.arange(40) + np.asarray(lp.d2t), vocab.used)
+    np.testing.assert_allclose(lp.lm_head, trainable["lm_head"], rtol=1e-3, atol=1e-3)
