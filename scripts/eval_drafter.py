@@ -68,7 +68,9 @@ def main(argv=None) -> int:
         save()
 
     one = EngineConfig(batch_buckets=(2,), prefill_buckets=(512,), max_model_len=1024)
-    for mode, draft, k in (("target-only", None, 0), (f"EAGLE-3 K={a.speed_k}", a.draft, a.speed_k)):
+    speed_runs = (("target-only", None, 0), (f"EAGLE-3 K={a.speed_k}", a.draft, a.speed_k))
+    speed_runs = speed_runs if a.speed_prompts > 0 else ()
+    for mode, draft, k in speed_runs:
         llm = LLM(a.target, draft, num_speculative_tokens=k, engine_config=one, progress=False)
         llm.generate(questions[:1], SamplingParams(max_tokens=16))  # first-call effects out of the timing
         tokens, seconds = 0, 0.0
