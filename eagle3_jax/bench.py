@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax import assets
-from eagle3_jax.config import DraftConfig, EngineConfig, Llama3RopeScaling, ModelConfig
+from eagle3_jax.presets import llama31_8b
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.engine.driver import CompileCounter, Engine, EngineStats
 from eagle3_jax.engine.sampling import row_sampling_from_params
 from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, init_state
@@ -300,18 +301,6 @@ def iteration_cost(target: ModelConfig, draft: DraftConfig | None, k: int, batch
 
 
 # ==== model configurations ========================================================================
-def llama31_8b() -> tuple[ModelConfig, DraftConfig]:
-    """Llama-3.1-8B-Instruct shapes and the public EAGLE3-LLaMA3.1-Instruct-8B drafter's."""
-    target = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
-                         tie_word_embeddings=False, eos_token_ids=(128001, 128008, 128009))
-    draft = DraftConfig(vocab_size=128256, draft_vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-                        rope_scaling=None, max_position_embeddings=2048, target_hidden_size=4096)
-    return target, draft
-
-
 def draft_config_like(target: ModelConfig, draft_vocab_size: int = 32000) -> DraftConfig:
     """A drafter whose midlayer has the target's layer shapes (as the public 8B drafter has)."""
     return DraftConfig(vocab_size=target.vocab_size, draft_vocab_size=min(draft_vocab_size, target.vocab_size),

@@ -15,15 +15,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the shipped drafter when the target is the default)")
     p.add_argument("--num-draft", type=int, default=3, help="K, draft tokens per iteration")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--batch-buckets", default="2,4,8", help="comma-separated decode batch sizes to compile")
+    p.add_argument("--batch-buckets", default=None,
+                   help="comma-separated decode batch sizes to compile (default: what the prompts need)")
 
 
-def _llm(args):
+def _llm(args, num_prompts: int = 1):
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig
 
     draft = None if args.draft == "none" else args.draft
-    buckets = tuple(int(b) for b in args.batch_buckets.split(","))
+    if args.batch_buckets:
+        buckets = tuple(int(b) for b in args.batch_buckets.split(","))
+    else:  # powers of two from 2 up to the batch: compile only what this run can use
+        buckets = tuple(2 ** i for i in range(1, max(1, num_prompts - 1).bit_length() + 1))
     cfg = EngineConfig(batch_buckets=buckets, max_model_len=args.max_model_len)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg)
 
@@ -54,8 +58,8 @@ def cmd_prepare(args) -> int:
 def cmd_generate(args) -> int:
     from eagle3_jax.assets import mtbench_questions
 
-    llm = _llm(args)
     prompts = args.prompt or [q["turns"][0] for q in mtbench_questions()[:args.mtbench]]
+    llm = _llm(args, len(prompts))
     start = time.perf_counter()
     outputs = llm.generate(prompts, _sampling(args))
     elapsed = time.perf_counter() - start

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax import presets
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model import eagle3 as E
 from eagle3_jax.model import llama as L
@@ -237,29 +238,13 @@ def run_hlo() -> dict:
     return out
 
 
-def llama70b_cfg() -> ModelConfig:
-    return ModelConfig.from_hf(dict(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-        max_position_embeddings=131072, tie_word_embeddings=False))
-
-
-def drafter70b_cfg() -> DraftConfig:
-    return DraftConfig.from_hf(dict(
-        hidden_size=6144, intermediate_size=16384, num_attention_heads=48, num_key_value_heads=8,
-        head_dim=128, num_hidden_layers=1, vocab_size=128256, draft_vocab_size=32000,
-        target_hidden_size=8192, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=2048))
-
-
 def run_layout() -> dict:
     """(1) jax's own NamedSharding.shard_shape on a real 8-device mesh agrees with
     sharding.shard_shape (which plan.py uses without devices) for every 70B target / drafter
     weight; (2) params_from_hf(place=make_place(...)) lands sharded and equal to the host weights."""
     mesh = S.make_mesh(8)
     mismatches, checked = [], 0
-    cfg, dcfg = llama70b_cfg(), drafter70b_cfg()
+    cfg, dcfg = presets.llama33_70b()
     trees = (
         (jax.eval_shape(lambda: L.init_params(cfg, jax.random.key(0))), S.llama_param_specs(cfg, 8)),
         (jax.eval_shape(lambda: E.init_draft_params(dcfg, jax.random.key(0), own_embedding=True)),

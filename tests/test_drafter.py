@@ -14,6 +14,7 @@ from eagle3_jax import SamplingParams
 from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
 from eagle3_jax.model import eagle3
 from eagle3_jax.model.llama import KVCache
+from eagle3_jax.presets import EAGLE3_8B, EAGLE3_70B
 from eagle3_jax.weights.eagle3 import CheckpointError, load_drafter, public_shapes
 from eagle3_jax.weights.tensors import write
 
@@ -27,14 +28,6 @@ SHAPES_8B = {
     "midlayer.post_attention_layernorm.weight": (4096,), "norm.weight": (4096,),
     "lm_head.weight": (32000, 4096), "d2t": (32000,),
 }
-CONFIG_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
-             "max_position_embeddings": 2048, "vocab_size": 128256, "draft_vocab_size": 32000,
-             "tie_word_embeddings": False, "torch_dtype": "float16"}
-# A 70B-layout drafter: narrower than its 8192-wide target, with its own embedding.
-CONFIG_70B = {**CONFIG_8B, "hidden_size": 6144, "intermediate_size": 16384, "num_attention_heads": 48,
-              "head_dim": 128, "target_hidden_size": 8192, "rope_theta": 500000.0}
-
 TINY_TARGET = ModelConfig(vocab_size=64, hidden_size=24, intermediate_size=48, num_layers=6, num_heads=4,
                           num_kv_heads=2, head_dim=6, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
                           max_position_embeddings=128, tie_word_embeddings=False)
@@ -67,7 +60,7 @@ def write_public_drafter(path, config: dict, own_embedding=False, seed=0, fmt="s
 
 
 def test_full_size_layouts_through_eval_shape():
-    for config, own_embedding in ((CONFIG_8B, False), (CONFIG_70B, True)):
+    for config, own_embedding in ((EAGLE3_8B, False), (EAGLE3_70B, True)):
         cfg = DraftConfig.from_hf(config)
         expected = dict(SHAPES_8B)
         if own_embedding:  # 70B: fc reads 3 x 8192, its own 6144-wide embedding

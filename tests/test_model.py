@@ -12,19 +12,10 @@ import pytest
 from eagle3_jax.config import ConfigError, ModelConfig, count_params
 from eagle3_jax.model import llama
 from eagle3_jax.model.layers import rope_inv_freq
+from eagle3_jax.presets import LLAMA31_8B, LLAMA33_70B
 from eagle3_jax.weights.llama import load_llama, save_llama
 from eagle3_jax.weights.tensors import CheckpointError, write
 
-LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-}
-LLAMA33_70B = {**LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-               "num_attention_heads": 64}
 TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 128, "tie_word_embeddings": False}

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from eagle3_jax import presets
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.model.llama import init_params
@@ -177,19 +178,11 @@ def test_fused_iteration_collectives_tp8():
 
 
 def llama70b() -> ModelConfig:
-    return ModelConfig.from_hf(dict(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-        max_position_embeddings=131072, tie_word_embeddings=False))
+    return presets.llama33_70b()[0]
 
 
 def drafter70b() -> DraftConfig:
-    return DraftConfig.from_hf(dict(
-        hidden_size=6144, intermediate_size=16384, num_attention_heads=48, num_key_value_heads=8,
-        head_dim=128, num_hidden_layers=1, vocab_size=128256, draft_vocab_size=32000,
-        target_hidden_size=8192, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=2048))
+    return presets.llama33_70b()[1]
 
 
 def _leaves(shapes, specs):
