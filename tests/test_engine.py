@@ -97,3 +97,15 @@ def test_stop_token_ids_and_stop_strings(spec_llm, chat_ids):
     word = ref.text.split()[4]
     cut = spec_llm.generate([chat_ids[1]], SamplingParams(max_tokens=30, stop=[word]))[0]
     assert cut.finish_reason == "stop" and word not in cut.text and ref.text.startswith(cut.text)
+
+
+def test_sampling_is_reproducible_whatever_the_batch(spec_llm, chat_ids):
+    """The same seed gives the same sampled tokens alone and in a batch of other requests."""
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=1234)
+    alone = spec_llm.generate([chat_ids[2]], params)[0]
+    others = [SamplingParams(max_tokens=16, temperature=1.0, seed=i) for i in range(5)]
+    mixed = spec_llm.generate([chat_ids[5], chat_ids[2], *chat_ids[6:10]], [others[0], params, *others[1:]])
+    assert mixed[1].token_ids == alone.token_ids
+    other_seed = spec_llm.generate([chat_ids[2]], SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95,
+                                                                 seed=99))[0]
+    assert other_seed.token_ids != alone.token_ids  # the seed matters

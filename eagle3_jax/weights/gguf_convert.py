@@ -89,7 +89,6 @@ def hf_config(reader) -> dict:
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
     """Write config.json, model.safetensors (f32, the exact dequantized values) and tokenizer."""
     import gguf  # heavy-ish and only needed here
-    from transformers import AutoTokenizer
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     try:
@@ -110,6 +109,37 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         tensors[name] = w
     write(tensors, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(str(out_dir))
+    gguf_tokenizer(reader).save_pretrained(str(out_dir))
     return out_dir
+
+
+def gguf_tokenizer(reader):
+    """The GGUF's GPT-2 style byte-level BPE tokenizer, with its special tokens and chat template.
+
+    Built with `tokenizers` directly: transformers' own GGUF tokenizer path imports torch, which
+    the main install does not need. Same structure as transformers' GGUFGPTConverter.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise CheckpointError(f"GGUF tokenizer model is {model!r}; only 'gpt2' (byte-level BPE) converts")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type"))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                               byte_fallback=False))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    control = 3  # llama.cpp's token type for control tokens
+    bpe.add_special_tokens([t for t, kind in zip(tokens, types) if kind == control])
+
+    def special(key):
+        i = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i.contents())] if i is not None else None
+
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=special("bos"), eos_token=special("eos"),
+                                   unk_token=special("unknown"), pad_token=special("padding"),
+                                   chat_template=_field(reader, "tokenizer.chat_template"))
