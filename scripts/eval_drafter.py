@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the PyPI asset)")
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=80, help="the first N MT-bench questions")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--draft-acceptance", default="draft_q", help="draft_q, one_hot, or both: draft_q,one_hot")
     ap.add_argument("--speed-k", type=int, default=4, help="K for the single-request speed comparison")
     ap.add_argument("--speed-prompts", type=int, default=8)
     ap.add_argument("--time-budget-s", type=float, default=1e9)
@@ -48,8 +51,11 @@ def main(argv=None) -> int:
         questions = [json.loads(line)["turns"][0] for line in open(a.questions) if line.strip()]
     else:
         questions = [q["turns"][0] for q in assets.mtbench_questions()]
+    questions = questions[:a.prompts]
     params = SamplingParams(max_tokens=a.max_tokens)
-    result = {"prompts": len(questions), "max_tokens": a.max_tokens, "acceptance": {}, "speed": {}}
+    modes = a.draft_acceptance.split(",")
+    result = {"prompts": len(questions), "max_tokens": a.max_tokens, "temperature": a.temperature,
+              "acceptance": {}, "speed": {}}
 
     def save():
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -60,12 +66,18 @@ def main(argv=None) -> int:
             print(f"time budget spent: stopping before K={k}", flush=True)
             break
         llm = LLM(a.target, a.draft, num_speculative_tokens=k, engine_config=all_at_once, progress=False)
-        outputs = llm.generate(questions, params)
-        length, rates = mean_acceptance(outputs)
-        result["acceptance"][k] = {"acceptance_length": length, "rates": rates,
-                                   "tokens": sum(len(o.token_ids) for o in outputs)}
-        print(f"K={k}: acceptance length {length:.3f}, rates {' '.join(f'{r:.3f}' for r in rates)}", flush=True)
-        save()
+        for mode in modes:
+            # Seeded per prompt, so the two acceptance rules see the same requests.
+            sampled = [SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=i,
+                                      draft_acceptance=mode) for i in range(len(questions))]
+            outputs = llm.generate(questions, sampled)
+            length, rates = mean_acceptance(outputs)
+            key = str(k) if len(modes) == 1 else f"{k} {mode}"
+            result["acceptance"][key] = {"acceptance_length": length, "rates": rates,
+                                         "tokens": sum(len(o.token_ids) for o in outputs)}
+            print(f"K={key}: acceptance length {length:.3f}, rates {' '.join(f'{r:.3f}' for r in rates)}",
+                  flush=True)
+            save()
 
     one = EngineConfig(batch_buckets=(2,), prefill_buckets=(512,), max_model_len=1024)
     speed_runs = (("target-only", None, 0), (f"EAGLE-3 K={a.speed_k}", a.draft, a.speed_k))
