@@ -224,9 +224,6 @@ class Engine:
             done = now
         bar.close()
 
-    def fail(self, req: Request, message: str) -> None:
-        self.scheduler.finish(req, "error", message)
-
     # ---- compilation -------------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
