@@ -64,6 +64,24 @@ def fuse_captures(params: DraftParams, captures: jax.Array) -> jax.Array:
     return captures @ params.fc
 
 
+def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
+                h: jax.Array, attend):
+    """The midlayer around a given attention: tokens [B, T]; h [B, T, H];
+    attend(x [B, T, 2H]) -> (attention output after o_proj [B, T, H], aux). -> (h [B, T, H], aux).
+
+    Inference attends over the paged cache (`draft_forward`); training's time test attends
+    under its own mask (train/objective.py). The layer around it is this one function.
+    """
+    embed = target_embed if params.embed is None else params.embed
+    e = embed[tokens].astype(h.dtype)
+    x = jnp.concatenate([rms_norm(e, params.input_norm, cfg.rms_norm_eps),
+                         rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
+    attn, aux = attend(x)
+    h = h + attn
+    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate, params.w_up, params.w_down)
+    return h, aux
+
+
 def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
                   h: jax.Array, positions: jax.Array, cache: KVCache,
                   block_table: jax.Array) -> tuple[jax.Array, KVCache]:
@@ -73,17 +91,14 @@ def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array
     step, the draft's own previous pre-norm output on chain steps; block_table [B, nb].
     -> (pre-norm hidden [B, T, H], cache).
     """
-    embed = target_embed if params.embed is None else params.embed
-    e = embed[tokens].astype(h.dtype)
-    x = jnp.concatenate([rms_norm(e, params.input_norm, cfg.rms_norm_eps),
-                         rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
-    attn, k_pages, v_pages = attention_block(
-        x, None, params.wq, params.wk, params.wv, params.wo, positions, cache.k[0], cache.v[0],
-        block_table, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        eps=cfg.rms_norm_eps, inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    h = h + attn
-    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate, params.w_up, params.w_down)
-    return h, KVCache(k=(k_pages,), v=(v_pages,))
+    def paged(x):
+        out, k_pages, v_pages = attention_block(
+            x, None, params.wq, params.wk, params.wv, params.wo, positions, cache.k[0], cache.v[0],
+            block_table, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            eps=cfg.rms_norm_eps, inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        return out, KVCache(k=(k_pages,), v=(v_pages,))
+
+    return draft_layer(params, cfg, target_embed, tokens, h, paged)
 
 
 def draft_logits(params: DraftParams, cfg: DraftConfig, hidden: jax.Array) -> jax.Array:

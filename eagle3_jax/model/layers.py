@@ -100,6 +100,15 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     return out.reshape(b, t, h, hd)
 
 
+def project_qkv(h: jax.Array, wq, wk, wv, positions: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
+                inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [B, T, D_in] -> q [B, T, heads, hd], k, v [B, T, kvh, hd]; q and k rotated to `positions`."""
+    b, t, _ = h.shape
+    q = apply_rope((h @ wq).reshape(b, t, heads, head_dim), positions, inv_freq)
+    k = apply_rope((h @ wk).reshape(b, t, kv_heads, head_dim), positions, inv_freq)
+    return q, k, (h @ wv).reshape(b, t, kv_heads, head_dim)
+
+
 def attention_block(x: jax.Array, norm_w: jax.Array, wq, wk, wv, wo, positions: jax.Array, k_pages,
                     v_pages, block_table: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
                     eps: float, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -110,9 +119,8 @@ def attention_block(x: jax.Array, norm_w: jax.Array, wq, wk, wv, wo, positions: 
     """
     b, t, _ = x.shape
     h = x if norm_w is None else rms_norm(x, norm_w, eps)
-    q = apply_rope((h @ wq).reshape(b, t, heads, head_dim), positions, inv_freq)
-    k = apply_rope((h @ wk).reshape(b, t, kv_heads, head_dim), positions, inv_freq)
-    v = (h @ wv).reshape(b, t, kv_heads, head_dim)
+    q, k, v = project_qkv(h, wq, wk, wv, positions, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                          inv_freq=inv_freq)
     k_pages = write_kv(k_pages, k, positions, block_table)
     v_pages = write_kv(v_pages, v, positions, block_table)
     out = paged_attention(q, k_pages, v_pages, positions, block_table)

@@ -36,8 +36,8 @@ import numpy as np
 
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model import llama
-from eagle3_jax.model.eagle3 import DraftParams, draft_forward, draft_logits, fuse_captures
-from eagle3_jax.model.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+from eagle3_jax.model.eagle3 import DraftParams, draft_forward, draft_layer, draft_logits, fuse_captures
+from eagle3_jax.model.layers import project_qkv, rope_inv_freq
 
 STEP_WEIGHT = 0.8  # main.py: ploss_weight = [0.8 ** i for i in range(len(plosses))]
 TTT_STEPS = 7  # cnets.py: self.length = 7
@@ -118,22 +118,21 @@ def target_distribution(logits: jax.Array, used: jax.Array, t2d: jax.Array) -> t
 def chain_step(params: DraftParams, cfg: DraftConfig, embed: jax.Array, tokens: jax.Array, h: jax.Array,
                positions: jax.Array, k0: jax.Array, v0: jax.Array, k_prev: tuple[jax.Array, ...],
                v_prev: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A TTT step j >= 1: `draft_forward` with the TTT attention in place of the paged one.
+    """A TTT step j >= 1: the draft layer with the TTT attention in place of the paged one.
 
     tokens, positions [B, T]; h [B, T, H] (previous step's pre-norm output); k0, v0 step 0's
     keys/values; k_prev, v_prev those of steps 1..j-1. -> (pre-norm h [B, T, H], k, v [B, T, kvh, hd]).
     """
     b, t, _ = h.shape
-    emb = (embed if params.embed is None else params.embed)[tokens].astype(h.dtype)
-    x = jnp.concatenate([rms_norm(emb, params.input_norm, cfg.rms_norm_eps),
-                         rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    q = apply_rope((x @ params.wq).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-    k = apply_rope((x @ params.wk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-    v = (x @ params.wv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    attn = ttt_attention(q, k0, v0, (*k_prev, k), (*v_prev, v))
-    h = h + attn.reshape(b, t, cfg.q_size) @ params.wo
-    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate, params.w_up, params.w_down)
+
+    def ttt(x):
+        q, k, v = project_qkv(x, params.wq, params.wk, params.wv, positions, heads=cfg.num_heads,
+                              kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inv_freq=inv_freq)
+        out = ttt_attention(q, k0, v0, (*k_prev, k), (*v_prev, v))
+        return out.reshape(b, t, cfg.q_size) @ params.wo, (k, v)
+
+    h, (k, v) = draft_layer(params, cfg, embed, tokens, h, ttt)
     return h, k, v
 
 
