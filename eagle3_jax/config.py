@@ -329,7 +329,8 @@ class EngineConfig:
         largest bucket.
     num_speculative_tokens: K draft tokens per iteration (0 = target only).
     page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable);
-        num_pages None sizes the pool so every slot can hold max_model_len tokens.
+        num_pages None sizes it for every slot at min(max_model_len, 1024) tokens plus one
+        request at max_model_len. Requests that do not fit wait; none is refused for it.
     max_model_len: longest prompt + output a request may have.
     """
 
@@ -338,7 +339,7 @@ class EngineConfig:
     num_speculative_tokens: int = 3
     page_size: int = 16
     num_pages: int | None = None
-    max_model_len: int = 4096
+    max_model_len: int = 2048
 
     def __post_init__(self):
         where = "engine config"
@@ -352,7 +353,8 @@ class EngineConfig:
         for name in ("page_size", "max_model_len"):
             _positive(getattr(self, name), name, where)
         if self.num_pages is None:
-            object.__setattr__(self, "num_pages", self.max_num_seqs * self.max_blocks_per_seq + 1)
+            typical = -(-min(self.max_model_len, 1024) // self.page_size)
+            object.__setattr__(self, "num_pages", self.max_num_seqs * typical + self.max_blocks_per_seq + 1)
         if self.num_pages < 2:
             raise ConfigError(f"{where}: num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
 
