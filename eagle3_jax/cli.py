@@ -15,6 +15,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the shipped drafter when the target is the default)")
     p.add_argument("--num-draft", type=int, default=3, help="K, draft tokens per iteration")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--speculative-max-batch", type=int, default=None,
+                   help="batch buckets above this run the target alone (default: speculate at all)")
     p.add_argument("--batch-buckets", default=None,
                    help="comma-separated decode batch sizes to compile (default: what the prompts need)")
 
@@ -28,7 +30,8 @@ def _llm(args, num_prompts: int = 1):
         buckets = tuple(int(b) for b in args.batch_buckets.split(","))
     else:  # powers of two from 2 up to the batch: compile only what this run can use
         buckets = tuple(2 ** i for i in range(1, max(1, num_prompts - 1).bit_length() + 1))
-    cfg = EngineConfig(batch_buckets=buckets, max_model_len=args.max_model_len)
+    cfg = EngineConfig(batch_buckets=buckets, max_model_len=args.max_model_len,
+                       speculative_max_batch=args.speculative_max_batch)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg)
 
 

@@ -328,6 +328,9 @@ class EngineConfig:
     prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
         largest bucket.
     num_speculative_tokens: K draft tokens per iteration (0 = target only).
+    speculative_max_batch: batch buckets larger than this run the target alone (speculation
+        costs more than it saves once a step stops being memory-bound; set it from measured
+        cost, e.g. `eagle3-jax bench`). None speculates at every bucket.
     page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable);
         num_pages None sizes it for every slot at min(max_model_len, 1024) tokens plus one
         request at max_model_len. Requests that do not fit wait; none is refused for it.
@@ -337,6 +340,7 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     num_speculative_tokens: int = 3
+    speculative_max_batch: int | None = None
     page_size: int = 16
     num_pages: int | None = None
     max_model_len: int = 2048

@@ -109,3 +109,17 @@ def test_sampling_is_reproducible_whatever_the_batch(spec_llm, chat_ids):
     other_seed = spec_llm.generate([chat_ids[2]], SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95,
                                                                  seed=99))[0]
     assert other_seed.token_ids != alone.token_ids  # the seed matters
+
+
+def test_speculation_switched_off_past_a_batch_size_stays_lossless(smollm2_dir, drafter, target_llm, workload):
+    """Bucket 8 runs the target alone, bucket 2 speculates: as requests finish, the same rows move
+    between the two and every output still equals the target alone."""
+    llm = make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(2, 8), speculative_max_batch=2)
+    assert llm.engine.iterate_config(8).num_draft == 0 and llm.engine.iterate_config(2).num_draft == 3
+    prompts, _ = workload
+    lengths = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    outputs = llm.generate(prompts[:10], [SamplingParams(max_tokens=n) for n in lengths])
+    for prompt, n, out in zip(prompts, lengths, outputs):
+        assert out.token_ids == target_llm.generate([prompt], SamplingParams(max_tokens=n))[0].token_ids
+    # The long requests finished in bucket 2, where proposals were verified again.
+    assert max(o.metrics.accepted for o in outputs) > 0

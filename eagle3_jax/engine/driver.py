@@ -110,6 +110,15 @@ class Engine:
         self._seed_rng = np.random.default_rng()
         CompileCounter.install()
 
+    def iterate_config(self, bucket: int) -> StepConfig:
+        """The iteration's config for a batch bucket: K drafts, or none past speculative_max_batch
+        (the proposals in the slots then wait unverified; any proposal is safe to verify later,
+        since each was drawn from the q stored with it)."""
+        limit = self.cfg.speculative_max_batch
+        if limit is None or bucket <= limit:
+            return self.step_cfg
+        return dataclasses.replace(self.step_cfg, num_draft=0)
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
         """Queue a request; raise RequestError naming the problem (nothing else is affected)."""
@@ -164,7 +173,7 @@ class Engine:
     def _dispatch_iterate(self) -> None:
         reqs, slots, tables = self.scheduler.batch()
         self.state, num_accepted, emitted = iterate_step(self.params, self.draft_params, self.state, slots,
-                                                         tables, cfg=self.step_cfg)
+                                                         tables, cfg=self.iterate_config(len(slots)))
         num_accepted.copy_to_host_async()
         emitted.copy_to_host_async()
         self.stats.iterations += 1
@@ -239,7 +248,7 @@ class Engine:
             if kind == "iterate":
                 self.state, n, _ = iterate_step(
                     self.params, self.draft_params, self.state, np.full(size, DUMMY_SLOT, np.int32),
-                    np.zeros((size, nb), np.int32), cfg=self.step_cfg)
+                    np.zeros((size, nb), np.int32), cfg=self.iterate_config(size))
             else:
                 next_tokens = np.zeros((1, size), np.int32)
                 next_tokens[0, 0] = -1

@@ -145,12 +145,15 @@ def iterate(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
     drafts, draft_probs, draft_kv = s.drafts, s.draft_probs, state.draft_kv
-    if cfg.speculative:
+    if cfg.draft is not None:
         # Draft extend: position t pairs capture t with the token at t+1, for t = length..length+n.
+        # It runs in target-only buckets too (one position), so the draft's KV has no holes when
+        # speculation resumes.
         ext_tokens = jnp.where(jnp.arange(k + 1) <= n[:, None], emitted, 0)
         h, draft_kv = eagle3.draft_forward(dparams, cfg.draft, params.embed, ext_tokens,
                                            eagle3.fuse_captures(dparams, captures), positions,
                                            draft_kv, block_tables)
+    if cfg.speculative:
         h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]  # [B, H] at length + n
         draft_keys = sampling.fold_in_rows(sampling.fold_in_rows(s.sampling.key, num_generated), _STREAM_DRAFT)
         drafts, draft_probs, draft_kv = propose(dparams, cfg, params.embed, h_last, last, s.length + n,
