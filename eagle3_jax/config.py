@@ -331,6 +331,8 @@ class EngineConfig:
     speculative_max_batch: batch buckets larger than this run the target alone (speculation
         costs more than it saves once a step stops being memory-bound; set it from measured
         cost, e.g. `eagle3-jax bench`). None speculates at every bucket.
+    fused_iteration: one program per iteration (True), or the driver dispatching the verify and
+        each draft step as programs of their own, threading the draft's hidden state (False).
     page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable);
         num_pages None sizes it for every slot at min(max_model_len, 1024) tokens plus one
         request at max_model_len. Requests that do not fit wait; none is refused for it.
@@ -341,6 +343,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     num_speculative_tokens: int = 3
     speculative_max_batch: int | None = None
+    fused_iteration: bool = True
     page_size: int = 16
     num_pages: int | None = None
     max_model_len: int = 2048

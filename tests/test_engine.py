@@ -123,3 +123,18 @@ def test_speculation_switched_off_past_a_batch_size_stays_lossless(smollm2_dir, 
         assert out.token_ids == target_llm.generate([prompt], SamplingParams(max_tokens=n))[0].token_ids
     # The long requests finished in bucket 2, where proposals were verified again.
     assert max(o.metrics.accepted for o in outputs) > 0
+
+
+def test_per_step_dispatch_equals_the_fused_iteration(smollm2_dir, drafter, spec_llm, chat_ids):
+    """The iteration as K + 1 programs with the draft carry threaded by the driver gives the
+    fused program's tokens, greedy and sampled, and compiles nothing after warm-up."""
+    llm = make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(4,), fused_iteration=False)
+    compiled = llm.engine.num_compilations
+    params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, temperature=0.7, seed=3),
+              SamplingParams(max_tokens=12), SamplingParams(max_tokens=20, temperature=1.0, top_k=20, seed=4)]
+    per_step = llm.generate(chat_ids[:4], params)
+    assert llm.engine.num_compilations == compiled
+    fused = spec_llm.generate(chat_ids[:4], params)
+    for a, b in zip(per_step, fused):
+        assert a.token_ids == b.token_ids
+    assert sum(o.metrics.accepted for o in per_step) > 0

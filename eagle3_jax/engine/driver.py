@@ -24,7 +24,8 @@ from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, check_draf
 from eagle3_jax.engine import sampling
 from eagle3_jax.engine.scheduler import Request, RequestError, Scheduler
 from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
-from eagle3_jax.engine.steps import StepConfig, iterate_step, prefill_step
+from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step, iterate_step,
+                                    prefill_step)
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams
 from eagle3_jax.parallel import sharding
@@ -172,12 +173,22 @@ class Engine:
 
     def _dispatch_iterate(self) -> None:
         reqs, slots, tables = self.scheduler.batch()
-        self.state, num_accepted, emitted = iterate_step(self.params, self.draft_params, self.state, slots,
-                                                         tables, cfg=self.iterate_config(len(slots)))
+        self.state, num_accepted, emitted = self._iterate(slots, tables)
         num_accepted.copy_to_host_async()
         emitted.copy_to_host_async()
         self.stats.iterations += 1
         self._pending.append(_Pending(reqs, emitted, num_accepted))
+
+    def _iterate(self, slots: np.ndarray, tables: np.ndarray):
+        """Dispatch one iteration, fused or as K + 1 programs; returns without waiting."""
+        cfg = self.iterate_config(len(slots))
+        if self.cfg.fused_iteration or not cfg.speculative:
+            return iterate_step(self.params, self.draft_params, self.state, slots, tables, cfg=cfg)
+        state, num_accepted, emitted, carry = iterate_head_step(self.params, self.draft_params, self.state,
+                                                               slots, tables, cfg=cfg)
+        for j in range(1, cfg.num_draft):
+            state, carry = chain_step_jit(self.draft_params, self.params.embed, state, carry, tables, j, cfg=cfg)
+        return commit_step(state, slots, carry, cfg=cfg), num_accepted, emitted
 
     def _collect(self, pending: _Pending) -> list[Request]:
         t = time.perf_counter()
@@ -246,9 +257,7 @@ class Engine:
         greedy = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
         for kind, size in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             if kind == "iterate":
-                self.state, n, _ = iterate_step(
-                    self.params, self.draft_params, self.state, np.full(size, DUMMY_SLOT, np.int32),
-                    np.zeros((size, nb), np.int32), cfg=self.iterate_config(size))
+                self.state, n, _ = self._iterate(np.full(size, DUMMY_SLOT, np.int32), np.zeros((size, nb), np.int32))
             else:
                 next_tokens = np.zeros((1, size), np.int32)
                 next_tokens[0, 0] = -1

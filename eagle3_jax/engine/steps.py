@@ -11,6 +11,10 @@ state (the KV pool is updated in place):
                             draft KV its own chain wrote, with the target's captures), K-1 chain
                             steps for the next proposals. No host round trip inside.
 
+The same iteration also exists as K + 1 programs (`iterate_head`, `chain_step` per proposal,
+`commit_proposals`), dispatched back to back by the driver with the `DraftCarry` pytree threaded
+between them, for `EngineConfig(fused_iteration=False)`: both paths run the same functions.
+
 Draft positions: the draft pairs the target capture at position t with the embedding of token
 t+1 and uses RoPE position t; chain step j runs at position t+j (../shared/EAGLE3.md, section 2).
 """
@@ -21,7 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
+from flax import struct
 from jax.sharding import Mesh
 
 from eagle3_jax.config import DraftConfig, ModelConfig
@@ -85,27 +89,48 @@ def _draft_token(logits: jax.Array, row: sampling.RowSampling, keys: jax.Array):
     return jax.lax.cond(jnp.all(row.greedy), lambda _: (greedy_ids, jnp.zeros_like(logits)), sampled, None)
 
 
-def propose(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, h: jax.Array,
-            token: jax.Array, position: jax.Array, draft_kv: llama.KVCache, block_table: jax.Array,
-            row: sampling.RowSampling, keys: jax.Array):
-    """K proposals from the draft state at the last verified position.
+@struct.dataclass
+class DraftCarry:
+    """What one draft step hands the next: the hidden-state pytree of the chain."""
 
-    h [B, H] pre-norm draft hidden at `position` [B]; token [B] is the token after it (already in
-    the output, not yet in the target cache). -> (drafts [B, K] target ids, q [B, K, Vd], draft_kv).
-    """
-    dcfg = cfg.draft
-    drafts, qs = [], []
-    for j in range(cfg.num_draft):
-        if j > 0:  # chain step: the previous proposal at the next position, fed our own h
-            out, draft_kv = eagle3.draft_forward(dparams, dcfg, target_embed, token[:, None], h[:, None],
-                                                 (position + j)[:, None], draft_kv, block_table)
-            h = out[:, 0]
-        logits = vocab_logits(eagle3.draft_logits(dparams, dcfg, h), cfg.mesh)
-        ids, q = _draft_token(logits, row, sampling.fold_in_rows(keys, j))
-        token = eagle3.to_target_ids(dparams, ids)
-        drafts.append(token)
-        qs.append(q)
-    return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), draft_kv
+    h: jax.Array  # [B, H] pre-norm draft hidden at `position`
+    token: jax.Array  # [B] the token after `position` (target id): the next step's input
+    position: jax.Array  # [B]
+    drafts: jax.Array  # [B, K] proposals so far (target ids)
+    q: jax.Array  # [B, K, Vd] the distributions they were drawn from
+    row: sampling.RowSampling  # [B] the rows' sampling parameters
+    keys: jax.Array  # [B, 2] this iteration's draft PRNG keys
+
+
+def start_chain(cfg: StepConfig, h: jax.Array, token: jax.Array, position: jax.Array,
+                row: sampling.RowSampling, keys: jax.Array, draft_vocab: int) -> DraftCarry:
+    b = h.shape[0]
+    return DraftCarry(h=h, token=token, position=position, drafts=jnp.zeros((b, cfg.num_draft), jnp.int32),
+                      q=jnp.zeros((b, cfg.num_draft, draft_vocab), jnp.float32), row=row, keys=keys)
+
+
+def draft_step(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, carry: DraftCarry,
+               draft_kv: llama.KVCache, block_table: jax.Array, j: int) -> tuple[DraftCarry, llama.KVCache]:
+    """Proposal j (static) of the chain. Step 0 reads the verified position's hidden state; step
+    j > 0 first runs the draft on proposal j-1 at the next position, fed its own h."""
+    h, position = carry.h, carry.position
+    if j > 0:
+        out, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, carry.token[:, None], h[:, None],
+                                             (position + 1)[:, None], draft_kv, block_table)
+        h, position = out[:, 0], position + 1
+    logits = vocab_logits(eagle3.draft_logits(dparams, cfg.draft, h), cfg.mesh)
+    ids, q = _draft_token(logits, carry.row, sampling.fold_in_rows(carry.keys, j))
+    token = eagle3.to_target_ids(dparams, ids)
+    return carry.replace(h=h, token=token, position=position, drafts=carry.drafts.at[:, j].set(token),
+                         q=carry.q.at[:, j].set(q)), draft_kv
+
+
+def propose(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, carry: DraftCarry,
+            draft_kv: llama.KVCache, block_table: jax.Array, start: int = 0) -> tuple[DraftCarry, llama.KVCache]:
+    """Proposals start..K-1 inside one program (the fused path)."""
+    for j in range(start, cfg.num_draft):
+        carry, draft_kv = draft_step(dparams, cfg, target_embed, carry, draft_kv, block_table, j)
+    return carry, draft_kv
 
 
 def _target_probs(dparams: DraftParams, q: jax.Array, vocab_size: int) -> jax.Array:
@@ -126,12 +151,14 @@ def _verify(cfg: StepConfig, dparams, logits, drafts, draft_probs, row, keys):
     return jax.lax.cond(jnp.all(row.greedy), lambda _: sampling.greedy_verify(logits, drafts), sampled, None)
 
 
-def iterate(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
-            block_tables: jax.Array, cfg: StepConfig) -> tuple[DeviceState, jax.Array, jax.Array]:
-    """One speculative iteration for the slots `rows` [B] with block tables [B, nb].
+def iterate_head(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
+                 block_tables: jax.Array, cfg: StepConfig):
+    """Verify, accept, extend the draft, and draft proposal 0.
 
-    -> (state, num_accepted [B] i32, emitted [B, K+1] i32): row b emitted
-    emitted[b, :num_accepted[b] + 1]; entries after are padding.
+    rows [B], block_tables [B, nb] -> (state, num_accepted [B] i32, emitted [B, K+1] i32, carry):
+    row b emitted emitted[b, :num_accepted[b] + 1]; entries after are padding. `carry` is None
+    when this bucket does not speculate; else the chain continues from it (`draft_step`) and
+    `commit_proposals` stores its drafts.
     """
     k = cfg.num_draft if cfg.speculative else 0
     s = _gather(state.slots, rows)
@@ -144,7 +171,7 @@ def iterate(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
                          s.sampling, sampling.fold_in_rows(step_keys, _STREAM_VERIFY))
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
-    drafts, draft_probs, draft_kv = s.drafts, s.draft_probs, state.draft_kv
+    draft_kv, carry = state.draft_kv, None
     if cfg.draft is not None:
         # Draft extend: position t pairs capture t with the token at t+1, for t = length..length+n.
         # It runs in target-only buckets too (one position), so the draft's KV has no holes when
@@ -156,12 +183,35 @@ def iterate(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     if cfg.speculative:
         h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]  # [B, H] at length + n
         draft_keys = sampling.fold_in_rows(sampling.fold_in_rows(s.sampling.key, num_generated), _STREAM_DRAFT)
-        drafts, draft_probs, draft_kv = propose(dparams, cfg, params.embed, h_last, last, s.length + n,
-                                                draft_kv, block_tables, s.sampling, draft_keys)
-    new = s.replace(last_token=last, length=s.length + n + 1, drafts=drafts, draft_probs=draft_probs,
-                    num_generated=num_generated)
+        carry = start_chain(cfg, h_last, last, s.length + n, s.sampling, draft_keys, s.draft_probs.shape[-1])
+        carry, draft_kv = draft_step(dparams, cfg, params.embed, carry, draft_kv, block_tables, 0)
+    new = s.replace(last_token=last, length=s.length + n + 1, num_generated=num_generated)
     slots = _write_slots(state.slots, rows, new)
-    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted
+    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted, carry
+
+
+def chain_step(dparams: DraftParams, target_embed: jax.Array, state: DeviceState, carry: DraftCarry,
+               block_tables: jax.Array, j: int, cfg: StepConfig) -> tuple[DeviceState, DraftCarry]:
+    """Draft proposal j >= 1 as its own program (the per-step path), threading the carry."""
+    carry, draft_kv = draft_step(dparams, cfg, target_embed, carry, state.draft_kv, block_tables, j)
+    return _finish(state.replace(draft_kv=draft_kv), cfg), carry
+
+
+def commit_proposals(state: DeviceState, rows: jax.Array, carry: DraftCarry, cfg: StepConfig) -> DeviceState:
+    """Store the chain's proposals and their q in the slots for the next iteration to verify."""
+    slots = state.slots
+    slots = slots.replace(drafts=slots.drafts.at[rows].set(carry.drafts), draft_probs=slots.draft_probs.at[rows].set(carry.q))
+    return _finish(state.replace(slots=slots), cfg)
+
+
+def iterate(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
+            block_tables: jax.Array, cfg: StepConfig) -> tuple[DeviceState, jax.Array, jax.Array]:
+    """One whole speculative iteration in one program (the fused path); see `iterate_head`."""
+    state, n, emitted, carry = iterate_head(params, dparams, state, rows, block_tables, cfg)
+    if carry is not None:
+        carry, draft_kv = propose(dparams, cfg, params.embed, carry, state.draft_kv, block_tables, start=1)
+        state = commit_proposals(state.replace(draft_kv=draft_kv), rows, carry, cfg)
+    return state, n, emitted
 
 
 def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
@@ -198,8 +248,9 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
                                            draft_kv, block_table)
         h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]
         draft_keys = sampling.fold_in_rows(sampling.fold_in_rows(row.key, 1), _STREAM_DRAFT)
-        drafts, draft_probs, draft_kv = propose(dparams, cfg, params.embed, h_last, first, length - 1,
-                                                draft_kv, block_table, row, draft_keys)
+        carry = start_chain(cfg, h_last, first, length - 1, row, draft_keys, draft_probs.shape[-1])
+        carry, draft_kv = propose(dparams, cfg, params.embed, carry, draft_kv, block_table)
+        drafts, draft_probs = carry.drafts, carry.q
     new = Slots(last_token=first, length=length, drafts=drafts, draft_probs=draft_probs, sampling=row,
                 num_generated=jnp.ones_like(length))
     slots = _write_slots(state.slots, slot, new)
@@ -209,3 +260,7 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
 # One executable per input shape (batch bucket, chunk bucket) and StepConfig; state donated.
 prefill_step = jax.jit(prefill, static_argnames="cfg", donate_argnames="state")
 iterate_step = jax.jit(iterate, static_argnames="cfg", donate_argnames="state")
+# The per-step path: the same iteration as K + 1 programs, the driver threading the carry.
+iterate_head_step = jax.jit(iterate_head, static_argnames="cfg", donate_argnames="state")
+chain_step_jit = jax.jit(chain_step, static_argnames=("j", "cfg"), donate_argnames=("state", "carry"))
+commit_step = jax.jit(commit_proposals, static_argnames="cfg", donate_argnames="state")
