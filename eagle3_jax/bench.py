@@ -112,6 +112,8 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                    help="where bench.md, bench.json and bench.png go (default: $OUT_DIR, else ./bench-results)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes, each one a compiled bucket")
     p.add_argument("--num-draft", default="3", help="K, or a comma-separated list of K to compare")
+    p.add_argument("--per-step", action="store_true",
+                   help="also run each EAGLE-3 mode with the iteration dispatched as K + 1 programs")
     p.add_argument("--prompts", type=int, default=8,
                    help="prompts per batch size: batch b runs max(1, ceil(N / b)) rounds of b prompts")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -158,6 +160,7 @@ class Options:
     batches: tuple[int, ...]
     batches_8b: tuple[int, ...]
     num_draft: tuple[int, ...]
+    per_step: bool
     prompts: int
     max_tokens: int
     ignore_eos: bool
@@ -190,7 +193,7 @@ class Options:
         if min(_ints(a.num_draft)) < 1:
             raise SystemExit("--num-draft: K must be at least 1 (target-only always runs)")
         return cls(phases=phases, out_dir=Path(a.out_dir), batches=batches,
-                   batches_8b=_ints(a.batches_8b) if a.batches_8b else batches, num_draft=_ints(a.num_draft),
+                   batches_8b=_ints(a.batches_8b) if a.batches_8b else batches, num_draft=_ints(a.num_draft), per_step=a.per_step,
                    prompts=a.prompts, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos, dtype_name=a.dtype,
                    target=Path(a.target), draft=a.draft, questions=a.questions, max_model_len=a.max_model_len,
                    prefill_buckets=_ints(a.prefill_buckets), step_model=a.step_model, context=a.context,
@@ -510,16 +513,18 @@ def engine_figures(rounds: Sequence[Round], stats: EngineStats, k: int) -> dict[
 
 
 def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings: Ceilings | None,
-             notes: list[str]) -> tuple[list[Result], str]:
-    """Every batch size of one mode (target-only, or EAGLE-3 with K = k) on one engine.
-    -> (rows, where the prompts came from)."""
+             notes: list[str], fused: bool = True) -> tuple[list[Result], str]:
+    """Every batch size of one mode (target-only, or EAGLE-3 with K = k, fused or per-step) on
+    one engine. -> (rows, where the prompts came from)."""
     from eagle3_jax.api import LLM
 
+    engine_config = dataclasses.replace(
+        sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets), fused_iteration=fused)
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
-              engine_config=sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets),
-              warmup=False, progress=False)
+              engine_config=engine_config, warmup=False, progress=False)
     engine = llm.engine
-    compile_s = precompile(warmup_jobs(engine)) if opts.parallel_compile else float("nan")
+    # The parallel precompile knows the fused programs; Engine.warmup builds the per-step ones.
+    compile_s = precompile(warmup_jobs(engine)) if opts.parallel_compile and fused else float("nan")
     warmup_s = engine.warmup(progress=False)
     log(f"{mode}: compiled in {compile_s:.1f} s, Engine.warmup {warmup_s:.1f} s")
     target, draft = engine.step_cfg.target, engine.step_cfg.draft
@@ -559,6 +564,8 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
         results += rows
         for k in opts.num_draft:
             results += run_mode(opts, f"EAGLE-3 K={k}", draft_dir, k, ceilings, notes)[0]
+            if opts.per_step:
+                results += run_mode(opts, f"EAGLE-3 K={k} per-step", draft_dir, k, ceilings, notes, fused=False)[0]
     base = {r.batch: r.values["tok_s"] for r in results if r.mode == "target-only"}
     for r in results:
         r.values["speedup"] = r.values["tok_s"] / base[r.batch]

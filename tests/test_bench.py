@@ -40,7 +40,7 @@ def report(tmp_path_factory):
     save_drafter(init_draft_params(dcfg, jax.random.PRNGKey(1), jnp.float32), dcfg, draft)
     out = root / "out"
     argv = ["--out-dir", str(out), "--target", str(target), "--draft", str(draft), "--step-model", str(target),
-            "--batches", ",".join(map(str, BATCHES)), "--num-draft", "1", "--prompts", "2", "--max-tokens", "6",
+            "--batches", ",".join(map(str, BATCHES)), "--num-draft", "1", "--per-step", "--prompts", "2", "--max-tokens", "6",
             "--max-model-len", "64", "--max-model-len-8b", "64", "--prefill-buckets", "32", "--context", "16",
             "--calls", "2", "--rounds", "2", "--bandwidth-gb", "0.01", "--matmul-size", "128",
             "--peer-batches", "1", "--peer-prompts", "1", "--no-peer-8b", "--dtype", "f32"]
@@ -61,8 +61,8 @@ def test_files_written(report):
 def test_engine_rows(report):
     out, data = report
     rows = _rows(data, "smollm2")
-    assert [(r["mode"], r["batch"]) for r in rows] == [(m, b) for m in ("target-only", "EAGLE-3 K=1")
-                                                       for b in BATCHES]
+    modes = ("target-only", "EAGLE-3 K=1", "EAGLE-3 K=1 per-step")
+    assert [(r["mode"], r["batch"]) for r in rows] == [(m, b) for m in modes for b in BATCHES]
     for r in rows:
         v = r["values"]
         for key in ("tok_s", "tokens", "tpot_ms", "ttft_ms", "iter_ms", "host_ms_per_step", "device_ms", "floor_ms"):
@@ -72,7 +72,7 @@ def test_engine_rows(report):
         assert v["requests"] == max(2, r["batch"])
         assert len(v["acceptance_rates"]) == (0 if r["mode"] == "target-only" else 1)
     markdown = (out / "bench.md").read_text()
-    for mode in ("target-only", "EAGLE-3 K=1"):
+    for mode in modes:
         for b in BATCHES:
             assert f"| {mode} | {b} |" in markdown
 
