@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_llm, smollm2_draft_config
+from conftest import make_llm
 
 from eagle3_jax import SamplingParams
 from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig

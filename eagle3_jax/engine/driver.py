@@ -15,14 +15,13 @@ import time
 from collections.abc import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, check_draft_fits
 from eagle3_jax.engine import sampling
-from eagle3_jax.engine.scheduler import Request, RequestError, Scheduler
+from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
 from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step, iterate_step,
                                     prefill_step)
