@@ -306,12 +306,7 @@ def iteration_cost(target: ModelConfig, draft: DraftConfig | None, k: int, batch
 # ==== model configurations ========================================================================
 def draft_config_like(target: ModelConfig, draft_vocab_size: int = 32000) -> DraftConfig:
     """A drafter whose midlayer has the target's layer shapes (as the public 8B drafter has)."""
-    return DraftConfig(vocab_size=target.vocab_size, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
-                       hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-                       num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-                       rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-                       rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
-                       target_hidden_size=target.hidden_size)
+    return DraftConfig.like_target(target, draft_vocab_size)
 
 
 def step_models(opts: Options) -> tuple[ModelConfig, DraftConfig]:

@@ -242,6 +242,18 @@ class DraftConfig:
     def from_json(cls, path: str | Path) -> DraftConfig:
         return cls.from_hf(read_json(path), where=str(path))
 
+    @classmethod
+    def like_target(cls, target: ModelConfig, draft_vocab_size: int, **overrides) -> DraftConfig:
+        """A drafter whose midlayer has the target's layer shapes (as the public 8B drafter has),
+        reading the target's captures; `overrides` replace any field."""
+        fields = dict(vocab_size=target.vocab_size, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+                      hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                      num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                      rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                      rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
+                      target_hidden_size=target.hidden_size, num_captures=len(target.capture_layer_ids))
+        return cls(**{**fields, **overrides})
+
     def to_hf(self) -> dict:
         """The public EAGLE-3 config.json layout (loads in other EAGLE-3 engines)."""
         d: dict[str, Any] = {

@@ -3,7 +3,6 @@ engines shared across tests so each compiled bucket is built once per session.""
 
 from __future__ import annotations
 
-import json
 
 import jax
 import jax.numpy as jnp
@@ -63,22 +62,9 @@ def random_drafter_dir(tmp_path_factory, smollm2_cfg):
     from eagle3_jax.weights.eagle3 import save_drafter
 
     # max_position_embeddings 32: every prompt runs past the drafter's nominal RoPE range.
-    cfg = smollm2_draft_config(smollm2_cfg, draft_vocab_size=2048, max_position_embeddings=32)
+    cfg = DraftConfig.like_target(smollm2_cfg, draft_vocab_size=2048, max_position_embeddings=32)
     params = init_draft_params(cfg, jax.random.PRNGKey(7), jnp.float32)
     return save_drafter(params, cfg, tmp_path_factory.mktemp("random_drafter"))
-
-
-def smollm2_draft_config(target: ModelConfig, draft_vocab_size: int, max_position_embeddings=2048) -> DraftConfig:
-    return DraftConfig(vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
-                       hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-                       num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-                       rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=None,
-                       max_position_embeddings=max_position_embeddings, target_hidden_size=target.hidden_size)
-
-
-def write_json(path, obj):
-    path.write_text(json.dumps(obj))
-    return path
 
 
 # Small shapes keep CPU compilation cheap: prompts over 64 tokens are prefilled in chunks.

@@ -67,6 +67,22 @@ def _finish(state: DeviceState, cfg: StepConfig) -> DeviceState:
     return jax.lax.with_sharding_constraint(state, state_shardings(state, cfg.target, cfg.draft, cfg.mesh))
 
 
+def _keys(row_key: jax.Array, num_generated, stream: int) -> jax.Array:
+    """Per-row PRNG keys [B, 2] for one (tokens generated so far, stream) pair: a row's randomness
+    never depends on what else is in the batch, and the streams are independent."""
+    return sampling.fold_in_rows(sampling.fold_in_rows(row_key, num_generated), stream)
+
+
+def _draft_extend(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, next_tokens: jax.Array,
+                  captures: jax.Array, positions: jax.Array, draft_kv: llama.KVCache, block_tables: jax.Array,
+                  index: jax.Array) -> tuple[jax.Array, llama.KVCache]:
+    """The draft over target-verified positions: capture t paired with the token at t+1
+    (next_tokens [B, T]), RoPE position t. -> (pre-norm h [B, H] at `index` [B], draft_kv)."""
+    h, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, next_tokens,
+                                       eagle3.fuse_captures(dparams, captures), positions, draft_kv, block_tables)
+    return jnp.take_along_axis(h, index[:, None, None], axis=1)[:, 0], draft_kv
+
+
 def _gather(tree, rows: jax.Array):
     return jax.tree_util.tree_map(lambda x: x[rows], tree)
 
@@ -166,9 +182,8 @@ def iterate_head(params: LlamaParams, dparams: DraftParams | None, state: Device
     positions = s.length[:, None] + jnp.arange(k + 1)  # [B, K+1]
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables)
     logits = vocab_logits(llama.logits(params, hidden), cfg.mesh)  # [B, K+1, V]
-    step_keys = sampling.fold_in_rows(s.sampling.key, s.num_generated)
-    n, emitted = _verify(cfg, dparams, logits, s.drafts[:, :k], s.draft_probs,
-                         s.sampling, sampling.fold_in_rows(step_keys, _STREAM_VERIFY))
+    n, emitted = _verify(cfg, dparams, logits, s.drafts[:, :k], s.draft_probs, s.sampling,
+                         _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY))
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
     draft_kv, carry = state.draft_kv, None
@@ -177,13 +192,11 @@ def iterate_head(params: LlamaParams, dparams: DraftParams | None, state: Device
         # It runs in target-only buckets too (one position), so the draft's KV has no holes when
         # speculation resumes.
         ext_tokens = jnp.where(jnp.arange(k + 1) <= n[:, None], emitted, 0)
-        h, draft_kv = eagle3.draft_forward(dparams, cfg.draft, params.embed, ext_tokens,
-                                           eagle3.fuse_captures(dparams, captures), positions,
-                                           draft_kv, block_tables)
+        h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, ext_tokens, captures, positions, draft_kv,
+                                         block_tables, n)  # h at length + n
     if cfg.speculative:
-        h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]  # [B, H] at length + n
-        draft_keys = sampling.fold_in_rows(sampling.fold_in_rows(s.sampling.key, num_generated), _STREAM_DRAFT)
-        carry = start_chain(cfg, h_last, last, s.length + n, s.sampling, draft_keys, s.draft_probs.shape[-1])
+        carry = start_chain(cfg, h_last, last, s.length + n, s.sampling,
+                            _keys(s.sampling.key, num_generated, _STREAM_DRAFT), s.draft_probs.shape[-1])
         carry, draft_kv = draft_step(dparams, cfg, params.embed, carry, draft_kv, block_tables, 0)
     new = s.replace(last_token=last, length=s.length + n + 1, num_generated=num_generated)
     slots = _write_slots(state.slots, rows, new)
@@ -232,9 +245,8 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_table)
     last_idx = num_valid - 1
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [1, D]
-    base_keys = sampling.fold_in_rows(row.key, 0)
     first = sampling.sample_logits(vocab_logits(llama.logits(params, last_hidden), cfg.mesh), row,
-                                   sampling.fold_in_rows(base_keys, _STREAM_FIRST))  # [1]
+                                   _keys(row.key, 0, _STREAM_FIRST))  # [1]
     length = start + num_valid
     k = cfg.num_draft if cfg.speculative else 0
     drafts = jnp.zeros((1, k), jnp.int32)
@@ -243,12 +255,11 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     if cfg.speculative:
         # next_tokens holds -1 where the token the target just produced belongs (last chunk).
         shifted = jnp.where(next_tokens < 0, first[:, None], next_tokens)
-        h, draft_kv = eagle3.draft_forward(dparams, cfg.draft, params.embed, shifted,
-                                           eagle3.fuse_captures(dparams, captures), positions,
-                                           draft_kv, block_table)
-        h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]
-        draft_keys = sampling.fold_in_rows(sampling.fold_in_rows(row.key, 1), _STREAM_DRAFT)
-        carry = start_chain(cfg, h_last, first, length - 1, row, draft_keys, draft_probs.shape[-1])
+        h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, shifted, captures, positions, draft_kv,
+                                         block_table, last_idx)
+        # One token generated so far (`first`): the same key schedule as every later iteration.
+        carry = start_chain(cfg, h_last, first, length - 1, row, _keys(row.key, 1, _STREAM_DRAFT),
+                            draft_probs.shape[-1])
         carry, draft_kv = propose(dparams, cfg, params.embed, carry, draft_kv, block_table)
         drafts, draft_probs = carry.drafts, carry.q
     new = Slots(last_token=first, length=length, drafts=drafts, draft_probs=draft_probs, sampling=row,

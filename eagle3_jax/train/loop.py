@@ -60,13 +60,7 @@ class HParams:
 
 def draft_config_for(target: ModelConfig, draft_vocab_size: int) -> DraftConfig:
     """A one-layer drafter shaped like the target's layers, reading its default captures."""
-    return DraftConfig(
-        vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size, num_heads=target.num_heads,
-        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
-        max_position_embeddings=target.max_position_embeddings, target_hidden_size=target.hidden_size,
-        num_captures=len(target.capture_layer_ids))
+    return DraftConfig.like_target(target, draft_vocab_size)
 
 
 INITS = ("target", "head", "random")
