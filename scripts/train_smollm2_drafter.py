@@ -23,6 +23,7 @@ T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from eagle3_jax import assets  # noqa: E402
+from eagle3_jax.train import regenerate  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init", default="target", choices=("target", "head", "random"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
+    regenerate.add_arguments(ap)
     a = ap.parse_args(argv)
 
     target = Path(a.target)
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
         mtbench=None if a.mtbench == "none" else a.mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir,
         time_budget_s=budget, dtype=a.dtype, data_cache=a.data_cache or log_dir / f"data_{a.seq_len}.npz",
-        init=a.init)
+        init=a.init, regen=regenerate.spec_from_args(a))
     tp = record["throughput"]
     print(f"THROUGHPUT {tp['device']} {tp['dtype']}: {tp['steps']} steps x {a.batch_size} x {a.seq_len} tokens "
           f"in {tp['train_seconds']:.0f} s = {tp['tokens_per_second']:,.0f} tokens/s "

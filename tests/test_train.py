@@ -82,6 +82,31 @@ def test_drop_mtbench():
     assert dropped == 1 and kept == convs[1:]
 
 
+def test_regenerated_examples_are_the_targets_replies(target_llm):
+    """Self-distillation data: each row is the chat prompt plus the target's own greedy reply,
+    the loss mask covers exactly the reply; over-long prompts are skipped."""
+    from eagle3_jax.sampling_params import SamplingParams
+    from eagle3_jax.train import regenerate as R
+
+    convs = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+              {"role": "assistant", "content": "Blue."}],
+             [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "1 2 3"},
+              {"role": "user", "content": "Again."}, {"role": "assistant", "content": "1 2 3"}],
+             [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]]
+    prompts = R.first_turns(convs)
+    assert [[m["role"] for m in p] for p in prompts] == [["system", "user"], ["user"], ["user"]]
+    ex = R.regenerate_examples(target_llm, prompts, 96, max_prompt_tokens=64, max_new_tokens=8,
+                               min_reply_tokens=1, progress=False, log=lambda *a: None)
+    assert len(ex.tokens) == 2  # the 200-word prompt is over 64 tokens
+    for row, prompt in enumerate(prompts[:2]):
+        ids = target_llm.encode(prompt)
+        reply = target_llm.generate([ids], SamplingParams(max_tokens=8))[0].token_ids
+        n = len(ids) + len(reply)
+        assert ex.lengths[row] == n
+        assert ex.tokens[row, :n].tolist() == ids + reply
+        assert ex.loss_mask[row].tolist() == [False] * len(ids) + [True] * len(reply) + [False] * (96 - n)
+
+
 def test_draft_vocab_toy():
     counts = np.array([5, 0, 3, 3, 9, 1])
     v = D.build_draft_vocab(counts, 3)

@@ -262,11 +262,10 @@ def batch_at(ex: Examples, step: int, batch_size: int, seed: int) -> dict[str, n
     return {"tokens": ex.tokens[rows], "loss_mask": ex.loss_mask[rows]}
 
 
-def prepare_examples(sharegpt_path: str | Path, tokenizer, seq_len: int, *, mtbench: Iterable[dict] | None,
-                     max_conversations: int | None = None, min_assistant_tokens: int = 16,
-                     expect_records: int | None = SHAREGPT_WHOLE_RECORDS,
-                     log=print) -> Examples:
-    """ShareGPT file -> padded Examples (conversation order kept; shuffling is per batch)."""
+def sharegpt_conversations(sharegpt_path: str | Path, *, mtbench: Iterable[dict] | None,
+                           max_conversations: int | None = None,
+                           expect_records: int | None = SHAREGPT_WHOLE_RECORDS, log=print) -> list[list[dict]]:
+    """ShareGPT file -> chat conversations, MT-bench overlaps removed, file order kept."""
     records = load_sharegpt(sharegpt_path, expect=expect_records)
     log(f"sharegpt: {len(records)} whole conversations in {sharegpt_path}")
     convs = [m for m in map(to_messages, records) if m is not None]
@@ -276,12 +275,25 @@ def prepare_examples(sharegpt_path: str | Path, tokenizer, seq_len: int, *, mtbe
         log(f"sharegpt: {dropped} conversations dropped for overlapping MT-bench")
     else:
         log("sharegpt: WARNING no MT-bench questions given; overlap check skipped")
-    if max_conversations is not None:
-        convs = convs[:max_conversations]
+    return convs[:max_conversations] if max_conversations is not None else convs
+
+
+def describe(ex: Examples, source: str, log=print) -> None:
+    seq_len = ex.tokens.shape[1]
+    log(f"{source}: {len(ex.tokens)} rows of {seq_len} tokens, {int(ex.lengths.sum())} real tokens "
+        f"({ex.lengths.mean() / seq_len:.1%} fill), {int(ex.loss_mask.sum())} assistant tokens")
+
+
+def prepare_examples(sharegpt_path: str | Path, tokenizer, seq_len: int, *, mtbench: Iterable[dict] | None,
+                     max_conversations: int | None = None, min_assistant_tokens: int = 16,
+                     expect_records: int | None = SHAREGPT_WHOLE_RECORDS,
+                     log=print) -> Examples:
+    """ShareGPT file -> padded Examples (conversation order kept; shuffling is per batch)."""
+    convs = sharegpt_conversations(sharegpt_path, mtbench=mtbench, max_conversations=max_conversations,
+                                   expect_records=expect_records, log=log)
     pairs = tokenize_conversations(tokenizer, convs, seq_len)
     pairs = [p for p in pairs if p[1].sum() >= min_assistant_tokens]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ex = pad_examples(pairs, seq_len, pad_id)
-    log(f"sharegpt: {len(pairs)} rows of {seq_len} tokens, {int(ex.lengths.sum())} real tokens "
-        f"({ex.lengths.mean() / seq_len:.1%} fill), {int(ex.loss_mask.sum())} assistant tokens")
+    describe(ex, "sharegpt", log)
     return ex

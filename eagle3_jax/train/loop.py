@@ -34,6 +34,7 @@ from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model.eagle3 import DraftParams, init_draft_params
 from eagle3_jax.model.llama import LlamaParams
 from eagle3_jax.train import data as D
+from eagle3_jax.train import regenerate
 from eagle3_jax.train.objective import STEP_WEIGHT, TTT_STEPS, target_distribution, target_pass, ttt_loss
 
 TRAINABLE = tuple(f.name for f in dataclasses.fields(DraftParams) if f.name not in ("d2t", "embed"))
@@ -217,16 +218,25 @@ def _host(metrics: dict) -> dict:
 
 # ----------------------------------------------------------------------------- the run
 
-def load_examples(sharegpt: str | Path, tokenizer, seq_len: int, mtbench, cache: str | Path | None,
-                  max_conversations: int | None, log=print) -> D.Examples:
-    """Prepared examples, from the npz `cache` when it exists (it is written otherwise)."""
+def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mtbench, cache: str | Path | None,
+                  max_conversations: int | None, spec: regenerate.RegenerateSpec | None = None,
+                  progress: bool = True, log=print) -> D.Examples:
+    """Prepared examples, from the npz `cache` when it exists (it is written otherwise): ShareGPT
+    as written, or, with a `regenerate.RegenerateSpec`, its prompts answered by the target."""
     if cache is not None and Path(cache).is_file():
         z = np.load(cache)
         if z["tokens"].shape[1] == seq_len:
             log(f"data: {len(z['tokens'])} rows from {cache}")
             return D.Examples(z["tokens"], z["loss_mask"], z["lengths"])
-    ex = D.prepare_examples(sharegpt, tokenizer, seq_len, mtbench=mtbench, max_conversations=max_conversations,
-                            expect_records=None if max_conversations else D.SHAREGPT_WHOLE_RECORDS, log=log)
+    if spec is not None:
+        ex = regenerate.regenerate_sharegpt(target_dir, sharegpt, seq_len, spec, mtbench=mtbench,
+                                 max_conversations=max_conversations, progress=progress, log=log)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        ex = D.prepare_examples(sharegpt, tokenizer, seq_len, mtbench=mtbench, max_conversations=max_conversations,
+                                expect_records=None if max_conversations else D.SHAREGPT_WHOLE_RECORDS, log=log)
     if cache is not None:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         np.savez(cache, tokens=ex.tokens, loss_mask=ex.loss_mask, lengths=ex.lengths)
@@ -367,7 +377,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
                   mtbench="auto", ckpt_dir: str | Path | None = None, log_dir: str | Path | None = None,
                   time_budget_s: float | None = None, dtype: str = "auto", ckpt_every: int = 500,
                   eval_rows: int = 64, max_conversations: int | None = None, data_cache: str | Path | None = None,
-                  init: str = "target", warmup_frac: float = 0.03, progress: bool = True) -> dict:
+                  init: str = "target", warmup_frac: float = 0.03,
+                  regen: regenerate.RegenerateSpec | None = None, progress: bool = True) -> dict:
     """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
 
     With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
@@ -376,8 +387,6 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     and batches, so the result equals an uninterrupted run's. Returns the training log (also in
     `log_dir/train_log.json`, with the plot `train_curves.png`).
     """
-    from transformers import AutoTokenizer
-
     from eagle3_jax import assets
     from eagle3_jax.weights.eagle3 import save_drafter
 
@@ -392,9 +401,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     log(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), compute dtype {dtype}")
 
     def examples():
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-        return load_examples(sharegpt or assets.fetch(assets.SHAREGPT), tokenizer, seq_len, _mtbench(mtbench),
-                             data_cache, max_conversations, log)
+        return load_examples(sharegpt or assets.fetch(assets.SHAREGPT), target_dir, seq_len, _mtbench(mtbench),
+                             data_cache, max_conversations, regen, progress, log)
 
     hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, seed=seed,
                  warmup_frac=warmup_frac)
@@ -433,6 +441,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
                         "seq_len": run.hp.seq_len, "train_tokens": int(run.train.lengths.sum()),
                         "train_assistant_tokens": int(run.train.loss_mask.sum())},
                "vocab": {"size": len(run.vocab.used), "coverage": run.vocab.coverage}, "init": init,
+               "regenerate": dataclasses.asdict(regen) if regen else None,
                **extra, "history": history}
         log_path.write_text(json.dumps(rec) + "\n")
         return rec
@@ -496,6 +505,7 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
     ap.add_argument("--init", default="target", choices=INITS,
                     help="draft initialization: target (lm_head, norm, MLP from the target), head, random")
     ap.add_argument("--no-progress", action="store_true")
+    regenerate.add_arguments(ap)
     return ap
 
 
@@ -506,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                   mtbench=None if a.mtbench == "none" else a.mtbench, ckpt_dir=a.ckpt_dir, log_dir=a.log_dir,
                   time_budget_s=a.time_budget_s, dtype=a.dtype, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows,
                   max_conversations=a.max_conversations, data_cache=a.data_cache,
-                  init=a.init, warmup_frac=a.warmup_frac, progress=not a.no_progress)
+                  init=a.init, warmup_frac=a.warmup_frac, regen=regenerate.spec_from_args(a),
+                  progress=not a.no_progress)
     return 0
 
 

@@ -1,0 +1,137 @@
+"""Self-distilled training data: the target's own replies to the ShareGPT prompts.
+
+At inference the drafter reads the target's own text, not ChatGPT's. ShareGPT's replies were
+written by ChatGPT; for a 135M target they are far from what it would write, so a drafter trained
+on them learns to follow a distribution it will never see. Regenerating the replies with the
+target itself (as Medusa-2's self-distillation and HASS do; the EAGLE-3 authors' SpecForge has a
+`regenerate` step for the same reason) makes the training inputs match inference, while the
+labels stay the target's next-token distribution (`objective.py`).
+
+Each example is one first user turn (with its system message, if any) in the chat template plus
+the target's reply, decoded through our own engine (target-only, greedy by default: the
+evaluation is greedy). The loss mask covers the reply and its end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from eagle3_jax.sampling_params import SamplingParams
+from eagle3_jax.train import data as D
+
+
+@dataclasses.dataclass(frozen=True)
+class RegenerateSpec:
+    """How `regenerate_sharegpt` asks the target for its replies."""
+
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 384
+    temperature: float = 0.0  # greedy, as the evaluation decodes
+    time_budget_s: float | None = None
+    # Large buckets: the 135M target is launch-bound, so 256 rows cost little more than 16.
+    batch_buckets: tuple[int, ...] = (16, 64, 256)
+    prefill_buckets: tuple[int, ...] = (128, 512)
+
+
+def first_turns(conversations: Sequence[list[dict]]) -> list[list[dict]]:
+    """[optional system, first user message] of each conversation: the prompts to regenerate."""
+    out = []
+    for messages in conversations:
+        head = messages[:2] if messages[0]["role"] == "system" else messages[:1]
+        out.append([dict(m) for m in head])
+    return out
+
+
+def reply_example(prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [n] int32, loss mask [n] bool): the prompt unmasked, the reply masked in."""
+    ids = np.asarray([*prompt_ids, *reply_ids], np.int32)
+    mask = np.zeros(len(ids), bool)
+    mask[len(prompt_ids):] = True
+    return ids, mask
+
+
+def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max_prompt_tokens: int = 512,
+                        max_new_tokens: int = 384, temperature: float = 0.0, chunk: int = 1024,
+                        time_budget_s: float | None = None, min_reply_tokens: int = 16, pad_id: int = 0,
+                        progress: bool = True, log=print) -> D.Examples:
+    """The target's replies to `prompts` (chat messages) as padded Examples [N, seq_len].
+
+    `llm` is an `eagle3_jax.api.LLM` over the target (best without a drafter: any drafter is
+    lossless, but target-only is cheaper at large batch). Prompts longer than `max_prompt_tokens`
+    are skipped, as are replies shorter than `min_reply_tokens`. With `time_budget_s`, generation
+    stops after the chunk that crosses it (the examples so far are kept).
+    """
+    if max_prompt_tokens + max_new_tokens > seq_len:
+        raise ValueError(f"max_prompt_tokens {max_prompt_tokens} + max_new_tokens {max_new_tokens} "
+                         f"exceed seq_len {seq_len}")
+    start = time.perf_counter()
+    ids = [llm.encode(p) for p in prompts]
+    keep = [i for i, p in enumerate(ids) if len(p) <= max_prompt_tokens]
+    log(f"regenerate: {len(keep)} of {len(ids)} prompts have at most {max_prompt_tokens} tokens")
+    pairs, generated = [], 0
+    bar = tqdm(total=len(keep), desc="regenerate", unit="prompt", disable=not progress)
+    for lo in range(0, len(keep), chunk):
+        rows = keep[lo:lo + chunk]
+        batch = [ids[i] for i in rows]
+        # One seed per prompt: sampled replies are reproducible and independent of each other.
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=i) for i in rows]
+        for prompt, out in zip(batch, llm.generate(batch, params)):
+            if out.error is not None:
+                raise RuntimeError(f"regenerate: a request failed: {out.error}")
+            generated += len(out.token_ids)
+            if len(out.token_ids) >= min_reply_tokens:
+                pairs.append(reply_example(prompt, out.token_ids))
+        bar.update(len(batch))
+        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            log(f"regenerate: time budget reached after {lo + len(batch)} prompts")
+            break
+    bar.close()
+    seconds = time.perf_counter() - start
+    log(f"regenerate: {generated:,} tokens in {seconds:.0f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s), "
+        f"{len(pairs)} examples")
+    return D.pad_examples(pairs, seq_len, pad_id)
+
+
+def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: int, spec: RegenerateSpec, *,
+                        mtbench, max_conversations: int | None = None, progress: bool = True,
+                        log=print) -> D.Examples:
+    """ShareGPT first user turns (MT-bench overlaps removed) answered by the target in `target_dir`."""
+    from eagle3_jax.api import LLM
+    from eagle3_jax.config import EngineConfig
+
+    convs = D.sharegpt_conversations(sharegpt, mtbench=mtbench, max_conversations=max_conversations,
+                                     expect_records=None if max_conversations else D.SHAREGPT_WHOLE_RECORDS,
+                                     log=log)
+    engine = EngineConfig(batch_buckets=spec.batch_buckets, prefill_buckets=spec.prefill_buckets,
+                          num_speculative_tokens=0, max_model_len=spec.max_prompt_tokens + spec.max_new_tokens)
+    llm = LLM(target_dir, draft=None, num_speculative_tokens=0, engine_config=engine, progress=progress)
+    pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    ex = regenerate_examples(llm, first_turns(convs), seq_len, max_prompt_tokens=spec.max_prompt_tokens,
+                             max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+                             time_budget_s=spec.time_budget_s, pad_id=pad_id, progress=progress, log=log)
+    D.describe(ex, "regenerated", log)
+    return ex
+
+
+def add_arguments(ap) -> None:
+    """The regeneration flags of `eagle3-jax train-draft` and scripts/train_smollm2_drafter.py."""
+    g = ap.add_argument_group("self-distillation: train on the target's own replies to the ShareGPT prompts")
+    g.add_argument("--regenerate", action="store_true",
+                   help="answer the first user turns with the target and train on those replies")
+    g.add_argument("--regen-max-prompt-tokens", type=int, default=RegenerateSpec.max_prompt_tokens)
+    g.add_argument("--regen-max-new-tokens", type=int, default=RegenerateSpec.max_new_tokens)
+    g.add_argument("--regen-temperature", type=float, default=RegenerateSpec.temperature)
+    g.add_argument("--regen-time-budget-s", type=float, help="stop asking for replies after this long")
+
+
+def spec_from_args(a) -> RegenerateSpec | None:
+    if not a.regenerate:
+        return None
+    return RegenerateSpec(max_prompt_tokens=a.regen_max_prompt_tokens, max_new_tokens=a.regen_max_new_tokens,
+                          temperature=a.regen_temperature, time_budget_s=a.regen_time_budget_s)
