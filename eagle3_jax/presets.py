@@ -17,6 +17,15 @@ LLAMA31_8B = {
 LLAMA33_70B = {**LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                "num_attention_heads": 64}
 
+# SmolLM2-135M-Instruct as converted from its GGUF (`eagle3-jax prepare`): the embedded default's
+# shapes, for measurements that need no weights.
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+
 # "EAGLE3-LLaMA3.1-Instruct-8B" (../shared/EAGLE3.md, section 1): no rope_theta (10000 applies).
 EAGLE3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
              "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,

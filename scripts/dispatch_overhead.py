@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Where a small model's step time goes: the host enqueueing the program, or the device running it.
+
+    python3 scripts/dispatch_overhead.py                        # SmolLM2 shapes, random weights
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/dispatch_overhead.py
+
+For each step kind (target-only decode, the fused EAGLE-3 iteration, the same iteration as K + 1
+programs) and batch bucket, N calls are dispatched back to back through the engine and then
+waited for. `enqueue ms` is the host's time per call until the dispatch returned; `wall ms` is
+per call until the device finished the last one. enqueue ≈ wall means the host is the limit
+(launch-bound): the device waits for the next program. XLA_FLAGS (command buffers, i.e. CUDA
+graphs) is read by XLA at start, so compare flag sets in separate processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from eagle3_jax import presets  # noqa: E402
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig  # noqa: E402
+from eagle3_jax.engine.driver import Engine  # noqa: E402
+from eagle3_jax.model import llama  # noqa: E402
+from eagle3_jax.model.eagle3 import init_draft_params  # noqa: E402
+
+
+def engine_for(target: ModelConfig, draft: DraftConfig, k: int, fused: bool, batches, dtype) -> Engine:
+    params = llama.init_params(target, jax.random.PRNGKey(0), dtype)
+    dparams = init_draft_params(draft, jax.random.PRNGKey(1), dtype) if k else None
+    cfg = EngineConfig(batch_buckets=tuple(batches), prefill_buckets=(32,), num_speculative_tokens=k,
+                       fused_iteration=fused, max_model_len=1024)
+    return Engine(target, params, draft if k else None, dparams, cfg)
+
+
+def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: int) -> tuple[float, float]:
+    """(enqueue ms, wall ms) per call, medians over rounds of `calls` back-to-back iterations."""
+    rows = np.arange(1, batch + 1, dtype=np.int32)
+    tables = np.zeros((batch, engine.cfg.max_blocks_per_seq), np.int32)  # scratch pages: same work
+    enqueue, wall = [], []
+    for r in range(rounds + 1):  # round 0 compiles and warms up
+        s = engine.state
+        engine.state = s.replace(slots=s.slots.replace(length=jnp.full_like(s.slots.length, context)))
+        start = time.perf_counter()
+        for _ in range(calls):
+            engine.state, n, _ = engine._iterate(rows, tables)
+        queued = time.perf_counter()
+        n.block_until_ready()
+        done = time.perf_counter()
+        if r:
+            enqueue.append((queued - start) / calls)
+            wall.append((done - start) / calls)
+    return 1e3 * statistics.median(enqueue), 1e3 * statistics.median(wall)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="2,8")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    target = ModelConfig.from_hf(presets.SMOLLM2_135M)
+    draft = DraftConfig.like_target(target, draft_vocab_size=16384)
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    batches = [int(b) for b in a.batches.split(",")]
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print("| step | batch | enqueue ms/call | wall ms/call | host share |\n|---|---|---|---|---|")
+    kinds = [("target-only decode", 0, True), (f"EAGLE-3 K={a.k} fused", a.k, True),
+             (f"EAGLE-3 K={a.k} as {a.k + 1} programs", a.k, False)]
+    for name, k, fused in kinds:
+        engine = engine_for(target, draft, k, fused, batches, dtype)
+        for b in batches:
+            enqueue, wall = time_bucket(engine, b, a.context, a.calls, a.rounds)
+            print(f"| {name} | {b} | {enqueue:.3f} | {wall:.3f} | {enqueue / wall:.0%} |", flush=True)
+        del engine
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
