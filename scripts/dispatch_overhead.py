@@ -53,9 +53,28 @@ def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: in
         engine.state = s.replace(slots=s.slots.replace(length=jnp.full_like(s.slots.length, context)))
         start = time.perf_counter()
         for _ in range(calls):
-            engine.state, n, _ = engine._iterate(rows, tables)
+            engine.state, n, _ = engine._iterate(rows, tables, engine.step_cfg)
         queued = time.perf_counter()
         n.block_until_ready()
+        done = time.perf_counter()
+        if r:
+            enqueue.append((queued - start) / calls)
+            wall.append((done - start) / calls)
+    return 1e3 * statistics.median(enqueue), 1e3 * statistics.median(wall)
+
+
+def time_identity(engine: Engine, calls: int, rounds: int, with_params: bool) -> tuple[float, float]:
+    """The same dispatch with no kernels: a program returning the donated state it is given.
+    Its enqueue time is the per-call cost of the arguments alone (one buffer per pytree leaf)."""
+    fn = jax.jit(lambda p, d, s: s, donate_argnums=2)
+    args = (engine.params, engine.draft_params) if with_params else (None, None)
+    enqueue, wall = [], []
+    for r in range(rounds + 1):
+        start = time.perf_counter()
+        for _ in range(calls):
+            engine.state = fn(*args, engine.state)
+        queued = time.perf_counter()
+        jax.block_until_ready(engine.state)
         done = time.perf_counter()
         if r:
             enqueue.append((queued - start) / calls)
@@ -84,6 +103,13 @@ def main() -> int:
         for b in batches:
             enqueue, wall = time_bucket(engine, b, a.context, a.calls, a.rounds)
             print(f"| {name} | {b} | {enqueue:.3f} | {wall:.3f} | {enqueue / wall:.0%} |", flush=True)
+        if fused and k:
+            leaves = len(jax.tree_util.tree_leaves((engine.params, engine.draft_params, engine.state)))
+            for with_params in (False, True):
+                what = f"no kernels: state{' + weights' if with_params else ''} in, state out"
+                enqueue, wall = time_identity(engine, a.calls, a.rounds, with_params)
+                print(f"| {what} ({leaves if with_params else len(jax.tree_util.tree_leaves(engine.state))} "
+                      f"leaves) | - | {enqueue:.3f} | {wall:.3f} | {enqueue / wall:.0%} |", flush=True)
         del engine
     return 0
 
