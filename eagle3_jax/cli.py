@@ -15,8 +15,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: the shipped drafter when the target is the default)")
     p.add_argument("--num-draft", type=int, default=3, help="K, draft tokens per iteration")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--speculation", choices=("auto", "always"), default="auto",
+                   help="auto: speculate at a batch size only while it beats the target alone, from costs "
+                        "timed in warm-up and the measured acceptance; always: at every batch size")
     p.add_argument("--speculative-max-batch", type=int, default=None,
-                   help="batch buckets above this run the target alone (default: speculate at all)")
+                   help="batch buckets above this run the target alone, in either mode (default: no cap)")
     p.add_argument("--batch-buckets", default=None,
                    help="comma-separated decode batch sizes to compile (default: what the prompts need)")
 
@@ -31,7 +34,7 @@ def _llm(args, num_prompts: int = 1):
     else:  # powers of two from 2 up to the batch: compile only what this run can use
         buckets = tuple(2 ** i for i in range(1, max(1, num_prompts - 1).bit_length() + 1))
     cfg = EngineConfig(batch_buckets=buckets, max_model_len=args.max_model_len,
-                       speculative_max_batch=args.speculative_max_batch)
+                       speculation=args.speculation, speculative_max_batch=args.speculative_max_batch)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg)
 
 

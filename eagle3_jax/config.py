@@ -327,6 +327,7 @@ def count_params(shapes: Any) -> int:
 
 
 MAX_SPECULATIVE_TOKENS = 16
+SPECULATION_MODES = ("auto", "always")  # EngineConfig.speculation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,9 +341,18 @@ class EngineConfig:
     prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
         largest bucket.
     num_speculative_tokens: K draft tokens per iteration (0 = target only).
-    speculative_max_batch: batch buckets larger than this run the target alone (speculation
-        costs more than it saves once a step stops being memory-bound; set it from measured
-        cost, e.g. `eagle3-jax bench`). None speculates at every bucket.
+    speculation: "auto" speculates at a bucket only while it emits tokens faster than the target
+        alone, from the measured cost of both iterations there (timed in warm-up, or
+        `step_costs`) and the acceptance length measured while serving (engine/policy.py has the
+        rule); warm-up then compiles both iterations for every bucket, so switching never
+        compiles. "always" speculates at every bucket (up to `speculative_max_batch`): for
+        measuring a drafter, and for seeded sampling that must repeat token for token (which
+        iteration a row runs changes which tokens a seed draws, never their distribution).
+    speculative_max_batch: batch buckets larger than this run the target alone, in either mode:
+        a manual cap. None caps nothing.
+    step_costs: (bucket, target-only seconds, speculative seconds) per batch bucket, e.g. from
+        `eagle3-jax bench`, for "auto"; buckets it lacks are timed in warm-up, entries for other
+        batch sizes are ignored. None times every bucket.
     fused_iteration: one program per iteration (True), or the driver dispatching the verify and
         each draft step as programs of their own, threading the draft's hidden state (False).
     page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable);
@@ -354,7 +364,9 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     num_speculative_tokens: int = 3
+    speculation: str = "auto"
     speculative_max_batch: int | None = None
+    step_costs: tuple[tuple[int, float, float], ...] | None = None
     fused_iteration: bool = True
     page_size: int = 16
     num_pages: int | None = None
@@ -371,6 +383,18 @@ class EngineConfig:
                               f"{self.num_speculative_tokens}")
         for name in ("page_size", "max_model_len"):
             _positive(getattr(self, name), name, where)
+        if self.speculation not in SPECULATION_MODES:
+            raise ConfigError(f"{where}: speculation must be one of {', '.join(SPECULATION_MODES)}, got "
+                              f"{self.speculation!r}")
+        if self.step_costs is not None:
+            # A tuple of tuples, so the config stays hashable whatever sequence it was given as.
+            costs = tuple((int(b), float(t0), float(tk)) for b, t0, tk in self.step_costs)
+            bad = [c for c in costs if not (c[1] > 0 and c[2] > 0)]
+            if bad:
+                raise ConfigError(f"{where}: step_costs must be positive seconds, got {bad[0]}")
+            if len({c[0] for c in costs}) != len(costs):
+                raise ConfigError(f"{where}: step_costs lists a bucket twice: {costs}")
+            object.__setattr__(self, "step_costs", costs)
         if self.num_pages is None:
             typical = -(-min(self.max_model_len, 1024) // self.page_size)
             object.__setattr__(self, "num_pages", self.max_num_seqs * typical + self.max_blocks_per_seq + 1)

@@ -3,7 +3,6 @@ engines shared across tests so each compiled bucket is built once per session.""
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -68,7 +67,10 @@ def random_drafter_dir(tmp_path_factory, smollm2_cfg):
 
 
 # Small shapes keep CPU compilation cheap: prompts over 64 tokens are prefilled in chunks.
-TEST_ENGINE = dict(batch_buckets=(1, 8), prefill_buckets=(64,), max_model_len=384, num_pages=256)
+# "always": one iteration program per bucket, and every test speculates whatever the CPU's timing;
+# tests/test_engine.py runs "auto" end to end.
+TEST_ENGINE = {"batch_buckets": (1, 8), "prefill_buckets": (64,), "max_model_len": 384, "num_pages": 256,
+               "speculation": "always"}
 
 
 def make_llm(target, draft=None, num_draft=3, **engine):

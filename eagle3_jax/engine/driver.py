@@ -5,12 +5,17 @@ step's results, so the host's scheduling, detokenization and stop checks run whi
 works. Every dispatch threads the donated `DeviceState`, so the device runs them in order; a
 request that finished in the results being read was already dispatched once more, and that
 surplus iteration is discarded (its pages reserve room for it).
+
+Speculation per bucket: with `EngineConfig.speculation == "auto"` each iteration speculates or runs
+the target alone by engine/policy.py's rule, from the step costs timed in warm-up and the
+acceptance length measured from the iterations collected here.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 
@@ -20,7 +25,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, check_draft_fits
-from eagle3_jax.engine import sampling
+from eagle3_jax.engine import policy, sampling
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
 from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step, iterate_step,
@@ -57,13 +62,16 @@ class CompileCounter:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Per-step timings: host time is Python work, device wait is time blocked on results."""
+    """Per-step timings: host time is Python work, device wait is time blocked on results.
+    Iterations dispatched per batch bucket, speculative and target-only, show what the policy did."""
 
     steps: int = 0
     iterations: int = 0
     host_s: float = 0.0
     device_wait_s: float = 0.0
     warmup_s: float = 0.0
+    speculative_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
+    target_only_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
 
     @property
     def host_ms_per_step(self) -> float:
@@ -79,6 +87,8 @@ class _Pending:
     reqs: list[Request]
     tokens: jax.Array  # prefill: first token [1]; iterate: emitted [B, K+1]
     num_accepted: jax.Array | None  # iterate: [B]
+    speculative: bool = False  # iterate: K drafts verified (else the target alone)
+    fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, proposals drafted at the row's position
 
 
 class Engine:
@@ -108,16 +118,41 @@ class Engine:
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._seed_rng = np.random.default_rng()
+        # The speculation policy's inputs: costs per bucket (injected, or timed in warm-up), the
+        # acceptance estimate (updated as iterations are collected), and per slot whether its
+        # proposals were drafted at its current position (false after a target-only iteration:
+        # the next verify checks stale proposals, no measure of the drafter).
+        self.policy = policy.SpeculationPolicy()
+        self.acceptance = policy.AcceptanceEstimate.prior(k)
+        self.step_costs: dict[int, policy.BucketCost] = {
+            b: policy.BucketCost(t0, tk) for b, t0, tk in cfg.step_costs or () if b in cfg.batch_buckets}
+        self._fresh = np.zeros(cfg.max_num_seqs + 1, bool)  # [S]
         CompileCounter.install()
 
-    def iterate_config(self, bucket: int) -> StepConfig:
-        """The iteration's config for a batch bucket: K drafts, or none past speculative_max_batch
-        (the proposals in the slots then wait unverified; any proposal is safe to verify later,
-        since each was drawn from the q stored with it)."""
+    # ---- speculation per bucket --------------------------------------------------------------
+    def may_speculate(self, bucket: int) -> bool:
+        """Whether a bucket can speculate at all: a drafter, K > 0, within speculative_max_batch."""
         limit = self.cfg.speculative_max_batch
-        if limit is None or bucket <= limit:
-            return self.step_cfg
-        return dataclasses.replace(self.step_cfg, num_draft=0)
+        return self.step_cfg.speculative and (limit is None or bucket <= limit)
+
+    def speculates(self, bucket: int) -> bool:
+        """This bucket's choice now: "always" speculates wherever it may; "auto" asks the policy."""
+        if not self.may_speculate(bucket):
+            return False
+        if self.cfg.speculation == "always":
+            return True
+        return policy.speculate(self.step_costs.get(bucket), self.acceptance, self.step_cfg.num_draft, self.policy)
+
+    def iterate_config(self, bucket: int) -> StepConfig:
+        """The iteration's config for a batch bucket: K drafts, or none when it runs the target
+        alone (the proposals in the slots then wait unverified; any proposal is safe to verify
+        later, since each was drawn from the q stored with it)."""
+        return self.step_cfg if self.speculates(bucket) else dataclasses.replace(self.step_cfg, num_draft=0)
+
+    def speculation_table(self) -> tuple[policy.BucketChoice, ...]:
+        """Every bucket's cost and current choice; `policy.format_table(table, engine.acceptance)`
+        prints it."""
+        return tuple(policy.BucketChoice(b, self.step_costs.get(b), self.speculates(b)) for b in self.cfg.batch_buckets)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -167,20 +202,28 @@ class Engine:
                 np.array([len(chunk)], np.int32), np.array([start], np.int32),
                 np.array([req.slot], np.int32), self.scheduler.block_tables[req.slot][None], row,
                 cfg=self.step_cfg)
+        self._fresh[req.slot] = self.step_cfg.speculative  # the last chunk drafted K proposals
         first.copy_to_host_async()
         self._pending.append(_Pending([req], first, None))
 
     def _dispatch_iterate(self) -> None:
         reqs, slots, tables = self.scheduler.batch()
-        self.state, num_accepted, emitted = self._iterate(slots, tables)
+        bucket = len(slots)
+        cfg = self.iterate_config(bucket)
+        # Device order is dispatch order, so freshness at dispatch is what this iteration verifies.
+        rows = slots[:len(reqs)]
+        fresh = self._fresh[rows].copy()
+        self._fresh[rows] = cfg.speculative
+        self.state, num_accepted, emitted = self._iterate(slots, tables, cfg)
         num_accepted.copy_to_host_async()
         emitted.copy_to_host_async()
         self.stats.iterations += 1
-        self._pending.append(_Pending(reqs, emitted, num_accepted))
+        counts = self.stats.speculative_iterations if cfg.speculative else self.stats.target_only_iterations
+        counts[bucket] = counts.get(bucket, 0) + 1
+        self._pending.append(_Pending(reqs, emitted, num_accepted, cfg.speculative, fresh))
 
-    def _iterate(self, slots: np.ndarray, tables: np.ndarray):
+    def _iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig):
         """Dispatch one iteration, fused or as K + 1 programs; returns without waiting."""
-        cfg = self.iterate_config(len(slots))
         if self.cfg.fused_iteration or not cfg.speculative:
             return iterate_step(self.params, self.draft_params, self.state, slots, tables, cfg=cfg)
         state, num_accepted, emitted, carry = iterate_head_step(self.params, self.draft_params, self.state,
@@ -194,6 +237,12 @@ class Engine:
         tokens = np.asarray(pending.tokens)
         accepted = None if pending.num_accepted is None else np.asarray(pending.num_accepted)
         self.stats.device_wait_s += time.perf_counter() - t
+        if accepted is not None:
+            # Measured: running rows (not the surplus iteration of a finished one) of a speculative
+            # iteration whose proposals were fresh. Read before _append finishes any request.
+            measured = [pending.speculative and bool(fresh) and not req.finished
+                        for req, fresh in zip(pending.reqs, pending.fresh)]
+            self.acceptance = policy.observe(self.acceptance, accepted[:len(pending.reqs)], measured, self.policy)
         changed = []
         for i, req in enumerate(pending.reqs):
             if req.finished:
@@ -201,7 +250,7 @@ class Engine:
             if accepted is None:
                 new = tokens[:1].tolist()
             else:
-                req.metrics.record(int(accepted[i]))
+                req.metrics.record(int(accepted[i]), speculative=pending.speculative)
                 new = tokens[i, :accepted[i] + 1].tolist()
             self._append(req, new)
             changed.append(req)
@@ -248,15 +297,39 @@ class Engine:
     def num_compilations(self) -> int:
         return CompileCounter.count
 
+    def _iterate_configs(self, bucket: int) -> list[StepConfig]:
+        """The iterations a bucket may run: speculative, target-only, or (in "auto") both."""
+        target_only = dataclasses.replace(self.step_cfg, num_draft=0)
+        if not self.may_speculate(bucket):
+            return [target_only]
+        return [self.step_cfg] if self.cfg.speculation == "always" else [self.step_cfg, target_only]
+
+    def _time_iteration(self, bucket: int, cfg: StepConfig, rounds: int = 3, calls: int = 3) -> float:
+        """Median over rounds of seconds per iteration, `calls` dispatched back to back per round
+        (as serving dispatches them), on padded rows: every row the dummy slot, at context 0."""
+        slots, tables = np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
+        samples = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls):
+                self.state, _, _ = self._iterate(slots, tables, cfg)
+            jax.block_until_ready(self.state)  # the per-step path ends in commit, not in num_accepted
+            samples.append((time.perf_counter() - start) / calls)
+        return statistics.median(samples)
+
     def warmup(self, progress: bool = True) -> float:
-        """Compile every step function for every bucket now, so serving never compiles."""
+        """Compile every step function for every bucket now, so serving never compiles. In "auto",
+        both iterations of each bucket that may speculate, then time them (buckets missing from
+        `step_costs`) for the speculation policy."""
         start = time.perf_counter()
-        shapes = [("iterate", b) for b in self.cfg.batch_buckets] + [("prefill", t) for t in self.cfg.prefill_buckets]
+        shapes = [("iterate", b, c) for b in self.cfg.batch_buckets for c in self._iterate_configs(b)]
+        shapes += [("prefill", t, self.step_cfg) for t in self.cfg.prefill_buckets]
         nb = self.cfg.max_blocks_per_seq
         greedy = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
-        for kind, size in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
+        for kind, size, cfg in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             if kind == "iterate":
-                self.state, n, _ = self._iterate(np.full(size, DUMMY_SLOT, np.int32), np.zeros((size, nb), np.int32))
+                self.state, n, _ = self._iterate(np.full(size, DUMMY_SLOT, np.int32), np.zeros((size, nb), np.int32),
+                                                 cfg)
             else:
                 next_tokens = np.zeros((1, size), np.int32)
                 next_tokens[0, 0] = -1
@@ -265,5 +338,10 @@ class Engine:
                     np.ones(1, np.int32), np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32),
                     np.zeros((1, nb), np.int32), greedy, cfg=self.step_cfg)
             n.block_until_ready()
+        for b in self.cfg.batch_buckets:
+            configs = self._iterate_configs(b)
+            if len(configs) == 2 and b not in self.step_costs:
+                spec, target_only = (self._time_iteration(b, c) for c in configs)
+                self.step_costs[b] = policy.BucketCost(target_only_s=target_only, speculative_s=spec)
         self.stats.warmup_s = time.perf_counter() - start
         return self.stats.warmup_s

@@ -30,9 +30,11 @@ class RequestMetrics:
     emitted: int = 0  # tokens those forwards produced (before truncation at a stop)
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # [K] drafts accepted at position j
     num_draft: int = 0  # K
+    speculative_iterations: int = 0  # those forwards that verified K drafts (the rest ran the target alone)
 
-    def record(self, num_accepted: int) -> None:
+    def record(self, num_accepted: int, speculative: bool = True) -> None:
         self.iterations += 1
+        self.speculative_iterations += speculative
         self.emitted += num_accepted + 1
         for j in range(num_accepted):
             self.accepted_at[j] += 1
@@ -44,12 +46,14 @@ class RequestMetrics:
 
     @property
     def acceptance_rates(self) -> list[float]:
-        """Fraction of iterations whose draft at position j (0-based) was accepted."""
-        return [a / self.iterations if self.iterations else 0.0 for a in self.accepted_at]
+        """Fraction of speculative iterations whose draft at position j (0-based) was accepted
+        (target-only iterations drafted nothing, so they do not dilute the drafter's rates)."""
+        n = self.speculative_iterations
+        return [a / n if n else 0.0 for a in self.accepted_at]
 
     @property
     def drafted(self) -> int:
-        return self.iterations * self.num_draft
+        return self.speculative_iterations * self.num_draft
 
     @property
     def accepted(self) -> int:
