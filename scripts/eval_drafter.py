@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     def save():
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
 
-    all_at_once = EngineConfig(batch_buckets=(len(questions),), prefill_buckets=(512,), max_model_len=1024)
+    all_at_once = EngineConfig(batch_buckets=(len(questions),), prefill_buckets=(512,), max_model_len=1024,
+                               speculation="always")  # measuring the drafter: never switch it off
     for k in [int(x) for x in a.ks.split(",")]:
         if time.perf_counter() - start > a.time_budget_s:
             print(f"time budget spent: stopping before K={k}", flush=True)
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
                   flush=True)
             save()
 
-    one = EngineConfig(batch_buckets=(2,), prefill_buckets=(512,), max_model_len=1024)
+    one = EngineConfig(batch_buckets=(2,), prefill_buckets=(512,), max_model_len=1024, speculation="always")
     speed_runs = (("target-only", None, 0), (f"EAGLE-3 K={a.speed_k}", a.draft, a.speed_k))
     speed_runs = speed_runs if a.speed_prompts > 0 else ()
     for mode, draft, k in speed_runs:
