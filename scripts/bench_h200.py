@@ -1,8 +1,15 @@
 #!/usr/bin/env python3
-"""Issue 7's benchmark on one GPU, in one go: `eagle3-jax bench` with the H200 settings.
+"""Issue 7's benchmark on one GPU, in one go: `eagle3-jax bench` with the H200 settings; and
+issue 9's, Llama-3.3-70B shapes under tensor parallelism on several GPUs.
 
     python3 scripts/bench_h200.py --out-dir "$OUT"            # everything, about 6 to 8 minutes
     python3 scripts/bench_h200.py --out-dir "$OUT" --only 8b --batches 1,8
+    python3 scripts/bench_h200.py --out-dir "$OUT" --only 8b,tp --step-model llama-3.3-70b --tp 2 --batches-8b 1,8
+
+The last, on 2 H200s: the all-reduce between them (a large array, and each decode-sized
+activation), the 70B step functions at TP=2 with random bf16 weights created on their shards
+(about 72 GB per GPU: 70.6 GB of target, 1.6 GB of drafter, plus 1.4 GB of KV), and the tp
+phase: greedy tokens at TP=2 against TP=1 through the engine, on a small f32 model.
 
 Runs the peer (Hugging Face, torch.compile) first, then measures the memory bandwidth and matmul
 rate, then the engine on SmolLM2 (target-only vs EAGLE-3, batches 1..64), then the 8B-shaped step
@@ -35,6 +42,8 @@ sys.path.insert(0, str(REPO))
 # XLA's autotuner logs a 'Delay kernel timed out' warning per kernel timed; keep errors only.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# NCCL (which XLA's all-reduces use) must not use NVLink multicast on the shared GPU hosts.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from eagle3_jax import assets  # noqa: E402  (after the path insert)
 

@@ -4,18 +4,27 @@ No timing assertions: only that each phase produced its rows, with positive figu
 report files were written. The tiny target has no tokenizer, so prompts are token ids. Its
 drafter has the shapes the 8b phase derives from the same config (draft_config_like), and both
 phases use the same engine sizes, so the 8b phase reuses the engine's compiled iterate steps.
+
+The tensor-parallel path (--tp 2: the all-reduce measurement, the step phase on a mesh, the tp
+phase's TP=2 vs TP=1 tokens) runs as scripts/bench_h200.py in a subprocess with two forced CPU
+devices, started first so it overlaps the in-process tests.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from eagle3_jax import bench
-from eagle3_jax.config import ModelConfig
+from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.model.llama import init_params
 from eagle3_jax.weights.eagle3 import save_drafter
@@ -25,6 +34,54 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_la
                    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
                    max_position_embeddings=256, tie_word_embeddings=False, eos_token_ids=(2,))
 BATCHES = (1, 2)
+REPO = Path(__file__).resolve().parents[1]
+TP_BATCH, TP_K, TP_PROMPTS, TP_TOKENS, CHAIN = 2, 3, 2, 12, 4
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """scripts/bench_h200.py --only 8b,tp --tp 2 on two forced CPU devices: TINY's shapes with a
+    70B-layout drafter (narrower, own embedding), and the tp phase's small model, shrunk."""
+    root = tmp_path_factory.mktemp("bench_tp")
+    (root / "step").mkdir()
+    (root / "step" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "eos_token_id": 2, **bench.hf_config_dict(TINY)}))
+    draft = DraftConfig.like_target(TINY, 128, hidden_size=32, intermediate_size=64, head_dim=8)
+    (root / "draft.json").write_text(json.dumps(draft.to_hf()))
+    out = root / "out"
+    argv = ["--only", "8b,tp", "--tp", "2", "--out-dir", str(out), "--step-model", str(root / "step"),
+            "--step-draft", str(root / "draft.json"), "--batches-8b", str(TP_BATCH), "--num-draft", str(TP_K),
+            "--context", "16", "--max-model-len-8b", "64", "--calls", "2", "--rounds", "2", "--bandwidth-gb", "0.01",
+            "--matmul-size", "128", "--allreduce-mb", "0.5", "--allreduce-chain", str(CHAIN),
+            "--tp-check-hidden", "64", "--tp-check-layers", "2", "--tp-check-vocab", "512",
+            "--tp-check-prompts", str(TP_PROMPTS), "--tp-check-tokens", str(TP_TOKENS)]
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=2"]))
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench_h200.py"), *argv], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tp_started(tp_run):
+    """Start the subprocess before the in-process phases (two cores: it runs alongside them)."""
+
+
+@pytest.fixture(scope="module")
+def tp_report(tp_run):
+    proc, out = tp_run
+    try:
+        stdout, stderr = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("bench --tp 2 timed out")
+    assert proc.returncode == 0, stderr[-4000:]
+    assert "# eagle3-jax bench" in stdout
+    return json.loads((out / "bench.json").read_text()), (out / "bench.md").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +118,18 @@ def test_files_written(report):
 def test_engine_rows(report):
     out, data = report
     rows = _rows(data, "smollm2")
-    modes = ("target-only", "EAGLE-3 K=1", "EAGLE-3 K=1 per-step")
+    modes = ("target-only", "EAGLE-3 K=1", "EAGLE-3 K=1 per-step", "EAGLE-3 K=1 auto")
     assert [(r["mode"], r["batch"]) for r in rows] == [(m, b) for m in modes for b in BATCHES]
     for r in rows:
         v = r["values"]
+        assert v["bucket"] == max(r["batch"], 2)  # one request runs padded to two rows, as by default
+        iterations = (v["speculative_iterations"], v["target_only_iterations"])
+        if r["mode"] == "target-only":
+            assert iterations[0] == 0 and iterations[1] > 0
+        elif r["mode"].endswith("auto"):  # the policy chose, per iteration
+            assert sum(iterations) > 0
+        else:  # the fixed EAGLE-3 rows speculate at every batch size
+            assert iterations[0] > 0 and iterations[1] == 0
         for key in ("tok_s", "tokens", "tpot_ms", "ttft_ms", "iter_ms", "host_ms_per_step", "device_ms", "floor_ms"):
             assert v[key] > 0, (r["mode"], r["batch"], key, v[key])
         assert v["acceptance_length"] >= 1.0
@@ -74,7 +139,8 @@ def test_engine_rows(report):
     markdown = (out / "bench.md").read_text()
     for mode in modes:
         for b in BATCHES:
-            assert f"| {mode} | {b} |" in markdown
+            assert f"| {mode} | {b} | {max(b, 2)} |" in markdown
+    assert [n for n in data["notes"] if n.startswith("EAGLE-3 K=1 auto: speculation policy") and "break-even" in n]
 
 
 def test_step_rows(report):
@@ -120,3 +186,98 @@ def test_floor_counts_weights_and_kv():
     per_pass = bench.draft_cost(draft, 1, 1, 0, 2, first=False).bytes
     assert it.bytes - bench.target_cost(target, 1, 4, 0, 2).bytes == pytest.approx(
         3 * per_pass + 2 * 3 * 4096 * 4096)  # K passes of the midlayer + lm_head, fc once
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------------
+def test_tp_tokens_identical(tp_report):
+    data, markdown = tp_report
+    rows = _rows(data, "tp")
+    assert [(r["mode"], r["values"]["tp"]) for r in rows] == [
+        ("target-only", 1), (f"EAGLE-3 K={TP_K}", 1), ("target-only", 2), (f"EAGLE-3 K={TP_K}", 2)]
+    for r in rows:
+        v = r["values"]
+        assert r["batch"] == TP_PROMPTS and v["tokens"] == TP_PROMPTS * TP_TOKENS
+        assert v["acceptance_length"] >= 1.0
+        # The EAGLE-3 runs verified drafts at every iteration (none fell back to the target alone).
+        assert v["iterations"] > 0
+        assert v["speculative_iterations"] == (v["iterations"] if r["mode"].startswith("EAGLE") else 0)
+        if v["tp"] == 2:  # against the same mode at TP=1
+            assert (v["identical"], v["mismatched"], v["first_mismatch"]) == ("yes", 0, None), v
+        if (r["mode"], v["tp"]) != ("target-only", 1):  # greedy EAGLE-3 is lossless, at every TP
+            assert v["identical_target_tp1"] == "yes", (r["mode"], v)
+    assert data["info"]["tp"]["identical"] == "yes"
+    assert "greedy tokens identical: yes" in markdown
+
+
+def test_tp_allreduce_measured(tp_report):
+    data, _ = tp_report
+    rows = _rows(data, "allreduce")
+    d, h = TINY.hidden_size, 32
+    shapes = [f"{[TP_BATCH, t, w]} float32" for t in (1, TP_K + 1) for w in (d, h)]
+    assert [r["mode"] for r in rows[1:]] == shapes and rows[0]["mode"].endswith("(bandwidth)")
+    for r in rows:
+        v = r["values"]
+        assert v["hlo_allreduces"] == CHAIN  # every psum of the chain stayed an all-reduce
+        assert v["us"] > 0 and v["algbw_gbs"] > 0
+        assert v["busbw_gbs"] == pytest.approx(v["algbw_gbs"] * 2 * (2 - 1) / 2)
+    meta = data["meta"]["allreduce"]
+    assert meta["tp"] == 2 and meta["algbw"] > 0 and len(meta["seconds"]) == 1 + len(shapes)
+
+
+def test_tp_step_rows(tp_report):
+    data, markdown = tp_report
+    rows = _rows(data, "8b")
+    assert [(r["mode"].split(" ")[0], r["batch"]) for r in rows] == [("decode,", 2), ("EAGLE-3", 2), ("verify", 2)]
+    # TINY has 2 layers: target 2 per layer + embedding; draft extend 4, each of K-1 chain steps 3.
+    expected = {"decode,": 5, "EAGLE-3": 5 + 4 + 3 * (TP_K - 1), "verify": 5}
+    for r in rows:
+        v = r["values"]
+        assert v["tp"] == 2
+        assert v["ar_count"] == v["ar_count_hlo"] == expected[r["mode"].split(" ")[0]], (r["mode"], v)
+        assert v["ar_mb_hlo"] == pytest.approx(v["ar_mb"])  # f32 here: activations and all-reduces alike
+        assert v["ar_floor_ms"] > 0 and v["device_floor_ms"] > 0
+        assert v["floor_ms"] == pytest.approx(v["device_floor_ms"] + v["ar_floor_ms"])
+        assert v["ms"] > 0 and math.isfinite(v["ar_latency_ms"]) and v["ar_latency_ms"] > 0
+        assert v["pct_of_floor"] == pytest.approx(100 * v["floor_ms"] / v["ms"])
+    assert not [n for n in data["notes"] if "compile(s)" in n or "the floor counts" in n], data["notes"]
+    info = data["info"]["8b"]
+    held = info["weight bytes"]
+    # Each of the 2 devices holds half of every matrix (norms and d2t replicated, so a bit more).
+    assert held["target_whole"] / 2 < held["target"] < held["target_whole"] / 2 + 4 * 64 * 8
+    assert held["draft_whole"] / 2 < held["draft"] < held["draft_whole"] / 2 + 4 * (4 * 32 + 128)
+    assert info["drafter embedding"].startswith("its own")
+    assert "Step functions: step shapes at TP=2" in markdown and "all-reduce floor ms" in markdown
+
+
+def test_tp_floor_70b():
+    """Per-device bytes and the all-reduces of Llama-3.3-70B + its drafter at TP=2 (no devices)."""
+    target, draft = bench.llama33_70b()
+    decode = bench.target_cost(target, batch=8, new_tokens=1, context=0, itemsize=2, tp=2)
+    # bf16 over 2 devices: one byte per parameter read, all but the embedding (a lookup) and norms.
+    assert decode.bytes == pytest.approx(70_553_706_496 - 128256 * 8192 - 161 * 8192)
+    assert decode.allreduces == ((8, 1, 8192),) * 161 and decode.allreduce_bytes == 161 * 8 * 8192 * 2
+    it = bench.iteration_cost(target, draft, 3, 8, 0, 2, tp=2)
+    counts = {s: it.allreduces.count(s) for s in set(it.allreduces)}
+    assert counts == {(8, 4, 8192): 161, (8, 4, 6144): 4, (8, 1, 6144): 6}
+    c, link = bench.Ceilings(4e12, 1e15), bench.LinkCeilings(2, 2e11)
+    assert it.floor_s(c, link) == pytest.approx(it.bytes / 4e12 + it.allreduce_bytes / 2e11)
+    with pytest.raises(ValueError, match="all-reduce bandwidth"):
+        it.floor_s(c)
+    assert bench.LinkCeilings(4, 1e11).busbw == pytest.approx(1.5e11)
+    # kv heads (8) do not divide 16: wk, wv and the KV cache stay whole on every device.
+    kv = [bench.target_cost(target, 1, 1, 1000, 2, tp=tp).bytes - bench.target_cost(target, 1, 1, 0, 2, tp=tp).bytes
+          for tp in (1, 8, 16)]
+    assert kv[1] == pytest.approx(kv[0] / 8) and kv[2] == pytest.approx(kv[0])
+
+
+def test_hlo_collectives_parser():
+    hlo = """
+  %all-reduce-start = bf16[8,4,8192]{2,1,0} all-reduce-start(%fusion.1), channel_id=1, to_apply=%add
+  %all-reduce-done = bf16[8,4,8192]{2,1,0} all-reduce-done(%all-reduce-start)
+  %psum = (f32[8,4,64]{2,1,0}, f32[8,4,64]{2,1,0}) all-reduce(%a, %b), replica_groups={{0,1}}, to_apply=%add
+  %ag = f32[8,4,256]{2,1,0} all-gather(%x), dimensions={2}
+  %f = f32[8,4,64]{2,1,0} fusion(%psum), kind=kLoop
+"""
+    assert bench.hlo_collectives(hlo) == {
+        "all-reduce": [((8, 4, 8192), 8 * 4 * 8192 * 2), ((8, 4, 64), 8 * 4 * 64 * 4), ((8, 4, 64), 8 * 4 * 64 * 4)],
+        "all-gather": [((8, 4, 256), 8 * 4 * 256 * 4)]}
