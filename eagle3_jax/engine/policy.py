@@ -68,7 +68,12 @@ class SpeculationPolicy:
 
     margin: float = 0.05  # speculation must beat target-only by this fraction
     prior_weight: int = 8  # row-iterations the prior K+1 counts as
-    window: int = 64  # row-iterations the moving average spans (weight 1/window each)
+    # Row-iterations the moving average spans (weight 1/window each). Long: L belongs to the
+    # drafter and the traffic, while one request's acceptance swings widely. On the H200 with a
+    # window of 64, bucket 2 (break-even 1.42) ran target-only for 90% of its iterations although
+    # the drafter's acceptance length there was 1.75 when always speculating (BENCHMARKS.md,
+    # second session); 1024 is a judgment from that run, not yet measured on the GPU.
+    window: int = 1024
     probe_every: int = 256  # collected iterations without a measurement before probing
 
 
