@@ -5,10 +5,13 @@
         --mtbench PATH/question.jsonl --log-dir runs/smollm2-eagle3
 
 Steps: make sure the target is prepared (`assets.prepare_default_target`, skipped when the target
-directory already holds a config.json: the GPU machine has no internet), then `train_drafter`
-with bf16 compute, the number of steps fitted to `--time-budget-s` of wall time (data preparation,
-compilation and export included) from the step time measured after compiling. Writes the drafter
-to checkpoints/smollm2-135m-eagle3/ (public EAGLE-3 layout), and train_log.json (config,
+directory already holds a config.json: the GPU machine has no internet), answer the ShareGPT first
+user turns with the target itself for `--regen-time-budget-s` (self-distillation: the drafter
+then trains on the text it will read; `--no-regenerate` trains on ShareGPT's own replies), then
+`train_drafter` with bf16 compute, the number of steps fitted to `--time-budget-s` of wall time
+(regeneration, compilation and export included) from the step time measured after compiling.
+The defaults are the shipped drafter's recipe (its model card). Writes the drafter to
+checkpoints/smollm2-135m-eagle3/ (public EAGLE-3 layout), and train_log.json (config,
 throughput, held-out accuracy, per-step history) and train_curves.png to --log-dir.
 """
 
@@ -36,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", "--out-log", dest="log_dir", default="runs/smollm2-eagle3")
     ap.add_argument("--ckpt-dir", help="orbax checkpoints (default: LOG_DIR/ckpt; a rerun resumes from it)")
     ap.add_argument("--data-cache", help="npz of the tokenized data (default: LOG_DIR/data_T.npz)")
-    ap.add_argument("--time-budget-s", type=float, default=450.0,
-                    help="wall time for the whole run, from this script's start (default 450 = 7.5 min)")
+    ap.add_argument("--time-budget-s", type=float, default=600.0,
+                    help="wall time for the whole run, from this script's start (default 600 = 10 min)")
     ap.add_argument("--steps", type=int, default=2000, help="used only with --time-budget-s 0")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=1024, help="a 512-token prompt plus a 384-token reply fit")
     ap.add_argument("--draft-vocab-size", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ttt-steps", type=int, default=7)
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     regenerate.add_arguments(ap)
+    ap.set_defaults(regenerate=True, regen_time_budget_s=180.0)
     a = ap.parse_args(argv)
 
     target = Path(a.target)

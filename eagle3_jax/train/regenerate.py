@@ -14,6 +14,7 @@ evaluation is greedy). The loss mask covers the reply and its end-of-turn token.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -122,7 +123,7 @@ def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: i
 def add_arguments(ap) -> None:
     """The regeneration flags of `eagle3-jax train-draft` and scripts/train_smollm2_drafter.py."""
     g = ap.add_argument_group("self-distillation: train on the target's own replies to the ShareGPT prompts")
-    g.add_argument("--regenerate", action="store_true",
+    g.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=False,
                    help="answer the first user turns with the target and train on those replies")
     g.add_argument("--regen-max-prompt-tokens", type=int, default=RegenerateSpec.max_prompt_tokens)
     g.add_argument("--regen-max-new-tokens", type=int, default=RegenerateSpec.max_new_tokens)
