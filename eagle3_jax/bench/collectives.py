@@ -1,0 +1,167 @@
+"""Tensor parallelism: the measured all-reduce, sharded random weights, collectives in compiled
+HLO."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from eagle3_jax.bench.common import Result, log
+from eagle3_jax.bench.costs import LinkCeilings, seconds_per_call
+from eagle3_jax.bench.harness import precompile
+from eagle3_jax.bench.options import Options
+from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.model import llama
+from eagle3_jax.model.eagle3 import init_draft_params
+from eagle3_jax.parallel import sharding
+
+
+def allreduce_chain(mesh: Mesh, chain: int) -> Callable:
+    """jit(shard_map) of `chain` dependent psums: x [tp, *shape] split on its first axis, so each
+    device all-reduces its own [1, *shape] slice, `chain` times in a row inside one program (as a
+    step's all-reduces run: no dispatch between them, each waiting for the previous)."""
+
+    def body(x):
+        for _ in range(chain):
+            x = jax.lax.psum(x, sharding.TP)
+        return x
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(sharding.TP), out_specs=P(sharding.TP),
+                                 check_vma=False))
+
+
+def time_allreduce(mesh: Mesh, shape: tuple[int, ...], dtype, chain: int, calls: int,
+                   rounds: int) -> tuple[float, int]:
+    """(seconds of one all-reduce of a [*shape] array per device, all-reduces in the compiled
+    program). The time is per call over the all-reduces XLA actually kept (normally `chain`)."""
+    tp = mesh.shape[sharding.TP]
+    x = jax.jit(lambda key: jax.random.normal(key, (tp, *shape), dtype),
+                out_shardings=NamedSharding(mesh, P(sharding.TP)))(jax.random.PRNGKey(3))
+    compiled = allreduce_chain(mesh, chain).lower(x).compile()
+    count = len(hlo_collectives(compiled.as_text()).get("all-reduce", []))
+    return seconds_per_call(lambda: compiled(x), calls, rounds) / max(count, 1), count
+
+
+def allreduce_shapes(target: ModelConfig, draft: DraftConfig, batches: Sequence[int], k: int) -> list[tuple[int, ...]]:
+    """The activations a step all-reduces: [B, T, D] of the target, [B, T, H] of the drafter, for
+    decode / chain steps (T=1) and verify / draft extend (T=K+1)."""
+    shapes = [(b, t, width) for b in batches for t in (1, k + 1) for width in (target.hidden_size, draft.hidden_size)]
+    return list(dict.fromkeys(shapes))
+
+
+def measure_links(opts: Options, mesh: Mesh, dtype, shapes: Sequence[tuple[int, ...]]) -> tuple[LinkCeilings, list[Result], dict]:
+    """All-reduce ceilings over the mesh: a large array (the bandwidth) and each decode-sized shape
+    (latency-bound; what a step's all-reduces really cost). -> (ceilings, table rows, info)."""
+    tp, itemsize = mesh.shape[sharding.TP], jnp.dtype(dtype).itemsize
+    large = (max(1, int(opts.allreduce_mb * 1e6) // (4096 * itemsize)), 4096)
+    rows, seconds = [], {}
+    for shape in [large, *shapes]:
+        s, count = time_allreduce(mesh, shape, dtype, opts.allreduce_chain, opts.calls, opts.rounds)
+        seconds[shape] = s
+        size = math.prod(shape) * itemsize
+        rows.append(Result("allreduce", f"{list(shape)} {jnp.dtype(dtype).name}" + (" (bandwidth)" if shape == large else ""),
+                           shape[0] if shape != large else 0,
+                           {"mb": size / 1e6, "us": 1e6 * s, "algbw_gbs": size / s / 1e9,
+                            "busbw_gbs": size / s * 2 * (tp - 1) / tp / 1e9, "hlo_allreduces": count,
+                            "chain": opts.allreduce_chain}))
+        log(f"all-reduce {list(shape)}: {1e6 * s:.1f} us, {size / s / 1e9:.1f} GB/s (algbw), HLO {count}")
+    link = LinkCeilings(tp, math.prod(large) * itemsize / seconds[large], seconds)
+    info = {"mesh": f"{tp} devices: " + ", ".join(str(d) for d in mesh.devices.flat),
+            "method": f"jit(shard_map) of {opts.allreduce_chain} dependent psums of the array each device holds, "
+                      f"time per call (median of {opts.rounds} rounds of {opts.calls}) / the all-reduces in the "
+                      "compiled HLO",
+            "formula": "algbw = S / t (S = bytes each device contributes); busbw = algbw x 2(N-1)/N (NCCL's "
+                       "ring convention: the bytes each link carries); the floor adds sum(S) / algbw of the "
+                       "large array",
+            "algbw GB/s (floor)": round(link.algbw / 1e9, 1), "busbw GB/s": round(link.busbw / 1e9, 1)}
+    return link, rows, info
+
+
+@functools.cache
+def _random_creator(shape: tuple[int, ...], dtype, out: NamedSharding, kind: str, scale: float) -> Callable:
+    """One jitted creator per (shape, dtype, sharding, kind): an 80-layer model needs a dozen small
+    programs, not one huge one. With out_shardings each device generates only its own slice
+    (threefry is partitionable), so no tensor is ever whole on one device."""
+
+    def make(key):
+        if kind == "normal":
+            return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return jnp.full(shape, 1 if kind == "ones" else 0, dtype)
+
+    return jax.jit(make, out_shardings=out)
+
+
+def random_sharded(shapes: Any, shardings: Any, key: jax.Array, scale: float = 0.02) -> Any:
+    """Random arrays shaped like `shapes` (ShapeDtypeStructs), each created on its `shardings`:
+    float matrices and KV pages scale * N(0, 1) (init_params' 0.02 for weights), 1-D float leaves
+    ones (norms), integer leaves zeros (d2t)."""
+    def kind(x) -> str:
+        return "zeros" if not jnp.issubdtype(x.dtype, jnp.floating) else "ones" if x.ndim == 1 else "normal"
+
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+    makers = [_random_creator(tuple(x.shape), jnp.dtype(x.dtype), where, kind(x), scale)
+              for x, where in zip(leaves, treedef.flatten_up_to(shardings))]
+    precompile([(m, (keys[0],), {}) for m in dict.fromkeys(makers)])  # the distinct creators, at once
+    return treedef.unflatten([m(k) for m, k in zip(makers, keys)])
+
+
+def sharded_random_params(target: ModelConfig, draft: DraftConfig, own_embedding: bool, mesh: Mesh, dtype):
+    """(target params, draft params) with random weights, every tensor created on its shards
+    (llama_param_specs / draft_param_specs)."""
+    tp = mesh.shape[sharding.TP]
+    t_shapes = jax.eval_shape(lambda: llama.init_params(target, jax.random.PRNGKey(0), dtype))
+    d_shapes = jax.eval_shape(lambda: init_draft_params(draft, jax.random.PRNGKey(1), dtype, own_embedding))
+    t_specs = sharding.llama_param_specs(target, tp)
+    d_specs = sharding.draft_param_specs(draft, tp, own_embedding)
+    return (random_sharded(t_shapes, sharding.named(mesh, t_specs), jax.random.PRNGKey(0)),
+            random_sharded(d_shapes, sharding.named(mesh, d_specs), jax.random.PRNGKey(1)))
+
+
+def weight_bytes(params: Any, dparams: Any) -> dict[str, int]:
+    """Bytes of the target's and the drafter's weights on the first device (what each device
+    holds: the layout is symmetric), and whole."""
+    def on_first(tree):
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+    return {"target": on_first(params), "draft": on_first(dparams),
+            "target_whole": sum(x.nbytes for x in jax.tree.leaves(params)),
+            "draft_whole": sum(x.nbytes for x in jax.tree.leaves(dparams))}
+
+
+_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                         r"(?:-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+             "f64": 8, "s64": 8, "u64": 8}
+
+
+def hlo_collectives(hlo: str) -> dict[str, list[tuple[tuple[int, ...], int]]]:
+    """op -> [(dims, bytes)] per result of each collective instruction in compiled HLO text (an
+    async collective at its -start; a combined one, tuple-shaped, once per operand). Exact for
+    all-reduce; an async all-gather's tuple also lists its operand."""
+    found: dict[str, list] = {}
+    for line in hlo.splitlines():
+        if m := _COLLECTIVE.search(line):
+            for dtype, dims in _ARRAY.findall(m.group(1)):
+                shape = tuple(int(d) for d in dims.split(",") if d)
+                found.setdefault(m.group(2), []).append((shape, math.prod(shape) * _ITEMSIZE.get(dtype, 0)))
+    return found
+
+
+def device_memory_gb(devices: Sequence[jax.Device]) -> list[float] | None:
+    """Peak bytes in use per device (GB), where the backend reports it (GPUs do, the CPU does not)."""
+    stats = [d.memory_stats() for d in devices]
+    if not all(stats) or not all("peak_bytes_in_use" in s for s in stats):
+        return None
+    return [round(s["peak_bytes_in_use"] / 1e9, 2) for s in stats]
+
+

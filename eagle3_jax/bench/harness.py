@@ -1,0 +1,126 @@
+"""Model configurations, engine sizing, compiling on a thread pool, synthetic rows and timing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from eagle3_jax.bench.common import STEP_PRESETS
+from eagle3_jax.bench.options import Options
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.engine.state import DeviceState
+
+
+def draft_config_like(target: ModelConfig, draft_vocab_size: int = 32000) -> DraftConfig:
+    """A drafter whose midlayer has the target's layer shapes (as the public 8B drafter has)."""
+    return DraftConfig.like_target(target, draft_vocab_size)
+
+
+def step_models(opts: Options) -> tuple[ModelConfig, DraftConfig]:
+    """The step phase's (target, drafter) shapes: a preset's pair, or a checkpoint's config with
+    --step-draft's drafter (default: one with the target's layer shapes)."""
+    if opts.step_model in STEP_PRESETS:
+        target, draft = STEP_PRESETS[opts.step_model]()
+    else:
+        target = ModelConfig.from_json(Path(opts.step_model) / "config.json")
+        draft = draft_config_like(target)
+    if opts.step_draft:
+        path = Path(opts.step_draft)
+        draft = DraftConfig.from_json(path / "config.json" if path.is_dir() else path)
+    return target, draft
+
+
+def own_embedding(target: ModelConfig, draft: DraftConfig) -> bool:
+    """The 70B layout: a drafter narrower than its target ships its own embedding."""
+    return draft.hidden_size != target.hidden_size
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """transformers LlamaConfig arguments for a ModelConfig."""
+    d = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+         "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+         "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu"}
+    if cfg.rope_scaling is not None:
+        d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    return d
+
+
+def sized_engine_config(batches: Sequence[int], k: int, max_model_len: int,
+                        prefill_buckets: Sequence[int] = (128, 512), min_bucket: int = 1,
+                        speculation: str = "always") -> EngineConfig:
+    """Buckets = the batch sizes, none below `min_bucket` (a smaller batch runs padded to it, as
+    the engine's default buckets pad one request to two rows); a KV pool of exactly one
+    full-length row per slot. "always": an EAGLE-3 row measures speculation at every batch size."""
+    buckets = tuple(sorted({max(b, min_bucket) for b in batches}))
+    cfg = EngineConfig(batch_buckets=buckets, prefill_buckets=tuple(prefill_buckets), num_speculative_tokens=k,
+                       max_model_len=max_model_len, speculation=speculation)
+    return dataclasses.replace(cfg, num_pages=1 + cfg.max_num_seqs * cfg.max_blocks_per_seq)
+
+
+def bucket_for(cfg: EngineConfig, batch: int) -> int:
+    return next(b for b in cfg.batch_buckets if b >= batch)
+
+
+# ==== compiling, synthetic rows, timing ===========================================================
+Job = tuple[Callable, tuple, dict]  # (jitted function, args, keyword args)
+
+
+def precompile(jobs: Sequence[Job]) -> float:
+    """Lower and compile the jobs on a thread pool (XLA compiles without holding the GIL); jitted
+    calls with the same shapes then find the executables built. -> seconds."""
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        for future in [pool.submit(lambda j=j: j[0].lower(*j[1], **j[2]).compile()) for j in jobs]:
+            future.result()
+    return time.perf_counter() - start
+
+
+def compile_lowered(lowered: Sequence) -> tuple[float, list]:
+    """Compile already lowered programs on a thread pool (as precompile). -> (seconds, executables)."""
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+        compiled = list(pool.map(lambda low: low.compile(), lowered))
+    return time.perf_counter() - start, compiled
+
+
+def synthetic_rows(ecfg: EngineConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots 1..batch, each with pages of its own: (rows [B], block tables [B, nb])."""
+    nb = ecfg.max_blocks_per_seq
+    if 1 + batch * nb > ecfg.num_pages:
+        raise ValueError(f"{batch} rows of {nb} pages need {1 + batch * nb} pages; the pool has {ecfg.num_pages}")
+    return np.arange(1, batch + 1, dtype=np.int32), (1 + np.arange(batch * nb, dtype=np.int32)).reshape(batch, nb)
+
+
+def with_lengths(state: DeviceState, rows: np.ndarray, length: int) -> DeviceState:
+    slots = state.slots
+    return state.replace(slots=slots.replace(length=slots.length.at[rows].set(length)))
+
+
+def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: DeviceState,
+               reset: Callable[[DeviceState], DeviceState], calls: int, rounds: int) -> tuple[DeviceState, list[float]]:
+    """Seconds per call of `call` (state -> (state, out), state donated), calls issued back to back:
+    one sample per round of `calls`, after two warm-up calls. -> (state, samples)."""
+    for _ in range(2):
+        state, out = call(state)
+    jax.block_until_ready((state, out))
+    samples = []
+    for _ in range(rounds):
+        state = jax.block_until_ready(reset(state))
+        start = time.perf_counter()
+        for _ in range(calls):
+            state, out = call(state)
+        jax.block_until_ready((state, out))
+        samples.append((time.perf_counter() - start) / calls)
+    return state, samples
+
+

@@ -1,0 +1,170 @@
+"""Command-line options of `eagle3-jax bench`, parsed into a frozen Options."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax import assets
+from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHASES
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+
+
+def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(DEFAULT_PHASES),
+                   help="phases to run, comma-separated: smollm2,8b,peer (default), tp")
+    p.add_argument("--out-dir", default=os.environ.get("OUT_DIR", "bench-results"),
+                   help="where bench.md, bench.json and bench.png go (default: $OUT_DIR, else ./bench-results)")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes, each one a compiled bucket")
+    p.add_argument("--num-draft", default="3", help="K, or a comma-separated list of K to compare")
+    p.add_argument("--per-step", action="store_true",
+                   help="also run each EAGLE-3 mode with the iteration dispatched as K + 1 programs")
+    p.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run each EAGLE-3 mode with speculation='auto' (the engine's default policy: "
+                        "per bucket, speculate only while it beats the target alone); the plain rows speculate always")
+    p.add_argument("--min-bucket", type=int, default=2,
+                   help="smallest compiled bucket (default 2, as EngineConfig's: one request runs padded to two "
+                        "rows); 1 compiles one-row programs for batch 1")
+    p.add_argument("--prompts", type=int, default=8,
+                   help="prompts per batch size: batch b runs max(1, ceil(N / b)) rounds of b prompts")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
+                   help="weights and KV cache (default: bf16 on accelerators, f32 on the CPU)")
+    g = p.add_argument_group("smollm2 phase: the engine end to end")
+    g.add_argument("--target", default=str(assets.DEFAULT_TARGET), help="target checkpoint directory")
+    g.add_argument("--draft", default=None,
+                   help="drafter directory or 'random' (default: the shipped drafter if present, else random)")
+    g.add_argument("--questions", default=None,
+                   help="MT-bench question.jsonl (default: the packaged asset, fetched when not cached)")
+    g.add_argument("--max-model-len", type=int, default=1024)
+    g.add_argument("--prefill-buckets", default="128,512")
+    g = p.add_argument_group("8b phase: step functions on synthetic state")
+    g.add_argument("--step-model", default=LLAMA31_8B,
+                   help=f"'{LLAMA31_8B}', '{LLAMA33_70B}' (with its 70B-layout drafter), or a checkpoint "
+                        "directory whose config.json gives the shapes")
+    g.add_argument("--step-draft", default=None,
+                   help="a drafter config.json (or its directory) for the shapes of the drafter (default: the "
+                        "preset's, else a drafter with the target's layer shapes)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism over this many devices for the 8b phase (and the tp phase's N)")
+    g.add_argument("--batches-8b", default=None, help="batch sizes of this phase (default: --batches)")
+    g.add_argument("--context", type=int, default=512, help="tokens already cached in each row")
+    g.add_argument("--max-model-len-8b", type=int, default=1024, help="sizes the block tables")
+    g.add_argument("--assumed-acceptance", type=float, default=3.0,
+                   help="acceptance length L ASSUMED (not measured) for the throughput it would give")
+    g = p.add_argument_group("tp phase: TP=N vs TP=1 greedy tokens; all-reduce bandwidth")
+    g.add_argument("--tp-check-hidden", type=int, default=512, help="hidden size of the small f32 Llama (8 heads, "
+                   "2 kv heads, intermediate 2x; its drafter: half as wide, own embedding)")
+    g.add_argument("--tp-check-layers", type=int, default=4)
+    g.add_argument("--tp-check-vocab", type=int, default=8192, help="vocabulary (the drafter's: a quarter)")
+    g.add_argument("--tp-check-prompts", type=int, default=4, help="prompts, submitted together (7, 18, 29, .. tokens)")
+    g.add_argument("--tp-check-tokens", type=int, default=48, help="greedy tokens generated per prompt")
+    g.add_argument("--allreduce-mb", type=float, default=256.0,
+                   help="MB each device contributes to the large all-reduce (the bandwidth the floor uses)")
+    g.add_argument("--allreduce-chain", type=int, default=8, help="dependent psums per timed program")
+    g = p.add_argument_group("peer phase: Hugging Face transformers")
+    g.add_argument("--peer-batches", default="1", help="e.g. 1,8 (each batch size compiles again)")
+    g.add_argument("--peer-prompts", type=int, default=None, help="prompts timed at batch 1 (default: --prompts)")
+    g.add_argument("--peer-8b", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the step model's shapes (random weights) at batch 1 (not with --tp > 1)")
+    g.add_argument("--peer-timeout", type=float, default=420.0, help="seconds before the peer is abandoned")
+    g = p.add_argument_group("timing")
+    g.add_argument("--calls", type=int, default=10, help="back-to-back calls per timed round of a step")
+    g.add_argument("--rounds", type=int, default=5, help="timed rounds; the median is reported")
+    g.add_argument("--bandwidth-gb", type=float, default=4.0, help="bytes of each kernel that measures bandwidth")
+    g.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul timed")
+    g.add_argument("--parallel-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every shape on a thread pool first (warm-up then finds them built)")
+    p.add_argument("--peer-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    phases: tuple[str, ...]
+    out_dir: Path
+    batches: tuple[int, ...]
+    batches_8b: tuple[int, ...]
+    num_draft: tuple[int, ...]
+    per_step: bool
+    auto: bool
+    min_bucket: int
+    prompts: int
+    max_tokens: int
+    ignore_eos: bool
+    dtype_name: str | None
+    target: Path
+    draft: str | None
+    questions: str | None
+    max_model_len: int
+    prefill_buckets: tuple[int, ...]
+    step_model: str
+    step_draft: str | None
+    tp: int
+    context: int
+    max_model_len_8b: int
+    assumed_acceptance: float
+    peer_batches: tuple[int, ...]
+    peer_prompts: int
+    peer_8b: bool
+    peer_timeout: float
+    calls: int
+    rounds: int
+    bandwidth_gb: float
+    matmul_size: int
+    parallel_compile: bool
+    tp_check_hidden: int = 512
+    tp_check_layers: int = 4
+    tp_check_vocab: int = 8192
+    tp_check_prompts: int = 4
+    tp_check_tokens: int = 48
+    allreduce_mb: float = 256.0
+    allreduce_chain: int = 8
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> Options:
+        phases = tuple(x.strip() for x in a.only.split(",") if x.strip())
+        if unknown := set(phases) - set(PHASES):
+            raise SystemExit(f"--only: unknown phase(s) {sorted(unknown)}; choose from {', '.join(PHASES)}")
+        batches = _ints(a.batches)
+        if min(_ints(a.num_draft)) < 1:
+            raise SystemExit("--num-draft: K must be at least 1 (target-only always runs)")
+        if a.tp < 1:
+            raise SystemExit(f"--tp must be at least 1, got {a.tp}")
+        if "tp" in phases and a.tp < 2:
+            raise SystemExit("--only tp compares TP=N with TP=1: give --tp N with N >= 2")
+        return cls(phases=phases, out_dir=Path(a.out_dir), batches=batches,
+                   batches_8b=_ints(a.batches_8b) if a.batches_8b else batches, num_draft=_ints(a.num_draft), per_step=a.per_step,
+                   auto=a.auto, min_bucket=a.min_bucket,
+                   prompts=a.prompts, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos, dtype_name=a.dtype,
+                   target=Path(a.target), draft=a.draft, questions=a.questions, max_model_len=a.max_model_len,
+                   prefill_buckets=_ints(a.prefill_buckets), step_model=a.step_model, step_draft=a.step_draft,
+                   tp=a.tp, context=a.context,
+                   max_model_len_8b=a.max_model_len_8b, assumed_acceptance=a.assumed_acceptance,
+                   peer_batches=_ints(a.peer_batches), peer_prompts=a.peer_prompts or a.prompts,
+                   peer_8b=a.peer_8b, peer_timeout=a.peer_timeout, calls=a.calls, rounds=a.rounds,
+                   bandwidth_gb=a.bandwidth_gb, matmul_size=a.matmul_size, parallel_compile=a.parallel_compile,
+                   tp_check_hidden=a.tp_check_hidden, tp_check_layers=a.tp_check_layers,
+                   tp_check_vocab=a.tp_check_vocab, tp_check_prompts=a.tp_check_prompts,
+                   tp_check_tokens=a.tp_check_tokens, allreduce_mb=a.allreduce_mb,
+                   allreduce_chain=a.allreduce_chain)
+
+    @property
+    def dtype(self):
+        """Resolved on first use: asking JAX for its backend starts it (and takes the GPU's memory)."""
+        if self.dtype_name is not None:
+            return {"bf16": jnp.bfloat16, "f32": jnp.float32}[self.dtype_name]
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+

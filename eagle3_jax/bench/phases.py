@@ -1,0 +1,570 @@
+"""The JAX phases: smollm2 (the engine end to end), 8b (step functions on synthetic state), tp
+(TP=N vs TP=1 tokens)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from eagle3_jax import assets
+from eagle3_jax.bench.collectives import (
+    device_memory_gb,
+    hlo_collectives,
+    random_sharded,
+    sharded_random_params,
+    weight_bytes,
+)
+from eagle3_jax.bench.common import Result, log
+from eagle3_jax.bench.costs import Ceilings, LinkCeilings, iteration_cost, target_cost
+from eagle3_jax.bench.harness import (
+    Job,
+    bucket_for,
+    compile_lowered,
+    draft_config_like,
+    hf_config_dict,
+    own_embedding,
+    precompile,
+    sized_engine_config,
+    step_models,
+    synthetic_rows,
+    time_calls,
+    with_lengths,
+)
+from eagle3_jax.bench.options import Options
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.engine import policy
+from eagle3_jax.engine.driver import CompileCounter, Engine, EngineStats
+from eagle3_jax.engine.sampling import row_sampling_from_params
+from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, init_state, state_shardings
+from eagle3_jax.engine.steps import StepConfig, iterate_step, prefill_step
+from eagle3_jax.model import llama
+from eagle3_jax.model.eagle3 import init_draft_params
+from eagle3_jax.parallel import sharding
+from eagle3_jax.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class Round:
+    """One round of b prompts, as the harness's step loop saw it."""
+
+    requests: list
+    wall_s: float
+    ttft_s: list[float]  # per request
+    tpot_s: list[float]  # per request with two tokens or more
+    steady_steps_s: list[float]  # steps with the whole batch running and no prefill
+
+
+def run_round(engine: Engine, prompts: Sequence[list[int]], params: SamplingParams) -> Round:
+    """Submit the prompts together and step the engine until it is idle (LLM.generate's loop)."""
+    batch = len(prompts)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    steady = []
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        running, waiting = len(engine.scheduler.running), bool(engine.scheduler.waiting)
+        t = time.perf_counter()
+        engine.step()
+        now = time.perf_counter()
+        steps += 1
+        if steps > 2 and not waiting and running == batch == len(engine.scheduler.running):
+            steady.append(now - t)
+        for r in reqs:
+            if r.output and r.id not in first:
+                first[r.id] = now
+            if r.finished and r.id not in done:
+                done[r.id] = now
+    wall = time.perf_counter() - start
+    ttft = [first[r.id] - start for r in reqs if r.id in first]
+    tpot = [(done[r.id] - first[r.id]) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
+    return Round(reqs, wall, ttft, tpot, steady)
+
+
+def load_prompts(opts: Options, encode, vocab_size: int, count: int) -> tuple[list[list[int]], str]:
+    """`count` prompts as token ids, and where they came from: MT-bench first turns in order
+    (repeated as needed) through `encode` (the chat template); random ids without a tokenizer."""
+    if encode is None:
+        rng = np.random.default_rng(0)
+        return ([rng.integers(1, vocab_size, 32).tolist() for _ in range(count)],
+                "random token ids (no tokenizer), 32 per prompt")
+    if opts.questions:
+        with open(opts.questions) as f:
+            questions = [json.loads(line) for line in f if line.strip()]
+    else:
+        questions = assets.mtbench_questions()
+    turns = [q["turns"][0] for q in questions]
+    return ([list(encode(turns[i % len(turns)])) for i in range(count)],
+            f"MT-bench first turns ({len(turns)} questions, in order, repeated as needed), chat template")
+
+
+def resolve_draft(opts: Options, target_cfg: ModelConfig, scratch: Path) -> tuple[Path, str]:
+    """The drafter directory and its label. A random drafter is written to `scratch` when asked
+    for, or when no trained one exists."""
+    if opts.draft not in (None, "random"):
+        return Path(opts.draft), f"drafter {opts.draft}"
+    shipped = assets.DEFAULT_DRAFT
+    if (opts.draft is None and (shipped / "config.json").is_file()
+            and opts.target.resolve() == assets.DEFAULT_TARGET.resolve()):
+        return shipped, f"trained drafter {shipped.name}"
+    from eagle3_jax.weights.eagle3 import save_drafter
+
+    dcfg = draft_config_like(target_cfg)
+    path = save_drafter(init_draft_params(dcfg, jax.random.PRNGKey(1), jnp.float32), dcfg, scratch / "random-drafter")
+    return path, "RANDOM drafter (init_draft_params; untrained, so acceptance says nothing)"
+
+
+def warmup_jobs(engine: Engine) -> list[Job]:
+    """The calls Engine.warmup makes, as precompile jobs: its jitted calls then find them built."""
+    cfg, nb = engine.cfg, engine.cfg.max_blocks_per_seq
+    p, dp, st, kw = engine.params, engine.draft_params, engine.state, {"cfg": engine.step_cfg}
+    greedy = row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
+    jobs = [(iterate_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)), {"cfg": c})
+            for b in cfg.batch_buckets for c in engine._iterate_configs(b)]
+    jobs += [(prefill_step, (p, dp, st, np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.ones(1, np.int32),
+                             np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32), np.zeros((1, nb), np.int32),
+                             greedy), kw)
+             for t in cfg.prefill_buckets]
+    return jobs
+
+
+def isolated_iteration_s(engine: Engine, batch: int, context: int, opts: Options) -> float:
+    """Median seconds per call of the engine's iterate step alone, back to back, in the bucket
+    `batch` runs in and as it runs there now (speculative or target-only): its weights, rows with
+    pages of their own and `context` cached tokens. The engine's state is threaded through and
+    handed back (the next prefill rewrites a slot's state)."""
+    bucket = bucket_for(engine.cfg, batch)
+    rows, tables = synthetic_rows(engine.cfg, bucket)
+    cfg = engine.iterate_config(bucket)
+
+    def call(state):
+        state, n, _ = iterate_step(engine.params, engine.draft_params, state, rows, tables, cfg=cfg)
+        return state, n
+
+    state, samples = time_calls(call, engine.state, lambda s: with_lengths(s, rows, context), opts.calls, opts.rounds)
+    engine.state = with_lengths(state, rows, 0)
+    return statistics.median(samples)
+
+
+def engine_figures(rounds: Sequence[Round], stats: EngineStats, k: int) -> dict[str, Any]:
+    """Throughput, latency, acceptance and loop figures of one (mode, batch)."""
+    reqs = [r for rnd in rounds for r in rnd.requests]
+    wall = sum(rnd.wall_s for rnd in rounds)
+    tokens = sum(len(r.output) for r in reqs)
+    iterations = max(sum(r.metrics.iterations for r in reqs), 1)
+    accepted_at = np.sum([r.metrics.accepted_at for r in reqs], axis=0) if k else np.zeros(0)
+    steady = [s for rnd in rounds for s in rnd.steady_steps_s]
+    tpot = [s for rnd in rounds for s in rnd.tpot_s]
+    ttft = [s for rnd in rounds for s in rnd.ttft_s]
+    nan = float("nan")
+    return {
+        "tok_s": tokens / wall, "tokens": tokens, "requests": len(reqs), "tokens_per_request": tokens / len(reqs),
+        "wall_s": wall,
+        "tpot_ms": 1e3 * statistics.mean(tpot) if tpot else nan,
+        "ttft_ms": 1e3 * statistics.mean(ttft) if ttft else nan,
+        "acceptance_length": sum(r.metrics.emitted for r in reqs) / iterations,
+        "acceptance_rates": (accepted_at / iterations).tolist(),
+        "iterations": stats.iterations, "iter_ms": 1e3 * wall / max(stats.iterations, 1),
+        "step_ms": 1e3 * statistics.median(steady) if steady else nan, "steady_steps": len(steady),
+        "host_ms_per_step": stats.host_ms_per_step, "device_wait_ms_per_step": stats.device_wait_ms_per_step,
+    }
+
+
+def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings: Ceilings | None,
+             notes: list[str], fused: bool = True, speculation: str = "always") -> tuple[list[Result], str]:
+    """Every batch size of one mode (target-only, or EAGLE-3 with K = k, fused or per-step,
+    speculating always or by the engine's policy) on one engine. -> (rows, where the prompts came from)."""
+    from eagle3_jax.api import LLM
+
+    engine_config = dataclasses.replace(
+        sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets, opts.min_bucket, speculation),
+        fused_iteration=fused)
+    llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
+              engine_config=engine_config, warmup=False, progress=False)
+    engine = llm.engine
+    # The parallel precompile knows the fused programs; Engine.warmup builds the per-step ones.
+    compile_s = precompile(warmup_jobs(engine)) if opts.parallel_compile and fused else float("nan")
+    warmup_s = engine.warmup(progress=False)
+    log(f"{mode}: compiled in {compile_s:.1f} s, Engine.warmup {warmup_s:.1f} s")
+    target, draft = engine.step_cfg.target, engine.step_cfg.draft
+    count = max(math.ceil(opts.prompts / b) * b for b in opts.batches)
+    prompts, source = load_prompts(opts, llm.encode if llm.tokenizer else None, target.vocab_size, count)
+    params = SamplingParams(max_tokens=opts.max_tokens, ignore_eos=opts.ignore_eos)
+    results = []
+    for b in opts.batches:
+        num_rounds = max(1, math.ceil(opts.prompts / b))
+        engine.stats = EngineStats(warmup_s=warmup_s)
+        compiles = CompileCounter.count
+        rounds = [run_round(engine, prompts[i * b:(i + 1) * b], params) for i in range(num_rounds)]
+        if CompileCounter.count != compiles:
+            notes.append(f"{mode}, batch {b}: {CompileCounter.count - compiles} compile(s) inside the timed rounds")
+        values = engine_figures(rounds, engine.stats, k)
+        # Device time per iteration: the iterate step alone, at the rounds' mean context.
+        context = int(np.mean([len(p) for p in prompts[:num_rounds * b]])) + opts.max_tokens // 2
+        bucket = bucket_for(engine.cfg, b)
+        values.update(rounds=num_rounds, context=context, compile_s=compile_s, warmup_s=warmup_s, bucket=bucket,
+                      speculative_iterations=engine.stats.speculative_iterations.get(bucket, 0),
+                      target_only_iterations=engine.stats.target_only_iterations.get(bucket, 0),
+                      device_ms=1e3 * isolated_iteration_s(engine, b, context, opts))
+        steady = values["iter_ms"] if math.isnan(values["step_ms"]) else values["step_ms"]
+        values["idle_frac"] = max(0.0, 1.0 - values["device_ms"] / steady)
+        if ceilings is not None:
+            cost = iteration_cost(target, draft, engine.iterate_config(bucket).num_draft, bucket, context,
+                                  jnp.dtype(opts.dtype).itemsize)
+            values["floor_ms"] = 1e3 * cost.floor_s(ceilings)
+        results.append(Result("smollm2", mode, b, values))
+        log(f"{mode}, batch {b}: {values['tok_s']:.0f} tok/s, acceptance length {values['acceptance_length']:.2f}, "
+            f"device {values['device_ms']:.2f} ms/iter")
+    if speculation == "auto":
+        notes.append(f"{mode}: speculation policy after the run (engine/policy.py):\n"
+                     + policy.format_table(engine.speculation_table(), engine.acceptance))
+    return results, source
+
+
+def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) -> tuple[list[Result], dict]:
+    target_cfg = ModelConfig.from_json(opts.target / "config.json")
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        draft_dir, draft_label = resolve_draft(opts, target_cfg, Path(scratch))
+        rows, source = run_mode(opts, "target-only", None, 0, ceilings, notes)
+        results += rows
+        for k in opts.num_draft:
+            results += run_mode(opts, f"EAGLE-3 K={k}", draft_dir, k, ceilings, notes)[0]
+            if opts.per_step:
+                results += run_mode(opts, f"EAGLE-3 K={k} per-step", draft_dir, k, ceilings, notes, fused=False)[0]
+            if opts.auto:
+                results += run_mode(opts, f"EAGLE-3 K={k} auto", draft_dir, k, ceilings, notes,
+                                    speculation="auto")[0]
+    base = {r.batch: r.values["tok_s"] for r in results if r.mode == "target-only"}
+    for r in results:
+        r.values["speedup"] = r.values["tok_s"] / base[r.batch]
+    info = {"target": str(opts.target), "drafter": draft_label, "prompts": source,
+            "prompts per batch size": f"{opts.prompts} (batch b: max(1, ceil({opts.prompts}/b)) rounds of b)",
+            "max_tokens": opts.max_tokens, "ignore_eos": opts.ignore_eos, "max_model_len": opts.max_model_len,
+            "prefill_buckets": list(opts.prefill_buckets), "dtype": jnp.dtype(opts.dtype).name,
+            "compile": "parallel precompile, then Engine.warmup" if opts.parallel_compile else "Engine.warmup"}
+    return results, info
+
+
+# ==== phase 8b: step functions on synthetic state =================================================
+def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, mesh: Mesh | None = None):
+    hidden, _, kv = llama.forward(params, cfg, tokens, positions, kv, block_tables)
+    # Under tp, the same pins as the engine's steps: replicated residual stream, logits left
+    # vocab-sharded (an argmax moves per-shard (max, index) pairs), the cache as it came in.
+    logits = sharding.vocab_logits(llama.logits(params, sharding.replicate(hidden, mesh)), mesh, gather=False)
+    if mesh is not None:
+        kv = jax.lax.with_sharding_constraint(
+            kv, sharding.named(mesh, sharding.llama_cache_specs(cfg, mesh.shape[sharding.TP])))
+    return kv, jnp.argmax(logits, axis=-1)
+
+
+verify_only = jax.jit(_verify_only, static_argnames=("cfg", "mesh"), donate_argnames="kv")
+
+
+def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
+                    mesh: Mesh | None = None) -> DeviceState:
+    """init_state with random KV (never time on zeros), random last tokens and proposals. Under a
+    mesh, in the layout the engine keeps (state_shardings), each KV page array created on its shards."""
+    if mesh is not None:
+        return _sharded_synthetic_state(target, draft, ecfg, dtype, mesh)
+    state = init_state(target, draft, ecfg, dtype)
+    keys = iter(jax.random.split(jax.random.PRNGKey(2), 4 * target.num_layers + 8))
+
+    def fill(kv):
+        if kv is None:
+            return None
+        return jax.tree_util.tree_map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), kv)
+
+    s = state.slots
+    slots = s.replace(last_token=jax.random.randint(next(keys), s.last_token.shape, 0, target.vocab_size),
+                      drafts=jax.random.randint(next(keys), s.drafts.shape, 0, target.vocab_size))
+    return DeviceState(target_kv=fill(state.target_kv), draft_kv=fill(state.draft_kv), slots=slots)
+
+
+def _sharded_synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
+                             mesh: Mesh) -> DeviceState:
+    shapes = jax.eval_shape(lambda: init_state(target, draft, ecfg, dtype))
+    where = state_shardings(shapes, target, draft, mesh)
+    k_target, k_draft, k_slots = jax.random.split(jax.random.PRNGKey(2), 3)
+
+    def make_slots(key):  # jit drops init_state's KV pool: only the (replicated) slots are made
+        s = init_state(target, draft, ecfg, dtype).slots
+        k1, k2 = jax.random.split(key)
+        return s.replace(last_token=jax.random.randint(k1, s.last_token.shape, 0, target.vocab_size),
+                         drafts=jax.random.randint(k2, s.drafts.shape, 0, target.vocab_size))
+
+    draft_kv = None if shapes.draft_kv is None else random_sharded(shapes.draft_kv, where.draft_kv, k_draft, 1.0)
+    return DeviceState(target_kv=random_sharded(shapes.target_kv, where.target_kv, k_target, 1.0), draft_kv=draft_kv,
+                       slots=jax.jit(make_slots, out_shardings=where.slots)(k_slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKind:  # hashable: keys the phase's programs
+    name: str
+    num_draft: int  # K of the StepConfig; 0 is target-only
+    verify_only: bool = False
+
+
+def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarray, tables: np.ndarray,
+              new_tokens: int, context: int) -> tuple[Callable, Callable[[DeviceState], Job]]:
+    """(state -> (state, out)) for one kind of step at one batch, and its precompile job."""
+    if kind.verify_only:
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, scfg.target.vocab_size, (len(rows), new_tokens)).astype(np.int32)
+        positions = np.broadcast_to(context + np.arange(new_tokens, dtype=np.int32), tokens.shape).copy()
+
+        kw = {"cfg": scfg.target, "mesh": scfg.mesh}
+
+        def job(state):
+            return verify_only, (params, state.target_kv, tokens, positions, tables), kw
+
+        def call(state):
+            kv, out = verify_only(params, state.target_kv, tokens, positions, tables, **kw)
+            return state.replace(target_kv=kv), out
+
+        return call, job
+
+    def job(state):
+        return iterate_step, (params, dparams, state, rows, tables), {"cfg": scfg}
+
+    def call(state):
+        state, n, _ = iterate_step(params, dparams, state, rows, tables, cfg=scfg)
+        return state, n
+
+    return call, job
+
+
+def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | None = None,
+             link: LinkCeilings | None = None) -> tuple[list[Result], dict]:
+    """The step functions on synthetic state; with `mesh` (tp > 1) under tensor parallelism, with
+    the all-reduce ceilings `link` in the floors."""
+    target, draft = step_models(opts)
+    tp = 1 if mesh is None else mesh.shape[sharding.TP]
+    k, batches, dtype = max(opts.num_draft), opts.batches_8b, opts.dtype
+    itemsize = jnp.dtype(dtype).itemsize
+    own = own_embedding(target, draft)
+    ecfg = sized_engine_config(batches, k, opts.max_model_len_8b)
+    if opts.context + opts.calls * (k + 1) > opts.max_model_len_8b:
+        raise SystemExit(f"--context {opts.context} + {opts.calls} calls x {k + 1} tokens exceed "
+                         f"--max-model-len-8b {opts.max_model_len_8b}")
+    start = time.perf_counter()
+    if mesh is None:
+        # Eager: jitting the whole init took 51 s on the H200 (one huge program to compile).
+        params = llama.init_params(target, jax.random.PRNGKey(0), dtype)
+        dparams = init_draft_params(draft, jax.random.PRNGKey(1), dtype, own)
+    else:
+        # 70B in bf16 is 141 GB: each tensor is created on its shards, never whole on one device.
+        params, dparams = sharded_random_params(target, draft, own, mesh, dtype)
+    jax.block_until_ready((params, dparams))
+    init_s = time.perf_counter() - start
+    held = weight_bytes(params, dparams)
+    log(f"8b: random weights in {init_s:.1f} s, {(held['target'] + held['draft']) / 1e9:.2f} GB per device")
+    kinds = [StepKind("decode, target-only (K=0)", 0), StepKind(f"EAGLE-3 iteration (K={k})", k),
+             StepKind(f"verify only (B x {k + 1} tokens)", 0, verify_only=True)]
+    scfgs = {kind: StepConfig(target=target, draft=draft if kind.num_draft else None, num_draft=kind.num_draft,
+                              mesh=mesh) for kind in kinds}
+    calls = {(kind, b): step_call(kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b),
+                                  k + 1, opts.context)
+             for kind, scfg in scfgs.items() for b in batches}
+    results, compile_s, collectives = [], {}, {}  # collectives: (kind, batch) -> what the program all-reduces
+    if opts.parallel_compile:
+        # Every kind's programs compile at once (70B programs take minutes, one core each): lowered
+        # first, one kind's state at a time (lowering keeps only shapes and shardings).
+        lower_start, lowered = time.perf_counter(), {}
+        for kind, scfg in scfgs.items():
+            state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh)
+            for b in batches:
+                fn, args, kw = calls[kind, b][1](state)
+                lowered[kind, b] = fn.lower(*args, **kw)
+            del state
+        lower_s = time.perf_counter() - lower_start
+        seconds, compiled = compile_lowered(list(lowered.values()))
+        compile_s = {"lowering": round(lower_s, 1), f"compiling {len(lowered)} programs at once": round(seconds, 1)}
+        if mesh is not None:
+            collectives = {key: hlo_collectives(c.as_text()) for key, c in zip(lowered, compiled)}
+        del lowered, compiled
+        log(f"8b: compiled {len(calls)} programs in {seconds:.1f} s")
+    for kind, scfg in scfgs.items():
+        state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh)
+        for b in batches:
+            rows, _ = synthetic_rows(ecfg, b)
+            state = with_lengths(state, rows, opts.context)  # its eager scatter compiles here, not below
+            compiles = CompileCounter.count
+            state, samples = time_calls(calls[kind, b][0], state, lambda s: with_lengths(s, rows, opts.context),
+                                        opts.calls, opts.rounds)
+            if opts.parallel_compile and CompileCounter.count != compiles:
+                notes.append(f"8b {kind.name}, batch {b}: {CompileCounter.count - compiles} compile(s) "
+                             "after the precompile")
+            if kind.verify_only:
+                cost = target_cost(target, b, k + 1, opts.context, itemsize, tp)
+            else:
+                cost = iteration_cost(target, scfg.draft, kind.num_draft, b, opts.context, itemsize, tp)
+            ms, floor_ms = 1e3 * statistics.median(samples), 1e3 * cost.floor_s(ceilings, link)
+            values = {"ms": ms, "ms_min": 1e3 * min(samples), "ms_max": 1e3 * max(samples), "floor_ms": floor_ms,
+                      "pct_of_floor": 100 * floor_ms / ms, "bound": cost.bound(ceilings), "gb": cost.bytes / 1e9,
+                      "tflop": cost.flops / 1e12}
+            if mesh is not None:
+                values.update(tp=tp, device_floor_ms=1e3 * cost.device_floor_s(ceilings),
+                              ar_floor_ms=1e3 * cost.allreduce_floor_s(link), ar_count=len(cost.allreduces),
+                              ar_mb=cost.allreduce_bytes / 1e6, ar_latency_ms=1e3 * link.latency_s(cost.allreduces))
+                if (kind, b) in collectives:
+                    found = collectives[kind, b]
+                    values.update(ar_count_hlo=len(found.get("all-reduce", [])),
+                                  ar_mb_hlo=sum(n for _, n in found.get("all-reduce", [])) / 1e6,
+                                  other_collectives_hlo={op: len(v) for op, v in found.items() if op != "all-reduce"})
+                    if (values["ar_count_hlo"], round(values["ar_mb_hlo"], 3)) != (values["ar_count"], round(values["ar_mb"], 3)):
+                        notes.append(f"8b {kind.name}, batch {b}: the compiled program all-reduces "
+                                     f"{values['ar_count_hlo']} arrays, {values['ar_mb_hlo']:.3f} MB; the floor counts "
+                                     f"{values['ar_count']}, {values['ar_mb']:.3f} MB (the program's dtype may differ)")
+            if not kind.verify_only:
+                accept = opts.assumed_acceptance if kind.num_draft else 1.0
+                values["tok_s_assumed"] = b * accept / (ms / 1e3)
+            results.append(Result("8b", kind.name, b, values))
+            log(f"8b {kind.name}, batch {b}: {ms:.2f} ms/call, {values['pct_of_floor']:.0f}% of floor")
+        del state
+    decode = {r.batch: r.values["tok_s_assumed"] for r in results if r.mode == kinds[0].name}
+    for r in results:
+        if "tok_s_assumed" in r.values:
+            r.values["speedup_assumed"] = r.values["tok_s_assumed"] / decode[r.batch]
+    info = {"model": opts.step_model, "K": k, "context (cached tokens per row)": opts.context,
+            "max_model_len (block tables)": opts.max_model_len_8b,
+            "assumed acceptance length L (NOT measured)": opts.assumed_acceptance, "dtype": jnp.dtype(dtype).name,
+            "random init s": round(init_s, 1), "parallel compile s": compile_s,
+            "target": dataclasses.asdict(target), "draft": dataclasses.asdict(draft)}
+    if mesh is not None:
+        info.update({
+            "tensor parallel": f"TP={tp} over {', '.join(str(d) for d in mesh.devices.flat)} (parallel/sharding.py "
+                               "layout; steps pin it as the engine does)",
+            "drafter embedding": "its own (70B layout), vocab-parallel" if own else "the target's",
+            "random init": "one jitted creator per tensor shape with out_shardings: each device generates only "
+                           "its own slice",
+            "weights per device": f"{held['target'] / 1e9:.2f} GB target + {held['draft'] / 1e9:.2f} GB draft "
+                                  f"(whole: {held['target_whole'] / 1e9:.2f} + {held['draft_whole'] / 1e9:.2f} GB)",
+            "weight bytes": held,
+            "peak device memory GB (per device)": device_memory_gb(list(mesh.devices.flat))})
+    return results, info
+
+
+# ==== phase tp: the same greedy tokens at TP=N as at TP=1 ==========================================
+def tp_check_models(opts: Options) -> tuple[ModelConfig, DraftConfig]:
+    """A small Llama (8 heads, 2 kv heads: the kv heads split at tp 2 and are replicated above, both
+    layouts of sharding.py) and a drafter in the 70B layout: half as wide, its own embedding."""
+    h = opts.tp_check_hidden
+    target = ModelConfig(vocab_size=opts.tp_check_vocab, hidden_size=h, intermediate_size=2 * h,
+                         num_layers=opts.tp_check_layers, num_heads=8, num_kv_heads=2, head_dim=h // 8,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None, max_position_embeddings=4096,
+                         tie_word_embeddings=False, eos_token_ids=(2,))
+    draft = DraftConfig.like_target(target, opts.tp_check_vocab // 4, hidden_size=h // 2, intermediate_size=h,
+                                    head_dim=h // 16)
+    return target, draft
+
+
+def write_random_models(target: ModelConfig, draft: DraftConfig, directory: Path) -> tuple[Path, Path]:
+    """A random target checkpoint (config.json + safetensors) and drafter, in f32, for LLM() to load."""
+    from eagle3_jax.weights.eagle3 import save_drafter
+    from eagle3_jax.weights.llama import save_llama
+
+    def host_random(shapes, seed: int):  # init_params' statistics, drawn on the host (no program per shape)
+        rng = np.random.default_rng(seed)
+
+        def make(x):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                return np.zeros(x.shape, x.dtype)
+            return np.ones(x.shape, np.float32) if x.ndim == 1 else 0.02 * rng.standard_normal(x.shape, np.float32)
+
+        return jax.tree.map(make, shapes)
+
+    target_dir = directory / "target"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    save_llama(host_random(jax.eval_shape(lambda: llama.init_params(target, jax.random.PRNGKey(0), jnp.float32)), 10),
+               target_dir)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "eos_token_id": list(target.eos_token_ids),
+              **hf_config_dict(target)}
+    (target_dir / "config.json").write_text(json.dumps(config))
+    dshapes = jax.eval_shape(lambda: init_draft_params(draft, jax.random.PRNGKey(0), jnp.float32,
+                                                       own_embedding(target, draft)))
+    return target_dir, save_drafter(host_random(dshapes, 11), draft, directory / "draft")
+
+
+def compare_tokens(got: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Token-by-token comparison of two runs over the same prompts."""
+    mismatched = [(i, j) for i, (a, b) in enumerate(zip(got, ref)) for j in range(max(len(a), len(b)))
+                  if j >= len(a) or j >= len(b) or a[j] != b[j]]
+    return {"identical": "yes" if not mismatched and len(got) == len(ref) else "no", "mismatched": len(mismatched),
+            "first_mismatch": f"prompt {mismatched[0][0]}, token {mismatched[0][1]}" if mismatched else None}
+
+
+def phase_tp(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
+    """Greedy generation through LLM(tensor_parallel_size=...) (load straight to shards, the
+    engine's sharded steps) at TP=1 and TP=N, target-only and EAGLE-3: every run's tokens against
+    TP=1's of the same mode, and against target-only TP=1 (greedy EAGLE-3 is lossless)."""
+    from eagle3_jax.api import LLM
+
+    n, k = opts.tp, max(opts.num_draft)
+    target, draft = tp_check_models(opts)
+    prompts = [np.random.default_rng(i).integers(3, target.vocab_size, 7 + 11 * i).tolist()
+               for i in range(opts.tp_check_prompts)]
+    longest = max(map(len, prompts)) + opts.tp_check_tokens
+    # Speculate at every iteration, so the EAGLE-3 runs verify drafts throughout (an engine that
+    # picks per bucket, EngineConfig.speculation, would run a random drafter's target alone).
+    always = {"speculation": "always"} if "speculation" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
+    ecfg = EngineConfig(batch_buckets=(len(prompts),), prefill_buckets=(32,), num_speculative_tokens=k,
+                        max_model_len=16 * math.ceil(longest / 16), **always)
+    params = SamplingParams(max_tokens=opts.tp_check_tokens, ignore_eos=True)
+    runs = [("target-only", 1, 0), (f"EAGLE-3 K={k}", 1, k), ("target-only", n, 0), (f"EAGLE-3 K={k}", n, k)]
+    tokens, results = {}, []
+    with tempfile.TemporaryDirectory() as tmp, jax.default_matmul_precision("highest"):
+        # f32 at full precision (no TF32 on GPUs): what differs between TP=1 and TP=N is then only
+        # the order of the sums, far below the logit gaps of greedy decoding.
+        target_dir, draft_dir = write_random_models(target, draft, Path(tmp))
+        for mode, tp, kk in runs:
+            start = time.perf_counter()
+            llm = LLM(target=target_dir, draft=draft_dir if kk else None, num_speculative_tokens=kk,
+                      dtype=jnp.float32, engine_config=ecfg, tensor_parallel_size=tp, warmup=False, progress=False)
+            outs = llm.generate(prompts, params)
+            del llm
+            tokens[mode, tp] = [o.token_ids for o in outs]
+            values = {"tp": tp, "tokens": sum(map(len, tokens[mode, tp])), "s": time.perf_counter() - start,
+                      "acceptance_length": statistics.mean(o.metrics.acceptance_length for o in outs),
+                      "iterations": sum(o.metrics.iterations for o in outs),
+                      "speculative_iterations": sum(getattr(o.metrics, "speculative_iterations", o.metrics.iterations)
+                                                    if kk else 0 for o in outs)}
+            if tp > 1:
+                values.update(compare_tokens(tokens[mode, tp], tokens[mode, 1]))
+            if (mode, tp) != ("target-only", 1):
+                values["identical_target_tp1"] = compare_tokens(tokens[mode, tp], tokens["target-only", 1])["identical"]
+            results.append(Result("tp", mode, len(prompts), values))
+            log(f"tp {mode}, TP={tp}: {values['tokens']} tokens in {values['s']:.1f} s"
+                + (f", identical to TP=1: {values['identical']}" if tp > 1 else ""))
+    identical = all(r.values.get("identical", "yes") == "yes" for r in results)
+    if not identical:
+        notes.append(f"tp: TP={n} greedy tokens DIFFER from TP=1 (see the tp table)")
+    info = {"TP=N": n, "identical": "yes" if identical else "NO",
+            "target": f"random f32 Llama: hidden {target.hidden_size}, {target.num_layers} layers, "
+                      f"{target.num_heads} heads, {target.num_kv_heads} kv heads, intermediate "
+                      f"{target.intermediate_size}, vocab {target.vocab_size}",
+            "drafter": f"random, 70B layout: hidden {draft.hidden_size} (own embedding), draft vocab "
+                       f"{draft.draft_vocab_size}; K={k}",
+            "prompts": f"{len(prompts)} random-id prompts of {', '.join(str(len(p)) for p in prompts)} tokens, "
+                       f"submitted together (batch bucket {len(prompts)}; prefill chunks of 32)",
+            "generation": f"greedy, {opts.tp_check_tokens} tokens per prompt (ignore_eos), f32, "
+                          "jax.default_matmul_precision('highest')",
+            "path": "LLM(target, draft, tensor_parallel_size=TP): weights loaded onto their shards, Engine(mesh)",
+            "coverage": "a random drafter's proposals are (almost) all rejected: the EAGLE-3 runs check verify, "
+                        "rejection, the draft extend and chain under TP, not the bookkeeping of accepted drafts"}
+    return results, info
+
+
