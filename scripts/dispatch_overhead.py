@@ -53,7 +53,7 @@ def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: in
         engine.state = s.replace(slots=s.slots.replace(length=jnp.full_like(s.slots.length, context)))
         start = time.perf_counter()
         for _ in range(calls):
-            engine.state, n, _ = engine._iterate(rows, tables, engine.step_cfg)
+            engine.state, n, _ = engine.dispatch_iteration(rows, tables, engine.step_cfg)
         queued = time.perf_counter()
         n.block_until_ready()
         done = time.perf_counter()

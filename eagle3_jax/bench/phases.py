@@ -133,7 +133,7 @@ def warmup_jobs(engine: Engine) -> list[Job]:
     p, dp, st, kw = engine.params, engine.draft_params, engine.state, {"cfg": engine.step_cfg}
     greedy = row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
     jobs = [(iterate_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)), {"cfg": c})
-            for b in cfg.batch_buckets for c in engine._iterate_configs(b)]
+            for b in cfg.batch_buckets for c in engine.iteration_configs(b)]
     jobs += [(prefill_step, (p, dp, st, np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.ones(1, np.int32),
                              np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32), np.zeros((1, nb), np.int32),
                              greedy), kw)

@@ -214,7 +214,7 @@ class Engine:
         rows = slots[:len(reqs)]
         fresh = self._fresh[rows].copy()
         self._fresh[rows] = cfg.speculative
-        self.state, num_accepted, emitted = self._iterate(slots, tables, cfg)
+        self.state, num_accepted, emitted = self.dispatch_iteration(slots, tables, cfg)
         num_accepted.copy_to_host_async()
         emitted.copy_to_host_async()
         self.stats.iterations += 1
@@ -222,8 +222,10 @@ class Engine:
         counts[bucket] = counts.get(bucket, 0) + 1
         self._pending.append(_Pending(reqs, emitted, num_accepted, cfg.speculative, fresh))
 
-    def _iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig):
-        """Dispatch one iteration, fused or as K + 1 programs; returns without waiting."""
+    def dispatch_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig):
+        """Dispatch one iteration over `slots` [B] with block `tables` [B, nb], fused or as K + 1
+        programs, without waiting: -> (new state, num_accepted [B], emitted [B, K+1]). The caller
+        stores the state (the old one was donated)."""
         if self.cfg.fused_iteration or not cfg.speculative:
             return iterate_step(self.params, self.draft_params, self.state, slots, tables, cfg=cfg)
         state, num_accepted, emitted, carry = iterate_head_step(self.params, self.draft_params, self.state,
@@ -297,7 +299,7 @@ class Engine:
     def num_compilations(self) -> int:
         return CompileCounter.count
 
-    def _iterate_configs(self, bucket: int) -> list[StepConfig]:
+    def iteration_configs(self, bucket: int) -> list[StepConfig]:
         """The iterations a bucket may run: speculative, target-only, or (in "auto") both."""
         target_only = dataclasses.replace(self.step_cfg, num_draft=0)
         if not self.may_speculate(bucket):
@@ -312,7 +314,7 @@ class Engine:
         for _ in range(rounds):
             start = time.perf_counter()
             for _ in range(calls):
-                self.state, _, _ = self._iterate(slots, tables, cfg)
+                self.state, _, _ = self.dispatch_iteration(slots, tables, cfg)
             jax.block_until_ready(self.state)  # the per-step path ends in commit, not in num_accepted
             samples.append((time.perf_counter() - start) / calls)
         return statistics.median(samples)
@@ -322,13 +324,13 @@ class Engine:
         both iterations of each bucket that may speculate, then time them (buckets missing from
         `step_costs`) for the speculation policy."""
         start = time.perf_counter()
-        shapes = [("iterate", b, c) for b in self.cfg.batch_buckets for c in self._iterate_configs(b)]
+        shapes = [("iterate", b, c) for b in self.cfg.batch_buckets for c in self.iteration_configs(b)]
         shapes += [("prefill", t, self.step_cfg) for t in self.cfg.prefill_buckets]
         nb = self.cfg.max_blocks_per_seq
         greedy = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
         for kind, size, cfg in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             if kind == "iterate":
-                self.state, n, _ = self._iterate(np.full(size, DUMMY_SLOT, np.int32), np.zeros((size, nb), np.int32),
+                self.state, n, _ = self.dispatch_iteration(np.full(size, DUMMY_SLOT, np.int32), np.zeros((size, nb), np.int32),
                                                  cfg)
             else:
                 next_tokens = np.zeros((1, size), np.int32)
@@ -339,7 +341,7 @@ class Engine:
                     np.zeros((1, nb), np.int32), greedy, cfg=self.step_cfg)
             n.block_until_ready()
         for b in self.cfg.batch_buckets:
-            configs = self._iterate_configs(b)
+            configs = self.iteration_configs(b)
             if len(configs) == 2 and b not in self.step_costs:
                 spec, target_only = (self._time_iteration(b, c) for c in configs)
                 self.step_costs[b] = policy.BucketCost(target_only_s=target_only, speculative_s=spec)
