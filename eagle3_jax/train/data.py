@@ -278,6 +278,11 @@ def sharegpt_conversations(sharegpt_path: str | Path, *, mtbench: Iterable[dict]
     return convs[:max_conversations] if max_conversations is not None else convs
 
 
+def pad_id(tokenizer) -> int:
+    """The id padded rows are filled with (never read: the loss mask is False there)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def describe(ex: Examples, source: str, log=print) -> None:
     seq_len = ex.tokens.shape[1]
     log(f"{source}: {len(ex.tokens)} rows of {seq_len} tokens, {int(ex.lengths.sum())} real tokens "
@@ -293,7 +298,6 @@ def prepare_examples(sharegpt_path: str | Path, tokenizer, seq_len: int, *, mtbe
                                    expect_records=expect_records, log=log)
     pairs = tokenize_conversations(tokenizer, convs, seq_len)
     pairs = [p for p in pairs if p[1].sum() >= min_assistant_tokens]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ex = pad_examples(pairs, seq_len, pad_id)
+    ex = pad_examples(pairs, seq_len, pad_id(tokenizer))
     describe(ex, "sharegpt", log)
     return ex

@@ -228,15 +228,18 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
         if z["tokens"].shape[1] == seq_len:
             log(f"data: {len(z['tokens'])} rows from {cache}")
             return D.Examples(z["tokens"], z["loss_mask"], z["lengths"])
+    # The whole pinned file is checked for its record count; a cut-down run reads only a prefix.
+    expect = None if max_conversations else D.SHAREGPT_WHOLE_RECORDS
     if spec is not None:
         ex = regenerate.regenerate_sharegpt(target_dir, sharegpt, seq_len, spec, mtbench=mtbench,
-                                 max_conversations=max_conversations, progress=progress, log=log)
+                                            max_conversations=max_conversations, expect_records=expect,
+                                            progress=progress, log=log)
     else:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         ex = D.prepare_examples(sharegpt, tokenizer, seq_len, mtbench=mtbench, max_conversations=max_conversations,
-                                expect_records=None if max_conversations else D.SHAREGPT_WHOLE_RECORDS, log=log)
+                                expect_records=expect, log=log)
     if cache is not None:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         np.savez(cache, tokens=ex.tokens, loss_mask=ex.loss_mask, lengths=ex.lengths)

@@ -100,22 +100,22 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
 
 
 def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: int, spec: RegenerateSpec, *,
-                        mtbench, max_conversations: int | None = None, progress: bool = True,
-                        log=print) -> D.Examples:
-    """ShareGPT first user turns (MT-bench overlaps removed) answered by the target in `target_dir`."""
+                        mtbench, max_conversations: int | None, expect_records: int | None,
+                        progress: bool = True, log=print) -> D.Examples:
+    """ShareGPT first user turns (MT-bench overlaps removed) answered by the target in `target_dir`.
+    `expect_records` checks the file's whole records (`data.sharegpt_conversations`)."""
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig
 
     convs = D.sharegpt_conversations(sharegpt, mtbench=mtbench, max_conversations=max_conversations,
-                                     expect_records=None if max_conversations else D.SHAREGPT_WHOLE_RECORDS,
-                                     log=log)
+                                     expect_records=expect_records, log=log)
     engine = EngineConfig(batch_buckets=spec.batch_buckets, prefill_buckets=spec.prefill_buckets,
                           num_speculative_tokens=0, max_model_len=spec.max_prompt_tokens + spec.max_new_tokens)
     llm = LLM(target_dir, draft=None, num_speculative_tokens=0, engine_config=engine, progress=progress)
-    pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     ex = regenerate_examples(llm, first_turns(convs), seq_len, max_prompt_tokens=spec.max_prompt_tokens,
                              max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
-                             time_budget_s=spec.time_budget_s, pad_id=pad_id, progress=progress, log=log)
+                             time_budget_s=spec.time_budget_s, pad_id=D.pad_id(llm.tokenizer), progress=progress,
+                             log=log)
     D.describe(ex, "regenerated", log)
     return ex
 
