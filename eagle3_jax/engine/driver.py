@@ -306,10 +306,14 @@ class Engine:
             return [target_only]
         return [self.step_cfg] if self.cfg.speculation == "always" else [self.step_cfg, target_only]
 
+    def _padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+        """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
+        return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
+
     def _time_iteration(self, bucket: int, cfg: StepConfig, rounds: int = 3, calls: int = 3) -> float:
         """Median over rounds of seconds per iteration, `calls` dispatched back to back per round
-        (as serving dispatches them), on padded rows: every row the dummy slot, at context 0."""
-        slots, tables = np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
+        (as serving dispatches them), on padded rows at context 0."""
+        slots, tables = self._padding_rows(bucket)
         samples = []
         for _ in range(rounds):
             start = time.perf_counter()
@@ -330,8 +334,7 @@ class Engine:
         greedy = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
         for kind, size, cfg in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             if kind == "iterate":
-                self.state, n, _ = self.dispatch_iteration(np.full(size, DUMMY_SLOT, np.int32), np.zeros((size, nb), np.int32),
-                                                 cfg)
+                self.state, n, _ = self.dispatch_iteration(*self._padding_rows(size), cfg)
             else:
                 next_tokens = np.zeros((1, size), np.int32)
                 next_tokens[0, 0] = -1
