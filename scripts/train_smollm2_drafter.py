@@ -6,10 +6,13 @@
 
 Steps: make sure the target is prepared (`assets.prepare_default_target`, skipped when the target
 directory already holds a config.json: the GPU machine has no internet), answer the ShareGPT first
-user turns with the target itself for `--regen-time-budget-s` (self-distillation: the drafter
+user turns with the target itself, once per `--regen-temperatures` (self-distillation: the drafter
 then trains on the text it will read; `--no-regenerate` trains on ShareGPT's own replies), then
-`train_drafter` with bf16 compute, the number of steps fitted to `--time-budget-s` of wall time
-(regeneration, compilation and export included) from the step time measured after compiling.
+`train_drafter` with bf16 compute for `--steps`, or for as many steps as fit `--time-budget-s` of
+wall time (regeneration, compilation and export included) at the step time measured after
+compiling. `--regen-gpus N` answers the prompts in N processes, one per GPU (shard i of N on
+GPU i), and trains on GPU 0 from their data files; the data are the same as with one GPU, only in
+a different row order.
 The defaults are the shipped drafter's recipe (its model card). Writes the drafter to
 checkpoints/smollm2-135m-eagle3/ (public EAGLE-3 layout), and train_log.json (config,
 throughput, held-out accuracy, per-step history) and train_curves.png to --log-dir.
@@ -18,6 +21,8 @@ throughput, held-out accuracy, per-step history) and train_curves.png to --log-d
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", "--out-log", dest="log_dir", default="runs/smollm2-eagle3")
     ap.add_argument("--ckpt-dir", help="orbax checkpoints (default: LOG_DIR/ckpt; a rerun resumes from it)")
     ap.add_argument("--data-cache", help="npz of the tokenized data (default: LOG_DIR/data_T.npz)")
+    ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
+    ap.add_argument("--regen-gpus", type=int, default=1, help="regenerate in this many processes, one per GPU")
+    ap.add_argument("--prepare-only", action="store_true", help="write the data file and stop (no training)")
     ap.add_argument("--time-budget-s", type=float, default=600.0,
                     help="wall time for the whole run, from this script's start (default 600 = 10 min)")
     ap.add_argument("--steps", type=int, default=2000, help="used only with --time-budget-s 0")
@@ -60,15 +68,22 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{target} holds no config.json")
         assets.prepare_default_target()
     log_dir = Path(a.log_dir)
-    from eagle3_jax.train.loop import train_drafter
+    from eagle3_jax.train import loop
 
+    mtbench = None if a.mtbench == "none" else a.mtbench
+    data = [Path(a.data_cache)] if a.data_cache else [log_dir / f"data_{a.seq_len}.npz"]
+    if a.prepare_only:
+        loop.prepare_data(target, a.seq_len, sharegpt=a.sharegpt, mtbench=mtbench, data_cache=data,
+                          max_conversations=a.max_conversations, regen=regenerate.spec_from_args(a))
+        return 0
+    if a.regen_gpus > 1 and a.regenerate:
+        data = regenerate_on_gpus(argv if argv is not None else sys.argv[1:], a.regen_gpus, log_dir, a.seq_len)
     budget = a.time_budget_s - (time.perf_counter() - T0) if a.time_budget_s > 0 else None
-    record = train_drafter(
+    record = loop.train_drafter(
         target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
         seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
-        mtbench=None if a.mtbench == "none" else a.mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir,
-        time_budget_s=budget, dtype=a.dtype, data_cache=a.data_cache or log_dir / f"data_{a.seq_len}.npz",
-        init=a.init, regen=regenerate.spec_from_args(a))
+        mtbench=mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir, time_budget_s=budget, dtype=a.dtype,
+        data_cache=data, max_conversations=a.max_conversations, init=a.init, regen=regenerate.spec_from_args(a))
     tp = record["throughput"]
     print(f"THROUGHPUT {tp['device']} {tp['dtype']}: {tp['steps']} steps x {a.batch_size} x {a.seq_len} tokens "
           f"in {tp['train_seconds']:.0f} s = {tp['tokens_per_second']:,.0f} tokens/s "
@@ -78,6 +93,32 @@ def main(argv: list[str] | None = None) -> int:
         print("HELD-OUT top-1 accuracy per TTT step: "
               + " ".join(f"{x:.3f}" for x in record["eval"]["acc_steps"]))
     return 0
+
+
+def regenerate_on_gpus(argv: list[str], gpus: int, log_dir: Path, seq_len: int) -> list[Path]:
+    """Run this script with --prepare-only once per GPU (shard i of `gpus` on GPU i, each process
+    seeing only its GPU), wait for all, and return their data files in shard order."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    files = [log_dir / f"data_{seq_len}.shard{i}of{gpus}.npz" for i in range(gpus)]
+    procs = []
+    for i, path in enumerate(files):
+        if path.is_file():
+            continue
+        log = open(log_dir / f"regenerate.shard{i}of{gpus}.log", "w")
+        # Later flags win in argparse: the shard's own settings override the caller's.
+        cmd = [sys.executable, __file__, *argv, "--prepare-only", "--regen-gpus", "1",
+               "--regen-shard", f"{i}/{gpus}", "--data-cache", str(path)]
+        procs.append((i, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                               env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)})))
+    failed = []
+    for i, log, proc in procs:
+        if proc.wait() != 0:
+            failed.append(i)
+        log.close()
+    if failed:
+        raise SystemExit(f"regeneration failed on GPUs {failed}: see {log_dir}/regenerate.shard*.log")
+    print(f"regenerated on {gpus} GPUs in {time.perf_counter() - T0:.0f} s: " + ", ".join(map(str, files)), flush=True)
+    return files
 
 
 if __name__ == "__main__":

@@ -95,16 +95,39 @@ def test_regenerated_examples_are_the_targets_replies(target_llm):
              [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]]
     prompts = R.first_turns(convs)
     assert [[m["role"] for m in p] for p in prompts] == [["system", "user"], ["user"], ["user"]]
+    # Each prompt once greedy, once sampled: rows are (prompt 0 greedy, prompt 0 sampled, prompt 1 ...).
     ex = R.regenerate_examples(target_llm, prompts, 96, max_prompt_tokens=64, max_new_tokens=8,
-                               min_reply_tokens=1, progress=False, log=lambda *a: None)
-    assert len(ex.tokens) == 2  # the 200-word prompt is over 64 tokens
-    for row, prompt in enumerate(prompts[:2]):
+                               temperatures=(0.0, 1.0), min_reply_tokens=1, progress=False, log=lambda *a: None)
+    assert len(ex.tokens) == 4  # the 200-word prompt is over 64 tokens
+    for i, prompt in enumerate(prompts[:2]):
         ids = target_llm.encode(prompt)
-        reply = target_llm.generate([ids], SamplingParams(max_tokens=8))[0].token_ids
-        n = len(ids) + len(reply)
-        assert ex.lengths[row] == n
-        assert ex.tokens[row, :n].tolist() == ids + reply
-        assert ex.loss_mask[row].tolist() == [False] * len(ids) + [True] * len(reply) + [False] * (96 - n)
+        for k, temperature in enumerate((0.0, 1.0)):
+            row = 2 * i + k
+            # The seed regenerate_examples gives (prompt i, temperature k): the same reply again.
+            params = SamplingParams(max_tokens=8, temperature=temperature, seed=2 * i + k)
+            reply = target_llm.generate([ids], params)[0].token_ids
+            n = len(ids) + len(reply)
+            assert ex.lengths[row] == n
+            assert ex.tokens[row, :n].tolist() == ids + reply
+            assert ex.loss_mask[row].tolist() == [False] * len(ids) + [True] * len(reply) + [False] * (96 - n)
+
+
+def test_data_files_concatenate_in_order(tmp_path):
+    """Regeneration shards written by separate processes are read back as one dataset, in order;
+    a missing shard or a different row length is an error, not silently less data."""
+    from eagle3_jax.train.loop import load_examples
+
+    parts = [D.pad_examples([(np.full(n, n, np.int32), np.ones(n, bool))], 8, 0) for n in (3, 5)]
+    paths = [tmp_path / f"shard{i}.npz" for i in range(2)]
+    for ex, path in zip(parts, paths):
+        D.save_examples(ex, path)
+    ex = load_examples("unused", "unused", 8, None, paths, None, log=lambda *a: None)
+    assert ex.lengths.tolist() == [3, 5] and ex.tokens[1].tolist() == [5] * 5 + [0] * 3
+    with pytest.raises(FileNotFoundError, match="shard2"):
+        load_examples("unused", "unused", 8, None, [*paths, tmp_path / "shard2.npz"], None)
+    D.save_examples(D.pad_examples([(np.ones(2, np.int32), np.ones(2, bool))], 4, 0), paths[1])
+    with pytest.raises(ValueError, match="different row lengths"):
+        load_examples("unused", "unused", 8, None, paths, None)
 
 
 def test_draft_vocab_toy():

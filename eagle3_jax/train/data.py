@@ -213,6 +213,21 @@ def pad_examples(pairs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, p
     return Examples(tokens, mask, lengths)
 
 
+def save_examples(ex: Examples, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, tokens=ex.tokens, loss_mask=ex.loss_mask, lengths=ex.lengths)
+
+
+def load_examples(paths: Sequence[str | Path]) -> Examples:
+    """Examples saved by `save_examples`, concatenated in order (e.g. regeneration shards)."""
+    parts = [np.load(p) for p in paths]
+    widths = {z["tokens"].shape[1] for z in parts}
+    if len(widths) > 1:
+        raise ValueError(f"data files of different row lengths {sorted(widths)}: {[str(p) for p in paths]}")
+    return Examples(*(np.concatenate([z[k] for z in parts]) for k in ("tokens", "loss_mask", "lengths")))
+
+
 def token_counts(ex: Examples, vocab_size: int) -> np.ndarray:
     """[V] int64 counts of assistant tokens (the draft vocabulary's statistics)."""
     return np.bincount(ex.tokens[ex.loss_mask], minlength=vocab_size).astype(np.int64)

@@ -23,6 +23,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -35,7 +36,13 @@ from eagle3_jax.model.eagle3 import DraftParams, init_draft_params
 from eagle3_jax.model.llama import LlamaParams
 from eagle3_jax.train import data as D
 from eagle3_jax.train import regenerate
-from eagle3_jax.train.objective import STEP_WEIGHT, TTT_STEPS, target_distribution, target_pass, ttt_loss
+from eagle3_jax.train.objective import (
+    STEP_WEIGHT,
+    TTT_STEPS,
+    target_distribution,
+    target_pass,
+    ttt_loss,
+)
 
 TRAINABLE = tuple(f.name for f in dataclasses.fields(DraftParams) if f.name not in ("d2t", "embed"))
 
@@ -218,16 +225,24 @@ def _host(metrics: dict) -> dict:
 
 # ----------------------------------------------------------------------------- the run
 
-def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mtbench, cache: str | Path | None,
-                  max_conversations: int | None, spec: regenerate.RegenerateSpec | None = None,
-                  progress: bool = True, log=print) -> D.Examples:
+def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mtbench,
+                  cache: str | Path | Sequence[str | Path] | None, max_conversations: int | None,
+                  spec: regenerate.RegenerateSpec | None = None, progress: bool = True, log=print) -> D.Examples:
     """Prepared examples, from the npz `cache` when it exists (it is written otherwise): ShareGPT
-    as written, or, with a `regenerate.RegenerateSpec`, its prompts answered by the target."""
-    if cache is not None and Path(cache).is_file():
-        z = np.load(cache)
-        if z["tokens"].shape[1] == seq_len:
-            log(f"data: {len(z['tokens'])} rows from {cache}")
-            return D.Examples(z["tokens"], z["loss_mask"], z["lengths"])
+    as written, or, with a `regenerate.RegenerateSpec`, its prompts answered by the target.
+    Several cache files (regeneration shards, written by separate processes) must all exist; they
+    are concatenated."""
+    paths = [Path(cache)] if isinstance(cache, (str, Path)) else [Path(p) for p in cache or ()]
+    if len(paths) > 1 or (paths and paths[0].is_file()):
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"data files missing: {missing}")
+        ex = D.load_examples(paths)
+        if ex.tokens.shape[1] == seq_len:
+            log(f"data: {len(ex.tokens)} rows from {', '.join(map(str, paths))}")
+            return ex
+        if len(paths) > 1:
+            raise ValueError(f"data files hold rows of {ex.tokens.shape[1]} tokens, training asks for {seq_len}")
     # The whole pinned file is checked for its record count; a cut-down run reads only a prefix.
     expect = None if max_conversations else D.SHAREGPT_WHOLE_RECORDS
     if spec is not None:
@@ -240,10 +255,20 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         ex = D.prepare_examples(sharegpt, tokenizer, seq_len, mtbench=mtbench, max_conversations=max_conversations,
                                 expect_records=expect, log=log)
-    if cache is not None:
-        Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        np.savez(cache, tokens=ex.tokens, loss_mask=ex.loss_mask, lengths=ex.lengths)
+    if paths:
+        D.save_examples(ex, paths[0])
     return ex
+
+
+def prepare_data(target_dir: str | Path, seq_len: int, *, sharegpt: str | Path | None = None, mtbench="auto",
+                 data_cache: str | Path | Sequence[str | Path] | None = None, max_conversations: int | None = None,
+                 regen: regenerate.RegenerateSpec | None = None, progress: bool = True, log=print) -> D.Examples:
+    """`train_drafter`'s data: `load_examples` with the ShareGPT file fetched when not given and
+    `mtbench` resolved (None, a list of questions, a question.jsonl path, or "auto")."""
+    from eagle3_jax import assets
+
+    return load_examples(sharegpt or assets.fetch(assets.SHAREGPT), target_dir, seq_len, _mtbench(mtbench),
+                         data_cache, max_conversations, regen, progress, log)
 
 
 def _mtbench(spec):
@@ -379,9 +404,10 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
                   ttt_steps: int = TTT_STEPS, seed: int = 0, sharegpt: str | Path | None = None,
                   mtbench="auto", ckpt_dir: str | Path | None = None, log_dir: str | Path | None = None,
                   time_budget_s: float | None = None, dtype: str = "auto", ckpt_every: int = 500,
-                  eval_rows: int = 64, max_conversations: int | None = None, data_cache: str | Path | None = None,
-                  init: str = "target", warmup_frac: float = 0.03,
-                  regen: regenerate.RegenerateSpec | None = None, progress: bool = True) -> dict:
+                  eval_rows: int = 64, max_conversations: int | None = None,
+                  data_cache: str | Path | Sequence[str | Path] | None = None, init: str = "target",
+                  warmup_frac: float = 0.03, regen: regenerate.RegenerateSpec | None = None,
+                  progress: bool = True) -> dict:
     """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
 
     With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
@@ -390,7 +416,6 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     and batches, so the result equals an uninterrupted run's. Returns the training log (also in
     `log_dir/train_log.json`, with the plot `train_curves.png`).
     """
-    from eagle3_jax import assets
     from eagle3_jax.weights.eagle3 import save_drafter
 
     t_start = time.perf_counter()
@@ -404,8 +429,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     log(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), compute dtype {dtype}")
 
     def examples():
-        return load_examples(sharegpt or assets.fetch(assets.SHAREGPT), target_dir, seq_len, _mtbench(mtbench),
-                             data_cache, max_conversations, regen, progress, log)
+        return prepare_data(target_dir, seq_len, sharegpt=sharegpt, mtbench=mtbench, data_cache=data_cache,
+                            max_conversations=max_conversations, regen=regen, progress=progress, log=log)
 
     hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, seed=seed,
                  warmup_frac=warmup_frac)
@@ -504,12 +529,18 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
     ap.add_argument("--ckpt-every", type=int, default=500)
     ap.add_argument("--eval-rows", type=int, default=64, help="conversations held out for evaluation")
     ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
-    ap.add_argument("--data-cache", help="npz of the tokenized data (read if present, else written)")
+    ap.add_argument("--data-cache", type=_paths,
+                    help="npz of the tokenized data (read if present, else written); several, comma-separated "
+                    "(regeneration shards), are read and concatenated")
     ap.add_argument("--init", default="target", choices=INITS,
                     help="draft initialization: target (lm_head, norm, MLP from the target), head, random")
     ap.add_argument("--no-progress", action="store_true")
     regenerate.add_arguments(ap)
     return ap
+
+
+def _paths(text: str) -> list[Path]:
+    return [Path(p) for p in text.split(",") if p]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,13 @@ target itself (as Medusa-2's self-distillation and HASS do; the EAGLE-3 authors'
 labels stay the target's next-token distribution (`objective.py`).
 
 Each example is one first user turn (with its system message, if any) in the chat template plus
-the target's reply, decoded through our own engine (target-only, greedy by default: the
-evaluation is greedy). The loss mask covers the reply and its end-of-turn token.
+the target's reply, decoded through our own engine (target-only). Each prompt is answered once
+per temperature of `RegenerateSpec.temperatures`: greedy, as the evaluation decodes, and, for
+variety, sampled (more contexts the drafter sees, still labelled with the target's own
+distribution). The loss mask covers the reply and its end-of-turn token.
+
+`RegenerateSpec.shard` splits the prompts over processes (one per GPU): shard i of n answers
+prompts i, i + n, ...; the training run concatenates the shards' data files.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ class RegenerateSpec:
 
     max_prompt_tokens: int = 512
     max_new_tokens: int = 384
-    temperature: float = 0.0  # greedy, as the evaluation decodes
+    temperatures: tuple[float, ...] = (0.0,)  # one reply per prompt and temperature; 0 = greedy
     time_budget_s: float | None = None
+    shard: tuple[int, int] = (0, 1)  # (i, n): answer prompts i, i + n, i + 2n, ...
     # Large buckets: the 135M target is launch-bound, so 256 rows cost little more than 16.
     batch_buckets: tuple[int, ...] = (16, 64, 256)
     prefill_buckets: tuple[int, ...] = (128, 512)
@@ -58,10 +64,11 @@ def reply_example(prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[
 
 
 def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max_prompt_tokens: int = 512,
-                        max_new_tokens: int = 384, temperature: float = 0.0, chunk: int = 1024,
+                        max_new_tokens: int = 384, temperatures: Sequence[float] = (0.0,), chunk: int = 1024,
                         time_budget_s: float | None = None, min_reply_tokens: int = 16, pad_id: int = 0,
                         progress: bool = True, log=print) -> D.Examples:
-    """The target's replies to `prompts` (chat messages) as padded Examples [N, seq_len].
+    """The target's replies to `prompts` (chat messages), one per prompt and temperature, as padded
+    Examples [N, seq_len] (each prompt's replies in the order of `temperatures`).
 
     `llm` is an `eagle3_jax.api.LLM` over the target (best without a drafter: any drafter is
     lossless, but target-only is cheaper at large batch). Prompts longer than `max_prompt_tokens`
@@ -79,18 +86,19 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
     bar = tqdm(total=len(keep), desc="regenerate", unit="prompt", disable=not progress)
     for lo in range(0, len(keep), chunk):
         rows = keep[lo:lo + chunk]
-        batch = [ids[i] for i in rows]
-        # One seed per prompt: sampled replies are reproducible and independent of each other.
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=i) for i in rows]
+        batch = [ids[i] for i in rows for _ in temperatures]
+        # One seed per (prompt, temperature): sampled replies are reproducible and independent.
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=t, seed=i * len(temperatures) + k)
+                  for i in rows for k, t in enumerate(temperatures)]
         for prompt, out in zip(batch, llm.generate(batch, params)):
             if out.error is not None:
                 raise RuntimeError(f"regenerate: a request failed: {out.error}")
             generated += len(out.token_ids)
             if len(out.token_ids) >= min_reply_tokens:
                 pairs.append(reply_example(prompt, out.token_ids))
-        bar.update(len(batch))
+        bar.update(len(rows))
         if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
-            log(f"regenerate: time budget reached after {lo + len(batch)} prompts")
+            log(f"regenerate: time budget reached after {lo + len(rows)} prompts")
             break
     bar.close()
     seconds = time.perf_counter() - start
@@ -102,8 +110,9 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
 def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: int, spec: RegenerateSpec, *,
                         mtbench, max_conversations: int | None, expect_records: int | None,
                         progress: bool = True, log=print) -> D.Examples:
-    """ShareGPT first user turns (MT-bench overlaps removed) answered by the target in `target_dir`.
-    `expect_records` checks the file's whole records (`data.sharegpt_conversations`)."""
+    """ShareGPT first user turns (MT-bench overlaps removed) answered by the target in `target_dir`,
+    this process's shard of them (`spec.shard`). `expect_records` checks the file's whole records
+    (`data.sharegpt_conversations`)."""
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig
 
@@ -111,9 +120,12 @@ def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: i
                                      expect_records=expect_records, log=log)
     engine = EngineConfig(batch_buckets=spec.batch_buckets, prefill_buckets=spec.prefill_buckets,
                           num_speculative_tokens=0, max_model_len=spec.max_prompt_tokens + spec.max_new_tokens)
+    shard, shards = spec.shard
+    prompts = first_turns(convs)[shard::shards]
+    log(f"regenerate: shard {shard} of {shards}: {len(prompts)} prompts, temperatures {spec.temperatures}")
     llm = LLM(target_dir, draft=None, num_speculative_tokens=0, engine_config=engine, progress=progress)
-    ex = regenerate_examples(llm, first_turns(convs), seq_len, max_prompt_tokens=spec.max_prompt_tokens,
-                             max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+    ex = regenerate_examples(llm, prompts, seq_len, max_prompt_tokens=spec.max_prompt_tokens,
+                             max_new_tokens=spec.max_new_tokens, temperatures=spec.temperatures,
                              time_budget_s=spec.time_budget_s, pad_id=D.pad_id(llm.tokenizer), progress=progress,
                              log=log)
     D.describe(ex, "regenerated", log)
@@ -127,12 +139,36 @@ def add_arguments(ap) -> None:
                    help="answer the first user turns with the target and train on those replies")
     g.add_argument("--regen-max-prompt-tokens", type=int, default=RegenerateSpec.max_prompt_tokens)
     g.add_argument("--regen-max-new-tokens", type=int, default=RegenerateSpec.max_new_tokens)
-    g.add_argument("--regen-temperature", type=float, default=RegenerateSpec.temperature)
+    g.add_argument("--regen-temperatures", type=_floats, default=RegenerateSpec.temperatures,
+                   help="answer each prompt once per temperature, comma-separated (0 = greedy; default 0)")
     g.add_argument("--regen-time-budget-s", type=float, help="stop asking for replies after this long")
+    g.add_argument("--regen-shard", type=_shard, default=RegenerateSpec.shard, metavar="I/N",
+                   help="answer only shard I of N of the prompts (one process per GPU); default 0/1")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {text!r}")
+    return values
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/4, got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"shard {i}/{n}: need 0 <= I < N")
+    return i, n
 
 
 def spec_from_args(a) -> RegenerateSpec | None:
     if not a.regenerate:
         return None
     return RegenerateSpec(max_prompt_tokens=a.regen_max_prompt_tokens, max_new_tokens=a.regen_max_new_tokens,
-                          temperature=a.regen_temperature, time_budget_s=a.regen_time_budget_s)
+                          temperatures=a.regen_temperatures, time_budget_s=a.regen_time_budget_s,
+                          shard=a.regen_shard)
