@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-cache", help="npz of the tokenized data (default: LOG_DIR/data_T.npz)")
     ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
     ap.add_argument("--regen-gpus", type=int, default=1, help="regenerate in this many processes, one per GPU")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars (for log files)")
     ap.add_argument("--prepare-only", action="store_true", help="write the data file and stop (no training)")
     ap.add_argument("--time-budget-s", type=float, default=600.0,
                     help="wall time for the whole run, from this script's start (default 600 = 10 min)")
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     data = [Path(a.data_cache)] if a.data_cache else [log_dir / f"data_{a.seq_len}.npz"]
     if a.prepare_only:
         loop.prepare_data(target, a.seq_len, sharegpt=a.sharegpt, mtbench=mtbench, data_cache=data,
-                          max_conversations=a.max_conversations, regen=regenerate.spec_from_args(a))
+                          max_conversations=a.max_conversations, regen=regenerate.spec_from_args(a),
+                          progress=not a.no_progress)
         return 0
     if a.regen_gpus > 1 and a.regenerate:
         data = regenerate_on_gpus(argv if argv is not None else sys.argv[1:], a.regen_gpus, log_dir, a.seq_len)
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
         seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
         mtbench=mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir, time_budget_s=budget, dtype=a.dtype,
-        data_cache=data, max_conversations=a.max_conversations, init=a.init, regen=regenerate.spec_from_args(a))
+        data_cache=data, max_conversations=a.max_conversations, init=a.init, regen=regenerate.spec_from_args(a),
+        progress=not a.no_progress)
     tp = record["throughput"]
     print(f"THROUGHPUT {tp['device']} {tp['dtype']}: {tp['steps']} steps x {a.batch_size} x {a.seq_len} tokens "
           f"in {tp['train_seconds']:.0f} s = {tp['tokens_per_second']:,.0f} tokens/s "
