@@ -50,8 +50,8 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> L.LlamaParams:
     0.02, so greedy argmax has no near-ties), norms around 1."""
     rng = np.random.default_rng(seed)
     shapes = jax.eval_shape(lambda: L.init_params(cfg, jax.random.key(0), jnp.float32))
-    return jax.tree.map(lambda x: (rng.standard_normal(x.shape) * (0.1 if x.ndim == 2 else 0.1) +
-                                   (0.0 if x.ndim == 2 else 1.0)).astype(np.float32), shapes)
+    return jax.tree.map(lambda x: (rng.standard_normal(x.shape) * 0.1 + (x.ndim == 1)).astype(np.float32),
+                        shapes)
 
 
 def block_tables(batch: int, blocks: int) -> np.ndarray:
@@ -275,8 +275,9 @@ def run_place() -> dict:
         equal = all(bool(np.array_equal(np.asarray(a), np.asarray(b)))
                     for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(loaded)))
         placed = {}
-        for name, x in (("embed", loaded.embed), ("wq", loaded.layers[0].wq), ("wk", loaded.layers[0].wk),
-                        ("wo", loaded.layers[0].wo), ("norm", loaded.norm)):
+        for name, x in (("embed", loaded.embed), ("wqkv", loaded.layers[0].wqkv),
+                        ("w_gate_up", loaded.layers[0].w_gate_up), ("wo", loaded.layers[0].wo),
+                        ("norm", loaded.norm)):
             placed[name] = dict(spec=str(x.sharding.spec), devices=len(x.sharding.device_set),
                                 shard_shapes=sorted({tuple(s.data.shape) for s in x.addressable_shards}))
         out[f"kvh{kvh}_tie{int(tie)}"] = dict(equal=equal, placed=placed)

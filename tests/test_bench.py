@@ -264,10 +264,15 @@ def test_tp_floor_70b():
     with pytest.raises(ValueError, match="all-reduce bandwidth"):
         it.floor_s(c)
     assert bench.LinkCeilings(4, 1e11).busbw == pytest.approx(1.5e11)
-    # kv heads (8) do not divide 16: wk, wv and the KV cache stay whole on every device.
+    # kv heads (8) do not divide 16: wqkv and the KV cache stay whole on every device.
     kv = [bench.target_cost(target, 1, 1, 1000, 2, tp=tp).bytes - bench.target_cost(target, 1, 1, 0, 2, tp=tp).bytes
           for tp in (1, 8, 16)]
     assert kv[1] == pytest.approx(kv[0] / 8) and kv[2] == pytest.approx(kv[0])
+    # ... and so are wqkv's q columns (one fused weight): at tp 16 each device reads all of q/k/v.
+    d, q, k_v, inter = 8192, 64 * 128, 2 * 8 * 128, 28672
+    per_layer = (d * q + 3 * d * inter) / 16 + d * (q + k_v)  # wo + MLP split; wqkv whole
+    assert bench.target_cost(target, 1, 1, 0, 2, tp=16).bytes == pytest.approx(
+        2 * (80 * per_layer + 128256 * d / 16))
 
 
 def test_hlo_collectives_parser():

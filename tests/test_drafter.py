@@ -76,9 +76,11 @@ def test_full_size_layouts_through_eval_shape():
         assert public_shapes(cfg, own_embedding) == expected
         shapes = jax.eval_shape(lambda k, c=cfg: eagle3.init_draft_params(c, k, own_embedding=own_embedding),
                                 jax.random.PRNGKey(0))
-        # Our [in, out] parameters are the transposes of the public [out, in] tensors.
+        # Our [in, out] parameters are the transposes of the public [out, in] tensors; q/k/v fused
+        # as [2H, kv groups, q heads per group + 2, hd], gate/up as [H, 2, I].
         assert shapes.fc.shape == expected["fc.weight"][::-1]
-        assert shapes.wq.shape == expected["midlayer.self_attn.q_proj.weight"][::-1]
+        assert shapes.wqkv.shape == ((2 * 6144, 8, 6 + 2, 128) if own_embedding else (2 * 4096, 8, 4 + 2, 128))
+        assert shapes.w_gate_up.shape == ((6144, 2, 16384) if own_embedding else (4096, 2, 14336))
         assert shapes.lm_head.shape == expected["lm_head.weight"][::-1]
         assert (shapes.embed is None) == (not own_embedding)
 
@@ -104,7 +106,20 @@ def test_bin_converts_to_safetensors(tmp_path):
     out = convert_bin_to_safetensors(tmp_path / "bin", tmp_path / "st")
     _, a = load_drafter(tmp_path / "bin", TINY_TARGET, jnp.float32)
     _, b = load_drafter(out, TINY_TARGET, jnp.float32)
-    np.testing.assert_array_equal(a.wq, b.wq)
+    np.testing.assert_array_equal(a.wqkv, b.wqkv)
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    """fp16 weights survive save (split into the public q/k/v, gate/up) -> load (fused) bit for bit."""
+    from eagle3_jax.weights.eagle3 import save_drafter
+
+    cfg = DraftConfig.from_hf(tiny_draft_config(hidden=24, target_hidden=32))
+    params = eagle3.init_draft_params(cfg, jax.random.PRNGKey(3), jnp.float16, own_embedding=True)
+    save_drafter(params, cfg, tmp_path)
+    _, loaded = load_drafter(tmp_path, dtype=jnp.float16)
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
 def _np_rms(x, w, eps):

@@ -57,6 +57,48 @@ def test_logits_parity_with_transformers(smollm2_params, hf_model, chat_ids):
         np.testing.assert_allclose(captures, ref_caps, rtol=1e-4, atol=1e-4 * np.abs(ref_caps).max())
 
 
+def test_fused_projections_match_transformers_tiny_gqa():
+    """A random transformers Llama with 3 q heads per kv head, loaded through the fused wqkv /
+    w_gate_up: q head j sits at wqkv[:, j // 3, j % 3], logits match, and the HF tensors come back
+    bit for bit."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3_jax.weights.llama import params_from_hf, params_to_hf
+
+    config = {**TINY, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2,
+              "num_hidden_layers": 2}
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"},
+                                      initializer_range=0.2)).eval()
+    tensors = {k: v.numpy() for k, v in hf.state_dict().items()}
+    cfg = ModelConfig.from_hf(config)
+    params = params_from_hf(tensors, cfg, jnp.float32)
+
+    hd, wqkv = cfg.head_dim, np.asarray(params.layers[1].wqkv)
+    assert wqkv.shape == (48, 2, 3 + 2, hd)
+    q, k, v = (tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    for j in range(6):  # HF q head j reads kv head j // 3
+        np.testing.assert_array_equal(wqkv[:, j // 3, j % 3], q[j * hd:(j + 1) * hd].T)
+    for g in range(2):
+        np.testing.assert_array_equal(wqkv[:, g, 3], k[g * hd:(g + 1) * hd].T)
+        np.testing.assert_array_equal(wqkv[:, g, 4], v[g * hd:(g + 1) * hd].T)
+    gate_up = np.asarray(params.layers[1].w_gate_up)
+    np.testing.assert_array_equal(gate_up[:, 0], tensors["model.layers.1.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(gate_up[:, 1], tensors["model.layers.1.mlp.up_proj.weight"].T)
+
+    ids = list(np.random.default_rng(0).integers(0, cfg.vocab_size, 20))
+    ours, _ = contiguous_forward(params, cfg, ids, length=32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    back = params_to_hf(params)
+    assert set(back) == set(tensors)
+    for name, x in tensors.items():
+        np.testing.assert_array_equal(back[name], x, err_msg=name)
+
+
 def test_greedy_matches_transformers_generate(target_llm, hf_model, chat_ids):
     import torch
 

@@ -113,14 +113,19 @@ def _allreduced(shape: tuple[int, ...], count: int, itemsize: int) -> Cost:
     return Cost(0.0, 0.0, (tuple(shape),) * count, count * math.prod(shape) * itemsize)
 
 
-def _layers_cost(num_layers: int, split_params: int, kv_params: int, batch: int, new_tokens: int, context: int,
+def _layers_cost(num_layers: int, split_params: int, qkv_params: int, batch: int, new_tokens: int, context: int,
                  heads: int, kv_heads: int, head_dim: int, itemsize: int, tp: int = 1) -> Cost:
     """Decoder layers run on `new_tokens` tokens per row, per device: its share of the weights read
-    once (`split_params` divided over tp; `kv_params`, wk and wv, and the KV cache only when tp
-    divides the kv heads), its share of each row's cached KV (`context` tokens) read once, matmul
-    and attention FLOPs."""
+    once (`split_params` divided over tp; `qkv_params`, the fused wqkv, and the KV cache only when
+    tp divides the kv heads), its share of each row's cached KV (`context` tokens) read once, matmul
+    and attention FLOPs.
+
+    When tp does not divide the kv heads, sharding.py replicates the whole wqkv (q's columns too)
+    and this counts all of it on every device: what the layout holds. The partitioner may read
+    less (on jax 0.10 Shardy splits the projection's output and each device slices the weight),
+    so in that case the figure is an upper estimate, not a floor."""
     kv_ways = _ways(kv_heads, tp)
-    weights = split_params / tp + kv_params / kv_ways
+    weights = split_params / tp + qkv_params / kv_ways
     kv_bytes = 2 * kv_heads * head_dim * itemsize * context * batch / kv_ways
     flops = batch * new_tokens * (2 * weights + 4 * heads * head_dim * context / tp)
     return Cost(num_layers * (weights * itemsize + kv_bytes), num_layers * flops)
@@ -129,10 +134,11 @@ def _layers_cost(num_layers: int, split_params: int, kv_params: int, batch: int,
 def target_cost(cfg: ModelConfig, batch: int, new_tokens: int, context: int, itemsize: int, tp: int = 1) -> Cost:
     """A target forward of batch x new_tokens tokens, logits at every one of them (per device at tp)."""
     d = cfg.hidden_size
-    split = 2 * d * cfg.q_size + 3 * d * cfg.intermediate_size  # wq, wo, MLP
+    split = d * cfg.q_size + 3 * d * cfg.intermediate_size  # wo, MLP
+    qkv = d * (cfg.q_size + 2 * cfg.kv_size)  # wqkv
     head = cfg.vocab_size * d  # lm_head, or the tied embedding
     vocab_ways = _ways(cfg.vocab_size, tp)
-    cost = _layers_cost(cfg.num_layers, split, 2 * d * cfg.kv_size, batch, new_tokens, context, cfg.num_heads,
+    cost = _layers_cost(cfg.num_layers, split, qkv, batch, new_tokens, context, cfg.num_heads,
                         cfg.num_kv_heads, cfg.head_dim, itemsize, tp)
     cost += Cost(head * itemsize / vocab_ways, 2 * head * batch * new_tokens / vocab_ways)
     if tp > 1:
@@ -146,11 +152,12 @@ def draft_cost(cfg: DraftConfig, batch: int, new_tokens: int, context: int, item
                tp: int = 1) -> Cost:
     """One draft pass: the midlayer (fc too on the first), draft lm_head at one token per row."""
     h = cfg.hidden_size
-    split = 2 * h * cfg.q_size + cfg.q_size * h + 3 * h * cfg.intermediate_size  # wq (2H in), wo, MLP
+    split = cfg.q_size * h + 3 * h * cfg.intermediate_size  # wo, MLP
     split += cfg.num_captures * cfg.target_hidden_size * h if first else 0
+    qkv = 2 * h * (cfg.q_size + 2 * cfg.kv_size)  # wqkv (2H in)
     head = h * cfg.draft_vocab_size
     vocab_ways = _ways(cfg.draft_vocab_size, tp)
-    cost = _layers_cost(1, split, 2 * h * 2 * cfg.kv_size, batch, new_tokens, context, cfg.num_heads,
+    cost = _layers_cost(1, split, qkv, batch, new_tokens, context, cfg.num_heads,
                         cfg.num_kv_heads, cfg.head_dim, itemsize, tp)
     cost += Cost(head * itemsize / vocab_ways, 2 * head * batch / vocab_ways)
     if tp > 1:

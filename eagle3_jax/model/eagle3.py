@@ -17,22 +17,27 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.config import DraftConfig
-from eagle3_jax.model.layers import attention_block, rms_norm, rope_inv_freq, swiglu
+from eagle3_jax.model.layers import (
+    attention_block,
+    qkv_shape,
+    rms_norm,
+    rope_inv_freq,
+    swiglu,
+)
 from eagle3_jax.model.llama import KVCache
 
 
 @struct.dataclass
 class DraftParams:
+    """The midlayer's q/k/v and gate/up are fused as the target's (model/layers.py docstring)."""
+
     fc: jax.Array  # [n_capture * H_target, H]
     hidden_norm: jax.Array  # [H]
     input_norm: jax.Array  # [H]
-    wq: jax.Array  # [2H, heads*hd]
-    wk: jax.Array  # [2H, kvh*hd]
-    wv: jax.Array  # [2H, kvh*hd]
+    wqkv: jax.Array  # [2H, kvh, heads/kvh + 2, hd]: per kv group its q heads, then k, then v
     wo: jax.Array  # [heads*hd, H]
     mlp_norm: jax.Array  # [H]
-    w_gate: jax.Array  # [H, I]
-    w_up: jax.Array  # [H, I]
+    w_gate_up: jax.Array  # [H, 2, I]: gate, up
     w_down: jax.Array  # [I, H]
     norm: jax.Array  # [H]
     lm_head: jax.Array  # [H, V_draft]
@@ -44,7 +49,7 @@ def init_draft_params(cfg: DraftConfig, key: jax.Array, dtype=jnp.bfloat16,
                       own_embedding: bool = False) -> DraftParams:
     """Random draft weights with the identity vocabulary map (d2t = 0)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
-    keys = iter(jax.random.split(key, 10))
+    keys = iter(jax.random.split(key, 7))
 
     def dense(*shape):
         return (0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
@@ -52,9 +57,9 @@ def init_draft_params(cfg: DraftConfig, key: jax.Array, dtype=jnp.bfloat16,
     ones = jnp.ones((h,), dtype)
     return DraftParams(
         fc=dense(cfg.num_captures * cfg.target_hidden_size, h), hidden_norm=ones, input_norm=ones,
-        wq=dense(2 * h, cfg.q_size), wk=dense(2 * h, cfg.kv_size), wv=dense(2 * h, cfg.kv_size),
-        wo=dense(cfg.q_size, h), mlp_norm=ones, w_gate=dense(h, i), w_up=dense(h, i),
-        w_down=dense(i, h), norm=ones, lm_head=dense(h, cfg.draft_vocab_size),
+        wqkv=dense(*qkv_shape(2 * h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)),
+        wo=dense(cfg.q_size, h), mlp_norm=ones, w_gate_up=dense(h, 2, i), w_down=dense(i, h), norm=ones,
+        lm_head=dense(h, cfg.draft_vocab_size),
         d2t=jnp.zeros((cfg.draft_vocab_size,), jnp.int32),
         embed=dense(cfg.vocab_size, h) if own_embedding else None)
 
@@ -78,7 +83,7 @@ def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, 
                          rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
     attn, aux = attend(x)
     h = h + attn
-    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate, params.w_up, params.w_down)
+    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate_up, params.w_down)
     return h, aux
 
 
@@ -93,8 +98,7 @@ def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array
     """
     def paged(x):
         out, k_pages, v_pages = attention_block(
-            x, None, params.wq, params.wk, params.wv, params.wo, positions, cache.k[0], cache.v[0],
-            block_table, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            x, None, params.wqkv, params.wo, positions, cache.k[0], cache.v[0], block_table,
             eps=cfg.rms_norm_eps, inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         return out, KVCache(k=(k_pages,), v=(v_pages,))
 

@@ -1,6 +1,16 @@
 """Llama building blocks as pure functions: RMSNorm, RoPE (with llama3 scaling), SwiGLU and
 grouped-query attention over a paged KV cache.
 
+Fused projections (target layers and draft midlayer alike): a decode step is launch-bound, each
+kernel and each argument buffer costs host time, so q/k/v are one weight and one GEMM, and so are
+gate/up:
+  wqkv       [D_in, G, R + 2, hd]  G = kv heads, R = q heads per kv head. For kv group g,
+                                   [:, g, :R] are q heads g*R .. g*R+R-1 (HF's q head j reads kv
+                                   head j // R, so flattening (g, r) is HF's q head order),
+                                   [:, g, R] is k head g and [:, g, R+1] is v head g.
+  w_gate_up  [D, 2, I]             [:, 0] gate, [:, 1] up.
+Checkpoints keep the public separate tensors; weights/layout.py converts.
+
 Paged KV layout (shared by target and drafter): one array per layer and per K/V,
 `[num_pages, page_size, kv_heads, head_dim]`. A request owns pages through its block table row
 `[max_blocks]`; logical position p lives at page `block_table[p // page_size]`, slot
@@ -55,9 +65,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """x [B, T, D]; w_gate, w_up [D, I]; w_down [I, D] -> [B, T, D]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def qkv_shape(d_in: int, heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """Shape of a fused wqkv: [D_in, G, R + 2, hd] (see the module docstring)."""
+    return d_in, kv_heads, heads // kv_heads + 2, head_dim
+
+
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """x [B, T, D]; w_gate_up [D, 2, I] (gate, up); w_down [I, D] -> [B, T, D].
+
+    One GEMM for gate and up together instead of two (the step is launch-bound)."""
+    gate_up = jnp.einsum("btd,dzi->btzi", x, w_gate_up)  # [B, T, 2, I]
+    return (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ w_down
 
 
 def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
@@ -100,28 +118,36 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     return out.reshape(b, t, h, hd)
 
 
-def project_qkv(h: jax.Array, wq, wk, wv, positions: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
+def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
                 inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D_in] -> q [B, T, heads, hd], k, v [B, T, kvh, hd]; q and k rotated to `positions`."""
+    """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> q [B, T, G*R, hd], k, v [B, T, G, hd];
+    q and k rotated to `positions`.
+
+    One GEMM and one argument buffer instead of three (the step is launch-bound). q comes out
+    grouped [B, T, G, R, hd]; merging (G, R) gives HF's q head order, which paged_attention splits
+    back into the same groups.
+    """
     b, t, _ = h.shape
-    q = apply_rope((h @ wq).reshape(b, t, heads, head_dim), positions, inv_freq)
-    k = apply_rope((h @ wk).reshape(b, t, kv_heads, head_dim), positions, inv_freq)
-    return q, k, (h @ wv).reshape(b, t, kv_heads, head_dim)
+    g, r, hd = wqkv.shape[1], wqkv.shape[2] - 2, wqkv.shape[3]
+    qkv = jnp.einsum("btd,dgrk->btgrk", h, wqkv)  # [B, T, G, R + 2, hd]
+    q = qkv[:, :, :, :r].reshape(b, t, g * r, hd)
+    k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]  # [B, T, G, hd]
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def attention_block(x: jax.Array, norm_w: jax.Array, wq, wk, wv, wo, positions: jax.Array, k_pages,
-                    v_pages, block_table: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
-                    eps: float, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pre-norm attention over the paged cache. x [B, T, D] -> (attn out [B, T, D], k, v pages).
+def attention_block(x: jax.Array, norm_w: jax.Array | None, wqkv: jax.Array, wo: jax.Array,
+                    positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_table: jax.Array,
+                    *, eps: float, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pre-norm attention over the paged cache. x [B, T, D]; wqkv [D_in, G, R + 2, hd];
+    wo [G*R*hd, D] -> (attn out [B, T, D], k, v pages).
 
     Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs, so it
-    passes its own already-normed input with norm_w=None).
+    passes its own already-normed input with norm_w=None). Head counts come from wqkv's shape.
     """
     b, t, _ = x.shape
     h = x if norm_w is None else rms_norm(x, norm_w, eps)
-    q, k, v = project_qkv(h, wq, wk, wv, positions, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                          inv_freq=inv_freq)
+    q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq)
     k_pages = write_kv(k_pages, k, positions, block_table)
     v_pages = write_kv(v_pages, v, positions, block_table)
-    out = paged_attention(q, k_pages, v_pages, positions, block_table)
-    return out.reshape(b, t, heads * head_dim) @ wo, k_pages, v_pages
+    out = paged_attention(q, k_pages, v_pages, positions, block_table)  # [B, T, H, hd]
+    return out.reshape(b, t, -1) @ wo, k_pages, v_pages

@@ -13,19 +13,24 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.config import ModelConfig
-from eagle3_jax.model.layers import attention_block, rms_norm, rope_inv_freq, swiglu
+from eagle3_jax.model.layers import (
+    attention_block,
+    qkv_shape,
+    rms_norm,
+    rope_inv_freq,
+    swiglu,
+)
 
 
 @struct.dataclass
 class LayerParams:
+    """One decoder layer; q/k/v and gate/up fused (layout: model/layers.py docstring)."""
+
     attn_norm: jax.Array  # [D]
-    wq: jax.Array  # [D, H*hd]
-    wk: jax.Array  # [D, kvh*hd]
-    wv: jax.Array  # [D, kvh*hd]
+    wqkv: jax.Array  # [D, kvh, H/kvh + 2, hd]: per kv group its q heads, then k, then v
     wo: jax.Array  # [H*hd, D]
     mlp_norm: jax.Array  # [D]
-    w_gate: jax.Array  # [D, I]
-    w_up: jax.Array  # [D, I]
+    w_gate_up: jax.Array  # [D, 2, I]: gate, up
     w_down: jax.Array  # [I, D]
 
 
@@ -55,15 +60,16 @@ class KVCache:
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> LlamaParams:
     """Random weights (std 0.02, unit norms): for shapes, sharding and speed, not for text."""
     d, i = cfg.hidden_size, cfg.intermediate_size
-    keys = iter(jax.random.split(key, 7 * cfg.num_layers + 2))
+    keys = iter(jax.random.split(key, 4 * cfg.num_layers + 2))
 
     def dense(*shape):
         return (0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
     layers = tuple(
-        LayerParams(attn_norm=jnp.ones((d,), dtype), wq=dense(d, cfg.q_size), wk=dense(d, cfg.kv_size),
-                    wv=dense(d, cfg.kv_size), wo=dense(cfg.q_size, d), mlp_norm=jnp.ones((d,), dtype),
-                    w_gate=dense(d, i), w_up=dense(d, i), w_down=dense(i, d))
+        LayerParams(attn_norm=jnp.ones((d,), dtype),
+                    wqkv=dense(*qkv_shape(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)),
+                    wo=dense(cfg.q_size, d), mlp_norm=jnp.ones((d,), dtype), w_gate_up=dense(d, 2, i),
+                    w_down=dense(i, d))
         for _ in range(cfg.num_layers))
     return LlamaParams(embed=dense(cfg.vocab_size, d), layers=layers, norm=jnp.ones((d,), dtype),
                        lm_head=None if cfg.tie_word_embeddings else dense(d, cfg.vocab_size))
@@ -81,12 +87,10 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
         if i in cfg.capture_layer_ids:
             captured[i] = x
         attn, k_pages, v_pages = attention_block(
-            x, layer.attn_norm, layer.wq, layer.wk, layer.wv, layer.wo, positions, cache.k[i],
-            cache.v[i], block_table, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, inv_freq=inv_freq)
+            x, layer.attn_norm, layer.wqkv, layer.wo, positions, cache.k[i], cache.v[i], block_table,
+            eps=cfg.rms_norm_eps, inv_freq=inv_freq)
         x = x + attn
-        x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate, layer.w_up,
-                       layer.w_down)
+        x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
         new_k.append(k_pages)
         new_v.append(v_pages)
     captures = jnp.concatenate([captured[i] for i in cfg.capture_layer_ids], axis=-1)

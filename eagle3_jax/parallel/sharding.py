@@ -1,17 +1,22 @@
 """Tensor parallelism (Megatron layout) through jax.sharding: we only say where each array lives,
 XLA's SPMD partitioner (Shardy) derives the per-device program and inserts the collectives.
 
-One mesh axis, "tp". The layout, per weight (ours are [in, out], so `x @ w`):
+One mesh axis, "tp". The layout, per weight (ours are [in, out], so `x @ w`; q/k/v and gate/up
+are fused, see model/layers.py):
 
-  wq, wk, wv, w_gate, w_up   [D, out]  P(None, "tp")  column-parallel: each device computes its own
-                                                      heads / its slice of the MLP, no communication
-  wo, w_down                 [in, D]   P("tp", None)  row-parallel: each device contracts its slice,
-                                                      one all-reduce of [B, T, D] restores the sum
-  norms, d2t                           P()            replicated (tiny)
-  embed                      [V, D]    P("tp", None)  vocab-parallel: masked local lookup + one
-                                                      all-reduce of [B, T, D]
-  lm_head                    [D, V]    P(None, "tp")  vocab-parallel: logits come out [.., V/tp]
-                                                      per device, no communication in the matmul
+  wqkv       [D, G, R+2, hd]  P(None, "tp", None, None)  column-parallel by kv group: each device
+                                                          computes its own groups' q, k and v
+                                                          heads, no communication (see Heads)
+  w_gate_up  [D, 2, I]        P(None, None, "tp")        column-parallel: each device computes its
+                                                          slice of both gate and up
+  wo, w_down [in, D]          P("tp", None)              row-parallel: each device contracts its
+                                                          slice, one all-reduce of [B, T, D]
+                                                          restores the sum
+  norms, d2t                  P()                        replicated (tiny)
+  embed      [V, D]           P("tp", None)              vocab-parallel: masked local lookup + one
+                                                          all-reduce of [B, T, D]
+  lm_head    [D, V]           P(None, "tp")              vocab-parallel: logits come out [.., V/tp]
+                                                          per device, no communication in the matmul
 
 So one transformer layer costs exactly two all-reduces of [B, T, D] (after wo, after w_down) and
 the residual stream (hidden states, captures) stays replicated between layers.
@@ -20,18 +25,23 @@ Why vocab-parallel: Llama-3's 128256 x 8192 embedding and lm_head are 2.1 GB eac
 replicated they would take 4.2 GB of every device, and the lm_head matmul is a large share of a
 decode step's weight reads, so splitting it speeds decode up as much as splitting the layers does.
 
-Heads: the q/k/v column split is contiguous over the flattened [heads * head_dim] output, so the
-reshape to [B, T, heads, hd] in the model puts whole heads on each device (heads % tp == 0 is
-required). GQA: q head j reads kv head j // (H / kvh).
-  - kvh % tp == 0: device r holds q heads [r*H/tp, (r+1)*H/tp) and kv heads [r*kvh/tp, ...): the
-    kv heads its q heads need, because H/tp = (kvh/tp) * (H/kvh). The KV cache pages
-    [P, page, kvh, hd] are split on the kv-head axis the same way.
-  - otherwise (e.g. kvh = 2 at tp = 8) the kv heads cannot be divided: wk/wv and the KV cache are
-    replicated. Each device still holds only its own q heads and reads the (full) local K/V, so
-    the contiguous q split stays correct. Cost: every device stores the whole KV cache. (Every
-    Llama-3 model has kvh = 8, so this only arises beyond tp 8 or with other small models.) Here
-    Shardy computes the new K/V of a step split by kv-head groups and all-gathers them
-    ([B, T, kvh, hd], activations, 2 per layer) before writing the replicated cache.
+Heads: wqkv [D, G, R+2, hd] holds, per kv group g (G = kvh groups of R = H/kvh q heads), q heads
+g*R .. g*R+R-1, then k head g, then v head g. Splitting G gives each device whole groups: the q
+heads and exactly the kv head they attend to, so attention is local. The projection comes out
+[B, T, G, R, hd] split on G; merging (G, R) into H keeps the split on the major axis, so device r
+holds q heads [r*H/tp, (r+1)*H/tp) contiguously, the rows of wo (P("tp", None)) it contracts.
+  - kvh % tp == 0: as above. The KV cache pages [P, page, kvh, hd] are split on the kv-head axis
+    the same way.
+  - otherwise (e.g. kvh = 2 at tp = 8) the groups cannot be divided, and with them the fused q
+    weights: the whole wqkv and the KV cache are replicated. Correct, but it costs memory: every
+    device stores all of q/k/v's weights (separate matrices kept q split and replicated only
+    k/v), and the whole KV cache. Shardy then still splits the projection's output, propagating
+    wo's row split back through the attention: on jax 0.10 it cuts [B, T, G, R+2, hd] over G
+    and the R+2 axis (padded), each device slicing the replicated weight, so q and attention
+    stay split, but k and v land on one shard of that axis and are moved with small activation
+    collectives (per layer: 4 collective-permutes, one all-reduce of [B, T, 1, 1, hd] pairs)
+    before the 2 all-gathers of [B, T, kvh, hd] for the replicated cache write. Every Llama-3
+    model has kvh = 8, so this only arises beyond tp 8 or with other small models.
 
 Draft head (DraftParams): fc [n_capture * H_t, H] is row-parallel, P("tp", None): the captures
 arrive replicated, so each device slices its rows for free and one all-reduce of [B, T, H] gives
@@ -68,6 +78,8 @@ from eagle3_jax.model.llama import KVCache, LayerParams, LlamaParams
 TP = "tp"
 REPLICATED = P()  # hidden states [B, T, D], captures [B, T, n * D], tokens, positions, block tables
 COLUMN = P(None, TP)  # [in, out] split on out
+QKV_GROUPS = P(None, TP, None, None)  # wqkv [D, G, R + 2, hd] split on the kv groups
+GATE_UP = P(None, None, TP)  # w_gate_up [D, 2, I] split on I
 ROW = P(TP, None)  # [in, out] split on in
 VOCAB_ROWS = P(TP, None)  # embedding [V, D] split on V
 LOGITS = P(None, None, TP)  # logits [B, T, V] as the vocab-parallel lm_head leaves them
@@ -97,7 +109,7 @@ def _is_spec(x: Any) -> bool:
 
 
 def kv_heads_split(num_kv_heads: int, tp: int) -> bool:
-    """True when the kv heads (wk/wv columns, KV cache) are divided over tp; else replicated."""
+    """True when the kv groups (wqkv's G axis, KV cache) are divided over tp; else replicated."""
     return num_kv_heads % tp == 0
 
 
@@ -114,9 +126,8 @@ def _vocab_ok(v: int, tp: int) -> bool:
 def _layer_specs(q_heads: int, kv_heads: int, intermediate: int, tp: int, where: str) -> dict:
     _check("num_attention_heads", q_heads, tp, where)
     _check("intermediate_size", intermediate, tp, where)
-    kv = COLUMN if kv_heads_split(kv_heads, tp) else REPLICATED
-    return dict(wq=COLUMN, wk=kv, wv=kv, wo=ROW, mlp_norm=REPLICATED, w_gate=COLUMN, w_up=COLUMN,
-                w_down=ROW)
+    qkv = QKV_GROUPS if kv_heads_split(kv_heads, tp) else REPLICATED
+    return dict(wqkv=qkv, wo=ROW, mlp_norm=REPLICATED, w_gate_up=GATE_UP, w_down=ROW)
 
 
 def llama_param_specs(cfg: ModelConfig, tp: int) -> LlamaParams:
@@ -186,7 +197,7 @@ def shard_params(params: Any, mesh: Mesh, specs: Any) -> Any:
 
 
 def spec_at(specs: Any, path: Sequence[str | int]) -> P:
-    """The spec at a field path such as ('layers', 3, 'wq') or ('embed',)."""
+    """The spec at a field path such as ('layers', 3, 'wqkv') or ('embed',)."""
     node = specs
     for key in path:
         node = node[key] if isinstance(key, int) else getattr(node, key)

@@ -89,8 +89,7 @@ def init_draft_from_target(target: LlamaParams, dcfg: DraftConfig, used: np.ndar
         fields.update(lm_head=f32(jnp.take(out_embed, jnp.asarray(used), axis=1)), norm=f32(target.norm))
     if init == "target":
         last = target.layers[-1]
-        fields.update(mlp_norm=f32(last.mlp_norm), w_gate=f32(last.w_gate), w_up=f32(last.w_up),
-                      w_down=f32(last.w_down))
+        fields.update(mlp_norm=f32(last.mlp_norm), w_gate_up=f32(last.w_gate_up), w_down=f32(last.w_down))
     # Fresh buffers: the train step donates them, and they must not alias the target's or each other.
     return {k: jnp.array(v, jnp.float32, copy=True) for k, v in fields.items()}
 

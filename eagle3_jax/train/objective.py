@@ -127,8 +127,7 @@ def chain_step(params: DraftParams, cfg: DraftConfig, embed: jax.Array, tokens: 
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def ttt(x):
-        q, k, v = project_qkv(x, params.wq, params.wk, params.wv, positions, heads=cfg.num_heads,
-                              kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inv_freq=inv_freq)
+        q, k, v = project_qkv(x, params.wqkv, positions, inv_freq=inv_freq)
         out = ttt_attention(q, k0, v0, (*k_prev, k), (*v_prev, v))
         return out.reshape(b, t, cfg.q_size) @ params.wo, (k, v)
 

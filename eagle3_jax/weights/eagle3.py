@@ -3,7 +3,8 @@
 Layout (../shared/EAGLE3.md, section 1): `config.json` plus `pytorch_model.bin` or
 `model.safetensors` with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
 and, in the 70B layout, `embed_tokens.weight`. Loaders elsewhere call the midlayer `layers.0.`
-and d2t `draft_id_to_target_id`; both spellings load. We write the public names, fp16.
+and d2t `draft_id_to_target_id`; both spellings load. We write the public names, fp16. In memory
+the midlayer's q/k/v and gate/up are fused (wqkv, w_gate_up: layout.py converts both ways).
 """
 
 from __future__ import annotations
@@ -17,23 +18,21 @@ import numpy as np
 
 from eagle3_jax.config import DraftConfig, ModelConfig, check_draft_fits
 from eagle3_jax.model.eagle3 import DraftParams
+from eagle3_jax.weights import layout
 from eagle3_jax.weights.tensors import CheckpointError, TensorFiles, check_names, take, write
 
-# (our field, public name, transposed, stored shape)
-_TENSORS = (
-    ("fc", "fc.weight", True, lambda c: (c.hidden_size, c.num_captures * c.target_hidden_size)),
-    ("hidden_norm", "midlayer.hidden_norm.weight", False, lambda c: (c.hidden_size,)),
-    ("input_norm", "midlayer.input_layernorm.weight", False, lambda c: (c.hidden_size,)),
-    ("wq", "midlayer.self_attn.q_proj.weight", True, lambda c: (c.q_size, 2 * c.hidden_size)),
-    ("wk", "midlayer.self_attn.k_proj.weight", True, lambda c: (c.kv_size, 2 * c.hidden_size)),
-    ("wv", "midlayer.self_attn.v_proj.weight", True, lambda c: (c.kv_size, 2 * c.hidden_size)),
-    ("wo", "midlayer.self_attn.o_proj.weight", True, lambda c: (c.hidden_size, c.q_size)),
-    ("mlp_norm", "midlayer.post_attention_layernorm.weight", False, lambda c: (c.hidden_size,)),
-    ("w_gate", "midlayer.mlp.gate_proj.weight", True, lambda c: (c.intermediate_size, c.hidden_size)),
-    ("w_up", "midlayer.mlp.up_proj.weight", True, lambda c: (c.intermediate_size, c.hidden_size)),
-    ("w_down", "midlayer.mlp.down_proj.weight", True, lambda c: (c.hidden_size, c.intermediate_size)),
-    ("norm", "norm.weight", False, lambda c: (c.hidden_size,)),
-    ("lm_head", "lm_head.weight", True, lambda c: (c.draft_vocab_size, c.hidden_size)),
+# The public tensors, [out, in] as stored; q/k/v and gate/up fused on load (layout.py).
+_FIELDS: tuple[layout.Field, ...] = (
+    layout.linear("fc", "fc.weight", lambda c: (c.hidden_size, c.num_captures * c.target_hidden_size)),
+    layout.stored("hidden_norm", "midlayer.hidden_norm.weight", lambda c: (c.hidden_size,)),
+    layout.stored("input_norm", "midlayer.input_layernorm.weight", lambda c: (c.hidden_size,)),
+    layout.qkv("wqkv", "midlayer.self_attn.", lambda c: 2 * c.hidden_size),
+    layout.linear("wo", "midlayer.self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size)),
+    layout.stored("mlp_norm", "midlayer.post_attention_layernorm.weight", lambda c: (c.hidden_size,)),
+    layout.gate_up("w_gate_up", "midlayer.mlp."),
+    layout.linear("w_down", "midlayer.mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
+    layout.stored("norm", "norm.weight", lambda c: (c.hidden_size,)),
+    layout.linear("lm_head", "lm_head.weight", lambda c: (c.draft_vocab_size, c.hidden_size)),
 )
 EMBED = "embed_tokens.weight"
 D2T, T2D = "d2t", "t2d"
@@ -74,13 +73,10 @@ def read_drafter_tensors(directory: Path) -> Mapping[str, np.ndarray]:
 def draft_params_from_tensors(tensors: Mapping[str, np.ndarray], cfg: DraftConfig, dtype=jnp.bfloat16,
                               where: str = "drafter") -> DraftParams:
     found = set(tensors) - {T2D}  # t2d is only used in training
-    expected = {name for _, name, _, _ in _TENSORS} | {D2T}
+    expected = set(layout.public_shapes(_FIELDS, cfg)) | {D2T}
     has_embed = EMBED in found
     check_names(found - {EMBED}, expected, where)
-    fields = {}
-    for field, name, transpose, shape in _TENSORS:
-        x = np.asarray(take(tensors, name, shape(cfg), where))
-        fields[field] = jnp.asarray((x.T if transpose else x).astype(dtype))
+    fields = {name: jnp.asarray(x.astype(dtype)) for name, x in layout.read_fields(_FIELDS, tensors, cfg, where)}
     d2t = np.asarray(take(tensors, D2T, (cfg.draft_vocab_size,), where)).astype(np.int64)
     target_ids = np.arange(cfg.draft_vocab_size) + d2t
     bad = np.flatnonzero((target_ids < 0) | (target_ids >= cfg.vocab_size))
@@ -106,10 +102,7 @@ def load_drafter(directory: str | Path, target: ModelConfig | None = None,
 
 def drafter_tensors(params: DraftParams, cfg: DraftConfig, dtype=np.float16) -> dict[str, np.ndarray]:
     """The public tensor names and dtypes (fp16 weights, int64 d2t, bool t2d)."""
-    out = {}
-    for field, name, transpose, _ in _TENSORS:
-        x = np.asarray(getattr(params, field), np.float32)
-        out[name] = (x.T if transpose else x).astype(dtype)
+    out = layout.public_tensors(_FIELDS, params, convert=lambda x: np.asarray(x, np.float32).astype(dtype))
     d2t = np.asarray(params.d2t, np.int64)
     out[D2T] = d2t
     t2d = np.zeros(cfg.vocab_size, bool)
@@ -122,7 +115,7 @@ def drafter_tensors(params: DraftParams, cfg: DraftConfig, dtype=np.float16) -> 
 
 def public_shapes(cfg: DraftConfig, own_embedding: bool = False) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the public layout, for `cfg` (t2d excluded: training only)."""
-    shapes = {name: shape(cfg) for _, name, _, shape in _TENSORS}
+    shapes = layout.public_shapes(_FIELDS, cfg)
     shapes[D2T] = (cfg.draft_vocab_size,)
     if own_embedding:
         shapes[EMBED] = (cfg.vocab_size, cfg.hidden_size)

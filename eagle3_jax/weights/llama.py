@@ -1,6 +1,7 @@
 """Hugging Face LlamaForCausalLM checkpoints <-> LlamaParams.
 
-PyTorch Linear weights are stored [out, in]; our parameters are [in, out] so a forward is `x @ w`.
+PyTorch Linear weights are stored [out, in], q/k/v and gate/up separately; our parameters are
+[in, out] so a forward is `x @ w`, with q/k/v and gate/up fused (conversions: layout.py).
 """
 
 from __future__ import annotations
@@ -13,37 +14,47 @@ import numpy as np
 
 from eagle3_jax.config import ModelConfig
 from eagle3_jax.model.llama import LayerParams, LlamaParams
-from eagle3_jax.weights.tensors import TensorFiles, check_names, take, write
+from eagle3_jax.weights import layout
+from eagle3_jax.weights.tensors import TensorFiles, check_names, write
 
-# (our field, HF suffix, transposed, shape [out, in] as stored) per layer.
-_LAYER_TENSORS: tuple[tuple[str, str, bool, Callable[[ModelConfig], tuple[int, ...]]], ...] = (
-    ("attn_norm", "input_layernorm.weight", False, lambda c: (c.hidden_size,)),
-    ("wq", "self_attn.q_proj.weight", True, lambda c: (c.q_size, c.hidden_size)),
-    ("wk", "self_attn.k_proj.weight", True, lambda c: (c.kv_size, c.hidden_size)),
-    ("wv", "self_attn.v_proj.weight", True, lambda c: (c.kv_size, c.hidden_size)),
-    ("wo", "self_attn.o_proj.weight", True, lambda c: (c.hidden_size, c.q_size)),
-    ("mlp_norm", "post_attention_layernorm.weight", False, lambda c: (c.hidden_size,)),
-    ("w_gate", "mlp.gate_proj.weight", True, lambda c: (c.intermediate_size, c.hidden_size)),
-    ("w_up", "mlp.up_proj.weight", True, lambda c: (c.intermediate_size, c.hidden_size)),
-    ("w_down", "mlp.down_proj.weight", True, lambda c: (c.hidden_size, c.intermediate_size)),
+_GLOBAL_FIELDS: tuple[layout.Field, ...] = (
+    layout.stored("embed", "model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),
+    layout.stored("norm", "model.norm.weight", lambda c: (c.hidden_size,)),
+)
+_LM_HEAD = layout.linear("lm_head", "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size))
+# Per layer, under `model.layers.{i}.`.
+_LAYER_FIELDS: tuple[layout.Field, ...] = (
+    layout.stored("attn_norm", "input_layernorm.weight", lambda c: (c.hidden_size,)),
+    layout.qkv("wqkv", "self_attn.", lambda c: c.hidden_size),
+    layout.linear("wo", "self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size)),
+    layout.stored("mlp_norm", "post_attention_layernorm.weight", lambda c: (c.hidden_size,)),
+    layout.gate_up("w_gate_up", "mlp."),
+    layout.linear("w_down", "mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
 )
 
 
+def _global_fields(tied: bool) -> tuple[layout.Field, ...]:
+    return _GLOBAL_FIELDS if tied else (*_GLOBAL_FIELDS, _LM_HEAD)
+
+
+def _layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
 def hf_names(cfg: ModelConfig) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
-        names.add("lm_head.weight")
+    names = set(layout.public_shapes(_global_fields(cfg.tie_word_embeddings), cfg))
     for i in range(cfg.num_layers):
-        names |= {f"model.layers.{i}.{suffix}" for _, suffix, _, _ in _LAYER_TENSORS}
+        names |= set(layout.public_shapes(_LAYER_FIELDS, cfg, _layer_prefix(i)))
     return names
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype=jnp.bfloat16,
-                   where: str = "checkpoint", place: Callable = None) -> LlamaParams:
+                   where: str = "checkpoint", place: Callable | None = None) -> LlamaParams:
     """Build LlamaParams from HF-named tensors, checking names and shapes.
 
-    `place(array, path)` puts one converted host array on its devices (a sharding-aware loader
-    passes its own); `path` is the field path, e.g. ('layers', 3, 'wq').
+    `place(array, path)` puts one converted host array ([in, out], q/k/v and gate/up already
+    fused) on its devices (a sharding-aware loader passes its own); `path` is the field path,
+    e.g. ('layers', 3, 'wqkv') or ('embed',).
     """
     place = place or (lambda x, path: jnp.asarray(x))
     found = set(tensors)
@@ -52,32 +63,21 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype=jn
         found.discard("lm_head.weight")
     check_names(found, hf_names(cfg), where)
 
-    def get(name, shape, transpose, path):
-        x = np.asarray(take(tensors, name, shape, where))
-        x = x.T if transpose else x
-        return place(x.astype(dtype), path)
+    def read(fields, prefix="", path=()):
+        return {name: place(x.astype(dtype), (*path, name))
+                for name, x in layout.read_fields(fields, tensors, cfg, where, prefix)}
 
-    layers = tuple(
-        LayerParams(**{field: get(f"model.layers.{i}.{suffix}", shape(cfg), tr, ("layers", i, field))
-                       for field, suffix, tr, shape in _LAYER_TENSORS})
-        for i in range(cfg.num_layers))
-    d, v = cfg.hidden_size, cfg.vocab_size
-    return LlamaParams(
-        embed=get("model.embed_tokens.weight", (v, d), False, ("embed",)),
-        layers=layers,
-        norm=get("model.norm.weight", (d,), False, ("norm",)),
-        lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight", (v, d), True, ("lm_head",)),
-    )
+    top = read(_global_fields(cfg.tie_word_embeddings))
+    layers = tuple(LayerParams(**read(_LAYER_FIELDS, _layer_prefix(i), ("layers", i)))
+                   for i in range(cfg.num_layers))
+    return LlamaParams(embed=top["embed"], layers=layers, norm=top["norm"], lm_head=top.get("lm_head"))
 
 
 def params_to_hf(params: LlamaParams) -> dict[str, np.ndarray]:
-    out = {"model.embed_tokens.weight": np.asarray(params.embed), "model.norm.weight": np.asarray(params.norm)}
-    if params.lm_head is not None:
-        out["lm_head.weight"] = np.asarray(params.lm_head).T
+    """HF-named tensors ([out, in]; q/k/v and gate/up separate) of `params`, in their dtype."""
+    out = layout.public_tensors(_global_fields(params.lm_head is None), params)
     for i, layer in enumerate(params.layers):
-        for field, suffix, transpose, _ in _LAYER_TENSORS:
-            x = np.asarray(getattr(layer, field))
-            out[f"model.layers.{i}.{suffix}"] = x.T if transpose else x
+        out.update(layout.public_tensors(_LAYER_FIELDS, layer, _layer_prefix(i)))
     return out
 
 
