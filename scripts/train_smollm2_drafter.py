@@ -11,8 +11,10 @@ then trains on the text it will read; `--no-regenerate` trains on ShareGPT's own
 `train_drafter` with bf16 compute for `--steps`, or for as many steps as fit `--time-budget-s` of
 wall time (regeneration, compilation and export included) at the step time measured after
 compiling. `--regen-gpus N` answers the prompts in N processes, one per GPU (shard i of N on
-GPU i), and trains on GPU 0 from their data files; the data are the same as with one GPU, only in
-a different row order.
+GPU i), and trains on GPU 0 from their data files: the same prompts and sampling seeds as one GPU
+(a reply can still differ where bf16 rounding depends on the batch), in another row order, so the
+held-out rows differ.
+
 The defaults are the shipped drafter's recipe (its model card). Writes the drafter to
 checkpoints/smollm2-135m-eagle3/ (public EAGLE-3 layout), and train_log.json (config,
 throughput, held-out accuracy, per-step history) and train_curves.png to --log-dir.
@@ -48,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--regen-gpus", type=int, default=1, help="regenerate in this many processes, one per GPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (for log files)")
     ap.add_argument("--prepare-only", action="store_true", help="write the data file and stop (no training)")
-    ap.add_argument("--time-budget-s", type=float, default=600.0,
-                    help="wall time for the whole run, from this script's start (default 600 = 10 min)")
-    ap.add_argument("--steps", type=int, default=2000, help="used only with --time-budget-s 0")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--seq-len", type=int, default=1024, help="a 512-token prompt plus a 384-token reply fit")
+    ap.add_argument("--time-budget-s", type=float, default=0.0,
+                    help="fit the number of steps to this wall time for the whole run, from this script's "
+                    "start (default 0: run --steps)")
+    ap.add_argument("--steps", type=int, default=2577, help="training steps (the learning-rate schedule spans them)")
+    ap.add_argument("--batch-size", type=int, default=48)
+    ap.add_argument("--seq-len", type=int, default=640, help="a 256-token prompt plus a 384-token reply fit")
     ap.add_argument("--draft-vocab-size", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ttt-steps", type=int, default=7)
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     regenerate.add_arguments(ap)
-    ap.set_defaults(regenerate=True, regen_time_budget_s=180.0)
+    # The shipped recipe: every prompt of at most 256 tokens answered greedily and at T = 0.8.
+    ap.set_defaults(regenerate=True, regen_max_prompt_tokens=256, regen_temperatures=(0.0, 0.8))
     a = ap.parse_args(argv)
 
     target = Path(a.target)

@@ -66,19 +66,23 @@ def reply_example(prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[
 def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max_prompt_tokens: int = 512,
                         max_new_tokens: int = 384, temperatures: Sequence[float] = (0.0,), chunk: int = 1024,
                         time_budget_s: float | None = None, min_reply_tokens: int = 16, pad_id: int = 0,
-                        progress: bool = True, log=print) -> D.Examples:
+                        prompt_numbers: Sequence[int] | None = None, progress: bool = True,
+                        log=print) -> D.Examples:
     """The target's replies to `prompts` (chat messages), one per prompt and temperature, as padded
     Examples [N, seq_len] (each prompt's replies in the order of `temperatures`).
 
     `llm` is an `eagle3_jax.api.LLM` over the target (best without a drafter: any drafter is
     lossless, but target-only is cheaper at large batch). Prompts longer than `max_prompt_tokens`
     are skipped, as are replies shorter than `min_reply_tokens`. With `time_budget_s`, generation
-    stops after the chunk that crosses it (the examples so far are kept).
+    stops after the chunk that crosses it (the examples so far are kept). `prompt_numbers` [N]
+    number the prompts for their sampling seeds (default 0..N-1; a shard passes the prompts' places
+    in the whole list, so its replies do not depend on how many shards there are).
     """
     if max_prompt_tokens + max_new_tokens > seq_len:
         raise ValueError(f"max_prompt_tokens {max_prompt_tokens} + max_new_tokens {max_new_tokens} "
                          f"exceed seq_len {seq_len}")
     start = time.perf_counter()
+    numbers = range(len(prompts)) if prompt_numbers is None else prompt_numbers
     ids = [llm.encode(p) for p in prompts]
     keep = [i for i, p in enumerate(ids) if len(p) <= max_prompt_tokens]
     log(f"regenerate: {len(keep)} of {len(ids)} prompts have at most {max_prompt_tokens} tokens")
@@ -88,7 +92,7 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
         rows = keep[lo:lo + chunk]
         batch = [ids[i] for i in rows for _ in temperatures]
         # One seed per (prompt, temperature): sampled replies are reproducible and independent.
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=t, seed=i * len(temperatures) + k)
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=t, seed=numbers[i] * len(temperatures) + k)
                   for i in rows for k, t in enumerate(temperatures)]
         for prompt, out in zip(batch, llm.generate(batch, params)):
             if out.error is not None:
@@ -122,12 +126,13 @@ def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: i
                           num_speculative_tokens=0, max_model_len=spec.max_prompt_tokens + spec.max_new_tokens)
     shard, shards = spec.shard
     prompts = first_turns(convs)[shard::shards]
+    numbers = range(shard, shard + shards * len(prompts), shards)  # their places in the whole list
     log(f"regenerate: shard {shard} of {shards}: {len(prompts)} prompts, temperatures {spec.temperatures}")
     llm = LLM(target_dir, draft=None, num_speculative_tokens=0, engine_config=engine, progress=progress)
     ex = regenerate_examples(llm, prompts, seq_len, max_prompt_tokens=spec.max_prompt_tokens,
                              max_new_tokens=spec.max_new_tokens, temperatures=spec.temperatures,
-                             time_budget_s=spec.time_budget_s, pad_id=D.pad_id(llm.tokenizer), progress=progress,
-                             log=log)
+                             time_budget_s=spec.time_budget_s, pad_id=D.pad_id(llm.tokenizer),
+                             prompt_numbers=numbers, progress=progress, log=log)
     D.describe(ex, "regenerated", log)
     return ex
 
