@@ -15,6 +15,7 @@ graphs) is read by XLA at start, so compare flag sets in separate processes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -47,13 +48,14 @@ def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: in
     """(enqueue ms, wall ms) per call, medians over rounds of `calls` back-to-back iterations."""
     rows = np.arange(1, batch + 1, dtype=np.int32)
     tables = np.zeros((batch, engine.cfg.max_blocks_per_seq), np.int32)  # scratch pages: same work
+    step_cfg = dataclasses.replace(engine.step_cfg, greedy=True)  # what a batch of greedy requests runs
     enqueue, wall = [], []
     for r in range(rounds + 1):  # round 0 compiles and warms up
         s = engine.state
         engine.state = s.replace(slots=s.slots.replace(length=jnp.full_like(s.slots.length, context)))
         start = time.perf_counter()
         for _ in range(calls):
-            engine.state, n, _ = engine.dispatch_iteration(rows, tables, engine.step_cfg)
+            engine.state, n, _ = engine.dispatch_iteration(rows, tables, step_cfg)
         queued = time.perf_counter()
         n.block_until_ready()
         done = time.perf_counter()

@@ -3,6 +3,8 @@ in a live workload, streaming, and the speculation policy (the rule, the estimat
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import make_llm
@@ -11,6 +13,8 @@ from eagle3_jax import SamplingParams, assets
 from eagle3_jax.config import ConfigError, EngineConfig
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.policy import AcceptanceEstimate, BucketCost, SpeculationPolicy
+from eagle3_jax.engine.sampling import row_sampling_from_params as sampling_rows
+from eagle3_jax.engine.state import DUMMY_SLOT
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +150,42 @@ def test_per_step_dispatch_equals_the_fused_iteration(smollm2_dir, drafter, spec
 
 
 # ---- the speculation policy -------------------------------------------------------------------
+def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids, monkeypatch):
+    """A lax.cond is a host-device synchronization on the GPU (XLA's ConditionalThunk copies the
+    predicate to the host and blocks), so the iteration a batch of greedy requests runs has none,
+    and the sampling iteration none of the old all-greedy kind (only top-k/top-p's sort guard,
+    one per sampled distribution: the verify and each of the K draft tokens). The driver picks
+    the program from the requests' parameters."""
+    from eagle3_jax.engine.steps import iterate_step, prefill_step
+
+    engine = spec_llm.engine
+    k = engine.step_cfg.num_draft
+    bucket = engine.cfg.batch_buckets[1]
+    slots = np.full(bucket, DUMMY_SLOT, np.int32)  # padded rows: the same program as real ones
+    tables = np.zeros((bucket, engine.cfg.max_blocks_per_seq), np.int32)
+
+    def branches(cfg) -> int:
+        text = iterate_step.lower(engine.params, engine.draft_params, engine.state, slots, tables, cfg=cfg).as_text()
+        return text.count('"stablehlo.case"')
+
+    greedy, sampling = (engine.iterate_config(bucket, greedy=g) for g in (True, False))
+    assert (branches(greedy), branches(sampling)) == (0, k + 1)
+    first = prefill_step.lower(
+        engine.params, engine.draft_params, engine.state, np.zeros((1, 32), np.int32), np.zeros((1, 32), np.int32),
+        np.ones(1, np.int32), np.zeros(1, np.int32), slots[:1], tables[:1],
+        sampling_rows([SamplingParams()], seeds=[0]), cfg=dataclasses.replace(engine.step_cfg, greedy=True)).as_text()
+    assert '"stablehlo.case"' not in first
+
+    ran = []
+    dispatch = engine.dispatch_iteration
+    monkeypatch.setattr(engine, "dispatch_iteration", lambda s, t, cfg: (ran.append(cfg.greedy), dispatch(s, t, cfg))[1])
+    spec_llm.generate(chat_ids[:2], SamplingParams(max_tokens=6))
+    assert ran and all(ran)
+    ran.clear()
+    spec_llm.generate(chat_ids[:2], [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.8, seed=1)])
+    assert ran and not ran[0]  # both rows run the first iteration: the sampling program
+
+
 def test_rule_speculates_only_past_break_even():
     cost = BucketCost(target_only_s=0.010, speculative_s=0.025)  # break-even L = 2.5
     assert cost.break_even == pytest.approx(2.5)

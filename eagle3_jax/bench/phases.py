@@ -130,14 +130,14 @@ def resolve_draft(opts: Options, target_cfg: ModelConfig, scratch: Path) -> tupl
 def warmup_jobs(engine: Engine) -> list[Job]:
     """The calls Engine.warmup makes, as precompile jobs: its jitted calls then find them built."""
     cfg, nb = engine.cfg, engine.cfg.max_blocks_per_seq
-    p, dp, st, kw = engine.params, engine.draft_params, engine.state, {"cfg": engine.step_cfg}
+    p, dp, st = engine.params, engine.draft_params, engine.state
     greedy = row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
     jobs = [(iterate_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)), {"cfg": c})
             for b in cfg.batch_buckets for c in engine.iteration_configs(b)]
     jobs += [(prefill_step, (p, dp, st, np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.ones(1, np.int32),
                              np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32), np.zeros((1, nb), np.int32),
-                             greedy), kw)
-             for t in cfg.prefill_buckets]
+                             greedy), {"cfg": c})
+             for t in cfg.prefill_buckets for c in engine.prefill_configs()]
     return jobs
 
 
@@ -374,8 +374,9 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     log(f"8b: random weights in {init_s:.1f} s, {(held['target'] + held['draft']) / 1e9:.2f} GB per device")
     kinds = [StepKind("decode, target-only (K=0)", 0), StepKind(f"EAGLE-3 iteration (K={k})", k),
              StepKind(f"verify only (B x {k + 1} tokens)", 0, verify_only=True)]
+    # Greedy programs: what a batch of greedy requests runs (StepConfig.greedy).
     scfgs = {kind: StepConfig(target=target, draft=draft if kind.num_draft else None, num_draft=kind.num_draft,
-                              mesh=mesh) for kind in kinds}
+                              mesh=mesh, greedy=True) for kind in kinds}
     calls = {(kind, b): step_call(kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b),
                                   k + 1, opts.context)
              for kind, scfg in scfgs.items() for b in batches}

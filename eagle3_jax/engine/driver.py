@@ -143,11 +143,13 @@ class Engine:
             return True
         return policy.speculate(self.step_costs.get(bucket), self.acceptance, self.step_cfg.num_draft, self.policy)
 
-    def iterate_config(self, bucket: int) -> StepConfig:
+    def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
         """The iteration's config for a batch bucket: K drafts, or none when it runs the target
         alone (the proposals in the slots then wait unverified; any proposal is safe to verify
-        later, since each was drawn from the q stored with it)."""
-        return self.step_cfg if self.speculates(bucket) else dataclasses.replace(self.step_cfg, num_draft=0)
+        later, since each was drawn from the q stored with it); the greedy program when every
+        request of the batch is greedy (`StepConfig.greedy`)."""
+        k = self.step_cfg.num_draft if self.speculates(bucket) else 0
+        return dataclasses.replace(self.step_cfg, num_draft=k, greedy=greedy)
 
     def speculation_table(self) -> tuple[policy.BucketChoice, ...]:
         """Every bucket's cost and current choice; `policy.format_table(table, engine.acceptance)`
@@ -186,6 +188,7 @@ class Engine:
         largest = self.cfg.prefill_buckets[-1]
         prompt = req.prompt
         row = sampling.row_sampling_from_params([req.params], rng=self._seed_rng)
+        cfg = dataclasses.replace(self.step_cfg, greedy=req.params.greedy)
         first = None
         for start in range(0, len(prompt), largest):
             chunk = prompt[start:start + largest]
@@ -201,7 +204,7 @@ class Engine:
                 self.params, self.draft_params, self.state, tokens, next_tokens,
                 np.array([len(chunk)], np.int32), np.array([start], np.int32),
                 np.array([req.slot], np.int32), self.scheduler.block_tables[req.slot][None], row,
-                cfg=self.step_cfg)
+                cfg=cfg)
         self._fresh[req.slot] = self.step_cfg.speculative  # the last chunk drafted K proposals
         first.copy_to_host_async()
         self._pending.append(_Pending([req], first, None))
@@ -209,7 +212,7 @@ class Engine:
     def _dispatch_iterate(self) -> None:
         reqs, slots, tables = self.scheduler.batch()
         bucket = len(slots)
-        cfg = self.iterate_config(bucket)
+        cfg = self.iterate_config(bucket, greedy=all(r.params.greedy for r in reqs))
         # Device order is dispatch order, so freshness at dispatch is what this iteration verifies.
         rows = slots[:len(reqs)]
         fresh = self._fresh[rows].copy()
@@ -299,12 +302,18 @@ class Engine:
     def num_compilations(self) -> int:
         return CompileCounter.count
 
-    def iteration_configs(self, bucket: int) -> list[StepConfig]:
-        """The iterations a bucket may run: speculative, target-only, or (in "auto") both."""
-        target_only = dataclasses.replace(self.step_cfg, num_draft=0)
-        if not self.may_speculate(bucket):
-            return [target_only]
-        return [self.step_cfg] if self.cfg.speculation == "always" else [self.step_cfg, target_only]
+    def iteration_configs(self, bucket: int, greedy: bool | None = None) -> list[StepConfig]:
+        """The iterations a bucket may run: speculative, target-only, or (in "auto") both; each as
+        the greedy program and the sampling one (`greedy` picks one of the two)."""
+        ks = [self.step_cfg.num_draft] if self.may_speculate(bucket) else []
+        if not ks or self.cfg.speculation == "auto":
+            ks.append(0)
+        kinds = (True, False) if greedy is None else (greedy,)
+        return [dataclasses.replace(self.step_cfg, num_draft=k, greedy=g) for k in ks for g in kinds]
+
+    def prefill_configs(self) -> list[StepConfig]:
+        """The prefill programs: the greedy one and the sampling one."""
+        return [dataclasses.replace(self.step_cfg, greedy=g) for g in (True, False)]
 
     def _padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
@@ -329,7 +338,7 @@ class Engine:
         `step_costs`) for the speculation policy."""
         start = time.perf_counter()
         shapes = [("iterate", b, c) for b in self.cfg.batch_buckets for c in self.iteration_configs(b)]
-        shapes += [("prefill", t, self.step_cfg) for t in self.cfg.prefill_buckets]
+        shapes += [("prefill", t, c) for t in self.cfg.prefill_buckets for c in self.prefill_configs()]
         nb = self.cfg.max_blocks_per_seq
         greedy = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
         for kind, size, cfg in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
@@ -341,10 +350,12 @@ class Engine:
                 self.state, n = prefill_step(
                     self.params, self.draft_params, self.state, np.zeros((1, size), np.int32), next_tokens,
                     np.ones(1, np.int32), np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32),
-                    np.zeros((1, nb), np.int32), greedy, cfg=self.step_cfg)
+                    np.zeros((1, nb), np.int32), greedy, cfg=cfg)
             n.block_until_ready()
         for b in self.cfg.batch_buckets:
-            configs = self.iteration_configs(b)
+            # The policy's costs come from the greedy programs (the sampling ones add the same
+            # sampling work to both iterations).
+            configs = self.iteration_configs(b, greedy=True)
             if len(configs) == 2 and b not in self.step_costs:
                 spec, target_only = (self._time_iteration(b, c) for c in configs)
                 self.step_costs[b] = policy.BucketCost(target_only_s=target_only, speculative_s=spec)

@@ -48,6 +48,13 @@ class StepConfig:
     draft: DraftConfig | None
     num_draft: int  # K; 0 without a drafter
     mesh: Mesh | None = None  # tensor parallelism: pins the Megatron layout of activations
+    # Every row of the batch is greedy: argmax only, no sampling code. The host knows each
+    # request's parameters, so it picks the program, as vLLM's sampler checks `all_greedy` on the
+    # host. Deciding on the device instead (`lax.cond(all(greedy), ...)`) costs a host-device
+    # synchronization per cond on the GPU: XLA's ConditionalThunk copies the predicate to the host
+    # and blocks until the stream reaches it, which stalls the overlapped loop K + 1 times an
+    # iteration. The steps below branch only on this static flag.
+    greedy: bool = False
 
     @property
     def speculative(self) -> bool:
@@ -93,16 +100,14 @@ def _write_slots(slots: Slots, rows: jax.Array, values: Slots) -> Slots:
     return slots.replace(length=slots.length.at[DUMMY_SLOT].set(0))
 
 
-def _draft_token(logits: jax.Array, row: sampling.RowSampling, keys: jax.Array):
-    """Draft logits [B, Vd] -> (draft ids [B], q [B, Vd]). Greedy rows take the argmax."""
+def _draft_token(logits: jax.Array, row: sampling.RowSampling, keys: jax.Array, greedy: bool):
+    """Draft logits [B, Vd] -> (draft ids [B], q [B, Vd]). Greedy rows take the argmax; a greedy
+    program (`StepConfig.greedy`) has no q (greedy verification never reads it)."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled(_):
-        q = sampling.filtered_probs(logits, row.temperature, row.top_k, row.top_p, row.min_p)
-        return jnp.where(row.greedy, greedy_ids, sampling.sample_rows(q, keys)), q
-
-    # Greedy batches skip the sort over the vocabulary entirely.
-    return jax.lax.cond(jnp.all(row.greedy), lambda _: (greedy_ids, jnp.zeros_like(logits)), sampled, None)
+    if greedy:
+        return greedy_ids, jnp.zeros_like(logits)
+    q = sampling.filtered_probs(logits, row.temperature, row.top_k, row.top_p, row.min_p)
+    return jnp.where(row.greedy, greedy_ids, sampling.sample_rows(q, keys)), q
 
 
 @struct.dataclass
@@ -134,8 +139,9 @@ def draft_step(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, c
         out, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, carry.token[:, None], h[:, None],
                                              (position + 1)[:, None], draft_kv, block_table)
         h, position = out[:, 0], position + 1
-    logits = vocab_logits(eagle3.draft_logits(dparams, cfg.draft, h), cfg.mesh)
-    ids, q = _draft_token(logits, carry.row, sampling.fold_in_rows(carry.keys, j))
+    # An argmax needs no all-gather of the logits: only per-shard (max, index) pairs move.
+    logits = vocab_logits(eagle3.draft_logits(dparams, cfg.draft, h), cfg.mesh, gather=not cfg.greedy)
+    ids, q = _draft_token(logits, carry.row, sampling.fold_in_rows(carry.keys, j), cfg.greedy)
     token = eagle3.to_target_ids(dparams, ids)
     return carry.replace(h=h, token=token, position=position, drafts=carry.drafts.at[:, j].set(token),
                          q=carry.q.at[:, j].set(q)), draft_kv
@@ -156,15 +162,12 @@ def _target_probs(dparams: DraftParams, q: jax.Array, vocab_size: int) -> jax.Ar
 
 
 def _verify(cfg: StepConfig, dparams, logits, drafts, draft_probs, row, keys):
-    """Accept/reject the proposals: (num_accepted [B], emitted [B, K+1])."""
-    if not cfg.speculative:
-        return sampling.verify_chain(logits, drafts, None, row, keys)
-
-    def sampled(_):
-        q = _target_probs(dparams, draft_probs, cfg.target.vocab_size)
-        return sampling.verify_chain(logits, drafts, q, row, keys)
-
-    return jax.lax.cond(jnp.all(row.greedy), lambda _: sampling.greedy_verify(logits, drafts), sampled, None)
+    """Accept/reject the proposals (none in a target-only iteration): (num_accepted [B],
+    emitted [B, K+1])."""
+    if cfg.greedy:
+        return sampling.greedy_verify(logits, drafts)
+    q = _target_probs(dparams, draft_probs, cfg.target.vocab_size) if cfg.speculative else None
+    return sampling.verify_chain(logits, drafts, q, row, keys)
 
 
 def iterate_head(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
@@ -181,7 +184,7 @@ def iterate_head(params: LlamaParams, dparams: DraftParams | None, state: Device
     tokens = jnp.concatenate([s.last_token[:, None], s.drafts[:, :k]], axis=1)  # [B, K+1]
     positions = s.length[:, None] + jnp.arange(k + 1)  # [B, K+1]
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables)
-    logits = vocab_logits(llama.logits(params, hidden), cfg.mesh)  # [B, K+1, V]
+    logits = vocab_logits(llama.logits(params, hidden), cfg.mesh, gather=not cfg.greedy)  # [B, K+1, V]
     n, emitted = _verify(cfg, dparams, logits, s.drafts[:, :k], s.draft_probs, s.sampling,
                          _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY))
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
@@ -245,8 +248,9 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_table)
     last_idx = num_valid - 1
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [1, D]
-    first = sampling.sample_logits(vocab_logits(llama.logits(params, last_hidden), cfg.mesh), row,
-                                   _keys(row.key, 0, _STREAM_FIRST))  # [1]
+    logits = vocab_logits(llama.logits(params, last_hidden), cfg.mesh, gather=not cfg.greedy)  # [1, V]
+    first = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
+             else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST)))  # [1]
     length = start + num_valid
     k = cfg.num_draft if cfg.speculative else 0
     drafts = jnp.zeros((1, k), jnp.int32)
