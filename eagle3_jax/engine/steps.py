@@ -102,10 +102,10 @@ def _write_slots(slots: Slots, rows: jax.Array, values: Slots) -> Slots:
 
 def _draft_token(logits: jax.Array, row: sampling.RowSampling, keys: jax.Array, greedy: bool):
     """Draft logits [B, Vd] -> (draft ids [B], q [B, Vd]). Greedy rows take the argmax; a greedy
-    program (`StepConfig.greedy`) has no q (greedy verification never reads it)."""
+    program (`StepConfig.greedy`) has no q (None: greedy verification never reads it)."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
-        return greedy_ids, jnp.zeros_like(logits)
+        return greedy_ids, None
     q = sampling.filtered_probs(logits, row.temperature, row.top_k, row.top_p, row.min_p)
     return jnp.where(row.greedy, greedy_ids, sampling.sample_rows(q, keys)), q
 
@@ -143,8 +143,8 @@ def draft_step(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, c
     logits = vocab_logits(eagle3.draft_logits(dparams, cfg.draft, h), cfg.mesh, gather=not cfg.greedy)
     ids, q = _draft_token(logits, carry.row, sampling.fold_in_rows(carry.keys, j), cfg.greedy)
     token = eagle3.to_target_ids(dparams, ids)
-    return carry.replace(h=h, token=token, position=position, drafts=carry.drafts.at[:, j].set(token),
-                         q=carry.q.at[:, j].set(q)), draft_kv
+    carry = carry.replace(h=h, token=token, position=position, drafts=carry.drafts.at[:, j].set(token))
+    return (carry if q is None else carry.replace(q=carry.q.at[:, j].set(q))), draft_kv
 
 
 def propose(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, carry: DraftCarry,
@@ -214,9 +214,12 @@ def chain_step(dparams: DraftParams, target_embed: jax.Array, state: DeviceState
 
 
 def commit_proposals(state: DeviceState, rows: jax.Array, carry: DraftCarry, cfg: StepConfig) -> DeviceState:
-    """Store the chain's proposals and their q in the slots for the next iteration to verify."""
-    slots = state.slots
-    slots = slots.replace(drafts=slots.drafts.at[rows].set(carry.drafts), draft_probs=slots.draft_probs.at[rows].set(carry.q))
+    """Store the chain's proposals and their q in the slots for the next iteration to verify.
+    A greedy program keeps the slots' q as they are: its rows are verified greedily, which never
+    reads q, and a sampled row only ever runs in sampling programs, which write its q."""
+    slots = state.slots.replace(drafts=state.slots.drafts.at[rows].set(carry.drafts))
+    if not cfg.greedy:
+        slots = slots.replace(draft_probs=slots.draft_probs.at[rows].set(carry.q))  # [S, K, Vd] f32
     return _finish(state.replace(slots=slots), cfg)
 
 
