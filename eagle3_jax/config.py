@@ -328,6 +328,7 @@ def count_params(shapes: Any) -> int:
 
 MAX_SPECULATIVE_TOKENS = 16
 SPECULATION_MODES = ("auto", "always")  # EngineConfig.speculation
+ATTENTION_KINDS = ("auto", "xla", "pallas")  # EngineConfig.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,6 +360,10 @@ class EngineConfig:
         num_pages None sizes it for every slot at min(max_model_len, 1024) tokens plus one
         request at max_model_len. Requests that do not fit wait; none is refused for it.
     max_model_len: longest prompt + output a request may have.
+    attention: paged attention of decode, verify and draft steps. "pallas": one Pallas kernel per
+        layer that reads only the pages a row has filled (model/pallas_attention.py; interpreted,
+        and slow, off the GPU); "xla": the XLA form over the whole block table; "auto": pallas
+        on a GPU without tensor parallelism, else xla. Prefill chunks always use the XLA form.
     """
 
     batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
@@ -371,9 +376,13 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None
     max_model_len: int = 2048
+    attention: str = "auto"
 
     def __post_init__(self):
         where = "engine config"
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"{where}: attention must be one of {', '.join(ATTENTION_KINDS)}, got "
+                              f"{self.attention!r}")
         if not self.batch_buckets or sorted(set(self.batch_buckets)) != list(self.batch_buckets):
             raise ConfigError(f"{where}: batch_buckets must be increasing, got {self.batch_buckets}")
         if not self.prefill_buckets or sorted(set(self.prefill_buckets)) != list(self.prefill_buckets):
@@ -408,5 +417,7 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         # Room for the committed tokens plus two iterations in flight (overlap) of up to K + 1
-        # each, for the largest K, so the pool's size does not depend on K.
-        return -(-(self.max_model_len + 2 * (MAX_SPECULATIVE_TOKENS + 1)) // self.page_size)
+        # each, for the largest K, so the pool's size does not depend on K; a multiple of 4 pages,
+        # so the attention kernel reads the table 4 pages at a time without running past it.
+        pages = -(-(self.max_model_len + 2 * (MAX_SPECULATIVE_TOKENS + 1)) // self.page_size)
+        return -(-pages // 4) * 4

@@ -9,7 +9,9 @@ programs) and batch bucket, N calls are dispatched back to back through the engi
 waited for. `enqueue ms` is the host's time per call until the dispatch returned; `wall ms` is
 per call until the device finished the last one. enqueue ≈ wall means the host is the limit
 (launch-bound): the device waits for the next program. XLA_FLAGS (command buffers, i.e. CUDA
-graphs) is read by XLA at start, so compare flag sets in separate processes.
+graphs) is read by XLA at start, so compare flag sets in separate processes. To see whether XLA
+rewrites a program's CUDA graph between calls (it must when a buffer moves), run with
+TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 and count "Update command buffer".
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kinds", default="decode,fused,programs",
+                    help="which steps: decode (target-only), fused (one program per iteration), programs (K + 1)")
     a = ap.parse_args()
     target = ModelConfig.from_hf(presets.SMOLLM2_135M)
     draft = DraftConfig.like_target(target, draft_vocab_size=16384)
@@ -98,8 +102,9 @@ def main() -> int:
     batches = [int(b) for b in a.batches.split(",")]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print("| step | batch | enqueue ms/call | wall ms/call | host share |\n|---|---|---|---|---|")
-    kinds = [("target-only decode", 0, True), (f"EAGLE-3 K={a.k} fused", a.k, True),
-             (f"EAGLE-3 K={a.k} as {a.k + 1} programs", a.k, False)]
+    kinds = {"decode": ("target-only decode", 0, True), "fused": (f"EAGLE-3 K={a.k} fused", a.k, True),
+             "programs": (f"EAGLE-3 K={a.k} as {a.k + 1} programs", a.k, False)}
+    kinds = [kinds[k] for k in a.kinds.split(",")]
     for name, k, fused in kinds:
         engine = engine_for(target, draft, k, fused, batches, dtype)
         for b in batches:

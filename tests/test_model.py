@@ -114,6 +114,33 @@ def test_greedy_matches_transformers_generate(target_llm, hf_model, chat_ids):
         assert out.finish_reason == ("stop" if ref[-1] == 2 else "length")
 
 
+@pytest.mark.parametrize("b, t, g, r, hd, blocks", [
+    (2, 5, 3, 3, 64, 8),  # SmolLM2's verify of K+1 = 5 tokens (9 heads over 3 kv heads)
+    (3, 1, 2, 4, 32, 6),  # decode: one token, a table width that is not a power of two
+    (1, 4, 8, 4, 128, 16),  # Llama-3.1-8B's verify of 4 tokens (32 heads over 8 kv heads)
+])
+def test_pallas_attention_matches_the_xla_form(b, t, g, r, hd, blocks):
+    """The Pallas kernel (run by Pallas' interpreter here) against layers.paged_attention: the
+    rows' pages scattered over the pool, each row at its own length (page boundaries included),
+    a padded row that sees one position."""
+    from eagle3_jax.model import layers, pallas_attention
+
+    rng = np.random.default_rng(b * 100 + t)
+    page, num_pages = 16, b * blocks + 3
+    q = jnp.asarray(rng.standard_normal((b, t, g * r, hd)), jnp.float32)
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, page, g, hd)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(rng.permutation(num_pages)[:b * blocks].reshape(b, blocks), jnp.int32)
+    starts = rng.integers(0, blocks * page - t, b)
+    starts[0] = page - t // 2 - 1  # the new tokens straddle a page boundary
+    if b > 1:
+        starts[-1] = 0  # a padded row: positions 0..t-1
+    positions = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
+    assert pallas_attention.supports(t, g * r, g, page)
+    want = layers.paged_attention(q, k_pages, v_pages, positions, table)
+    got = pallas_attention.paged_attention(q, k_pages, v_pages, positions, table)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_param_counts_from_eval_shape():
     for config, expected in ((LLAMA31_8B, 8_030_261_248), (LLAMA33_70B, 70_553_706_496)):
         cfg = ModelConfig.from_hf(config)

@@ -39,6 +39,8 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                    help="prompts per batch size: batch b runs max(1, ceil(N / b)) rounds of b prompts")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--attention", choices=("auto", "xla", "pallas"), default="auto",
+                   help="paged attention of decode/verify/draft steps (EngineConfig.attention)")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
                    help="weights and KV cache (default: bf16 on accelerators, f32 on the CPU)")
     g = p.add_argument_group("smollm2 phase: the engine end to end")
@@ -124,6 +126,7 @@ class Options:
     bandwidth_gb: float
     matmul_size: int
     parallel_compile: bool
+    attention: str = "auto"
     tp_check_hidden: int = 512
     tp_check_layers: int = 4
     tp_check_vocab: int = 8192
@@ -155,6 +158,7 @@ class Options:
                    peer_batches=_ints(a.peer_batches), peer_prompts=a.peer_prompts or a.prompts,
                    peer_8b=a.peer_8b, peer_timeout=a.peer_timeout, calls=a.calls, rounds=a.rounds,
                    bandwidth_gb=a.bandwidth_gb, matmul_size=a.matmul_size, parallel_compile=a.parallel_compile,
+                   attention=a.attention,
                    tp_check_hidden=a.tp_check_hidden, tp_check_layers=a.tp_check_layers,
                    tp_check_vocab=a.tp_check_vocab, tp_check_prompts=a.tp_check_prompts,
                    tp_check_tokens=a.tp_check_tokens, allreduce_mb=a.allreduce_mb,

@@ -45,10 +45,17 @@ from eagle3_jax.bench.harness import (
 from eagle3_jax.bench.options import Options
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.engine import policy
-from eagle3_jax.engine.driver import CompileCounter, Engine, EngineStats
+from eagle3_jax.engine.driver import (
+    CompileCounter,
+    Engine,
+    EngineStats,
+    PinnedBatch,
+    attention_kind,
+    iterate_pinned,
+)
 from eagle3_jax.engine.sampling import row_sampling_from_params
 from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, init_state, state_shardings
-from eagle3_jax.engine.steps import StepConfig, iterate_step, prefill_step
+from eagle3_jax.engine.steps import StepConfig, iterate_in_place_step, prefill_step
 from eagle3_jax.model import llama
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.parallel import sharding
@@ -132,7 +139,8 @@ def warmup_jobs(engine: Engine) -> list[Job]:
     cfg, nb = engine.cfg, engine.cfg.max_blocks_per_seq
     p, dp, st = engine.params, engine.draft_params, engine.state
     greedy = row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
-    jobs = [(iterate_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)), {"cfg": c})
+    jobs = [(iterate_in_place_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)),
+             {"cfg": c})
             for b in cfg.batch_buckets for c in engine.iteration_configs(b)]
     jobs += [(prefill_step, (p, dp, st, np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.ones(1, np.int32),
                              np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32), np.zeros((1, nb), np.int32),
@@ -150,8 +158,9 @@ def isolated_iteration_s(engine: Engine, batch: int, context: int, opts: Options
     rows, tables = synthetic_rows(engine.cfg, bucket)
     cfg = engine.iterate_config(bucket)
 
-    def call(state):
-        state, n, _ = iterate_step(engine.params, engine.draft_params, state, rows, tables, cfg=cfg)
+    def call(state):  # as the engine dispatches it (pinned arguments, verdicts read out)
+        engine.state = state
+        state, n, _ = engine.dispatch_iteration(rows, tables, cfg)
         return state, n
 
     state, samples = time_calls(call, engine.state, lambda s: with_lengths(s, rows, context), opts.calls, opts.rounds)
@@ -190,7 +199,8 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
     from eagle3_jax.api import LLM
 
     engine_config = dataclasses.replace(
-        sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets, opts.min_bucket, speculation),
+        sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets, opts.min_bucket, speculation,
+                            opts.attention),
         fused_iteration=fused)
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
               engine_config=engine_config, warmup=False, progress=False)
@@ -255,13 +265,15 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
             "prompts per batch size": f"{opts.prompts} (batch b: max(1, ceil({opts.prompts}/b)) rounds of b)",
             "max_tokens": opts.max_tokens, "ignore_eos": opts.ignore_eos, "max_model_len": opts.max_model_len,
             "prefill_buckets": list(opts.prefill_buckets), "dtype": jnp.dtype(opts.dtype).name,
-            "compile": "parallel precompile, then Engine.warmup" if opts.parallel_compile else "Engine.warmup"}
+            "compile": "parallel precompile, then Engine.warmup" if opts.parallel_compile else "Engine.warmup",
+            "paged attention": attention_kind(EngineConfig(attention=opts.attention), None)}
     return results, info
 
 
 # ==== phase 8b: step functions on synthetic state =================================================
-def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, mesh: Mesh | None = None):
-    hidden, _, kv = llama.forward(params, cfg, tokens, positions, kv, block_tables)
+def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, mesh: Mesh | None = None,
+                 attention: str = "xla"):
+    hidden, _, kv = llama.forward(params, cfg, tokens, positions, kv, block_tables, attention)
     # Under tp, the same pins as the engine's steps: replicated residual stream, logits left
     # vocab-sharded (an argmax moves per-shard (max, index) pairs), the cache as it came in.
     logits = sharding.vocab_logits(llama.logits(params, sharding.replicate(hidden, mesh)), mesh, gather=False)
@@ -271,7 +283,7 @@ def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, 
     return kv, jnp.argmax(logits, axis=-1)
 
 
-verify_only = jax.jit(_verify_only, static_argnames=("cfg", "mesh"), donate_argnames="kv")
+verify_only = jax.jit(_verify_only, static_argnames=("cfg", "mesh", "attention"), donate_argnames="kv")
 
 
 def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
@@ -325,8 +337,10 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, scfg.target.vocab_size, (len(rows), new_tokens)).astype(np.int32)
         positions = np.broadcast_to(context + np.arange(new_tokens, dtype=np.int32), tokens.shape).copy()
+        # On the device once: the same buffers every call, as the engine's pinned arguments.
+        tokens, positions, tables = jax.device_put((tokens, positions, tables), sharding.replicated_placement(scfg.mesh))
 
-        kw = {"cfg": scfg.target, "mesh": scfg.mesh}
+        kw = {"cfg": scfg.target, "mesh": scfg.mesh, "attention": scfg.attention}
 
         def job(state):
             return verify_only, (params, state.target_kv, tokens, positions, tables), kw
@@ -337,11 +351,13 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
 
         return call, job
 
+    pinned = PinnedBatch(scfg.mesh)
+
     def job(state):
-        return iterate_step, (params, dparams, state, rows, tables), {"cfg": scfg}
+        return iterate_in_place_step, (params, dparams, state, rows, tables), {"cfg": scfg}
 
     def call(state):
-        state, n, _ = iterate_step(params, dparams, state, rows, tables, cfg=scfg)
+        state, n, _ = iterate_pinned(params, dparams, state, pinned, rows, tables, scfg)
         return state, n
 
     return call, job
@@ -356,7 +372,7 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     k, batches, dtype = max(opts.num_draft), opts.batches_8b, opts.dtype
     itemsize = jnp.dtype(dtype).itemsize
     own = own_embedding(target, draft)
-    ecfg = sized_engine_config(batches, k, opts.max_model_len_8b)
+    ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, attention=opts.attention)
     if opts.context + opts.calls * (k + 1) > opts.max_model_len_8b:
         raise SystemExit(f"--context {opts.context} + {opts.calls} calls x {k + 1} tokens exceed "
                          f"--max-model-len-8b {opts.max_model_len_8b}")
@@ -375,8 +391,10 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     kinds = [StepKind("decode, target-only (K=0)", 0), StepKind(f"EAGLE-3 iteration (K={k})", k),
              StepKind(f"verify only (B x {k + 1} tokens)", 0, verify_only=True)]
     # Greedy programs: what a batch of greedy requests runs (StepConfig.greedy).
+    attention = attention_kind(ecfg, mesh)
+    notes.append(f"8b: paged attention {attention} (--attention {opts.attention})")
     scfgs = {kind: StepConfig(target=target, draft=draft if kind.num_draft else None, num_draft=kind.num_draft,
-                              mesh=mesh, greedy=True) for kind in kinds}
+                              mesh=mesh, greedy=True, attention=attention) for kind in kinds}
     calls = {(kind, b): step_call(kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b),
                                   k + 1, opts.context)
              for kind, scfg in scfgs.items() for b in batches}
@@ -402,7 +420,10 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
         state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh)
         for b in batches:
             rows, _ = synthetic_rows(ecfg, b)
-            state = with_lengths(state, rows, opts.context)  # its eager scatter compiles here, not below
+            # One call first: it builds the small programs around the step (the pinned arguments'
+            # copy, the verdicts' gather), and the eager scatter of with_lengths compiles here too.
+            state, _ = calls[kind, b][0](state)
+            state = with_lengths(state, rows, opts.context)
             compiles = CompileCounter.count
             state, samples = time_calls(calls[kind, b][0], state, lambda s: with_lengths(s, rows, opts.context),
                                         opts.calls, opts.rounds)

@@ -28,8 +28,8 @@ from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, check_draf
 from eagle3_jax.engine import policy, sampling
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
-from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step, iterate_step,
-                                    prefill_step)
+from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step,
+                                    iterate_in_place_step, prefill_step, read_verdicts_step)
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams
 from eagle3_jax.parallel import sharding
@@ -91,6 +91,58 @@ class _Pending:
     fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, proposals drafted at the row's position
 
 
+# Overwrite device arrays with new values at their own addresses: the donated `old` is the output
+# buffer (keep_unused: jit would otherwise drop the unread `old`, and with it the aliasing).
+_overwrite = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)
+
+
+class PinnedBatch:
+    """The iteration's per-call arguments, slots [B] and block tables [B, nb], kept on the device at
+    one address per bucket.
+
+    XLA launches a compiled iteration as a CUDA graph that records every buffer address it uses,
+    and rewrites the graph nodes that use a moved buffer before the next launch (see
+    `steps.iterate_in_place`). A host array passed as an argument is a new device buffer on every
+    call. So the engine keeps one device copy per bucket and overwrites it in place (a donated
+    copy, a program with no graph of its own) only when the scheduler's values change: a request
+    joined or left, or a row took a new KV page.
+    """
+
+    def __init__(self, mesh: Mesh | None):
+        self._placement = sharding.replicated_placement(mesh)  # like every per-row input under tp
+        self._by_bucket: dict[int, tuple[np.ndarray, np.ndarray, tuple[jax.Array, jax.Array]]] = {}
+
+    def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """Device arrays holding these slots [B] and tables [B, nb], at the bucket's address."""
+        held = self._by_bucket.get(len(slots))
+        if held is not None and np.array_equal(held[0], slots) and np.array_equal(held[1], tables):
+            return held[2]
+        if held is None:
+            # Buffers of their own (the CPU backend may alias host memory, which a donation cannot
+            # reuse); overwritten once already, so the bucket's first call (warm-up) compiles that.
+            held = (None, None, jax.device_put((slots, tables), self._placement, may_alias=False))
+        device = _overwrite(held[2], (slots, tables))
+        self._by_bucket[len(slots)] = (slots.copy(), tables.copy(), device)
+        return device
+
+
+def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
+    """EngineConfig.attention resolved: "auto" is the Pallas kernel on a GPU without tensor
+    parallelism (a pallas_call is not partitioned by XLA's sharding propagation)."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    return "pallas" if jax.default_backend() == "gpu" and mesh is None else "xla"
+
+
+def iterate_pinned(params: LlamaParams, dparams: DraftParams | None, state, pinned: PinnedBatch,
+                   slots: np.ndarray, tables: np.ndarray, cfg: StepConfig):
+    """One fused iteration as the engine dispatches it, every buffer at a stable address:
+    -> (state, num_accepted [B], emitted [B, K+1]), without waiting."""
+    slots, tables = pinned.get(slots, tables)
+    state = iterate_in_place_step(params, dparams, state, slots, tables, cfg=cfg)
+    return state, *read_verdicts_step(state.slots.num_accepted, state.slots.emitted, slots)
+
+
 class Engine:
     """Continuous-batching EAGLE-3 engine over fixed-shape compiled steps."""
 
@@ -102,7 +154,8 @@ class Engine:
         self.cfg = cfg
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         k = cfg.num_speculative_tokens if draft is not None else 0
-        self.step_cfg = StepConfig(target=target, draft=draft if k else None, num_draft=k, mesh=mesh)
+        self.step_cfg = StepConfig(target=target, draft=draft if k else None, num_draft=k, mesh=mesh,
+                                   attention=attention_kind(cfg, mesh))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
         self.scheduler = Scheduler(cfg, target.vocab_size, k)
@@ -115,6 +168,7 @@ class Engine:
                 draft_params = sharding.shard_params(draft_params, mesh, specs)
             self.state = jax.device_put(self.state, state_shardings(self.state, target, self.step_cfg.draft, mesh))
         self.params, self.draft_params = params, draft_params
+        self.pinned = PinnedBatch(mesh)
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._seed_rng = np.random.default_rng()
@@ -228,9 +282,11 @@ class Engine:
     def dispatch_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig):
         """Dispatch one iteration over `slots` [B] with block `tables` [B, nb], fused or as K + 1
         programs, without waiting: -> (new state, num_accepted [B], emitted [B, K+1]). The caller
-        stores the state (the old one was donated)."""
+        stores the state (the old one was donated). Every buffer the iteration reads or writes
+        keeps its address from call to call (`PinnedBatch`, `steps.iterate_in_place`)."""
         if self.cfg.fused_iteration or not cfg.speculative:
-            return iterate_step(self.params, self.draft_params, self.state, slots, tables, cfg=cfg)
+            return iterate_pinned(self.params, self.draft_params, self.state, self.pinned, slots, tables, cfg)
+        slots, tables = self.pinned.get(slots, tables)
         state, num_accepted, emitted, carry = iterate_head_step(self.params, self.draft_params, self.state,
                                                                slots, tables, cfg=cfg)
         for j in range(1, cfg.num_draft):

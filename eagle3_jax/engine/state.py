@@ -34,6 +34,10 @@ class Slots:
     draft_probs: jax.Array  # [S, K, V_draft] f32, q the proposals were drawn from
     sampling: RowSampling  # [S] per-row parameters and base PRNG keys
     num_generated: jax.Array  # [S] i32, tokens emitted so far (keys fold it in)
+    # The last iteration's verdict per slot, left here for the host to copy out (`read_verdicts`)
+    # rather than returned: a returned array is a new buffer every call (see steps.iterate_in_place).
+    num_accepted: jax.Array  # [S] i32, proposals accepted
+    emitted: jax.Array  # [S, K+1] i32, emitted[:num_accepted + 1] are the tokens it emitted
 
 
 @struct.dataclass
@@ -58,7 +62,7 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
                            key=jnp.zeros((s, 2), jnp.uint32), one_hot=jnp.zeros((s,), bool))
     slots = Slots(last_token=zeros_i(), length=zeros_i(), drafts=jnp.zeros((s, k), jnp.int32),
                   draft_probs=jnp.zeros((s, k, vd), jnp.float32), sampling=sampling,
-                  num_generated=zeros_i())
+                  num_generated=zeros_i(), num_accepted=zeros_i(), emitted=jnp.zeros((s, k + 1), jnp.int32))
     return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
 
 

@@ -55,6 +55,7 @@ class StepConfig:
     # and blocks until the stream reaches it, which stalls the overlapped loop K + 1 times an
     # iteration. The steps below branch only on this static flag.
     greedy: bool = False
+    attention: str = "xla"  # paged attention of these steps: "xla" or "pallas" (EngineConfig.attention)
 
     @property
     def speculative(self) -> bool:
@@ -63,7 +64,7 @@ class StepConfig:
 
 def _target(params: LlamaParams, cfg: StepConfig, tokens, positions, kv, block_tables):
     """Target forward with the residual stream replicated across tensor-parallel devices."""
-    hidden, captures, kv = llama.forward(params, cfg.target, tokens, positions, kv, block_tables)
+    hidden, captures, kv = llama.forward(params, cfg.target, tokens, positions, kv, block_tables, cfg.attention)
     return (*replicate((hidden, captures), cfg.mesh), kv)
 
 
@@ -86,7 +87,8 @@ def _draft_extend(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array
     """The draft over target-verified positions: capture t paired with the token at t+1
     (next_tokens [B, T]), RoPE position t. -> (pre-norm h [B, H] at `index` [B], draft_kv)."""
     h, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, next_tokens,
-                                       eagle3.fuse_captures(dparams, captures), positions, draft_kv, block_tables)
+                                       eagle3.fuse_captures(dparams, captures), positions, draft_kv, block_tables,
+                                       cfg.attention)
     return jnp.take_along_axis(h, index[:, None, None], axis=1)[:, 0], draft_kv
 
 
@@ -137,7 +139,7 @@ def draft_step(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, c
     h, position = carry.h, carry.position
     if j > 0:
         out, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, carry.token[:, None], h[:, None],
-                                             (position + 1)[:, None], draft_kv, block_table)
+                                             (position + 1)[:, None], draft_kv, block_table, cfg.attention)
         h, position = out[:, 0], position + 1
     # An argmax needs no all-gather of the logits: only per-shard (max, index) pairs move.
     logits = vocab_logits(eagle3.draft_logits(dparams, cfg.draft, h), cfg.mesh, gather=not cfg.greedy)
@@ -201,7 +203,9 @@ def iterate_head(params: LlamaParams, dparams: DraftParams | None, state: Device
         carry = start_chain(cfg, h_last, last, s.length + n, s.sampling,
                             _keys(s.sampling.key, num_generated, _STREAM_DRAFT), s.draft_probs.shape[-1])
         carry, draft_kv = draft_step(dparams, cfg, params.embed, carry, draft_kv, block_tables, 0)
-    new = s.replace(last_token=last, length=s.length + n + 1, num_generated=num_generated)
+    width = state.slots.emitted.shape[1]  # K+1 of the engine; a target-only iteration emits 1
+    new = s.replace(last_token=last, length=s.length + n + 1, num_generated=num_generated, num_accepted=n,
+                    emitted=jnp.pad(emitted, ((0, 0), (0, width - emitted.shape[1]))))
     slots = _write_slots(state.slots, rows, new)
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted, carry
 
@@ -231,6 +235,25 @@ def iterate(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
         carry, draft_kv = propose(dparams, cfg, params.embed, carry, state.draft_kv, block_tables, start=1)
         state = commit_proposals(state.replace(draft_kv=draft_kv), rows, carry, cfg)
     return state, n, emitted
+
+
+def iterate_in_place(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
+                     block_tables: jax.Array, cfg: StepConfig) -> DeviceState:
+    """`iterate` as the engine runs it: the verdicts stay in the slots (`Slots.num_accepted`,
+    `Slots.emitted`), so the program's only output is the donated state, which XLA aliases to its
+    input. Why: XLA runs the program as a CUDA graph (a command buffer) that records the address of
+    every buffer it touches, and rewrites the nodes that touch a buffer whose address changed before
+    the next launch. A returned array is a new buffer on every call; so is a host array passed in.
+    On the H200 that rewrite cost about as much host time as the whole SmolLM2 iteration took on
+    the device (BENCHMARKS.md, fourth session). `read_verdicts` copies the verdicts out."""
+    return iterate(params, dparams, state, rows, block_tables, cfg)[0]
+
+
+def read_verdicts(num_accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rows' verdicts, copied out of the slots: num_accepted [S], emitted [S, K+1], rows [B] ->
+    (num_accepted [B], emitted [B, K+1]). A program of its own, one gather, whose new output
+    buffers cost no graph rewrite of the iteration."""
+    return num_accepted[rows], emitted[rows]
 
 
 def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
@@ -270,7 +293,8 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
         carry, draft_kv = propose(dparams, cfg, params.embed, carry, draft_kv, block_table)
         drafts, draft_probs = carry.drafts, carry.q
     new = Slots(last_token=first, length=length, drafts=drafts, draft_probs=draft_probs, sampling=row,
-                num_generated=jnp.ones_like(length))
+                num_generated=jnp.ones_like(length), num_accepted=jnp.zeros_like(length),
+                emitted=jnp.zeros((1, state.slots.emitted.shape[1]), jnp.int32))
     slots = _write_slots(state.slots, slot, new)
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), first
 
@@ -278,6 +302,8 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
 # One executable per input shape (batch bucket, chunk bucket) and StepConfig; state donated.
 prefill_step = jax.jit(prefill, static_argnames="cfg", donate_argnames="state")
 iterate_step = jax.jit(iterate, static_argnames="cfg", donate_argnames="state")
+iterate_in_place_step = jax.jit(iterate_in_place, static_argnames="cfg", donate_argnames="state")
+read_verdicts_step = jax.jit(read_verdicts)
 # The per-step path: the same iteration as K + 1 programs, the driver threading the carry.
 iterate_head_step = jax.jit(iterate_head, static_argnames="cfg", donate_argnames="state")
 chain_step_jit = jax.jit(chain_step, static_argnames=("j", "cfg"), donate_argnames=("state", "carry"))

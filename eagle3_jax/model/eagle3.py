@@ -89,7 +89,7 @@ def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, 
 
 def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
                   h: jax.Array, positions: jax.Array, cache: KVCache,
-                  block_table: jax.Array) -> tuple[jax.Array, KVCache]:
+                  block_table: jax.Array, attention: str = "xla") -> tuple[jax.Array, KVCache]:
     """One draft step over T tokens per row.
 
     tokens, positions [B, T]; h [B, T, H]: `fuse_captures` of the target's captures on the first
@@ -99,7 +99,8 @@ def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array
     def paged(x):
         out, k_pages, v_pages = attention_block(
             x, None, params.wqkv, params.wo, positions, cache.k[0], cache.v[0], block_table,
-            eps=cfg.rms_norm_eps, inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+            eps=cfg.rms_norm_eps, inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            attention=attention)
         return out, KVCache(k=(k_pages,), v=(v_pages,))
 
     return draft_layer(params, cfg, target_embed, tokens, h, paged)

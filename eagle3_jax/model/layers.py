@@ -137,17 +137,23 @@ def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
 
 def attention_block(x: jax.Array, norm_w: jax.Array | None, wqkv: jax.Array, wo: jax.Array,
                     positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_table: jax.Array,
-                    *, eps: float, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    *, eps: float, inv_freq, attention: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pre-norm attention over the paged cache. x [B, T, D]; wqkv [D_in, G, R + 2, hd];
     wo [G*R*hd, D] -> (attn out [B, T, D], k, v pages).
 
     Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs, so it
     passes its own already-normed input with norm_w=None). Head counts come from wqkv's shape.
+    attention "pallas" runs the Pallas kernel where the step fits it (few new tokens per row),
+    else the XLA form, which "xla" always runs.
     """
+    from eagle3_jax.model import pallas_attention
+
     b, t, _ = x.shape
     h = x if norm_w is None else rms_norm(x, norm_w, eps)
     q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq)
     k_pages = write_kv(k_pages, k, positions, block_table)
     v_pages = write_kv(v_pages, v, positions, block_table)
-    out = paged_attention(q, k_pages, v_pages, positions, block_table)  # [B, T, H, hd]
+    kernel = (attention == "pallas" and pallas_attention.supports(t, q.shape[2], k.shape[2], k_pages.shape[1]))
+    attend = pallas_attention.paged_attention if kernel else paged_attention
+    out = attend(q, k_pages, v_pages, positions, block_table)  # [B, T, H, hd]
     return out.reshape(b, t, -1) @ wo, k_pages, v_pages

@@ -76,9 +76,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> LlamaPa
 
 
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache, block_table: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
+            cache: KVCache, block_table: jax.Array, attention: str = "xla") -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] ->
-    (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache)."""
+    (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache).
+    attention: "xla" or "pallas" (layers.attention_block)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = params.embed[tokens]  # [B, T, D]
     captured = {}  # layer id -> its input [B, T, D]
@@ -88,7 +89,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             captured[i] = x
         attn, k_pages, v_pages = attention_block(
             x, layer.attn_norm, layer.wqkv, layer.wo, positions, cache.k[i], cache.v[i], block_table,
-            eps=cfg.rms_norm_eps, inv_freq=inv_freq)
+            eps=cfg.rms_norm_eps, inv_freq=inv_freq, attention=attention)
         x = x + attn
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
         new_k.append(k_pages)

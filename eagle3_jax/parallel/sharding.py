@@ -251,6 +251,12 @@ def per_device_bytes(shapes: Any, specs: Any, tp: int, dtype_bytes: int | None =
     return int(sum(jax.tree.leaves(jax.tree.map(leaf_bytes, specs, shapes, is_leaf=_is_spec))))
 
 
+def replicated_placement(mesh: Mesh | None) -> NamedSharding | None:
+    """Where a host array goes for a step under `mesh`: every device holds all of it (None: the
+    default device, no mesh)."""
+    return None if mesh is None else NamedSharding(mesh, REPLICATED)
+
+
 def replicated_like(tree: Any) -> Any:
     """P() for every leaf of `tree` (slot state, sampling parameters, token buffers)."""
     return jax.tree.map(lambda _: REPLICATED, tree)
