@@ -93,8 +93,14 @@ def test_regenerated_examples_are_the_targets_replies(target_llm):
              [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "1 2 3"},
               {"role": "user", "content": "Again."}, {"role": "assistant", "content": "1 2 3"}],
              [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]]
-    prompts = R.first_turns(convs)
+    prompts = R.user_turns(convs)
     assert [[m["role"] for m in p] for p in prompts] == [["system", "user"], ["user"], ["user"]]
+    # Later turns come with everything before them; a conversation with fewer turns gives fewer.
+    later = R.user_turns(convs, turns=2)
+    assert [[m["content"] for m in p] for p in later] == [
+        ["Be brief.", "Name a colour."], ["Count to three."], ["Count to three.", "1 2 3", "Again."], ["word " * 200]]
+    with pytest.raises(ValueError, match="turns"):
+        R.user_turns(convs, turns=0)
     # Each prompt once greedy, once sampled: rows are (prompt 0 greedy, prompt 0 sampled, prompt 1 ...).
     ex = R.regenerate_examples(target_llm, prompts, 96, max_prompt_tokens=64, max_new_tokens=8,
                                temperatures=(0.0, 1.0), min_reply_tokens=1, progress=False, log=lambda *a: None)

@@ -7,8 +7,11 @@ target itself (as Medusa-2's self-distillation and HASS do; the EAGLE-3 authors'
 `regenerate` step for the same reason) makes the training inputs match inference, while the
 labels stay the target's next-token distribution (`objective.py`).
 
-Each example is one first user turn (with its system message, if any) in the chat template plus
-the target's reply, decoded through our own engine (target-only). Each prompt is answered once
+Each example is one user turn in the chat template, with everything before it (its system message,
+if any; for a later turn, the earlier turns and ShareGPT's replies to them), plus the target's reply,
+decoded through our own engine (target-only). `RegenerateSpec.turns` says how many user turns of
+each conversation become prompts: 1 (the default) takes the first only; more turns give more, and
+longer, prompts from the same conversations. Each prompt is answered once
 per temperature of `RegenerateSpec.temperatures`: greedy, as the evaluation decodes, and, for
 variety, sampled (more contexts the drafter sees, still labelled with the target's own
 distribution). The loss mask covers the reply and its end-of-turn token.
@@ -39,6 +42,7 @@ class RegenerateSpec:
     max_prompt_tokens: int = 512
     max_new_tokens: int = 384
     temperatures: tuple[float, ...] = (0.0,)  # one reply per prompt and temperature; 0 = greedy
+    turns: int = 1  # user turns per conversation taken as prompts (the first `turns`)
     time_budget_s: float | None = None
     shard: tuple[int, int] = (0, 1)  # (i, n): answer prompts i, i + n, i + 2n, ...
     # Large buckets: the 135M target is launch-bound, so 256 rows cost little more than 16.
@@ -46,12 +50,16 @@ class RegenerateSpec:
     prefill_buckets: tuple[int, ...] = (128, 512)
 
 
-def first_turns(conversations: Sequence[list[dict]]) -> list[list[dict]]:
-    """[optional system, first user message] of each conversation: the prompts to regenerate."""
+def user_turns(conversations: Sequence[list[dict]], turns: int = 1) -> list[list[dict]]:
+    """The prompts to regenerate: for each conversation, its first `turns` user turns, each as the
+    messages up to and including it (an optional system message, earlier turns and their replies),
+    conversation by conversation in order."""
+    if turns < 1:
+        raise ValueError(f"turns must be at least 1, got {turns}")
     out = []
     for messages in conversations:
-        head = messages[:2] if messages[0]["role"] == "system" else messages[:1]
-        out.append([dict(m) for m in head])
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"][:turns]
+        out.extend([dict(m) for m in messages[:i + 1]] for i in users)
     return out
 
 
@@ -114,7 +122,8 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
 def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: int, spec: RegenerateSpec, *,
                         mtbench, max_conversations: int | None, expect_records: int | None,
                         progress: bool = True, log=print) -> D.Examples:
-    """ShareGPT first user turns (MT-bench overlaps removed) answered by the target in `target_dir`,
+    """ShareGPT user turns (`spec.turns` per conversation, MT-bench overlaps removed) answered by the
+    target in `target_dir`,
     this process's shard of them (`spec.shard`). `expect_records` checks the file's whole records
     (`data.sharegpt_conversations`)."""
     from eagle3_jax.api import LLM
@@ -125,7 +134,7 @@ def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: i
     engine = EngineConfig(batch_buckets=spec.batch_buckets, prefill_buckets=spec.prefill_buckets,
                           num_speculative_tokens=0, max_model_len=spec.max_prompt_tokens + spec.max_new_tokens)
     shard, shards = spec.shard
-    prompts = first_turns(convs)[shard::shards]
+    prompts = user_turns(convs, spec.turns)[shard::shards]
     numbers = range(shard, shard + shards * len(prompts), shards)  # their places in the whole list
     log(f"regenerate: shard {shard} of {shards}: {len(prompts)} prompts, temperatures {spec.temperatures}")
     llm = LLM(target_dir, draft=None, num_speculative_tokens=0, engine_config=engine, progress=progress)
@@ -141,11 +150,13 @@ def add_arguments(ap) -> None:
     """The regeneration flags of `eagle3-jax train-draft` and scripts/train_smollm2_drafter.py."""
     g = ap.add_argument_group("self-distillation: train on the target's own replies to the ShareGPT prompts")
     g.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=False,
-                   help="answer the first user turns with the target and train on those replies")
+                   help="answer the ShareGPT user turns with the target and train on those replies")
     g.add_argument("--regen-max-prompt-tokens", type=int, default=RegenerateSpec.max_prompt_tokens)
     g.add_argument("--regen-max-new-tokens", type=int, default=RegenerateSpec.max_new_tokens)
     g.add_argument("--regen-temperatures", type=_floats, default=RegenerateSpec.temperatures,
                    help="answer each prompt once per temperature, comma-separated (0 = greedy; default 0)")
+    g.add_argument("--regen-turns", type=int, default=RegenerateSpec.turns,
+                   help="user turns of each conversation taken as prompts, each with the turns before it (default 1)")
     g.add_argument("--regen-time-budget-s", type=float, help="stop asking for replies after this long")
     g.add_argument("--regen-shard", type=_shard, default=RegenerateSpec.shard, metavar="I/N",
                    help="answer only shard I of N of the prompts (one process per GPU); default 0/1")
@@ -176,4 +187,4 @@ def spec_from_args(a) -> RegenerateSpec | None:
         return None
     return RegenerateSpec(max_prompt_tokens=a.regen_max_prompt_tokens, max_new_tokens=a.regen_max_new_tokens,
                           temperatures=a.regen_temperatures, time_budget_s=a.regen_time_budget_s,
-                          shard=a.regen_shard)
+                          shard=a.regen_shard, turns=a.regen_turns)
