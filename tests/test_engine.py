@@ -190,8 +190,15 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
 def test_pallas_attention_engine_is_token_identical(smollm2_dir, drafter, target_llm, chat_ids):
     """EAGLE-3 with the Pallas attention kernel in every decode, verify and draft step (the GPU's
     default; interpreted here) emits exactly the target-alone tokens (XLA attention)."""
+    from jax.sharding import Mesh
+
+    from eagle3_jax.engine.driver import attention_kind
+
     llm = make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(1, 4), attention="pallas")
     assert llm.engine.step_cfg.attention == "pallas"
+    assert attention_kind(EngineConfig(), None) == "xla"  # "auto" off the GPU
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        attention_kind(EngineConfig(attention="pallas"), Mesh(np.array(jax.devices()[:1]), ("tp",)))
     prompts = chat_ids[:3]
     got = llm.generate(prompts, SamplingParams(max_tokens=24))
     want = target_llm.generate(prompts, SamplingParams(max_tokens=24))
@@ -278,6 +285,8 @@ def test_engine_config_speculation_fields():
     hash(cfg)  # still a static, hashable config
     with pytest.raises(ConfigError, match="speculation"):
         EngineConfig(speculation="sometimes")
+    with pytest.raises(ConfigError, match="attention must be one of"):
+        EngineConfig(attention="flash")
     with pytest.raises(ConfigError, match="positive"):
         EngineConfig(step_costs=((2, 0.0, 0.02),))
     with pytest.raises(ConfigError, match="twice"):

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, check_draft_fits
+from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, check_draft_fits
 from eagle3_jax.engine import policy, sampling
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
@@ -129,6 +129,9 @@ class PinnedBatch:
 def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
     """EngineConfig.attention resolved: "auto" is the Pallas kernel on a GPU without tensor
     parallelism (a pallas_call is not partitioned by XLA's sharding propagation)."""
+    if cfg.attention == "pallas" and mesh is not None:
+        raise ConfigError("engine config: attention 'pallas' does not run under tensor parallelism "
+                          "(use 'auto' or 'xla')")
     if cfg.attention != "auto":
         return cfg.attention
     return "pallas" if jax.default_backend() == "gpu" and mesh is None else "xla"
