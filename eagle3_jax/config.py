@@ -363,7 +363,8 @@ class EngineConfig:
     attention: paged attention of decode, verify and draft steps. "pallas": one Pallas kernel per
         layer that reads only the pages a row has filled (model/pallas_attention.py; interpreted,
         and slow, off the GPU); "xla": the XLA form over the whole block table; "auto": pallas
-        on a GPU without tensor parallelism, else xla. Prefill chunks always use the XLA form.
+        on a GPU without tensor parallelism, else xla. Prefill chunks of more than a few tokens
+        use the XLA form either way.
     """
 
     batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)

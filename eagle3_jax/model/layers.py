@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.config import Llama3RopeScaling
+from eagle3_jax.model import pallas_attention
 
 SCRATCH_PAGE = 0
 
@@ -146,8 +147,6 @@ def attention_block(x: jax.Array, norm_w: jax.Array | None, wqkv: jax.Array, wo:
     attention "pallas" runs the Pallas kernel where the step fits it (few new tokens per row),
     else the XLA form, which "xla" always runs.
     """
-    from eagle3_jax.model import pallas_attention
-
     b, t, _ = x.shape
     h = x if norm_w is None else rms_norm(x, norm_w, eps)
     q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq)

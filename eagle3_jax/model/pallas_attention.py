@@ -13,8 +13,9 @@ block_table [B, nb]. One program per (row, kv head): its T*R queries form the M 
 tile (padded to a power of two, at least 16 for the tensor cores); query row m = t*R + r is
 query head g*R + r of token t and sees cached positions <= positions[b, t].
 
-Only for steps with few new tokens per row (T*R <= MAX_QUERY_ROWS): decode, verify, draft steps.
-Prefill chunks keep the XLA form. Off the GPU the kernel runs in Pallas' interpreter (tests).
+Only for steps with few new tokens per row (T*R <= MAX_QUERY_ROWS): decode, verify, draft steps
+and the smallest prefill chunks; larger chunks keep the XLA form. Off the GPU the kernel runs in
+Pallas' interpreter (tests).
 """
 
 from __future__ import annotations
