@@ -12,6 +12,13 @@ per call until the device finished the last one. enqueue ≈ wall means the host
 graphs) is read by XLA at start, so compare flag sets in separate processes. To see whether XLA
 rewrites a program's CUDA graph between calls (it must when a buffer moves), run with
 TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 and count "Update command buffer".
+
+`--profile DIR` adds, per step kind and batch, one more round under JAX's profiler, and reads the
+device's busy time from the trace (eagle3_jax/bench/profile.py): `device busy ms/call` is the
+union of the GPU's kernel intervals over the round divided by its calls, `device idle` the rest of
+the round's wall time; the step's largest kernels follow. The script keeps XLA's CUDA graphs on
+while profiling (--xla_enable_command_buffers_during_profiling=true; XLA otherwise launches the
+kernels one by one under a profiler).
 """
 
 from __future__ import annotations
@@ -26,12 +33,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if "--profile" in sys.argv and "command_buffers_during_profiling" not in os.environ.get("XLA_FLAGS", ""):
+    # Read by XLA when the backend starts: keep the CUDA graphs while the profiler runs.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_enable_command_buffers_during_profiling=true").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eagle3_jax import presets  # noqa: E402
+from eagle3_jax.bench import profile  # noqa: E402
+from eagle3_jax.bench.profile import DeviceActivity  # noqa: E402
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig  # noqa: E402
 from eagle3_jax.engine.driver import Engine  # noqa: E402
 from eagle3_jax.model import llama  # noqa: E402
@@ -67,6 +79,22 @@ def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: in
     return 1e3 * statistics.median(enqueue), 1e3 * statistics.median(wall)
 
 
+def profile_bucket(engine: Engine, batch: int, context: int, calls: int, out_dir: Path) -> DeviceActivity:
+    """One round of `calls` iterations under the profiler; the device's activity during it."""
+    rows = np.arange(1, batch + 1, dtype=np.int32)
+    tables = np.zeros((batch, engine.cfg.max_blocks_per_seq), np.int32)
+    step_cfg = dataclasses.replace(engine.step_cfg, greedy=True)
+    s = engine.state
+    engine.state = s.replace(slots=s.slots.replace(length=jnp.full_like(s.slots.length, context)))
+    jax.block_until_ready(engine.state)
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True), jax.profiler.TraceAnnotation("probe-round"):
+        for _ in range(calls):
+            engine.state, n, _ = engine.dispatch_iteration(rows, tables, step_cfg)
+        n.block_until_ready()
+    events = profile.load_trace(out_dir)
+    return profile.device_activity(events, *profile.marker_span(events, "probe-round"))
+
+
 def time_identity(engine: Engine, calls: int, rounds: int, with_params: bool) -> tuple[float, float]:
     """The same dispatch with no kernels: a program returning the donated state it is given.
     Its enqueue time is the per-call cost of the arguments alone (one buffer per pytree leaf)."""
@@ -93,6 +121,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", metavar="DIR", help="also profile one round per step and batch, traces in DIR")
     ap.add_argument("--kinds", default="decode,fused,programs",
                     help="which steps: decode (target-only), fused (one program per iteration), programs (K + 1)")
     a = ap.parse_args()
@@ -105,11 +134,15 @@ def main() -> int:
     kinds = {"decode": ("target-only decode", 0, True), "fused": (f"EAGLE-3 K={a.k} fused", a.k, True),
              "programs": (f"EAGLE-3 K={a.k} as {a.k + 1} programs", a.k, False)}
     kinds = [kinds[k] for k in a.kinds.split(",")]
+    profiled = []
     for name, k, fused in kinds:
         engine = engine_for(target, draft, k, fused, batches, dtype)
         for b in batches:
             enqueue, wall = time_bucket(engine, b, a.context, a.calls, a.rounds)
             print(f"| {name} | {b} | {enqueue:.3f} | {wall:.3f} | {enqueue / wall:.0%} |", flush=True)
+            if a.profile:
+                out = Path(a.profile) / f"{name.split()[0]}-k{k}-{'fused' if fused else 'programs'}-b{b}"
+                profiled.append((name, b, profile_bucket(engine, b, a.context, a.calls, out)))
         if fused and k:
             leaves = len(jax.tree_util.tree_leaves((engine.params, engine.draft_params, engine.state)))
             for with_params in (False, True):
@@ -118,7 +151,24 @@ def main() -> int:
                 print(f"| {what} ({leaves if with_params else len(jax.tree_util.tree_leaves(engine.state))} "
                       f"leaves) | - | {enqueue:.3f} | {wall:.3f} | {enqueue / wall:.0%} |", flush=True)
         del engine
+    if profiled:
+        print_profiles(profiled, a.calls)
     return 0
+
+
+def print_profiles(profiled: list[tuple[str, int, DeviceActivity]], calls: int) -> None:
+    print("\n| step | batch | wall ms/call (profiled) | device busy ms/call | device idle | device events/call |\n"
+          "|---|---|---|---|---|---|")
+    for name, b, act in profiled:
+        print(f"| {name} | {b} | {act.window_us / 1e3 / calls:.3f} | {act.busy_us / 1e3 / calls:.3f} | "
+              f"{act.idle_frac:.0%} | {act.events / calls:.0f} |")
+    for name, b, act in profiled:
+        if not act.events:
+            print(f"\n{name}, batch {b}: no device events in the trace (no GPU?)")
+            continue
+        print(f"\n{name}, batch {b}: largest device events (us per call, count per call)")
+        for kernel, count, total in act.by_name:
+            print(f"  {total / calls:8.1f}  {count / calls:5.1f}  {kernel[:110]}")
 
 
 if __name__ == "__main__":

@@ -168,6 +168,32 @@ def test_peer_rows(report):
     assert rows[0]["values"]["tok_s"] > 0 and rows[0]["values"]["tokens"] > 0
 
 
+def test_device_activity_from_a_trace():
+    """Busy time is the union of the device's events within the window (overlapping streams count
+    once, an event straddling the window's start counts its part inside), host events are not the
+    device's, and the window comes from a host annotation."""
+    from eagle3_jax.bench import profile
+
+    def x(pid, ts, dur, name, tid=0):
+        return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0 (NVIDIA H200)"}},
+              x(1, 100, 30, "probe-round"), x(1, 100, 30, "host work"),
+              x(2, 95, 7, "gemm_fusion"), x(2, 100, 10, "gemm_fusion"), x(2, 105, 10, "attention", tid=1),
+              x(2, 120, 5, "gemm_fusion"), x(2, 140, 5, "after the window")]
+    start, end = profile.marker_span(events, "probe-round")
+    act = profile.device_activity(events, start, end)
+    assert (start, end) == (100.0, 130.0)
+    assert act.busy_us == 20.0  # [100, 115) and [120, 125)
+    assert act.idle_frac == pytest.approx(1 - 20 / 30)
+    assert act.events == 3  # started inside: two gemm_fusion, one attention
+    assert act.by_name == (("gemm_fusion", 2, 15.0), ("attention", 1, 10.0))
+    assert profile.union_us([(0, 10), (2, 3), (10, 12), (20, 21)]) == 13
+    with pytest.raises(KeyError, match="no event named"):
+        profile.marker_span(events, "missing")
+
+
 def test_table_formatter():
     rows = [bench.Result("x", "m", 4, {"a": 1.234, "b": [0.5, 0.25], "c": float("nan")})]
     cols = [bench.Column("mode", "mode"), bench.Column("batch", "B", "{}"), bench.Column("a", "A"),

@@ -1,0 +1,90 @@
+"""Device activity from a JAX profiler trace: how busy the GPU was, and with which kernels.
+
+`jax.profiler.trace(dir, create_perfetto_trace=True)` writes a Chrome-trace JSON
+(`perfetto_trace.json.gz`) in which each GPU is a process named "/device:GPU:<n>..." whose
+complete ("X") events are the kernels and copies it ran. Busy time is the union of those
+intervals, so kernels overlapping on several streams count once; idle is the rest of the window.
+
+XLA runs a program's kernels as a CUDA graph, but by default it falls back to launching them one
+by one while a profiler is active (which changes the host's cost, not the kernels'). Set
+`--xla_enable_command_buffers_during_profiling=true` to keep the graphs (scripts/device_profile.py
+does).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceActivity:
+    window_us: float  # the span asked about
+    busy_us: float  # union of the device's event intervals inside it
+    events: int  # device events that started inside it
+    by_name: tuple[tuple[str, int, float], ...]  # (name, count, total us), largest total first
+
+    @property
+    def idle_frac(self) -> float:
+        return 1.0 - self.busy_us / self.window_us if self.window_us > 0 else 0.0
+
+
+def load_trace(profile_dir: str | Path) -> list[dict]:
+    """The events of the newest perfetto_trace.json.gz under `profile_dir`."""
+    files = sorted(Path(profile_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {profile_dir} "
+                                "(jax.profiler.trace(..., create_perfetto_trace=True) writes one)")
+    with gzip.open(files[-1], "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_pids(events: Iterable[dict], prefix: str = "/device:GPU") -> set[int]:
+    """Process ids the trace names as devices ("/device:GPU:0", ...)."""
+    return {e["pid"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name" and str(e["args"]["name"]).startswith(prefix)}
+
+
+def union_us(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def device_activity(events: Sequence[dict], start_us: float, end_us: float, top: int = 15) -> DeviceActivity:
+    """Busy time of the devices' events within [start_us, end_us] (trace timestamps, us)."""
+    pids = device_pids(events)
+    clipped, names = [], collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in pids:
+            continue
+        s, d = float(e["ts"]), float(e.get("dur", 0.0))
+        lo, hi = max(s, start_us), min(s + d, end_us)
+        if hi <= lo:
+            continue
+        clipped.append((lo, hi))
+        if start_us <= s:
+            names[e["name"]][0] += 1
+            names[e["name"]][1] += d
+    by_name = sorted(((n, c, t) for n, (c, t) in names.items()), key=lambda x: -x[2])[:top]
+    return DeviceActivity(window_us=end_us - start_us, busy_us=union_us(clipped),
+                          events=sum(c for c, _ in names.values()), by_name=tuple(by_name))
+
+
+def marker_span(events: Sequence[dict], name: str) -> tuple[float, float]:
+    """(start, end) us of the host event called `name` (a jax.profiler.TraceAnnotation)."""
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+             if e.get("ph") == "X" and e.get("name") == name]
+    if not spans:
+        raise KeyError(f"no event named {name!r} in the trace")
+    return min(s for s, _ in spans), max(t for _, t in spans)
