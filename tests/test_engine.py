@@ -157,7 +157,7 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     and the sampling iteration none of the old all-greedy kind (only top-k/top-p's sort guard,
     one per sampled distribution: the verify and each of the K draft tokens). The driver picks
     the program from the requests' parameters."""
-    from eagle3_jax.engine.steps import iterate_step, prefill_step
+    from eagle3_jax.engine.steps import iterate_in_place_step, prefill_step
 
     engine = spec_llm.engine
     k = engine.step_cfg.num_draft
@@ -166,7 +166,7 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     tables = np.zeros((bucket, engine.cfg.max_blocks_per_seq), np.int32)
 
     def branches(cfg) -> int:
-        text = iterate_step.lower(engine.params, engine.draft_params, engine.state, slots, tables, cfg=cfg).as_text()
+        text = iterate_in_place_step.lower(engine.params, engine.draft_params, engine.state, slots, tables, cfg=cfg).as_text()
         return text.count('"stablehlo.case"')
 
     greedy, sampling = (engine.iterate_config(bucket, greedy=g) for g in (True, False))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from eagle3_jax import assets
 from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHASES
+from eagle3_jax.config import ATTENTION_KINDS
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -39,7 +40,7 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                    help="prompts per batch size: batch b runs max(1, ceil(N / b)) rounds of b prompts")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    p.add_argument("--attention", choices=("auto", "xla", "pallas"), default="auto",
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default="auto",
                    help="paged attention of decode/verify/draft steps (EngineConfig.attention)")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
                    help="weights and KV cache (default: bf16 on accelerators, f32 on the CPU)")

@@ -301,7 +301,6 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
 
 # One executable per input shape (batch bucket, chunk bucket) and StepConfig; state donated.
 prefill_step = jax.jit(prefill, static_argnames="cfg", donate_argnames="state")
-iterate_step = jax.jit(iterate, static_argnames="cfg", donate_argnames="state")
 iterate_in_place_step = jax.jit(iterate_in_place, static_argnames="cfg", donate_argnames="state")
 read_verdicts_step = jax.jit(read_verdicts)
 # The per-step path: the same iteration as K + 1 programs, the driver threading the carry.
