@@ -114,15 +114,18 @@ def test_greedy_matches_transformers_generate(target_llm, hf_model, chat_ids):
         assert out.finish_reason == ("stop" if ref[-1] == 2 else "length")
 
 
-@pytest.mark.parametrize("b, t, g, r, hd, blocks", [
-    (2, 5, 3, 3, 64, 8),  # SmolLM2's verify of K+1 = 5 tokens (9 heads over 3 kv heads)
-    (3, 1, 2, 4, 32, 6),  # decode: one token, a table width that is not a power of two
-    (1, 4, 8, 4, 128, 16),  # Llama-3.1-8B's verify of 4 tokens (32 heads over 8 kv heads)
+@pytest.mark.parametrize("b, t, g, r, hd, blocks, splits", [
+    (2, 5, 3, 3, 64, 8, None),  # SmolLM2's verify of K+1 = 5 tokens (9 heads over 3 kv heads)
+    (2, 5, 3, 3, 64, 8, 1),  # the same, each row's keys in one program
+    (3, 1, 2, 4, 32, 6, 3),  # decode: one token, a table width that is not a power of two, 3 -> 2 splits
+    (3, 1, 2, 2, 32, 16, 8),  # 4 splits, more than a short row's blocks: some programs see nothing
+    (1, 4, 8, 4, 128, 16, None),  # Llama-3.1-8B's verify of 4 tokens (32 heads over 8 kv heads)
 ])
-def test_pallas_attention_matches_the_xla_form(b, t, g, r, hd, blocks):
+def test_pallas_attention_matches_the_xla_form(b, t, g, r, hd, blocks, splits):
     """The Pallas kernel (run by Pallas' interpreter here) against layers.paged_attention: the
     rows' pages scattered over the pool, each row at its own length (page boundaries included),
-    a padded row that sees one position."""
+    a padded row that sees one position; the keys split between programs (some of them past a
+    row's end) or not."""
     from eagle3_jax.model import layers, pallas_attention
 
     rng = np.random.default_rng(b * 100 + t)
@@ -137,8 +140,41 @@ def test_pallas_attention_matches_the_xla_form(b, t, g, r, hd, blocks):
     positions = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
     assert pallas_attention.supports(t, g * r, g, page)
     want = layers.paged_attention(q, k_pages, v_pages, positions, table)
-    got = pallas_attention.paged_attention(q, k_pages, v_pages, positions, table)
+    got = pallas_attention.paged_attention(q, k_pages, v_pages, positions, table, splits=splits)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("b, t, g, r, hd", [
+    (2, 5, 3, 3, 64),  # SmolLM2's verify of K+1 = 5 tokens
+    (3, 1, 2, 4, 32),  # decode
+])
+def test_pallas_attention_block_matches_the_xla_form(b, t, g, r, hd):
+    """attention_block with the kernels (RoPE + KV write + q tiles in one, then attention) against
+    the XLA form: the same output and the same pages, a row's tokens straddling a page boundary,
+    a padded row whose tokens run past its table (they go to the scratch page, never to a real one)."""
+    from eagle3_jax.model import layers
+
+    rng = np.random.default_rng(t)
+    page, blocks, d = 16, 4, 48
+    num_pages = b * blocks + 1
+    x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+    wqkv = jnp.asarray(rng.standard_normal((d, g, r + 2, hd)) / np.sqrt(d), jnp.float32)
+    wo = jnp.asarray(rng.standard_normal((g * r * hd, d)) / np.sqrt(g * r * hd), jnp.float32)
+    norm_w = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32)
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, page, g, hd)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(1 + rng.permutation(num_pages - 1).reshape(b, blocks), jnp.int32)
+    starts = rng.integers(0, blocks * page - t, b)
+    starts[0] = page - t // 2 - 1  # straddles a page boundary
+    starts[-1] = blocks * page - 1  # the padded row: its tokens past the first run off the table
+    positions = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
+    inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
+    kw = {"eps": 1e-5, "inv_freq": inv_freq}
+    want = layers.attention_block(x, norm_w, wqkv, wo, positions, k_pages, v_pages, table, attention="xla", **kw)
+    got = layers.attention_block(x, norm_w, wqkv, wo, positions, k_pages, v_pages, table, attention="pallas", **kw)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5, rtol=2e-5)
+    for pages_got, pages_want in zip(got[1:], want[1:]):  # page 0 is scratch: padded writes collide there
+        np.testing.assert_allclose(np.asarray(pages_got[1:]), np.asarray(pages_want[1:]), atol=1e-6, rtol=1e-6)
+    assert not np.array_equal(np.asarray(got[1][1:]), np.asarray(k_pages[1:]))  # the write happened
 
 
 def test_param_counts_from_eval_shape():

@@ -148,11 +148,17 @@ def attention_block(x: jax.Array, norm_w: jax.Array | None, wqkv: jax.Array, wo:
     else the XLA form, which "xla" always runs.
     """
     b, t, _ = x.shape
+    g, r = wqkv.shape[1], wqkv.shape[2] - 2
     h = x if norm_w is None else rms_norm(x, norm_w, eps)
-    q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq)
-    k_pages = write_kv(k_pages, k, positions, block_table)
-    v_pages = write_kv(v_pages, v, positions, block_table)
-    kernel = (attention == "pallas" and pallas_attention.supports(t, q.shape[2], k.shape[2], k_pages.shape[1]))
-    attend = pallas_attention.paged_attention if kernel else paged_attention
-    out = attend(q, k_pages, v_pages, positions, block_table)  # [B, T, H, hd]
+    if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[1]):
+        # Two kernels after the projection: RoPE + KV write + q tiles, then attention.
+        qkv = jnp.einsum("btd,dgrk->btgrk", h, wqkv)  # [B, T, G, R + 2, hd]
+        q_tiles, k_pages, v_pages = pallas_attention.rope_and_write(
+            qkv, positions, block_table, inv_freq, k_pages, v_pages, SCRATCH_PAGE)
+        out = pallas_attention.attend_tiles(q_tiles, k_pages, v_pages, positions, block_table, r)
+    else:
+        q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq)
+        k_pages = write_kv(k_pages, k, positions, block_table)
+        v_pages = write_kv(v_pages, v, positions, block_table)
+        out = paged_attention(q, k_pages, v_pages, positions, block_table)  # [B, T, H, hd]
     return out.reshape(b, t, -1) @ wo, k_pages, v_pages

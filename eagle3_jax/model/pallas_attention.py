@@ -9,9 +9,12 @@ attention in one launch per layer (online softmax over blocks of pages, as flash
 
 Layout (as `layers.paged_attention`): q [B, T, G*R, hd] (G kv heads, R q heads per kv head, HF
 head order), pages [P, page, G, hd], positions [B, T] contiguous per row (the T new tokens),
-block_table [B, nb]. One program per (row, kv head): its T*R queries form the M rows of the
-tile (padded to a power of two, at least 16 for the tensor cores); query row m = t*R + r is
-query head g*R + r of token t and sees cached positions <= positions[b, t].
+block_table [B, nb]. One program per (row, kv head, split): its T*R queries form the M rows of
+the tile (padded to a power of two, at least 16 for the tensor cores); query row m = t*R + r is
+query head g*R + r of token t and sees cached positions <= positions[b, t]. The splits divide
+the table's key blocks between programs (flash-decoding), so that a batch of one row still
+keeps the GPU's SMs reading; each writes its normalized output and log-sum-exp, and a second
+small kernel combines them.
 
 Only for steps with few new tokens per row (T*R <= MAX_QUERY_ROWS): decode, verify, draft steps
 and the smallest prefill chunks; larger chunks keep the XLA form. Off the GPU the kernel runs in
@@ -28,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 MAX_QUERY_ROWS = 64  # T*R per (row, kv head) tile; larger steps use the XLA form
+TARGET_PROGRAMS = 256  # about two per SM of an H200 (132 SMs); verify 8 x 4 ran faster at 256 than 64 (fifth session)
+COMBINE_CHUNK = 32  # head-dim lanes per program of the combine: 4 programs per (row, kv head) at hd 128
 _MASKED = -1e30  # finite: a padded query row sees nothing and must not produce NaN
 
 
@@ -37,14 +42,22 @@ def supports(num_tokens: int, heads: int, kv_heads: int, page_size: int) -> bool
     return rows <= MAX_QUERY_ROWS and page_size >= 16 and page_size & (page_size - 1) == 0
 
 
-def _kernel(q_ref, qpos_ref, table_ref, k_ref, v_ref, o_ref, *, pages_per_block: int, scale: float):
+def _kernel(q_ref, qpos_ref, table_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_per_block: int, scale: float):
     # q_ref [M, hd]; qpos_ref [M] i32 (-1: padding row); table_ref [nb] i32;
-    # k_ref, v_ref [P, page, hd] (this program's kv head); o_ref [M, hd].
+    # k_ref, v_ref [P, page, hd] (this program's kv head);
+    # o_ref [M, hd], this split's normalized output (f32 when there are splits to combine);
+    # lse_ref [M] f32, its log-sum-exp.
     m, hd = q_ref.shape
     block_k = pages_per_block * k_ref.shape[1]
     q = q_ref[...]
     qpos = qpos_ref[...]
-    num_blocks = jnp.max(qpos) // block_k + 1  # blocks holding positions 0..max(qpos)
+    # The row's key blocks (those holding a position <= max(qpos)) are shared evenly between the
+    # splits, so a short row in a wide table still spreads over all of them; end <= first: none.
+    # Never past the table's end (a padded row's positions can run off it): keys there do not exist.
+    row_blocks = jnp.minimum(jnp.max(qpos) // block_k + 1, table_ref.shape[0] // pages_per_block)
+    per_split = (row_blocks + pl.num_programs(2) - 1) // pl.num_programs(2)
+    first = pl.program_id(2) * per_split
+    end = jnp.minimum(first + per_split, row_blocks)
 
     def body(i, carry):
         o, row_max, row_sum = carry
@@ -63,53 +76,196 @@ def _kernel(q_ref, qpos_ref, table_ref, k_ref, v_ref, o_ref, *, pages_per_block:
         return o, new_max, row_sum
 
     init = (jnp.zeros((m, hd), jnp.float32), jnp.full((m,), _MASKED, jnp.float32), jnp.zeros((m,), jnp.float32))
-    o, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    o, row_max, row_sum = jax.lax.fori_loop(first, end, body, init)
+    # A row that saw nothing here (an empty split; every key masked, which leaves row_max at
+    # _MASKED) gets a log-sum-exp near _MASKED: it weighs nothing when the splits are combined.
     o_ref[...] = (o / jnp.maximum(row_sum, 1e-30)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
 
 
-def _pages_per_block(num_blocks: int, page_size: int) -> int:
-    """Pages per loop step: up to 64 keys, and a divisor of the table width (no read past it)."""
-    ppb = max(1, 64 // page_size)
+def pages_per_block(num_blocks: int, page_size: int, block_keys: int = 64) -> int:
+    """Pages per loop step: up to `block_keys` keys, and a divisor of the table width (no read past it)."""
+    ppb = max(1, block_keys // page_size)
     while num_blocks % ppb:
         ppb //= 2
     return ppb
 
 
-@functools.partial(jax.jit, static_argnames=("num_warps",))
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
-                    block_table: jax.Array, num_warps: int = 4) -> jax.Array:
-    """Same contract as `layers.paged_attention`: q [B, T, H, hd], k/v_pages [P, page, G, hd]
-    (already holding this step's keys), positions [B, T], block_table [B, nb] -> [B, T, H, hd]."""
-    b, t, h, hd = q.shape
-    num_pages, page_size, g, _ = k_pages.shape
-    r = h // g
+def num_splits(batch: int, kv_heads: int, key_blocks: int, programs: int = TARGET_PROGRAMS) -> int:
+    """Splits of each row's keys across programs (flash-decoding): the largest power of two up to
+    `programs` programs in all and one per key block of the table. One row of an 8B decode is only 8 (row, kv head) programs, each walking the whole context
+    alone: latency-bound, 25 us a layer at 512 cached tokens on the H200 (BENCHMARKS.md, fifth
+    session)."""
+    wanted = max(1, min(programs // (batch * kv_heads), key_blocks))
+    return 1 << (wanted.bit_length() - 1)
+
+
+def _combine_kernel(o_ref, lse_ref, out_ref):
+    # o_ref [S, M, chunk] f32, each split's normalized output (a chunk of the head dim); lse_ref
+    # [S, M] f32; out_ref [M, chunk].
+    # Online over the splits (unrolled: S independent loads), as the softmax over key blocks.
+    acc, row_max, den = jnp.zeros(out_ref.shape, jnp.float32), None, None
+    for s in range(o_ref.shape[0]):
+        lse = lse_ref[s]
+        if row_max is None:
+            acc, row_max, den = o_ref[s], lse, jnp.ones_like(lse)
+            continue
+        new_max = jnp.maximum(row_max, lse)
+        correction, weight = jnp.exp(row_max - new_max), jnp.exp(lse - new_max)
+        acc = acc * correction[:, None] + o_ref[s] * weight[:, None]
+        den = den * correction + weight
+        row_max = new_max
+    out_ref[...] = (acc / den[:, None]).astype(out_ref.dtype)
+
+
+def _rope_write_kernel(qkv_ref, pos_ref, table_ref, inv_freq_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
+                       r: int, scratch_page: int):
+    # Program (row b, kv head g, token i). qkv_ref [T, R + 2, hd] (R q heads, k, v; not yet
+    # rotated); pos_ref [T]; table_ref [nb]; inv_freq_ref [hd/2] f32. Out: q_ref [M, hd], the
+    # rotated queries as the attention tile (row i*R + r; rows past T*R zero); k_ref, v_ref
+    # [P, page, hd], kv head g's pages (aliased to _k_in, _v_in: written in place at the token's slot).
+    i = pl.program_id(2)
+    t, _, hd = qkv_ref.shape
+    half, page_size, nb = hd // 2, k_ref.shape[1], table_ref.shape[0]
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    position = pos_ref[i]
+    # RoPE as layers.apply_rope: angles in f32, cos and sin rounded to the model's dtype.
+    angle = position.astype(jnp.float32) * inv_freq_ref[...]
+    cos, sin = jnp.cos(angle).astype(qkv_ref.dtype), jnp.sin(angle).astype(qkv_ref.dtype)
+    block = position // page_size  # as layers.write_kv: past the table's end -> scratch page
+    page = jnp.where(block < nb, table_ref[jnp.minimum(block, nb - 1)], scratch_page)
+    slot = position % page_size
+    for j in range(r + 1):  # the q heads, then k
+        x1, x2 = qkv_ref[i, j, lo], qkv_ref[i, j, hi]
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if j < r:
+            q_ref[i * r + j, lo], q_ref[i * r + j, hi] = y1, y2
+        else:
+            k_ref[page, slot, lo], k_ref[page, slot, hi] = y1, y2
+    v_ref[page, slot, lo], v_ref[page, slot, hi] = qkv_ref[i, r + 1, lo], qkv_ref[i, r + 1, hi]
+
+    @pl.when(i == 0)
+    def _():  # padding rows: defined values (their outputs are dropped)
+        for row in range(t * r, q_ref.shape[0]):
+            q_ref[row, :] = jnp.zeros((hd,), q_ref.dtype)
+
+
+def query_tile_rows(num_tokens: int, heads_per_kv: int) -> int:
+    """M, the rows of a (row, kv head) query tile: T*R padded to a power of two >= 16 (tensor cores)."""
+    return max(16, 1 << (num_tokens * heads_per_kv - 1).bit_length())
+
+
+def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
+                   v_pages: jax.Array, scratch_page: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One kernel for what comes between the qkv projection and attention: rotate q and k, write
+    k and v into their pages (in place), lay q out as attention tiles. The XLA form of the same is
+    four to six small kernels a layer (RoPE, the KV scatters, q's transpose and padding), each
+    a launch in a step bound by its launches.
+
+    qkv [B, T, G, R + 2, hd] (layers.project_qkv's layout, before RoPE); positions [B, T];
+    block_table [B, nb]; inv_freq [hd/2] -> (q tiles [B, G, M, hd], k_pages, v_pages)."""
+    b, t, g, r2, hd = qkv.shape
+    num_pages, page_size = k_pages.shape[:2]
+    r, nb = r2 - 2, block_table.shape[1]
+    m = query_tile_rows(t, r)
+    # One program per (row, kv head, token): a token's work is a short chain of dependent loads
+    # (position, table entry, then the stores); a program per row serialized T of them (8 us a
+    # layer for the 8B verify of 8 x 4 on the H200, fifth session).
+    pages_spec = pl.BlockSpec((num_pages, page_size, None, hd), lambda i, j, n: (0, 0, j, 0))
+    return pl.pallas_call(
+        functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page),
+        grid=(b, g, t),
+        in_specs=[pl.BlockSpec((None, t, None, r2, hd), lambda i, j, n: (i, 0, j, 0, 0)),
+                  pl.BlockSpec((None, t), lambda i, j, n: (i, 0)),
+                  pl.BlockSpec((None, nb), lambda i, j, n: (i, 0)),
+                  pl.BlockSpec((hd // 2,), lambda i, j, n: (0,)),
+                  pages_spec, pages_spec],
+        out_specs=[pl.BlockSpec((None, None, m, hd), lambda i, j, n: (i, j, 0, 0)), pages_spec, pages_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, g, m, hd), qkv.dtype),
+                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={4: 1, 5: 2},
+        interpret=jax.default_backend() != "gpu",
+        compiler_params=_compiler_params(1),
+        name="eagle3_rope_write_kv",
+    )(qkv, positions.astype(jnp.int32), block_table.astype(jnp.int32), jnp.asarray(inv_freq, jnp.float32),
+      k_pages, v_pages)
+
+
+def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
+                 block_table: jax.Array, heads_per_kv: int, splits: int | None = None, block_keys: int = 64,
+                 num_warps: int = 4) -> jax.Array:
+    """Attention of query tiles [B, G, M, hd] (row t*R + r: q head g*R + r of token t) over the
+    pages [P, page, G, hd] (already holding this step's keys); positions [B, T]; block_table
+    [B, nb] -> [B, T, G*R, hd]. `splits`: programs per (row, kv head), each over its share of the
+    row's key blocks (default: `num_splits`; rounded down to a power of two); `block_keys`: keys
+    per loop step."""
+    b, g, m, hd = q_tiles.shape
+    t, r = positions.shape[1], heads_per_kv
     rows = t * r
-    m = max(16, 1 << (rows - 1).bit_length())  # tile rows: a power of two >= 16
-    # [B, T, G, R, hd] -> [B, G, T*R, hd], padded to M rows; each query row's position.
-    qg = q.reshape(b, t, g, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, g, rows, hd)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m - rows), (0, 0)))
+    num_pages, page_size = k_pages.shape[:2]
     qpos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), r, axis=1), ((0, 0), (0, m - rows)), constant_values=-1)
     nb = block_table.shape[1]
-    kernel = functools.partial(_kernel, pages_per_block=_pages_per_block(nb, page_size), scale=1.0 / math.sqrt(hd))
-    pages_spec = pl.BlockSpec((num_pages, page_size, None, hd), lambda i, j: (0, 0, j, 0))
-    out = pl.pallas_call(
+    ppb = pages_per_block(nb, page_size, block_keys)
+    key_blocks = nb // ppb
+    splits = num_splits(b, g, key_blocks) if splits is None else num_splits(1, 1, key_blocks, splits)
+    kernel = functools.partial(_kernel, pages_per_block=ppb, scale=1.0 / math.sqrt(hd))
+    pages_spec = pl.BlockSpec((num_pages, page_size, None, hd), lambda i, j, s: (0, 0, j, 0))
+    interpret = jax.default_backend() != "gpu"
+    out, lse = pl.pallas_call(
         kernel,
-        grid=(b, g),
+        grid=(b, g, splits),
         in_specs=[
-            pl.BlockSpec((None, None, m, hd), lambda i, j: (i, j, 0, 0)),  # q
-            pl.BlockSpec((None, m), lambda i, j: (i, 0)),  # query positions
-            pl.BlockSpec((None, nb), lambda i, j: (i, 0)),  # block table row
+            pl.BlockSpec((None, None, m, hd), lambda i, j, s: (i, j, 0, 0)),  # q
+            pl.BlockSpec((None, m), lambda i, j, s: (i, 0)),  # query positions
+            pl.BlockSpec((None, nb), lambda i, j, s: (i, 0)),  # block table row
             pages_spec,  # k pages of kv head j
             pages_spec,  # v pages of kv head j
         ],
-        out_specs=pl.BlockSpec((None, None, m, hd), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, g, m, hd), q.dtype),
-        interpret=jax.default_backend() != "gpu",
+        out_specs=[pl.BlockSpec((None, None, None, m, hd), lambda i, j, s: (i, j, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, m), lambda i, j, s: (i, j, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, g, splits, m, hd), q_tiles.dtype if splits == 1 else jnp.float32),
+                   jax.ShapeDtypeStruct((b, g, splits, m), jnp.float32)],
+        interpret=interpret,
         compiler_params=_compiler_params(num_warps),
         name="eagle3_paged_attention",
-    )(qg, qpos, block_table.astype(jnp.int32), k_pages, v_pages)
+    )(q_tiles, qpos, block_table.astype(jnp.int32), k_pages, v_pages)
+    if splits == 1:
+        out = out[:, :, 0]
+    else:  # one more launch: each split weighted by its share of the softmax mass -> [B, G, M, hd]
+        # Over head-dim chunks too: (row, kv head) programs alone are too few to hide the loads.
+        chunk = min(COMBINE_CHUNK, hd)
+        out = pl.pallas_call(
+            _combine_kernel,
+            grid=(b, g, hd // chunk),
+            in_specs=[pl.BlockSpec((None, None, splits, m, chunk), lambda i, j, c: (i, j, 0, 0, c)),
+                      pl.BlockSpec((None, None, splits, m), lambda i, j, c: (i, j, 0, 0))],
+            out_specs=pl.BlockSpec((None, None, m, chunk), lambda i, j, c: (i, j, 0, c)),
+            out_shape=jax.ShapeDtypeStruct((b, g, m, hd), q_tiles.dtype),
+            interpret=interpret,
+            compiler_params=_compiler_params(num_warps),
+            name="eagle3_attention_combine",
+        )(out, lse)
     # [B, G, M, hd] -> [B, T, G*R, hd]
-    return out[:, :, :rows].reshape(b, g, t, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
+    return out[:, :, :rows].reshape(b, g, t, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "block_keys", "num_warps"))
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
+                    block_table: jax.Array, splits: int | None = None, block_keys: int = 64,
+                    num_warps: int = 4) -> jax.Array:
+    """Same contract as `layers.paged_attention`: q [B, T, H, hd] (rotated), k/v_pages
+    [P, page, G, hd] (already holding this step's keys), positions [B, T], block_table [B, nb]
+    -> [B, T, H, hd]. The steps call `rope_and_write` then `attend_tiles` instead; this form
+    takes q as the XLA form does (tests, scripts/attention_check.py)."""
+    b, t, h, hd = q.shape
+    g = k_pages.shape[2]
+    r = h // g
+    m = query_tile_rows(t, r)
+    # [B, T, G, R, hd] -> [B, G, T*R, hd], padded to M rows.
+    tiles = q.reshape(b, t, g, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, g, t * r, hd)
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, m - t * r), (0, 0)))
+    return attend_tiles(tiles, k_pages, v_pages, positions, block_table, r, splits, block_keys, num_warps)
 
 
 def _compiler_params(num_warps: int):
