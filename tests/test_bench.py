@@ -17,6 +17,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -100,7 +101,7 @@ def report(tmp_path_factory):
             "--batches", ",".join(map(str, BATCHES)), "--num-draft", "1", "--per-step", "--prompts", "2", "--max-tokens", "6",
             "--max-model-len", "64", "--max-model-len-8b", "64", "--prefill-buckets", "32", "--context", "16",
             "--calls", "2", "--rounds", "2", "--bandwidth-gb", "0.01", "--matmul-size", "128",
-            "--peer-batches", "1", "--peer-prompts", "1", "--no-peer-8b", "--dtype", "f32"]
+            "--peer-batches", "1", "--peer-prompts", "1", "--no-peer-8b", "--dtype", "f32", "--profile", str(root / "prof")]
     assert bench.main(argv) == 0
     return out, json.loads((out / "bench.json").read_text())
 
@@ -156,6 +157,11 @@ def test_step_rows(report):
             assert v["tok_s_assumed"] > 0 and v["speedup_assumed"] > 0
     assert not [n for n in data["notes"] if "compile(s)" in n]  # nothing compiled inside a timed run
     assert data["meta"]["ceilings"]["bandwidth"] > 0
+    # --profile traced every step: one trace per step, its device time in the row (no GPU here: 0)
+    assert len(list((out.parent / "prof").rglob("perfetto_trace.json.gz"))) == len(rows)
+    assert all(0 <= r["values"]["device_idle_pct"] <= 100 for r in rows)
+    assert set(data["info"]["8b"]["device kernels per call (--profile: family, us, count)"]) == {
+        f"{r['mode']}, batch {r['batch']}" for r in rows}
 
 
 def test_peer_rows(report):
@@ -180,15 +186,15 @@ def test_device_activity_from_a_trace():
     events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
               {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0 (NVIDIA H200)"}},
               x(1, 100, 30, "probe-round"), x(1, 100, 30, "host work"),
-              x(2, 95, 7, "gemm_fusion"), x(2, 100, 10, "gemm_fusion"), x(2, 105, 10, "attention", tid=1),
-              x(2, 120, 5, "gemm_fusion"), x(2, 140, 5, "after the window")]
+              x(2, 95, 7, "gemm_fusion_dot.1"), x(2, 100, 10, "gemm_fusion_dot.2"), x(2, 105, 10, "attention", tid=1),
+              x(2, 120, 5, "gemm_fusion_dot_3.1"), x(2, 140, 5, "after the window")]
     start, end = profile.marker_span(events, "probe-round")
     act = profile.device_activity(events, start, end)
     assert (start, end) == (100.0, 130.0)
     assert act.busy_us == 20.0  # [100, 115) and [120, 125)
     assert act.idle_frac == pytest.approx(1 - 20 / 30)
-    assert act.events == 3  # started inside: two gemm_fusion, one attention
-    assert act.by_name == (("gemm_fusion", 2, 15.0), ("attention", 1, 10.0))
+    assert act.events == 3  # started inside: two of the gemm family (layers' instances), one attention
+    assert act.by_name == (("gemm_fusion_dot", 2, 15.0), ("attention", 1, 10.0))
     assert profile.union_us([(0, 10), (2, 3), (10, 12), (20, 21)]) == 13
     with pytest.raises(KeyError, match="no event named"):
         profile.marker_span(events, "missing")
@@ -312,3 +318,4 @@ def test_hlo_collectives_parser():
     assert bench.hlo_collectives(hlo) == {
         "all-reduce": [((8, 4, 8192), 8 * 4 * 8192 * 2), ((8, 4, 64), 8 * 4 * 64 * 4), ((8, 4, 64), 8 * 4 * 64 * 4)],
         "all-gather": [((8, 4, 256), 8 * 4 * 256 * 4)]}
+

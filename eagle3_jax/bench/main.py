@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from eagle3_jax.bench import profile
 from eagle3_jax.bench.collectives import allreduce_shapes, measure_links
 from eagle3_jax.bench.common import Result, log
 from eagle3_jax.bench.costs import measure_ceilings
@@ -105,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(out_path).write_text(json.dumps(peer_worker(json.loads(Path(spec_path).read_text()))))
         return 0
     opts = Options.from_args(args)
+    if opts.profile:
+        profile.keep_command_buffers()  # before the first use of a device
     meta, results, info, notes = run(opts, " ".join(shlex.quote(a) for a in sys.argv))
     print(write_report(opts.out_dir, meta, results, info, notes))
     return 1 if meta["failed"] else 0

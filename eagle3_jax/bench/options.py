@@ -89,6 +89,9 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     g.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul timed")
     g.add_argument("--parallel-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every shape on a thread pool first (warm-up then finds them built)")
+    g.add_argument("--profile", metavar="DIR", default=None,
+                   help="8b phase: also trace one round of each step under JAX's profiler (traces in DIR): "
+                        "device busy time per call, and the kernel families it went to")
     p.add_argument("--peer-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p
 
@@ -135,6 +138,7 @@ class Options:
     tp_check_tokens: int = 48
     allreduce_mb: float = 256.0
     allreduce_chain: int = 8
+    profile: Path | None = None
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> Options:
@@ -163,7 +167,7 @@ class Options:
                    tp_check_hidden=a.tp_check_hidden, tp_check_layers=a.tp_check_layers,
                    tp_check_vocab=a.tp_check_vocab, tp_check_prompts=a.tp_check_prompts,
                    tp_check_tokens=a.tp_check_tokens, allreduce_mb=a.allreduce_mb,
-                   allreduce_chain=a.allreduce_chain)
+                   allreduce_chain=a.allreduce_chain, profile=Path(a.profile) if a.profile else None)
 
     @property
     def dtype(self):

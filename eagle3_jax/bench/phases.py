@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from eagle3_jax import assets
+from eagle3_jax.bench import profile
 from eagle3_jax.bench.collectives import (
     device_memory_gb,
     hlo_collectives,
@@ -399,6 +400,7 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
                                   k + 1, opts.context)
              for kind, scfg in scfgs.items() for b in batches}
     results, compile_s, collectives = [], {}, {}  # collectives: (kind, batch) -> what the program all-reduces
+    kernels: dict[str, profile.DeviceActivity] = {}  # --profile: "kind, batch b" -> the device's activity
     if opts.parallel_compile:
         # Every kind's programs compile at once (70B programs take minutes, one core each): lowered
         # first, one kind's state at a time (lowering keeps only shapes and shardings).
@@ -427,6 +429,15 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
             compiles = CompileCounter.count
             state, samples = time_calls(calls[kind, b][0], state, lambda s: with_lengths(s, rows, opts.context),
                                         opts.calls, opts.rounds)
+            if opts.profile:
+                state = with_lengths(state, rows, opts.context)
+                out = opts.profile / f"{kind.num_draft}-{'verify' if kind.verify_only else 'iter'}-b{b}"
+                state, activity = profile.profile_calls(calls[kind, b][0], state, opts.calls, out)
+                kernels[f"{kind.name}, batch {b}"] = activity
+                log(f"8b {kind.name}, batch {b}: device busy {activity.busy_us / 1e3 / opts.calls:.3f} ms/call, "
+                    f"idle {activity.idle_frac:.0%}; per call (us, count): " + "; ".join(
+                        f"{name[:60]} {total / opts.calls:.0f} x{count / opts.calls:.0f}"
+                        for name, count, total in activity.by_name))
             if opts.parallel_compile and CompileCounter.count != compiles:
                 notes.append(f"8b {kind.name}, batch {b}: {CompileCounter.count - compiles} compile(s) "
                              "after the precompile")
@@ -451,6 +462,9 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
                         notes.append(f"8b {kind.name}, batch {b}: the compiled program all-reduces "
                                      f"{values['ar_count_hlo']} arrays, {values['ar_mb_hlo']:.3f} MB; the floor counts "
                                      f"{values['ar_count']}, {values['ar_mb']:.3f} MB (the program's dtype may differ)")
+            if activity := kernels.get(f"{kind.name}, batch {b}"):
+                values.update(device_busy_ms=activity.busy_us / 1e3 / opts.calls,
+                              device_idle_pct=100 * activity.idle_frac)
             if not kind.verify_only:
                 accept = opts.assumed_acceptance if kind.num_draft else 1.0
                 values["tok_s_assumed"] = b * accept / (ms / 1e3)
@@ -466,6 +480,10 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
             "assumed acceptance length L (NOT measured)": opts.assumed_acceptance, "dtype": jnp.dtype(dtype).name,
             "random init s": round(init_s, 1), "parallel compile s": compile_s,
             "target": dataclasses.asdict(target), "draft": dataclasses.asdict(draft)}
+    if kernels:
+        info["device kernels per call (--profile: family, us, count)"] = {
+            step: [(name, round(total / opts.calls, 1), round(count / opts.calls, 1))
+                   for name, count, total in activity.by_name] for step, activity in kernels.items()}
     if mesh is not None:
         info.update({
             "tensor parallel": f"TP={tp} over {', '.join(str(d) for d in mesh.devices.flat)} (parallel/sharding.py "

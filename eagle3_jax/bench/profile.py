@@ -17,8 +17,26 @@ import collections
 import dataclasses
 import gzip
 import json
-from collections.abc import Iterable, Sequence
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+KEEP_GRAPHS_FLAG = "--xla_enable_command_buffers_during_profiling=true"
+
+
+def keep_command_buffers() -> None:
+    """Ask XLA to keep its CUDA graphs under the profiler. XLA reads XLA_FLAGS when the backend
+    starts, so call this before the first use of a device."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "command_buffers_during_profiling" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {KEEP_GRAPHS_FLAG}".strip()
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without XLA's instance numbers: each unrolled layer's fusions get their own
+    ("loop_add_fusion.3", "gemm_fusion_dot_17"), and what one step spends is per family."""
+    return re.sub(r"([._]\d+)+$", "", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +79,10 @@ def union_us(intervals: Sequence[tuple[float, float]]) -> float:
     return total
 
 
-def device_activity(events: Sequence[dict], start_us: float, end_us: float, top: int = 15) -> DeviceActivity:
-    """Busy time of the devices' events within [start_us, end_us] (trace timestamps, us)."""
+def device_activity(events: Sequence[dict], start_us: float, end_us: float, top: int = 15,
+                    group: Callable[[str], str] = kernel_family) -> DeviceActivity:
+    """Busy time of the devices' events within [start_us, end_us] (trace timestamps, us); the
+    largest events grouped by `group(name)`."""
     pids = device_pids(events)
     clipped, names = [], collections.defaultdict(lambda: [0, 0.0])
     for e in events:
@@ -74,8 +94,8 @@ def device_activity(events: Sequence[dict], start_us: float, end_us: float, top:
             continue
         clipped.append((lo, hi))
         if start_us <= s:
-            names[e["name"]][0] += 1
-            names[e["name"]][1] += d
+            names[group(e["name"])][0] += 1
+            names[group(e["name"])][1] += d
     by_name = sorted(((n, c, t) for n, (c, t) in names.items()), key=lambda x: -x[2])[:top]
     return DeviceActivity(window_us=end_us - start_us, busy_us=union_us(clipped),
                           events=sum(c for c, _ in names.values()), by_name=tuple(by_name))
@@ -88,3 +108,17 @@ def marker_span(events: Sequence[dict], name: str) -> tuple[float, float]:
     if not spans:
         raise KeyError(f"no event named {name!r} in the trace")
     return min(s for s, _ in spans), max(t for _, t in spans)
+
+
+def profile_calls(call: Callable, state, calls: int, out_dir: str | Path, marker: str = "profiled-round"):
+    """Run `call` (state -> (state, out), state donated) `calls` times back to back under JAX's
+    profiler, trace in `out_dir`. -> (state, DeviceActivity over the round)."""
+    import jax  # here: the trace readers above need no JAX
+
+    jax.block_until_ready(state)
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True), jax.profiler.TraceAnnotation(marker):
+        for _ in range(calls):
+            state, out = call(state)
+        jax.block_until_ready((state, out))
+    events = load_trace(out_dir)
+    return state, device_activity(events, *marker_span(events, marker))
