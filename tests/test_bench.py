@@ -319,3 +319,28 @@ def test_hlo_collectives_parser():
         "all-reduce": [((8, 4, 8192), 8 * 4 * 8192 * 2), ((8, 4, 64), 8 * 4 * 64 * 4), ((8, 4, 64), 8 * 4 * 64 * 4)],
         "all-gather": [((8, 4, 256), 8 * 4 * 256 * 4)]}
 
+
+def test_peer_process_group_is_reaped(tmp_path):
+    """The peer's child process runs in a group of its own; what it leaves behind (torch.compile's
+    workers) is killed when it returns, and its output still comes back."""
+    from eagle3_jax.bench.peer import run_isolated
+
+    pid_file = tmp_path / "pid"
+    code = ("import subprocess, sys; p = subprocess.Popen(['sleep', '60']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('out'); print('err', file=sys.stderr); sys.exit(3)")
+    done = run_isolated([sys.executable, "-c", code], dict(os.environ), timeout=30)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+
+    def alive():  # a killed process not yet reaped (a zombie) is not running
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()  # killed: the sleep would have run for a minute
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_isolated([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), timeout=0.5)

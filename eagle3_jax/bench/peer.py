@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,7 @@ def phase_peer(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
                    PYTHONPATH=os.pathsep.join(p for p in (str(assets.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
         cmd = [sys.executable, "-m", "eagle3_jax.bench", "--peer-worker", str(spec_path), str(out_path)]
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.peer_timeout)
+            proc = run_isolated(cmd, env, opts.peer_timeout)
         except subprocess.TimeoutExpired:
             notes.append(f"peer abandoned after {opts.peer_timeout:.0f} s (--peer-timeout)")
             return [], {"skipped": "timeout"}
@@ -71,6 +72,26 @@ def phase_peer(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
     notes.extend(out["notes"])
     rows = [Result("peer", r.pop("mode"), r.pop("batch"), r) for r in out["rows"]]
     return rows, {**out["info"], "prompts": source}
+
+
+def run_isolated(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd` in a process group of its own and, when it ends (or times out), kill whatever it
+    left in that group: torch.compile's worker processes must not compete with the engine's host
+    loop for the CPU in the phases that follow. Output goes through files, which a leftover
+    process cannot hold open the way it holds a pipe."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
 def peer_worker(spec: dict) -> dict:
