@@ -1,23 +1,25 @@
-"""Paged GQA attention for decode and verify steps as one Pallas (Triton) kernel.
+"""Paged GQA attention for decode and verify steps as Pallas (Triton) kernels: `rope_and_write`
+(RoPE, the KV write and the query tiles in one launch), then `attend_tiles` (attention, and the
+combine of its splits).
 
 Why a kernel of our own: the XLA form (`layers.paged_attention`) gathers every row's whole block
 table (max_model_len positions), masks it and runs softmax as separate fusions, about a dozen
 kernels per layer. A SmolLM2 iteration is bound by its kernel count (~780 kernels, ~2 us each on
 the H200; BENCHMARKS.md, fourth session), and an 8B verify reads the full-length cache where only
-the valid part is needed. This kernel reads only the pages a row has filled and does the whole
-attention in one launch per layer (online softmax over blocks of pages, as flash-decoding).
+the valid part is needed. The attention kernel reads only the pages a row has filled (online
+softmax over blocks of pages, as flash-decoding).
 
 Layout (as `layers.paged_attention`): q [B, T, G*R, hd] (G kv heads, R q heads per kv head, HF
 head order), pages [P, page, G, hd], positions [B, T] contiguous per row (the T new tokens),
 block_table [B, nb]. One program per (row, kv head, split): its T*R queries form the M rows of
 the tile (padded to a power of two, at least 16 for the tensor cores); query row m = t*R + r is
 query head g*R + r of token t and sees cached positions <= positions[b, t]. The splits divide
-the table's key blocks between programs (flash-decoding), so that a batch of one row still
+the row's key blocks between programs, so that a batch of one row still
 keeps the GPU's SMs reading; each writes its normalized output and log-sum-exp, and a second
 small kernel combines them.
 
 Only for steps with few new tokens per row (T*R <= MAX_QUERY_ROWS): decode, verify, draft steps
-and the smallest prefill chunks; larger chunks keep the XLA form. Off the GPU the kernel runs in
+and the smallest prefill chunks; larger chunks keep the XLA form. Off the GPU the kernels run in
 Pallas' interpreter (tests).
 """
 
