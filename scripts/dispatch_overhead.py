@@ -40,14 +40,14 @@ import numpy as np  # noqa: E402
 
 from eagle3_jax import presets  # noqa: E402
 from eagle3_jax.bench import profile  # noqa: E402
-
-if "--profile" in sys.argv:
-    profile.keep_command_buffers()  # before the backend starts (the first use of a device)
 from eagle3_jax.bench.profile import DeviceActivity  # noqa: E402
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig  # noqa: E402
 from eagle3_jax.engine.driver import Engine  # noqa: E402
 from eagle3_jax.model import llama  # noqa: E402
 from eagle3_jax.model.eagle3 import init_draft_params  # noqa: E402
+
+if "--profile" in sys.argv:
+    profile.keep_command_buffers()  # before the backend starts (the first use of a device)
 
 
 def engine_for(target: ModelConfig, draft: DraftConfig, k: int, fused: bool, batches, dtype) -> Engine:

@@ -429,6 +429,7 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
             compiles = CompileCounter.count
             state, samples = time_calls(calls[kind, b][0], state, lambda s: with_lengths(s, rows, opts.context),
                                         opts.calls, opts.rounds)
+            activity = None
             if opts.profile:
                 state = with_lengths(state, rows, opts.context)
                 out = opts.profile / f"{kind.num_draft}-{'verify' if kind.verify_only else 'iter'}-b{b}"
@@ -462,7 +463,7 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
                         notes.append(f"8b {kind.name}, batch {b}: the compiled program all-reduces "
                                      f"{values['ar_count_hlo']} arrays, {values['ar_mb_hlo']:.3f} MB; the floor counts "
                                      f"{values['ar_count']}, {values['ar_mb']:.3f} MB (the program's dtype may differ)")
-            if activity := kernels.get(f"{kind.name}, batch {b}"):
+            if activity is not None:
                 values.update(device_busy_ms=activity.busy_us / 1e3 / opts.calls,
                               device_idle_pct=100 * activity.idle_frac)
             if not kind.verify_only:
