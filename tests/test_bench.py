@@ -135,6 +135,7 @@ def test_engine_rows(report):
             assert v[key] > 0, (r["mode"], r["batch"], key, v[key])
         assert v["acceptance_length"] >= 1.0
         assert 0.0 <= v["idle_frac"] <= 1.0
+        assert v["device_busy_ms"] >= 0 and 0.0 <= v["idle_measured"] <= 1.0  # --profile (no GPU here: busy 0)
         assert v["requests"] == max(2, r["batch"])
         assert len(v["acceptance_rates"]) == (0 if r["mode"] == "target-only" else 1)
     markdown = (out / "bench.md").read_text()
@@ -158,7 +159,8 @@ def test_step_rows(report):
     assert not [n for n in data["notes"] if "compile(s)" in n]  # nothing compiled inside a timed run
     assert data["meta"]["ceilings"]["bandwidth"] > 0
     # --profile traced every step: one trace per step, its device time in the row (no GPU here: 0)
-    assert len(list((out.parent / "prof").rglob("perfetto_trace.json.gz"))) == len(rows)
+    traces = list((out.parent / "prof").rglob("perfetto_trace.json.gz"))
+    assert len(traces) == len(rows) + len(_rows(data, "smollm2"))  # a round per smollm2 row too
     assert all(0 <= r["values"]["device_idle_pct"] <= 100 for r in rows)
     assert set(data["info"]["8b"]["device kernels per call (--profile: family, us, count)"]) == {
         f"{r['mode']}, batch {r['batch']}" for r in rows}

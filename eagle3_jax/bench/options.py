@@ -90,8 +90,9 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     g.add_argument("--parallel-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every shape on a thread pool first (warm-up then finds them built)")
     g.add_argument("--profile", metavar="DIR", default=None,
-                   help="8b phase: also trace one round of each step under JAX's profiler (traces in DIR): "
-                        "device busy time per call, and the kernel families it went to")
+                   help="trace under JAX's profiler (traces in DIR): in the 8b phase one round of each step "
+                        "(device busy time per call, and the kernel families it went to); in the smollm2 phase "
+                        "one more round per row (device busy time per iteration, and device idle)")
     p.add_argument("--peer-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p
 

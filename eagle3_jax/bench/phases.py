@@ -232,6 +232,9 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
                       device_ms=1e3 * isolated_iteration_s(engine, b, context, opts))
         steady = values["iter_ms"] if math.isnan(values["step_ms"]) else values["step_ms"]
         values["idle_frac"] = max(0.0, 1.0 - values["device_ms"] / steady)
+        if opts.profile:
+            values.update(profiled_round(engine, prompts[:b], params, opts.profile / f"{slug(mode)}-b{b}",
+                                         values["iter_ms"]))
         if ceilings is not None:
             cost = iteration_cost(target, draft, engine.iterate_config(bucket).num_draft, bucket, context,
                                   jnp.dtype(opts.dtype).itemsize)
@@ -243,6 +246,22 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         notes.append(f"{mode}: speculation policy after the run (engine/policy.py):\n"
                      + policy.format_table(engine.speculation_table(), engine.acceptance))
     return results, source
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()
+
+
+def profiled_round(engine: Engine, prompts: Sequence[list[int]], params: SamplingParams, out_dir: Path,
+                   iter_ms: float) -> dict[str, float]:
+    """One more round under the profiler: the device's busy time per iteration, and device idle
+    against the unprofiled rounds' wall time per iteration (the profiler slows the host, not the
+    kernels, so idle within the profiled round would overstate it). Both count prefill's kernels
+    and time alike. In "auto" the round also feeds the speculation policy, as any round does."""
+    iterations = engine.stats.iterations
+    _, activity = profile.profile_region(lambda: run_round(engine, prompts, params), out_dir)
+    busy_ms = activity.busy_us / 1e3 / max(engine.stats.iterations - iterations, 1)
+    return {"device_busy_ms": busy_ms, "idle_measured": max(0.0, 1.0 - busy_ms / iter_ms)}
 
 
 def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) -> tuple[list[Result], dict]:

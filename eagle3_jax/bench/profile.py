@@ -110,15 +110,26 @@ def marker_span(events: Sequence[dict], name: str) -> tuple[float, float]:
     return min(s for s, _ in spans), max(t for _, t in spans)
 
 
-def profile_calls(call: Callable, state, calls: int, out_dir: str | Path, marker: str = "profiled-round"):
-    """Run `call` (state -> (state, out), state donated) `calls` times back to back under JAX's
-    profiler, trace in `out_dir`. -> (state, DeviceActivity over the round)."""
+def profile_region(fn: Callable, out_dir: str | Path, marker: str = "profiled-region"):
+    """Run `fn()` under JAX's profiler, trace in `out_dir`; `fn` waits for its own device work.
+    -> (what fn returned, DeviceActivity over its span)."""
     import jax  # here: the trace readers above need no JAX
 
-    jax.block_until_ready(state)
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True), jax.profiler.TraceAnnotation(marker):
-        for _ in range(calls):
-            state, out = call(state)
-        jax.block_until_ready((state, out))
+        result = fn()
     events = load_trace(out_dir)
-    return state, device_activity(events, *marker_span(events, marker))
+    return result, device_activity(events, *marker_span(events, marker))
+
+
+def profile_calls(call: Callable, state, calls: int, out_dir: str | Path):
+    """Run `call` (state -> (state, out), state donated) `calls` times back to back under JAX's
+    profiler, trace in `out_dir`. -> (state, DeviceActivity over the round)."""
+    import jax
+
+    def calls_back_to_back():
+        s = jax.block_until_ready(state)
+        for _ in range(calls):
+            s, out = call(s)
+        return jax.block_until_ready((s, out))[0]
+
+    return profile_region(calls_back_to_back, out_dir)

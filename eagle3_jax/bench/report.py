@@ -26,13 +26,15 @@ SMOLLM2_COLUMNS = [
     Column("iter_ms", "wall/iter ms", "{:.2f}"), Column("step_ms", "steady step ms", "{:.2f}"),
     Column("host_ms_per_step", "host ms/step", "{:.2f}"), Column("device_wait_ms_per_step", "wait ms/step", "{:.2f}"),
     Column("device_ms", "device ms/iter", "{:.2f}"), Column("floor_ms", "floor ms/iter", "{:.3f}"),
-    Column("idle_frac", "device idle", "{:.0%}"), Column("compile_s", "compile s", "{:.0f}"),
+    Column("idle_frac", "device idle", "{:.0%}"), Column("device_busy_ms", "busy ms/iter (profiler)", "{:.2f}"),
+    Column("idle_measured", "device idle (profiler)", "{:.0%}"), Column("compile_s", "compile s", "{:.0f}"),
     Column("warmup_s", "warm-up s", "{:.1f}"),
 ]
 STEP_COLUMNS = [
     Column("mode", "step"), Column("batch", "batch", "{}"), Column("ms", "ms/call", "{:.2f}"),
     Column("floor_ms", "floor ms", "{:.2f}"), Column("pct_of_floor", "% of floor", "{:.0f}%"),
     Column("bound", "floor set by"), Column("gb", "GB (floor)", "{:.1f}"),
+    Column("device_busy_ms", "busy ms (profiler)", "{:.2f}"),
     Column("tok_s_assumed", "tok/s at ASSUMED L", "{:.0f}"),
     Column("speedup_assumed", "speedup at ASSUMED L", "{:.2f}x"),
 ]
@@ -78,7 +80,9 @@ Measured vs derived:
   sequentially, as a user's LLM() does); 8b ms/call (median of rounds, back to back); peer tok/s; memory bandwidth and
   matmul rate.
 - derived: speedup (tok/s over target-only at the same batch); device idle = 1 - device ms/iter /
-  steady step ms (an estimate); floor = max(bytes / memory bandwidth, FLOPs / matmul rate) for the
+  steady step ms (an estimate); with --profile, busy ms/iter = the union of the GPU's kernel intervals
+  over one more round run under JAX's profiler, per iteration, and device idle (profiler) = 1 - that /
+  wall/iter of the unprofiled rounds; floor = max(bytes / memory bandwidth, FLOPs / matmul rate) for the
   fewest bytes (weights once per pass, each row's KV of the stated context once) and the FLOPs of
   the call; % of floor = floor / measured; tok/s at ASSUMED L = B x L / ms per call, L assumed
   and NOT measured (target-only decode: L = 1); speedup at ASSUMED L = that over decode's at the same
