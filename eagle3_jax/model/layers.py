@@ -119,6 +119,12 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     return out.reshape(b, t, h, hd)
 
 
+def fused_qkv(h: jax.Array, wqkv: jax.Array) -> jax.Array:
+    """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> [B, T, G, R + 2, hd]: per kv group, its R q
+    heads, then k, then v, none rotated yet."""
+    return jnp.einsum("btd,dgrk->btgrk", h, wqkv)
+
+
 def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
                 inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> q [B, T, G*R, hd], k, v [B, T, G, hd];
@@ -130,7 +136,7 @@ def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
     """
     b, t, _ = h.shape
     g, r, hd = wqkv.shape[1], wqkv.shape[2] - 2, wqkv.shape[3]
-    qkv = jnp.einsum("btd,dgrk->btgrk", h, wqkv)  # [B, T, G, R + 2, hd]
+    qkv = fused_qkv(h, wqkv)  # [B, T, G, R + 2, hd]
     q = qkv[:, :, :, :r].reshape(b, t, g * r, hd)
     k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]  # [B, T, G, hd]
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
@@ -152,7 +158,7 @@ def attention_block(x: jax.Array, norm_w: jax.Array | None, wqkv: jax.Array, wo:
     h = x if norm_w is None else rms_norm(x, norm_w, eps)
     if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[1]):
         # Two kernels after the projection: RoPE + KV write + q tiles, then attention.
-        qkv = jnp.einsum("btd,dgrk->btgrk", h, wqkv)  # [B, T, G, R + 2, hd]
+        qkv = fused_qkv(h, wqkv)  # [B, T, G, R + 2, hd]
         q_tiles, k_pages, v_pages = pallas_attention.rope_and_write(
             qkv, positions, block_table, inv_freq, k_pages, v_pages, SCRATCH_PAGE)
         out = pallas_attention.attend_tiles(q_tiles, k_pages, v_pages, positions, block_table, r)
