@@ -10,10 +10,10 @@ user turns with the target itself, once per `--regen-temperatures` (self-distill
 then trains on the text it will read; `--no-regenerate` trains on ShareGPT's own replies), then
 `train_drafter` with bf16 compute for `--steps`, or for as many steps as fit `--time-budget-s` of
 wall time (regeneration, compilation and export included) at the step time measured after
-compiling. `--regen-gpus N` answers the prompts in N processes, one per GPU (shard i of N on
-GPU i), and trains on GPU 0 from their data files: the same prompts and sampling seeds as one GPU
-(a reply can still differ where bf16 rounding depends on the batch), in another row order, so the
-held-out rows differ.
+compiling. `--regen-gpus N --regen-processes-per-gpu M` answers the prompts in N x M processes
+(shard i of N x M on GPU i % N), and trains on GPU 0 from their data files: the same prompts and
+sampling seeds as one process (a reply can still differ where bf16 rounding depends on the batch),
+in another row order, so the held-out rows differ.
 
 The defaults are the shipped drafter's recipe (its model card). Writes the drafter to
 checkpoints/smollm2-135m-eagle3/ (public EAGLE-3 layout), and train_log.json (config,
@@ -33,7 +33,7 @@ T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from eagle3_jax import assets  # noqa: E402
-from eagle3_jax.train import regenerate  # noqa: E402
+from eagle3_jax.train import loop, regenerate  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-dir", help="orbax checkpoints (default: LOG_DIR/ckpt; a rerun resumes from it)")
     ap.add_argument("--data-cache", help="npz of the tokenized data (default: LOG_DIR/data_T.npz)")
     ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
-    ap.add_argument("--regen-gpus", type=int, default=1, help="regenerate in this many processes, one per GPU")
+    ap.add_argument("--regen-gpus", type=int, default=1, help="regenerate on this many GPUs")
+    ap.add_argument("--regen-processes-per-gpu", type=int, default=1,
+                    help="regeneration processes sharing each GPU: the 135M target's decode is bound by the host "
+                    "loop, so several processes keep one GPU busier")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (for log files)")
     ap.add_argument("--prepare-only", action="store_true", help="write the data file and stop (no training)")
     ap.add_argument("--time-budget-s", type=float, default=0.0,
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2577, help="training steps (the learning-rate schedule spans them)")
     ap.add_argument("--batch-size", type=int, default=48)
     ap.add_argument("--seq-len", type=int, default=640, help="a 256-token prompt plus a 384-token reply fit")
+    ap.add_argument("--length-buckets", type=loop.parse_ints, default=None,
+                    help="batch rows of similar length together, cut to these lengths (comma-separated)")
     ap.add_argument("--draft-vocab-size", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ttt-steps", type=int, default=7)
@@ -73,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{target} holds no config.json")
         assets.prepare_default_target()
     log_dir = Path(a.log_dir)
-    from eagle3_jax.train import loop
 
     mtbench = None if a.mtbench == "none" else a.mtbench
     data = [Path(a.data_cache)] if a.data_cache else [log_dir / f"data_{a.seq_len}.npz"]
@@ -82,15 +86,16 @@ def main(argv: list[str] | None = None) -> int:
                           max_conversations=a.max_conversations, regen=regenerate.spec_from_args(a),
                           progress=not a.no_progress)
         return 0
-    if a.regen_gpus > 1 and a.regenerate:
-        data = regenerate_on_gpus(argv if argv is not None else sys.argv[1:], a.regen_gpus, log_dir, a.seq_len)
+    if a.regen_gpus * a.regen_processes_per_gpu > 1 and a.regenerate:
+        data = regenerate_in_processes(argv if argv is not None else sys.argv[1:], a.regen_gpus,
+                                       a.regen_processes_per_gpu, log_dir, a.seq_len)
     budget = a.time_budget_s - (time.perf_counter() - T0) if a.time_budget_s > 0 else None
     record = loop.train_drafter(
         target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
         seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
         mtbench=mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir, time_budget_s=budget, dtype=a.dtype,
         data_cache=data, max_conversations=a.max_conversations, init=a.init, regen=regenerate.spec_from_args(a),
-        progress=not a.no_progress)
+        length_buckets=a.length_buckets, progress=not a.no_progress)
     tp = record["throughput"]
     print(f"THROUGHPUT {tp['device']} {tp['dtype']}: {tp['steps']} steps x {a.batch_size} x {a.seq_len} tokens "
           f"in {tp['train_seconds']:.0f} s = {tp['tokens_per_second']:,.0f} tokens/s "
@@ -102,29 +107,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def regenerate_on_gpus(argv: list[str], gpus: int, log_dir: Path, seq_len: int) -> list[Path]:
-    """Run this script with --prepare-only once per GPU (shard i of `gpus` on GPU i, each process
-    seeing only its GPU), wait for all, and return their data files in shard order."""
+def regenerate_in_processes(argv: list[str], gpus: int, per_gpu: int, log_dir: Path, seq_len: int) -> list[Path]:
+    """Run this script with --prepare-only once per shard (shard i of gpus x per_gpu on GPU
+    i % gpus, each process seeing only its GPU and, when it shares it, its part of the memory),
+    wait for all, and return their data files in shard order."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    files = [log_dir / f"data_{seq_len}.shard{i}of{gpus}.npz" for i in range(gpus)]
+    n = gpus * per_gpu
+    files = [log_dir / f"data_{seq_len}.shard{i}of{n}.npz" for i in range(n)]
+    env = dict(os.environ)
+    if per_gpu > 1:  # JAX takes 75% of the GPU by default: leave room for the others
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / per_gpu:.2f}"
     procs = []
     for i, path in enumerate(files):
         if path.is_file():
             continue
-        log = open(log_dir / f"regenerate.shard{i}of{gpus}.log", "w")
+        log = open(log_dir / f"regenerate.shard{i}of{n}.log", "w")
         # Later flags win in argparse: the shard's own settings override the caller's.
-        cmd = [sys.executable, __file__, *argv, "--prepare-only", "--regen-gpus", "1",
-               "--regen-shard", f"{i}/{gpus}", "--data-cache", str(path)]
+        cmd = [sys.executable, __file__, *argv, "--prepare-only", "--regen-gpus", "1", "--regen-processes-per-gpu",
+               "1", "--regen-shard", f"{i}/{n}", "--data-cache", str(path)]
         procs.append((i, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                               env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)})))
+                                               env={**env, "CUDA_VISIBLE_DEVICES": str(i % gpus)})))
     failed = []
     for i, log, proc in procs:
         if proc.wait() != 0:
             failed.append(i)
         log.close()
     if failed:
-        raise SystemExit(f"regeneration failed on GPUs {failed}: see {log_dir}/regenerate.shard*.log")
-    print(f"regenerated on {gpus} GPUs in {time.perf_counter() - T0:.0f} s: " + ", ".join(map(str, files)), flush=True)
+        raise SystemExit(f"regeneration failed in shards {failed}: see {log_dir}/regenerate.shard*.log")
+    print(f"regenerated in {n} processes on {gpus} GPUs in {time.perf_counter() - T0:.0f} s: "
+          + ", ".join(map(str, files)), flush=True)
     return files
 
 

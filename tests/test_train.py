@@ -147,13 +147,40 @@ def test_draft_vocab_toy():
     assert D.coverage_table(counts, (1, 3, 6)) == {1: pytest.approx(9 / 21), 3: pytest.approx(17 / 21), 6: 1.0}
 
 
-def test_batch_at_deterministic():
+def test_batches_deterministic_one_epoch():
     ex = D.pad_examples([(np.full(n, n, np.int32), np.ones(n, bool)) for n in range(1, 11)], 4, 0)
     assert ex.tokens.shape == (10, 4) and ex.lengths.tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]
-    a, b = D.batch_at(ex, 7, 3, seed=1), D.batch_at(ex, 7, 3, seed=1)
+    a, b = D.Batches(ex, 3, seed=1).at(7), D.Batches(ex, 3, seed=1).at(7)
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
-    rows = np.concatenate([D.batch_at(ex, s, 3, 1)["tokens"][:, 0] for s in range(3)])  # one epoch
+    batches = D.Batches(ex, 3, seed=1)
+    assert batches.per_epoch == 3 and batches.shapes() == [(3, 4)]
+    rows = np.concatenate([batches.at(s)["tokens"][:, 0] for s in range(3)])  # one epoch
     assert len(set(rows.tolist())) == 9  # no row twice within an epoch
+
+
+def test_batches_by_length_bucket():
+    # 12 rows of lengths 1..12 in rows of 12; buckets 4, 8, 12: rows 1-4, 5-8, 9-12.
+    lengths = list(range(1, 13))
+    ex = D.pad_examples([(np.full(n, n, np.int32), np.ones(n, bool)) for n in lengths], 12, 0)
+    batches = D.Batches(ex, 1, seed=3, buckets=(4, 8, 12))
+    # One full-width row's 12 token slots: 3 rows of 4, 1 row of 8 (12 // 8), 1 row of 12.
+    assert batches.rows_per_batch == (3, 1, 1)
+    assert batches.shapes() == [(3, 4), (1, 8), (1, 12)]
+    assert batches.per_epoch == 1 + 4 + 4 and batches.share() == [1 / 9, 4 / 9, 4 / 9]
+    seen = []
+    for s in range(batches.per_epoch):
+        b = batches.at(s)
+        t = b["tokens"].shape[1]
+        assert t in (4, 8, 12) and b["loss_mask"].shape == b["tokens"].shape
+        ids = b["tokens"][:, 0]  # each row is filled with its length
+        assert all(t - 4 < n <= t for n in ids)  # every row in the shortest bucket it fits
+        np.testing.assert_array_equal(b["tokens"], ex.tokens[ids - 1, :t])  # cut, not changed
+        seen += ids.tolist()
+    # An epoch covers every row once, but one of bucket 4's four rows: the remainder of 3 per batch.
+    assert len(seen) == len(set(seen)) == 11 and set(range(5, 13)) <= set(seen)
+    assert [batches.at(s)["tokens"].shape for s in range(9)] != [batches.at(9 + s)["tokens"].shape for s in range(9)]
+    with pytest.raises(ValueError, match="reach the row width"):
+        D.Batches(ex, 1, seed=0, buckets=(4, 8))
 
 
 def test_assistant_mask_chatml():

@@ -7,8 +7,8 @@ Pipeline (all host-side NumPy, deterministic):
   tokenize_conversations  -> token ids [n] + assistant mask [n] (assistant content + its <|im_end|>)
   pad_examples            -> fixed-shape tokens / loss mask [N, T]
   build_draft_vocab       -> the N most frequent assistant tokens: used ids, d2t, t2d
-  batch_at                -> batch number `step` as a pure function of (seed, step), so a resumed
-                             run sees exactly the batches an uninterrupted one would.
+  Batches                 -> batch number `step` as a pure function of (seed, step), rows grouped
+                             by length so short rows are not padded to the longest.
 """
 
 from __future__ import annotations
@@ -264,17 +264,61 @@ def coverage_table(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]
     return {n: float(s[:n].sum() / total) for n in sizes if n <= s.size}
 
 
-def batch_at(ex: Examples, step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
-    """Batch number `step`: rows of a per-epoch permutation seeded by (seed, epoch).
-    -> {"tokens": [B, T] int32, "loss_mask": [B, T] bool}."""
-    n = len(ex.tokens)
-    per_epoch = n // batch_size
-    if per_epoch == 0:
-        raise ValueError(f"{n} examples are fewer than one batch of {batch_size}")
-    epoch, k = divmod(step, per_epoch)
-    perm = np.random.default_rng((seed, epoch)).permutation(n)
-    rows = perm[k * batch_size:(k + 1) * batch_size]
-    return {"tokens": ex.tokens[rows], "loss_mask": ex.loss_mask[rows]}
+class Batches:
+    """Training batch number `step` as a pure function of (examples, seed, step), so a resumed run
+    sees exactly the batches an uninterrupted one would.
+
+    Rows are grouped by length into `buckets` (ascending lengths, the last one at least the rows'
+    width; default: one bucket of the full width). A batch holds rows of one bucket only, cut to
+    the bucket's length, and as many of them as fill `batch_size` full-width rows' token slots:
+    short rows then cost little padding (a 640-token row of self-distilled data is half padding on
+    average) and every step computes about the same number of token slots. Each bucket's shape
+    compiles once. Per epoch, seeded by (seed, epoch), every bucket's rows are shuffled and cut into
+    whole batches (a remainder waits for a later epoch's shuffle) and the batches are shuffled.
+    """
+
+    def __init__(self, ex: Examples, batch_size: int, seed: int, buckets: Sequence[int] | None = None):
+        width = ex.tokens.shape[1]
+        self.buckets = tuple(sorted(buckets)) if buckets else (width,)
+        if self.buckets[-1] < width or self.buckets[0] < 1:
+            raise ValueError(f"length buckets {self.buckets} must be positive and reach the row width {width}")
+        self.ex, self.seed = ex, seed
+        self.bucket_of = np.searchsorted(self.buckets, ex.lengths)  # [N] index of the shortest bucket that fits
+        self.rows_per_batch = tuple(max(1, batch_size * width // b) for b in self.buckets)
+        sizes = np.bincount(self.bucket_of, minlength=len(self.buckets))
+        self.per_epoch = int(sum(n // r for n, r in zip(sizes, self.rows_per_batch)))
+        if self.per_epoch == 0:
+            raise ValueError(f"{len(ex.tokens)} examples fill no batch of {batch_size} rows")
+        self._plan: tuple[int, list[tuple[int, np.ndarray]]] | None = None  # (epoch, [(bucket, rows)])
+
+    def _epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        if self._plan is None or self._plan[0] != epoch:
+            rng = np.random.default_rng((self.seed, epoch))
+            perm = rng.permutation(len(self.ex.tokens))
+            plan = []
+            for b, per_batch in enumerate(self.rows_per_batch):
+                rows = perm[self.bucket_of[perm] == b]
+                plan += [(b, rows[i:i + per_batch]) for i in range(0, len(rows) - per_batch + 1, per_batch)]
+            self._plan = (epoch, [plan[i] for i in rng.permutation(len(plan))])
+        return self._plan[1]
+
+    def at(self, step: int) -> dict[str, np.ndarray]:
+        """-> {"tokens": [B_b, T_b] int32, "loss_mask": [B_b, T_b] bool} for bucket b of this step."""
+        epoch, k = divmod(step, self.per_epoch)
+        b, rows = self._epoch_plan(epoch)[k]
+        t = self.buckets[b]
+        return {"tokens": self.ex.tokens[rows, :t], "loss_mask": self.ex.loss_mask[rows, :t]}
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (rows, length) batch shapes that occur, one compiled train step each."""
+        sizes = np.bincount(self.bucket_of, minlength=len(self.buckets))
+        return [(r, t) for n, r, t in zip(sizes, self.rows_per_batch, self.buckets) if n >= r]
+
+    def share(self) -> list[float]:
+        """The fraction of an epoch's batches in each shape of `shapes()`."""
+        sizes = np.bincount(self.bucket_of, minlength=len(self.buckets))
+        counts = [n // r for n, r in zip(sizes, self.rows_per_batch) if n >= r]
+        return [c / self.per_epoch for c in counts]
 
 
 def sharegpt_conversations(sharegpt_path: str | Path, *, mtbench: Iterable[dict] | None,

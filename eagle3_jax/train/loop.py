@@ -62,6 +62,12 @@ class HParams:
     ttt_steps: int = TTT_STEPS
     step_weight: float = STEP_WEIGHT
     seed: int = 0
+    # Row lengths batches are grouped by (`data.Batches`); None: every row at seq_len.
+    length_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self):  # a list when read back from meta.json
+        if self.length_buckets is not None:
+            object.__setattr__(self, "length_buckets", tuple(self.length_buckets))
 
 
 # ----------------------------------------------------------------------------- model set-up
@@ -297,6 +303,7 @@ class Run:
     vocab: D.DraftVocab
     dev_vocab: dict  # used [N] int32, t2d [V] bool, d2t [N] int32 on the device
     train: D.Examples
+    batches: D.Batches  # the training batch of each step
     held: D.Examples  # held-out rows for the final evaluation
     ckpt_dir: Path
     resuming: bool
@@ -329,7 +336,8 @@ def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int, 
     log(f"draft vocabulary: {len(vocab.used)} tokens, coverage {vocab.coverage:.2%}")
     dev_vocab = {"used": jnp.asarray(vocab.used, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
                  "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
-    return Run(tcfg, target, draft_config_for(tcfg, len(vocab.used)), hp, vocab, dev_vocab, train, held,
+    batches = D.Batches(train, hp.batch_size, hp.seed, hp.length_buckets)
+    return Run(tcfg, target, draft_config_for(tcfg, len(vocab.used)), hp, vocab, dev_vocab, train, batches, held,
                ckpt_dir, resuming)
 
 
@@ -342,28 +350,34 @@ def save_run_meta(run: Run) -> None:
 
 
 def calibrate(train_step, state: dict, run: Run, n: int = 3) -> tuple[float, float]:
-    """(compile seconds, seconds per step), run on a throw-away copy of `state`."""
-    batch = lambda s: jax.device_put(D.batch_at(run.train, s, run.hp.batch_size, run.hp.seed))
-    t0 = time.perf_counter()
-    scratch, m = train_step(jax.tree.map(jnp.copy, state), run.target, run.dev_vocab, batch(0), 0.0)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for s in range(n):
-        scratch, m = train_step(scratch, run.target, run.dev_vocab, batch(s), 0.0)
-    jax.block_until_ready(m)
-    return compile_s, (time.perf_counter() - t0) / n
+    """(compile seconds, mean seconds per step), run on a throw-away copy of `state`: every batch
+    shape compiled and timed, the mean weighted by how often each shape comes up."""
+    scratch = jax.tree.map(jnp.copy, state)
+    compile_s, mean_s = 0.0, 0.0
+    for (rows, length), share in zip(run.batches.shapes(), run.batches.share()):
+        ex = run.train
+        batch = jax.device_put({"tokens": ex.tokens[:rows, :length], "loss_mask": ex.loss_mask[:rows, :length]})
+        t0 = time.perf_counter()
+        scratch, m = train_step(scratch, run.target, run.dev_vocab, batch, 0.0)
+        jax.block_until_ready(m)
+        compile_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            scratch, m = train_step(scratch, run.target, run.dev_vocab, batch, 0.0)
+        jax.block_until_ready(m)
+        mean_s += share * (time.perf_counter() - t0) / n
+    return compile_s, mean_s
 
 
 def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_checkpoint, ckpt_every: int,
                progress: bool) -> tuple[dict, float, int]:
     """Steps from state["step"] to hp.steps, appending to `history`; `on_checkpoint(state)` every
-    `ckpt_every` steps. -> (state, seconds, assistant tokens seen)."""
+    `ckpt_every` steps. -> (state, seconds, token slots computed, assistant tokens seen)."""
     from tqdm import tqdm
 
     hp, first = run.hp, int(state["step"])
     bar = tqdm(range(first, hp.steps), initial=first, total=hp.steps, disable=not progress, mininterval=1.0)
-    pending, seen, t0 = None, 0, time.perf_counter()
+    pending, slots, seen, t0 = None, 0, 0, time.perf_counter()
 
     def record(step, metrics):
         history.append({"step": step, **_host(metrics)})
@@ -372,7 +386,8 @@ def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_che
                             refresh=False)
 
     for s in bar:
-        batch = D.batch_at(run.train, s, hp.batch_size, hp.seed)
+        batch = run.batches.at(s)
+        slots += batch["tokens"].size
         seen += int(batch["loss_mask"].sum())
         state, metrics = train_step(state, run.target, run.dev_vocab, jax.device_put(batch), learning_rate(s, hp))
         if pending is not None:  # read the previous step's metrics while this one runs
@@ -386,7 +401,7 @@ def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_che
         record(*pending)
     jax.block_until_ready(state)
     bar.close()
-    return state, time.perf_counter() - t0, seen
+    return state, time.perf_counter() - t0, slots, seen
 
 
 def evaluate(eval_step, trainable: dict, run: Run) -> dict:
@@ -406,7 +421,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
                   eval_rows: int = 64, max_conversations: int | None = None,
                   data_cache: str | Path | Sequence[str | Path] | None = None, init: str = "target",
                   warmup_frac: float = 0.03, regen: regenerate.RegenerateSpec | None = None,
-                  progress: bool = True) -> dict:
+                  length_buckets: Sequence[int] | None = None, progress: bool = True) -> dict:
     """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
 
     With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
@@ -432,15 +447,16 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
                             max_conversations=max_conversations, regen=regen, progress=progress, log=log)
 
     hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, seed=seed,
-                 warmup_frac=warmup_frac)
+                 warmup_frac=warmup_frac, length_buckets=tuple(length_buckets) if length_buckets else None)
     run = prepare_run(target_dir, ckpt_dir, hp, draft_vocab_size, examples, eval_rows, jnp.dtype(dtype), log)
     state = init_state(init_draft_from_target(run.target, run.dcfg, run.vocab.used,
                                               jax.random.PRNGKey(run.hp.seed), init), run.hp)
     train_step = make_train_step(run.tcfg, run.dcfg, run.hp, jnp.dtype(dtype))
     compile_s, step_s = calibrate(train_step, state, run)
     tokens_per_step = run.hp.batch_size * run.hp.seq_len
-    log(f"compile {compile_s:.1f} s; {step_s * 1e3:.1f} ms/step = {tokens_per_step / step_s:,.0f} tokens/s "
-        f"({run.hp.batch_size} x {run.hp.seq_len} tokens/step)")
+    shapes = ", ".join(f"{r} x {t}" for r, t in run.batches.shapes())
+    log(f"compile {compile_s:.1f} s; {step_s * 1e3:.1f} ms/step = {tokens_per_step / step_s:,.0f} token slots/s "
+        f"(batches of {shapes} tokens)")
     if time_budget_s is not None and not run.resuming:
         # Reserve: export, plot, exit and the eval compile (~10 s on the H200), the evaluation
         # batches (< a train step each) and ~2 s per checkpoint save.
@@ -478,7 +494,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
         record(partial=True)
 
     first = int(state["step"])
-    state, train_s, seen = train_loop(train_step, state, run, history, on_checkpoint=checkpoint,
+    state, train_s, slots, seen = train_loop(train_step, state, run, history, on_checkpoint=checkpoint,
                                       ckpt_every=ckpt_every, progress=progress)
     done = run.hp.steps - first
     if done > 0:
@@ -487,7 +503,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     save_drafter(draft_params(state["params"], run.dev_vocab["d2t"], jnp.float32), run.dcfg, out_dir)
     per_s = lambda x: x / train_s if done else 0.0
     throughput = {"steps": done, "train_seconds": train_s, "steps_per_second": per_s(done),
-                  "tokens_per_second": per_s(done * tokens_per_step), "assistant_tokens_per_second": per_s(seen),
+                  "tokens_per_second": per_s(slots), "assistant_tokens_per_second": per_s(seen),
                   "compile_seconds": compile_s, "device": jax.devices()[0].device_kind, "dtype": dtype,
                   "peak_memory_gib": _peak_memory_gib()}
     rec = record(throughput=throughput, eval=evaluation, total_seconds=time.perf_counter() - t_start)
@@ -518,6 +534,9 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
     ap.add_argument("--time-budget-s", type=float, help="fit the number of steps to this wall time")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--length-buckets", type=parse_ints,
+                    help="batch rows of similar length together, cut to these lengths (comma-separated; the "
+                    "last >= seq-len); default: every row at seq-len")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup-frac", type=float, default=0.03)
     ap.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
@@ -538,6 +557,13 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
     return ap
 
 
+def parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _paths(text: str) -> list[Path]:
     return [Path(p) for p in text.split(",") if p]
 
@@ -550,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                   time_budget_s=a.time_budget_s, dtype=a.dtype, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows,
                   max_conversations=a.max_conversations, data_cache=a.data_cache,
                   init=a.init, warmup_frac=a.warmup_frac, regen=regenerate.spec_from_args(a),
-                  progress=not a.no_progress)
+                  length_buckets=a.length_buckets, progress=not a.no_progress)
     return 0
 
 
