@@ -12,7 +12,7 @@ template is applied: without it acceptance collapses), or lists of token ids tak
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Union
 
@@ -145,16 +145,43 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        slots: list[Request | RequestOutput] = []
-        for prompt, params in zip(prompts, sampling_params):
-            try:
-                if not isinstance(params, SamplingParams):
-                    params = SamplingParams(**params)
-                slots.append(self.engine.add_request(self.encode(prompt), params))
-            except (RequestError, ValueError, TypeError) as e:
-                slots.append(self._error_output(prompt, str(e)))
+        slots = [self._add(prompt, params) for prompt, params in zip(prompts, sampling_params)]
         self.engine.run([r for r in slots if isinstance(r, Request)], progress=use_tqdm)
         return [r if isinstance(r, RequestOutput) else self._output(r) for r in slots]
+
+    def generate_iter(self, requests: Iterable[tuple[Prompt, SamplingParams | dict]],
+                      max_waiting: int | None = None) -> Iterator[tuple[int, RequestOutput]]:
+        """Continuous batching over a stream of (prompt, sampling params): yields (the request's
+        index in `requests`, its output) in the order requests finish.
+
+        Requests are pulled from the iterable only while fewer than `max_waiting` (default:
+        max_num_seqs) wait for a slot, so finished rows are refilled at once and the batch never
+        drains between groups of requests; an iterable that ends early (at a deadline, say) lets
+        the admitted requests finish. A bad request comes back at once with finish_reason "error".
+        """
+        limit = max_waiting or self.engine.cfg.max_num_seqs
+        source = enumerate(requests)
+        live: dict[int, int] = {}  # engine request id -> index in `requests`
+        exhausted = False
+        while True:
+            while not exhausted and len(self.engine.scheduler.waiting) < limit:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                i, (prompt, params) = item
+                added = self._add(prompt, params)
+                if isinstance(added, RequestOutput):
+                    yield i, added
+                else:
+                    live[added.id] = i
+            if not self.engine.has_unfinished():
+                if exhausted:
+                    return
+                continue
+            for req in self.engine.step():
+                if req.finished and req.id in live:
+                    yield live.pop(req.id), self._output(req)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield tokens as they are accepted (a few per iteration); the last delta has the output."""
@@ -168,6 +195,15 @@ class LLM:
                 yield StreamDelta(new, self.decode(new), req.finished, self._output(req) if req.finished else None)
         while self.engine.has_unfinished() and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
             self.engine.step()  # drain the surplus iteration so the engine is idle again
+
+    def _add(self, prompt: Prompt, params: SamplingParams | dict) -> Request | RequestOutput:
+        """Queue one request, or its error output when the engine refuses it."""
+        try:
+            if not isinstance(params, SamplingParams):
+                params = SamplingParams(**params)
+            return self.engine.add_request(self.encode(prompt), params)
+        except (RequestError, ValueError, TypeError) as e:
+            return self._error_output(prompt, str(e))
 
     def _output(self, req: Request) -> RequestOutput:
         text = req.text if req.text is not None else self.decode(req.output)

@@ -97,6 +97,32 @@ def test_streaming_yields_the_batch_tokens(spec_llm, chat_ids):
     assert "".join(d.text for d in deltas).strip()  # text arrives with the tokens
 
 
+def test_generate_iter_streams_requests_through_the_batch(spec_llm, workload):
+    """Requests pulled lazily (at most one waiting), refilled as rows finish: every output equals
+    the batch API's, a bad request comes back as its error, and an iterable that stops early
+    leaves nothing behind."""
+    prompts, lengths = workload
+    requests = [(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts[:10], lengths)]
+    requests.insert(4, ("", SamplingParams(max_tokens=8)))
+    batch = spec_llm.generate([p for p, _ in requests], [q for _, q in requests])
+    pulled = []
+
+    def source():
+        for i, r in enumerate(requests):
+            pulled.append((i, len(spec_llm.engine.scheduler.running)))
+            yield r
+
+    outputs = dict(spec_llm.generate_iter(source(), max_waiting=1))
+    assert sorted(outputs) == list(range(11))
+    assert outputs[4].finish_reason == "error" and "empty" in outputs[4].error
+    assert [outputs[i].token_ids for i in range(11)] == [o.token_ids for o in batch]
+    assert max(running for _, running in pulled) > 1  # later requests joined a running batch
+    stopped = list(spec_llm.generate_iter(r for i, r in enumerate(requests) if i < 3))
+    assert sorted(i for i, _ in stopped) == [0, 1, 2]
+    assert not spec_llm.engine.has_unfinished()
+    assert spec_llm.engine.scheduler.pool.num_free == spec_llm.engine.scheduler.pool.capacity
+
+
 def test_stop_token_ids_and_stop_strings(spec_llm, chat_ids):
     ref = spec_llm.generate([chat_ids[1]], SamplingParams(max_tokens=30))[0]
     stop_id = ref.token_ids[10]

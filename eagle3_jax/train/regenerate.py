@@ -72,7 +72,7 @@ def reply_example(prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[
 
 
 def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max_prompt_tokens: int = 512,
-                        max_new_tokens: int = 384, temperatures: Sequence[float] = (0.0,), chunk: int = 1024,
+                        max_new_tokens: int = 384, temperatures: Sequence[float] = (0.0,),
                         time_budget_s: float | None = None, min_reply_tokens: int = 16, pad_id: int = 0,
                         prompt_numbers: Sequence[int] | None = None, progress: bool = True,
                         log=print) -> D.Examples:
@@ -80,11 +80,13 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
     Examples [N, seq_len] (each prompt's replies in the order of `temperatures`).
 
     `llm` is an `eagle3_jax.api.LLM` over the target (best without a drafter: any drafter is
-    lossless, but target-only is cheaper at large batch). Prompts longer than `max_prompt_tokens`
-    are skipped, as are replies shorter than `min_reply_tokens`. With `time_budget_s`, generation
-    stops after the chunk that crosses it (the examples so far are kept). `prompt_numbers` [N]
-    number the prompts for their sampling seeds (default 0..N-1; a shard passes the prompts' places
-    in the whole list, so its replies do not depend on how many shards there are).
+    lossless, but target-only is cheaper at large batch). Requests stream through the engine
+    (`LLM.generate_iter`): a finished row takes the next request at once. Prompts longer than
+    `max_prompt_tokens` are skipped, as are replies shorter than `min_reply_tokens`. With
+    `time_budget_s`, no prompt is started after the budget is spent (the admitted ones finish and
+    are kept). `prompt_numbers` [N] number the prompts for their sampling seeds (default 0..N-1; a
+    shard passes the prompts' places in the whole list, so its replies do not depend on how many
+    shards there are).
     """
     if max_prompt_tokens + max_new_tokens > seq_len:
         raise ValueError(f"max_prompt_tokens {max_prompt_tokens} + max_new_tokens {max_new_tokens} "
@@ -94,25 +96,28 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
     ids = [llm.encode(p) for p in prompts]
     keep = [i for i, p in enumerate(ids) if len(p) <= max_prompt_tokens]
     log(f"regenerate: {len(keep)} of {len(ids)} prompts have at most {max_prompt_tokens} tokens")
-    pairs, generated = [], 0
-    bar = tqdm(total=len(keep), desc="regenerate", unit="prompt", disable=not progress)
-    for lo in range(0, len(keep), chunk):
-        rows = keep[lo:lo + chunk]
-        batch = [ids[i] for i in rows for _ in temperatures]
-        # One seed per (prompt, temperature): sampled replies are reproducible and independent.
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=t, seed=numbers[i] * len(temperatures) + k)
-                  for i in rows for k, t in enumerate(temperatures)]
-        for prompt, out in zip(batch, llm.generate(batch, params)):
-            if out.error is not None:
-                raise RuntimeError(f"regenerate: a request failed: {out.error}")
-            generated += len(out.token_ids)
-            if len(out.token_ids) >= min_reply_tokens:
-                pairs.append(reply_example(prompt, out.token_ids))
-        bar.update(len(rows))
-        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
-            log(f"regenerate: time budget reached after {lo + len(rows)} prompts")
-            break
+    bar = tqdm(total=len(keep) * len(temperatures), desc="regenerate", unit="reply", disable=not progress)
+
+    def requests():
+        for n, i in enumerate(keep):
+            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+                log(f"regenerate: time budget reached after {n} prompts")
+                return
+            # One seed per (prompt, temperature): sampled replies are reproducible and independent.
+            for k, t in enumerate(temperatures):
+                yield ids[i], SamplingParams(max_tokens=max_new_tokens, temperature=t,
+                                             seed=numbers[i] * len(temperatures) + k)
+
+    replies, generated = {}, 0  # request index (prompt-major, then temperature) -> reply ids
+    for j, out in llm.generate_iter(requests()):
+        if out.error is not None:
+            raise RuntimeError(f"regenerate: a request failed: {out.error}")
+        generated += len(out.token_ids)
+        replies[j] = out.token_ids
+        bar.update(1)
     bar.close()
+    pairs = [reply_example(ids[keep[j // len(temperatures)]], replies[j]) for j in sorted(replies)
+             if len(replies[j]) >= min_reply_tokens]
     seconds = time.perf_counter() - start
     log(f"regenerate: {generated:,} tokens in {seconds:.0f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s), "
         f"{len(pairs)} examples")
