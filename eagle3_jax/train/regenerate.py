@@ -82,9 +82,9 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
     `llm` is an `eagle3_jax.api.LLM` over the target (best without a drafter: any drafter is
     lossless, but target-only is cheaper at large batch). Requests stream through the engine
     (`LLM.generate_iter`): a finished row takes the next request at once. Prompts longer than
-    `max_prompt_tokens` are skipped, as are replies shorter than `min_reply_tokens`. With
-    `time_budget_s`, no prompt is started after the budget is spent (the admitted ones finish and
-    are kept). `prompt_numbers` [N] number the prompts for their sampling seeds (default 0..N-1; a
+    `max_prompt_tokens` are skipped, as are replies shorter than `min_reply_tokens`. Requests go
+    temperature by temperature; with `time_budget_s`, none is started after the budget is spent
+    (the admitted ones finish and are kept), so the budget cuts the later temperatures' replies. `prompt_numbers` [N] number the prompts for their sampling seeds (default 0..N-1; a
     shard passes the prompts' places in the whole list, so its replies do not depend on how many
     shards there are).
     """
@@ -99,25 +99,27 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
     bar = tqdm(total=len(keep) * len(temperatures), desc="regenerate", unit="reply", disable=not progress)
 
     def requests():
-        for n, i in enumerate(keep):
-            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
-                log(f"regenerate: time budget reached after {n} prompts")
-                return
-            # One seed per (prompt, temperature): sampled replies are reproducible and independent.
-            for k, t in enumerate(temperatures):
+        # Temperature-major: every prompt's first reply (greedy, as evaluated) before any second
+        # one, so a time budget cuts the extra samples first.
+        for k, t in enumerate(temperatures):
+            for n, i in enumerate(keep):
+                if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+                    log(f"regenerate: time budget reached at temperature {t} after {n} prompts")
+                    return
+                # One seed per (prompt, temperature): sampled replies are reproducible and independent.
                 yield ids[i], SamplingParams(max_tokens=max_new_tokens, temperature=t,
                                              seed=numbers[i] * len(temperatures) + k)
 
-    replies, generated = {}, 0  # request index (prompt-major, then temperature) -> reply ids
+    replies, generated = {}, 0  # (prompt n, temperature k) -> reply ids
     for j, out in llm.generate_iter(requests()):
         if out.error is not None:
             raise RuntimeError(f"regenerate: a request failed: {out.error}")
         generated += len(out.token_ids)
-        replies[j] = out.token_ids
+        replies[divmod(j, len(keep))[::-1]] = out.token_ids
         bar.update(1)
     bar.close()
-    pairs = [reply_example(ids[keep[j // len(temperatures)]], replies[j]) for j in sorted(replies)
-             if len(replies[j]) >= min_reply_tokens]
+    pairs = [reply_example(ids[keep[n]], replies[n, k]) for n, k in sorted(replies)
+             if len(replies[n, k]) >= min_reply_tokens]
     seconds = time.perf_counter() - start
     log(f"regenerate: {generated:,} tokens in {seconds:.0f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s), "
         f"{len(pairs)} examples")
