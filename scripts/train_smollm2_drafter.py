@@ -5,15 +5,17 @@
         --mtbench PATH/question.jsonl --log-dir runs/smollm2-eagle3
 
 Steps: make sure the target is prepared (`assets.prepare_default_target`, skipped when the target
-directory already holds a config.json: the GPU machine has no internet), answer the ShareGPT first
-user turns with the target itself, once per `--regen-temperatures` (self-distillation: the drafter
-then trains on the text it will read; `--no-regenerate` trains on ShareGPT's own replies), then
-`train_drafter` with bf16 compute for `--steps`, or for as many steps as fit `--time-budget-s` of
-wall time (regeneration, compilation and export included) at the step time measured after
-compiling. `--regen-gpus N --regen-processes-per-gpu M` answers the prompts in N x M processes
-(shard i of N x M on GPU i % N), and trains on GPU 0 from their data files: the same prompts and
-sampling seeds as one process (a reply can still differ where bf16 rounding depends on the batch),
-in another row order, so the held-out rows differ.
+directory already holds a config.json: the GPU machine has no internet), answer the first
+`--regen-turns` user turns of each ShareGPT conversation with the target itself, once per
+`--regen-temperatures` (self-distillation: the drafter then trains on the text it will read;
+`--no-regenerate` trains on ShareGPT's own replies), then `train_drafter` with bf16 compute for
+`--steps`, or for as many steps as fit `--time-budget-s` of wall time (regeneration, compilation
+and export included) at the step time measured after compiling. `--regen-gpus N
+--regen-processes-per-gpu M` answers the prompts in N x M processes (shard i of N x M on GPU
+i % N; three per GPU by default), and trains on GPU 0 from their data files: the same prompts and
+sampling seeds as one process (a reply can still differ where bf16 rounding depends on the
+batch), in another row order, so the held-out rows differ. Training batches rows of similar
+length together (`--length-buckets`, cut at --seq-len).
 
 The defaults are the shipped drafter's recipe (its model card). Writes the drafter to
 checkpoints/smollm2-135m-eagle3/ (public EAGLE-3 layout), and train_log.json (config,
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-cache", help="npz of the tokenized data (default: LOG_DIR/data_T.npz)")
     ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
     ap.add_argument("--regen-gpus", type=int, default=1, help="regenerate on this many GPUs")
-    ap.add_argument("--regen-processes-per-gpu", type=int, default=1,
+    ap.add_argument("--regen-processes-per-gpu", type=int, default=3,
                     help="regeneration processes sharing each GPU: the 135M target's decode is bound by the host "
                     "loop, so several processes keep one GPU busier")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (for log files)")
@@ -56,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=0.0,
                     help="fit the number of steps to this wall time for the whole run, from this script's "
                     "start (default 0: run --steps)")
-    ap.add_argument("--steps", type=int, default=2577, help="training steps (the learning-rate schedule spans them)")
+    ap.add_argument("--steps", type=int, default=3095, help="training steps (the learning-rate schedule spans them)")
     ap.add_argument("--batch-size", type=int, default=48)
     ap.add_argument("--seq-len", type=int, default=640, help="a 256-token prompt plus a 384-token reply fit")
-    ap.add_argument("--length-buckets", type=loop.parse_ints, default=None,
-                    help="batch rows of similar length together, cut to these lengths (comma-separated)")
+    ap.add_argument("--length-buckets", type=loop.parse_ints, default=(256, 384, 512, 640),
+                    help="batch rows of similar length together, cut to these lengths (comma-separated; "
+                    "those under --seq-len are used, plus --seq-len itself)")
     ap.add_argument("--draft-vocab-size", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ttt-steps", type=int, default=7)
@@ -68,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     regenerate.add_arguments(ap)
-    # The shipped recipe: every prompt of at most 256 tokens answered greedily and at T = 0.8.
-    ap.set_defaults(regenerate=True, regen_max_prompt_tokens=256, regen_temperatures=(0.0, 0.8))
+    # The shipped recipe: the first two user turns of each conversation, every prompt of at most
+    # 256 tokens answered greedily and at T = 0.6 and 0.9.
+    ap.set_defaults(regenerate=True, regen_max_prompt_tokens=256, regen_temperatures=(0.0, 0.6, 0.9), regen_turns=2)
     a = ap.parse_args(argv)
 
     target = Path(a.target)
@@ -90,15 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         data = regenerate_in_processes(argv if argv is not None else sys.argv[1:], a.regen_gpus,
                                        a.regen_processes_per_gpu, log_dir, a.seq_len)
     budget = a.time_budget_s - (time.perf_counter() - T0) if a.time_budget_s > 0 else None
+    buckets = tuple(b for b in a.length_buckets or () if b < a.seq_len) + (a.seq_len,)
     record = loop.train_drafter(
         target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
         seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
         mtbench=mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir, time_budget_s=budget, dtype=a.dtype,
         data_cache=data, max_conversations=a.max_conversations, init=a.init, regen=regenerate.spec_from_args(a),
-        length_buckets=a.length_buckets, progress=not a.no_progress)
+        length_buckets=buckets, progress=not a.no_progress)
     tp = record["throughput"]
-    print(f"THROUGHPUT {tp['device']} {tp['dtype']}: {tp['steps']} steps x {a.batch_size} x {a.seq_len} tokens "
-          f"in {tp['train_seconds']:.0f} s = {tp['tokens_per_second']:,.0f} tokens/s "
+    print(f"THROUGHPUT {tp['device']} {tp['dtype']}: {tp['steps']} steps of about {a.batch_size} x {a.seq_len} token "
+          f"slots in {tp['train_seconds']:.0f} s = {tp['tokens_per_second']:,.0f} token slots/s "
           f"({tp['assistant_tokens_per_second']:,.0f} assistant tokens/s), compile {tp['compile_seconds']:.0f} s, "
           f"whole run {time.perf_counter() - T0:.0f} s")
     if record["eval"]:
