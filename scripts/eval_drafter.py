@@ -66,7 +66,8 @@ def main(argv=None) -> int:
         if time.perf_counter() - start > a.time_budget_s:
             print(f"time budget spent: stopping before K={k}", flush=True)
             break
-        llm = LLM(a.target, a.draft, num_speculative_tokens=k, engine_config=all_at_once, progress=False)
+        llm = LLM(a.target, a.draft, num_speculative_tokens=k, engine_config=all_at_once, warmup=False, progress=False)
+        llm.engine.warmup(progress=False, greedy=a.temperature == 0)  # only the programs this run uses
         for mode in modes:
             # Seeded per prompt, so the two acceptance rules see the same requests.
             sampled = [SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=i,

@@ -368,3 +368,29 @@ def test_auto_warmup_times_every_bucket(smollm2_dir, drafter):
                       speculative_max_batch=2)
     assert set(capped.engine.step_costs) == {2}  # past the cap nothing speculates: nothing to time
     assert capped.engine.speculation_table()[1] == policy.BucketChoice(8, None, False)
+
+
+def test_greedy_only_warmup_builds_what_greedy_requests_use(tmp_path):
+    """warmup(greedy=True) builds the greedy programs alone: greedy requests then compile
+    nothing, a sampled request compiles its own programs on first use."""
+    from eagle3_jax.api import LLM
+    from eagle3_jax.bench.phases import write_random_models
+    from eagle3_jax.config import DraftConfig, ModelConfig
+
+    tiny = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                       max_position_embeddings=128, tie_word_embeddings=False, eos_token_ids=(2,))
+    target, draft = write_random_models(tiny, DraftConfig.like_target(tiny, 64), tmp_path)
+    llm = LLM(target, draft, num_speculative_tokens=2, warmup=False, progress=False,
+              engine_config=EngineConfig(batch_buckets=(2,), prefill_buckets=(16,), max_model_len=64,
+                                         num_pages=32, speculation="always"))
+    engine = llm.engine
+    assert all(c.greedy for c in engine.iteration_configs(2, greedy=True) + engine.prefill_configs(greedy=True))
+    before = engine.num_compilations
+    engine.warmup(progress=False, greedy=True)
+    built = engine.num_compilations
+    assert built > before
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert engine.num_compilations == built
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1.0, seed=0, ignore_eos=True))
+    assert engine.num_compilations > built

@@ -135,18 +135,19 @@ def resolve_draft(opts: Options, target_cfg: ModelConfig, scratch: Path) -> tupl
     return path, "RANDOM drafter (init_draft_params; untrained, so acceptance says nothing)"
 
 
-def warmup_jobs(engine: Engine) -> list[Job]:
-    """The calls Engine.warmup makes, as precompile jobs: its jitted calls then find them built."""
+def warmup_jobs(engine: Engine, greedy: bool | None = None) -> list[Job]:
+    """The calls Engine.warmup(greedy=greedy) makes, as precompile jobs: its jitted calls then find
+    them built."""
     cfg, nb = engine.cfg, engine.cfg.max_blocks_per_seq
     p, dp, st = engine.params, engine.draft_params, engine.state
     greedy = row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
     jobs = [(iterate_in_place_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)),
              {"cfg": c})
-            for b in cfg.batch_buckets for c in engine.iteration_configs(b)]
+            for b in cfg.batch_buckets for c in engine.iteration_configs(b, greedy)]
     jobs += [(prefill_step, (p, dp, st, np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.ones(1, np.int32),
                              np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32), np.zeros((1, nb), np.int32),
                              greedy), {"cfg": c})
-             for t in cfg.prefill_buckets for c in engine.prefill_configs()]
+             for t in cfg.prefill_buckets for c in engine.prefill_configs(greedy)]
     return jobs
 
 
@@ -207,8 +208,10 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
               engine_config=engine_config, warmup=False, progress=False)
     engine = llm.engine
     # The parallel precompile knows the fused programs; Engine.warmup builds the per-step ones.
-    compile_s = precompile(warmup_jobs(engine)) if opts.parallel_compile and fused else float("nan")
-    warmup_s = engine.warmup(progress=False)
+    # Greedy programs only: every request here is greedy (a sampling program compiling inside the
+    # timed rounds would show in the notes).
+    compile_s = precompile(warmup_jobs(engine, greedy=True)) if opts.parallel_compile and fused else float("nan")
+    warmup_s = engine.warmup(progress=False, greedy=True)
     log(f"{mode}: compiled in {compile_s:.1f} s, Engine.warmup {warmup_s:.1f} s")
     target, draft = engine.step_cfg.target, engine.step_cfg.draft
     count = max(math.ceil(opts.prompts / b) * b for b in opts.batches)

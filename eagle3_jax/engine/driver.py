@@ -370,9 +370,9 @@ class Engine:
         kinds = (True, False) if greedy is None else (greedy,)
         return [dataclasses.replace(self.step_cfg, num_draft=k, greedy=g) for k in ks for g in kinds]
 
-    def prefill_configs(self) -> list[StepConfig]:
-        """The prefill programs: the greedy one and the sampling one."""
-        return [dataclasses.replace(self.step_cfg, greedy=g) for g in (True, False)]
+    def prefill_configs(self, greedy: bool | None = None) -> list[StepConfig]:
+        """The prefill programs: the greedy one and the sampling one (`greedy` picks one)."""
+        return [dataclasses.replace(self.step_cfg, greedy=g) for g in ((True, False) if greedy is None else (greedy,))]
 
     def _padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
@@ -391,13 +391,15 @@ class Engine:
             samples.append((time.perf_counter() - start) / calls)
         return statistics.median(samples)
 
-    def warmup(self, progress: bool = True) -> float:
+    def warmup(self, progress: bool = True, greedy: bool | None = None) -> float:
         """Compile every step function for every bucket now, so serving never compiles. In "auto",
         both iterations of each bucket that may speculate, then time them (buckets missing from
-        `step_costs`) for the speculation policy."""
+        `step_costs`) for the speculation policy. `greedy` True (or False) builds only the greedy
+        (or sampling) programs, for a workload known to need only those: the others then compile
+        on first use."""
         start = time.perf_counter()
-        shapes = [("iterate", b, c) for b in self.cfg.batch_buckets for c in self.iteration_configs(b)]
-        shapes += [("prefill", t, c) for t in self.cfg.prefill_buckets for c in self.prefill_configs()]
+        shapes = [("iterate", b, c) for b in self.cfg.batch_buckets for c in self.iteration_configs(b, greedy)]
+        shapes += [("prefill", t, c) for t in self.cfg.prefill_buckets for c in self.prefill_configs(greedy)]
         nb = self.cfg.max_blocks_per_seq
         greedy = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
         for kind, size, cfg in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
