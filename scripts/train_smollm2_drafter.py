@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab-size", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--init", default="target", choices=("target", "head", "random"))
+    ap.add_argument("--init", default="target",
+                    help="target, head, random, or a drafter directory to continue training from")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     regenerate.add_arguments(ap)

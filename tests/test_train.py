@@ -344,3 +344,34 @@ def test_export_loads(tiny, tmp_path):
     assert lcfg.draft_vocab_size == 40
     np.testing.assert_array_equal(np.arange(40) + np.asarray(lp.d2t), vocab.used)
     np.testing.assert_allclose(lp.lm_head, trainable["lm_head"], rtol=1e-3, atol=1e-3)
+
+
+def test_training_continues_from_a_drafter(tmp_path):
+    """--init DIR: training starts at that drafter's weights and keeps its vocabulary, shape and
+    capture layers (here with lr 0, so the export must equal the input), whatever the data's most
+    frequent tokens are."""
+    from safetensors.numpy import load_file
+
+    from eagle3_jax.bench.phases import write_random_models
+    from eagle3_jax.config import DraftConfig
+
+    tiny = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                       num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                       max_position_embeddings=128, tie_word_embeddings=False, eos_token_ids=(2,))
+    draft_cfg = DraftConfig.like_target(tiny, 64, capture_layer_ids=(0, 1, 3))
+    target, drafter = write_random_models(tiny, draft_cfg, tmp_path)
+    rng = np.random.default_rng(0)  # replies made of ids 128..255: none in the drafter's vocabulary 0..63
+    pairs = [(rng.integers(128, 256, 24).astype(np.int32), np.arange(24) >= 8) for _ in range(12)]
+    D.save_examples(D.pad_examples(pairs, 32, 0), tmp_path / "data.npz")
+    out = tmp_path / "continued"
+    rec = L.train_drafter(target, out, steps=2, batch_size=2, seq_len=32, lr=0.0, init=str(drafter), mtbench=None,
+                          data_cache=tmp_path / "data.npz", eval_rows=2, log_dir=tmp_path / "log", progress=False)
+    assert rec["vocab"] == {"size": 64, "coverage": 0.0}
+    before, after = load_file(drafter / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+    assert json.loads((out / "config.json").read_text()) == json.loads((drafter / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="config"):
+        L.train_drafter(target, out, steps=1, batch_size=2, seq_len=32, init=str(tmp_path / "nothing"),
+                        mtbench=None, data_cache=tmp_path / "data.npz", log_dir=tmp_path / "log2", progress=False)

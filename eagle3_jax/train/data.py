@@ -257,6 +257,20 @@ def build_draft_vocab(counts: np.ndarray, n: int) -> DraftVocab:
     return DraftVocab(used=used, d2t=(used - np.arange(n)).astype(np.int64), t2d=t2d, coverage=coverage)
 
 
+def vocab_from_d2t(d2t: np.ndarray, counts: np.ndarray) -> DraftVocab:
+    """An existing drafter's vocabulary (target id = draft id + d2t[draft id]), with its coverage
+    of `counts` [V]."""
+    used = (np.arange(len(d2t)) + np.asarray(d2t, np.int64)).astype(np.int32)
+    counts = np.asarray(counts, np.int64)
+    if np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= counts.size:
+        raise ValueError(f"d2t does not map draft ids to ascending target ids in 0..{counts.size - 1}")
+    t2d = np.zeros(counts.size, bool)
+    t2d[used] = True
+    total = counts.sum()
+    return DraftVocab(used=used, d2t=np.asarray(d2t, np.int64), t2d=t2d,
+                      coverage=float(counts[used].sum() / total) if total else 0.0)
+
+
 def coverage_table(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]:
     """{N: share of assistant tokens covered by the N most frequent tokens}."""
     s = np.sort(np.asarray(counts, np.int64))[::-1]

@@ -13,6 +13,8 @@ embedding rows of the draft vocabulary and norm = the target's final norm, so th
 out speaking the target's output space; the MLP and its norm are copied from the target's last
 layer, whose MLP writes the residual stream that final norm and lm_head read. fc and attention
 are random (std 0.02, as `init_draft_params`): no target layer reads [embedding, hidden] pairs.
+Or `init` names a drafter directory (public layout): training continues from its weights, with its
+shape, capture layers and draft vocabulary (a fine-tune, e.g. on more data).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
 from eagle3_jax.model.eagle3 import DraftParams, init_draft_params
 from eagle3_jax.model.llama import LlamaParams
 from eagle3_jax.train import data as D
@@ -98,6 +100,18 @@ def init_draft_from_target(target: LlamaParams, dcfg: DraftConfig, used: np.ndar
         fields.update(mlp_norm=f32(last.mlp_norm), w_gate_up=f32(last.w_gate_up), w_down=f32(last.w_down))
     # Fresh buffers: the train step donates them, and they must not alias the target's or each other.
     return {k: jnp.array(v, jnp.float32, copy=True) for k, v in fields.items()}
+
+
+def load_init_drafter(directory: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, dict, np.ndarray]:
+    """A drafter to continue training: (its config, its trainable weights {field: f32}, its d2t
+    [N]). It must fit the target and read the target's embedding (training never updates one)."""
+    from eagle3_jax.weights.eagle3 import load_drafter
+
+    dcfg, p = load_drafter(directory, target_cfg, jnp.float32)
+    if p.embed is not None:
+        raise ConfigError(f"{directory}: the drafter has its own embedding; training uses the target's")
+    weights = {name: jnp.array(getattr(p, name), jnp.float32, copy=True) for name in TRAINABLE}
+    return dcfg, weights, np.asarray(p.d2t, np.int64)
 
 
 def draft_params(trainable: dict, d2t: jax.Array, dtype) -> DraftParams:
@@ -307,15 +321,22 @@ class Run:
     held: D.Examples  # held-out rows for the final evaluation
     ckpt_dir: Path
     resuming: bool
+    init_weights: dict | None = None  # trainable weights of the drafter training continues from
 
 
 def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int, examples_fn, eval_rows: int,
-                dtype, log=print) -> Run:
-    """Load the target and data; build the draft vocabulary, or reuse hparams, vocabulary and
-    held-out split from `ckpt_dir` when it holds an earlier run."""
+                dtype, init: str = "target", log=print) -> Run:
+    """Load the target and data; build the draft vocabulary (or take an `init` drafter's), or reuse
+    hparams, vocabulary and held-out split from `ckpt_dir` when it holds an earlier run."""
     from eagle3_jax.weights.llama import load_llama
 
     tcfg, target = load_llama(target_dir, dtype=dtype)
+    dcfg, init_weights, init_d2t = None, None, None
+    if init not in INITS:
+        dcfg, init_weights, init_d2t = load_init_drafter(init, tcfg)
+        if dcfg.capture_layer_ids is not None:  # the drafter reads these layers
+            tcfg = tcfg.with_capture_layers(dcfg.capture_layer_ids)
+        log(f"init: continuing from the drafter in {init}")
     ex = examples_fn()
     meta_path, vocab_path = ckpt_dir / "meta.json", ckpt_dir / "vocab.npz"
     resuming = meta_path.is_file() and vocab_path.is_file()
@@ -332,13 +353,16 @@ def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int, 
         counts = D.token_counts(train, tcfg.vocab_size)
         table = D.coverage_table(counts, (4096, 8192, 16384, 24576, 32000))
         log("draft vocabulary coverage of assistant tokens: " + ", ".join(f"{n}: {c:.2%}" for n, c in table.items()))
-        vocab = D.build_draft_vocab(counts, draft_vocab_size)
+        if init_weights is None:
+            vocab = D.build_draft_vocab(counts, draft_vocab_size)
+        else:  # the init drafter's vocabulary: its lm_head's columns mean these tokens
+            vocab = D.vocab_from_d2t(init_d2t, counts)
     log(f"draft vocabulary: {len(vocab.used)} tokens, coverage {vocab.coverage:.2%}")
     dev_vocab = {"used": jnp.asarray(vocab.used, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
                  "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
     batches = D.Batches(train, hp.batch_size, hp.seed, hp.length_buckets)
-    return Run(tcfg, target, draft_config_for(tcfg, len(vocab.used)), hp, vocab, dev_vocab, train, batches, held,
-               ckpt_dir, resuming)
+    return Run(tcfg, target, dcfg or draft_config_for(tcfg, len(vocab.used)), hp, vocab, dev_vocab, train, batches,
+               held, ckpt_dir, resuming, init_weights)
 
 
 def save_run_meta(run: Run) -> None:
@@ -448,9 +472,10 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
 
     hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, seed=seed,
                  warmup_frac=warmup_frac, length_buckets=tuple(length_buckets) if length_buckets else None)
-    run = prepare_run(target_dir, ckpt_dir, hp, draft_vocab_size, examples, eval_rows, jnp.dtype(dtype), log)
-    state = init_state(init_draft_from_target(run.target, run.dcfg, run.vocab.used,
-                                              jax.random.PRNGKey(run.hp.seed), init), run.hp)
+    run = prepare_run(target_dir, ckpt_dir, hp, draft_vocab_size, examples, eval_rows, jnp.dtype(dtype), init, log)
+    trainable = run.init_weights or init_draft_from_target(run.target, run.dcfg, run.vocab.used,
+                                                           jax.random.PRNGKey(run.hp.seed), init)
+    state = init_state(trainable, run.hp)
     train_step = make_train_step(run.tcfg, run.dcfg, run.hp, jnp.dtype(dtype))
     compile_s, step_s = calibrate(train_step, state, run)
     tokens_per_step = run.hp.batch_size * run.hp.seq_len
@@ -550,8 +575,9 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
     ap.add_argument("--data-cache", type=_paths,
                     help="npz of the tokenized data (read if present, else written); several, comma-separated "
                     "(regeneration shards), are read and concatenated")
-    ap.add_argument("--init", default="target", choices=INITS,
-                    help="draft initialization: target (lm_head, norm, MLP from the target), head, random")
+    ap.add_argument("--init", default="target",
+                    help="draft initialization: target (lm_head, norm, MLP from the target), head, random, or a "
+                    "drafter directory to continue training from (its shape and vocabulary)")
     ap.add_argument("--no-progress", action="store_true")
     regenerate.add_arguments(ap)
     return ap
