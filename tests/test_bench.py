@@ -143,6 +143,9 @@ def test_engine_rows(report):
         for b in BATCHES:
             assert f"| {mode} | {b} | {max(b, 2)} |" in markdown
     assert [n for n in data["notes"] if n.startswith("EAGLE-3 K=1 auto: speculation policy") and "break-even" in n]
+    # --profile: where each row's host thread spent its time; the engine's step is among it.
+    host_notes = [n for n in data["notes"] if "the host thread's self time per iteration" in n]
+    assert len(host_notes) == len(modes) * len(BATCHES) and all("step" in n for n in host_notes)
 
 
 def test_step_rows(report):
@@ -200,6 +203,27 @@ def test_device_activity_from_a_trace():
     assert profile.union_us([(0, 10), (2, 3), (10, 12), (20, 21)]) == 13
     with pytest.raises(KeyError, match="no event named"):
         profile.marker_span(events, "missing")
+
+
+def test_host_activity_self_times():
+    """The host thread's events by name, self time excluding nested events (hand-sized trace)."""
+    from eagle3_jax.bench import profile
+
+    def x(ts, dur, name, tid=7):
+        return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+    events = [{"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "python"}},
+              {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "worker"}},
+              x(0, 100, "$driver.py:1 step"),
+              x(5, 40, "PjitFunction(iterate)"), x(10, 20, "Execute"),  # nested twice
+              x(50, 30, "numpy asarray"),
+              x(110, 50, "$driver.py:1 step"), x(115, 10, "PjitFunction(iterate)"),
+              x(20, 60, "elsewhere", tid=8), x(170, 5, "after the window")]
+    rows = profile.host_activity(events, 0, 165)
+    assert rows == (("$driver.py:1 step", 2, 150.0, 70.0),  # 100 - 40 - 30, plus 50 - 10
+                    ("PjitFunction(iterate)", 2, 50.0, 30.0), ("numpy asarray", 1, 30.0, 30.0),
+                    ("Execute", 1, 20.0, 20.0))
+    assert sum(r[3] for r in rows) == 150.0  # self times add up to the top-level spans
 
 
 def test_table_formatter():

@@ -140,13 +140,13 @@ def warmup_jobs(engine: Engine, greedy: bool | None = None) -> list[Job]:
     them built."""
     cfg, nb = engine.cfg, engine.cfg.max_blocks_per_seq
     p, dp, st = engine.params, engine.draft_params, engine.state
-    greedy = row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
+    greedy_row = row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
     jobs = [(iterate_in_place_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)),
              {"cfg": c})
             for b in cfg.batch_buckets for c in engine.iteration_configs(b, greedy)]
     jobs += [(prefill_step, (p, dp, st, np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.ones(1, np.int32),
                              np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32), np.zeros((1, nb), np.int32),
-                             greedy), {"cfg": c})
+                             greedy_row), {"cfg": c})
              for t in cfg.prefill_buckets for c in engine.prefill_configs(greedy)]
     return jobs
 
@@ -236,8 +236,11 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         steady = values["iter_ms"] if math.isnan(values["step_ms"]) else values["step_ms"]
         values["idle_frac"] = max(0.0, 1.0 - values["device_ms"] / steady)
         if opts.profile:
-            values.update(profiled_round(engine, prompts[:b], params, opts.profile / f"{slug(mode)}-b{b}",
-                                         values["iter_ms"]))
+            busy, host = profiled_round(engine, prompts[:b], params, opts.profile / f"{slug(mode)}-b{b}",
+                                        values["iter_ms"])
+            values.update(busy)
+            notes.append(f"{mode}, batch {b}: the host thread's self time per iteration in the profiled round "
+                         "(us; the profiler slows the host): " + ", ".join(f"{n} {t:.0f}" for n, t in host))
         if ceilings is not None:
             cost = iteration_cost(target, draft, engine.iterate_config(bucket).num_draft, bucket, context,
                                   jnp.dtype(opts.dtype).itemsize)
@@ -256,15 +259,18 @@ def slug(text: str) -> str:
 
 
 def profiled_round(engine: Engine, prompts: Sequence[list[int]], params: SamplingParams, out_dir: Path,
-                   iter_ms: float) -> dict[str, float]:
+                   iter_ms: float, top: int = 12) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """One more round under the profiler: the device's busy time per iteration, and device idle
     against the unprofiled rounds' wall time per iteration (the profiler slows the host, not the
     kernels, so idle within the profiled round would overstate it). Both count prefill's kernels
-    and time alike. In "auto" the round also feeds the speculation policy, as any round does."""
+    and time alike. Also where the host thread's time went: the `top` event names by self time,
+    us per iteration. In "auto" the round also feeds the speculation policy, as any round does."""
     iterations = engine.stats.iterations
-    _, activity = profile.profile_region(lambda: run_round(engine, prompts, params), out_dir)
-    busy_ms = activity.busy_us / 1e3 / max(engine.stats.iterations - iterations, 1)
-    return {"device_busy_ms": busy_ms, "idle_measured": max(0.0, 1.0 - busy_ms / iter_ms)}
+    _, activity, host = profile.profile_region(lambda: run_round(engine, prompts, params), out_dir, host=True)
+    n = max(engine.stats.iterations - iterations, 1)
+    busy_ms = activity.busy_us / 1e3 / n
+    return ({"device_busy_ms": busy_ms, "idle_measured": max(0.0, 1.0 - busy_ms / iter_ms)},
+            [(name, own / n) for name, _, _, own in host[:top]])
 
 
 def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) -> tuple[list[Result], dict]:

@@ -101,6 +101,35 @@ def device_activity(events: Sequence[dict], start_us: float, end_us: float, top:
                           events=sum(c for c, _ in names.values()), by_name=tuple(by_name))
 
 
+def host_activity(events: Sequence[dict], start_us: float, end_us: float, thread: str = "python",
+                  top: int = 20) -> tuple[tuple[str, int, float, float], ...]:
+    """What the host thread `thread` did within [start_us, end_us]: its events (Python frames
+    "$file.py:line function" and the runtime's own, "PjitFunction(name)", "numpy asarray", ...)
+    grouped by name as (name, count, total us, self us), largest self time first (then by name). Self time leaves
+    out the events nested inside, so the self times add up to the thread's traced time."""
+    tids = {(e["pid"], e["tid"]) for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name" and e["args"]["name"] == thread}
+    spans = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
+                    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in tids
+                    and start_us <= float(e["ts"]) and float(e["ts"]) + float(e.get("dur", 0.0)) <= end_us),
+                   key=lambda x: (x[0], -x[1]))
+    totals = collections.defaultdict(lambda: [0, 0.0, 0.0])  # name -> [count, total, self]
+    stack: list[list] = []  # [end, name, self] of the open events enclosing the current one
+    for ts, dur, name in spans:
+        while stack and stack[-1][0] <= ts:
+            _, done, own = stack.pop()
+            totals[done][2] += own
+        if stack:
+            stack[-1][2] -= dur  # the parent's self time excludes this child
+        totals[name][0] += 1
+        totals[name][1] += dur
+        stack.append([ts + dur, name, dur])
+    for _, done, own in stack:
+        totals[done][2] += own
+    rows = sorted(((n, c, t, own) for n, (c, t, own) in totals.items()), key=lambda x: (-x[3], x[0]))
+    return tuple(rows[:top])
+
+
 def marker_span(events: Sequence[dict], name: str) -> tuple[float, float]:
     """(start, end) us of the host event called `name` (a jax.profiler.TraceAnnotation)."""
     spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
@@ -110,15 +139,19 @@ def marker_span(events: Sequence[dict], name: str) -> tuple[float, float]:
     return min(s for s, _ in spans), max(t for _, t in spans)
 
 
-def profile_region(fn: Callable, out_dir: str | Path, marker: str = "profiled-region"):
+def profile_region(fn: Callable, out_dir: str | Path, marker: str = "profiled-region", host: bool = False):
     """Run `fn()` under JAX's profiler, trace in `out_dir`; `fn` waits for its own device work.
-    -> (what fn returned, DeviceActivity over its span)."""
+    -> (what fn returned, DeviceActivity over its span), plus the host thread's `host_activity`
+    with `host`."""
     import jax  # here: the trace readers above need no JAX
 
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True), jax.profiler.TraceAnnotation(marker):
         result = fn()
     events = load_trace(out_dir)
-    return result, device_activity(events, *marker_span(events, marker))
+    span = marker_span(events, marker)
+    if host:
+        return result, device_activity(events, *span), host_activity(events, *span)
+    return result, device_activity(events, *span)
 
 
 def profile_calls(call: Callable, state, calls: int, out_dir: str | Path):
