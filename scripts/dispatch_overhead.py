@@ -69,7 +69,7 @@ def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: in
         engine.state = s.replace(slots=s.slots.replace(length=jnp.full_like(s.slots.length, context)))
         start = time.perf_counter()
         for _ in range(calls):
-            engine.state, n, _ = engine.dispatch_iteration(rows, tables, step_cfg)
+            engine.state, n = engine.dispatch_iteration(rows, tables, step_cfg)
         queued = time.perf_counter()
         n.block_until_ready()
         done = time.perf_counter()
@@ -89,7 +89,7 @@ def profile_bucket(engine: Engine, batch: int, context: int, calls: int, out_dir
 
     def call(state):
         engine.state = state  # dispatch_iteration reads the engine's state and donates it
-        state, n, _ = engine.dispatch_iteration(rows, tables, step_cfg)
+        state, n = engine.dispatch_iteration(rows, tables, step_cfg)
         return state, n
 
     engine.state, activity = profile.profile_calls(call, state, calls, out_dir)

@@ -248,13 +248,13 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     def addresses() -> list[int]:
         return [x.unsafe_buffer_pointer() for x in jax.tree.leaves((engine.state, engine.pinned.get(slots, tables)))]
 
-    engine.state, _, _ = engine.dispatch_iteration(slots, tables, cfg)
+    engine.state, _ = engine.dispatch_iteration(slots, tables, cfg)
     before = addresses()
     for page in (1, 2):
         tables = tables.copy()
         tables[0, -1] = page  # a new page in a block the dummy row never reaches: same work
-        engine.state, n, emitted = engine.dispatch_iteration(slots, tables, cfg)
-    assert (n.shape, emitted.shape) == ((bucket,), (bucket, k + 1))
+        engine.state, verdicts = engine.dispatch_iteration(slots, tables, cfg)
+    assert verdicts.shape == (bucket, 1 + k + 1)  # proposals accepted, then the tokens emitted
     assert engine.pinned.get(slots, tables)[1][0, -1] == 2
     assert addresses() == before
 

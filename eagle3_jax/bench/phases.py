@@ -162,7 +162,7 @@ def isolated_iteration_s(engine: Engine, batch: int, context: int, opts: Options
 
     def call(state):  # as the engine dispatches it (pinned arguments, verdicts read out)
         engine.state = state
-        state, n, _ = engine.dispatch_iteration(rows, tables, cfg)
+        state, n = engine.dispatch_iteration(rows, tables, cfg)
         return state, n
 
     state, samples = time_calls(call, engine.state, lambda s: with_lengths(s, rows, context), opts.calls, opts.rounds)
@@ -386,7 +386,7 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
         return iterate_in_place_step, (params, dparams, state, rows, tables), {"cfg": scfg}
 
     def call(state):
-        state, n, _ = iterate_pinned(params, dparams, state, pinned, rows, tables, scfg)
+        state, n = iterate_pinned(params, dparams, state, pinned, rows, tables, scfg)
         return state, n
 
     return call, job

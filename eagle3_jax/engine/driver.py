@@ -29,7 +29,7 @@ from eagle3_jax.engine import policy, sampling
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
 from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step,
-                                    iterate_in_place_step, prefill_step, read_verdicts_step)
+                                    iterate_in_place_step, prefill_step, read_verdicts_step, split_verdicts)
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams
 from eagle3_jax.parallel import sharding
@@ -85,8 +85,8 @@ class EngineStats:
 @dataclasses.dataclass
 class _Pending:
     reqs: list[Request]
-    tokens: jax.Array  # prefill: first token [1]; iterate: emitted [B, K+1]
-    num_accepted: jax.Array | None  # iterate: [B]
+    result: jax.Array  # prefill: first token [1]; iterate: verdicts [B, 1 + K+1] (`steps.read_verdicts`)
+    iteration: bool = False
     speculative: bool = False  # iterate: K drafts verified (else the target alone)
     fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, proposals drafted at the row's position
 
@@ -140,10 +140,10 @@ def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
 def iterate_pinned(params: LlamaParams, dparams: DraftParams | None, state, pinned: PinnedBatch,
                    slots: np.ndarray, tables: np.ndarray, cfg: StepConfig):
     """One fused iteration as the engine dispatches it, every buffer at a stable address:
-    -> (state, num_accepted [B], emitted [B, K+1]), without waiting."""
+    -> (state, verdicts [B, 1 + K+1]), without waiting."""
     slots, tables = pinned.get(slots, tables)
     state = iterate_in_place_step(params, dparams, state, slots, tables, cfg=cfg)
-    return state, *read_verdicts_step(state.slots.num_accepted, state.slots.emitted, slots)
+    return state, read_verdicts_step(state.slots.num_accepted, state.slots.emitted, slots)
 
 
 class Engine:
@@ -264,7 +264,7 @@ class Engine:
                 cfg=cfg)
         self._fresh[req.slot] = self.step_cfg.speculative  # the last chunk drafted K proposals
         first.copy_to_host_async()
-        self._pending.append(_Pending([req], first, None))
+        self._pending.append(_Pending([req], first))
 
     def _dispatch_iterate(self) -> None:
         reqs, slots, tables = self.scheduler.batch()
@@ -274,33 +274,32 @@ class Engine:
         rows = slots[:len(reqs)]
         fresh = self._fresh[rows].copy()
         self._fresh[rows] = cfg.speculative
-        self.state, num_accepted, emitted = self.dispatch_iteration(slots, tables, cfg)
-        num_accepted.copy_to_host_async()
-        emitted.copy_to_host_async()
+        self.state, verdicts = self.dispatch_iteration(slots, tables, cfg)
+        verdicts.copy_to_host_async()
         self.stats.iterations += 1
         counts = self.stats.speculative_iterations if cfg.speculative else self.stats.target_only_iterations
         counts[bucket] = counts.get(bucket, 0) + 1
-        self._pending.append(_Pending(reqs, emitted, num_accepted, cfg.speculative, fresh))
+        self._pending.append(_Pending(reqs, verdicts, True, cfg.speculative, fresh))
 
     def dispatch_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig):
         """Dispatch one iteration over `slots` [B] with block `tables` [B, nb], fused or as K + 1
-        programs, without waiting: -> (new state, num_accepted [B], emitted [B, K+1]). The caller
-        stores the state (the old one was donated). Every buffer the iteration reads or writes
-        keeps its address from call to call (`PinnedBatch`, `steps.iterate_in_place`)."""
+        programs, without waiting: -> (new state, verdicts [B, 1 + K+1]: `steps.split_verdicts`).
+        The caller stores the state (the old one was donated). Every buffer the iteration reads or
+        writes keeps its address from call to call (`PinnedBatch`, `steps.iterate_in_place`)."""
         if self.cfg.fused_iteration or not cfg.speculative:
             return iterate_pinned(self.params, self.draft_params, self.state, self.pinned, slots, tables, cfg)
         slots, tables = self.pinned.get(slots, tables)
-        state, num_accepted, emitted, carry = iterate_head_step(self.params, self.draft_params, self.state,
-                                                               slots, tables, cfg=cfg)
+        state, _, _, carry = iterate_head_step(self.params, self.draft_params, self.state, slots, tables, cfg=cfg)
         for j in range(1, cfg.num_draft):
             state, carry = chain_step_jit(self.draft_params, self.params.embed, state, carry, tables, j, cfg=cfg)
-        return commit_step(state, slots, carry, cfg=cfg), num_accepted, emitted
+        state = commit_step(state, slots, carry, cfg=cfg)
+        return state, read_verdicts_step(state.slots.num_accepted, state.slots.emitted, slots)
 
     def _collect(self, pending: _Pending) -> list[Request]:
         t = time.perf_counter()
-        tokens = np.asarray(pending.tokens)
-        accepted = None if pending.num_accepted is None else np.asarray(pending.num_accepted)
+        result = np.asarray(pending.result)
         self.stats.device_wait_s += time.perf_counter() - t
+        accepted, tokens = split_verdicts(result) if pending.iteration else (None, result)
         if accepted is not None:
             # Measured: running rows (not the surplus iteration of a finished one) of a speculative
             # iteration whose proposals were fresh. Read before _append finishes any request.
@@ -386,7 +385,7 @@ class Engine:
         for _ in range(rounds):
             start = time.perf_counter()
             for _ in range(calls):
-                self.state, _, _ = self.dispatch_iteration(slots, tables, cfg)
+                self.state, _ = self.dispatch_iteration(slots, tables, cfg)
             jax.block_until_ready(self.state)  # the per-step path ends in commit, not in num_accepted
             samples.append((time.perf_counter() - start) / calls)
         return statistics.median(samples)
@@ -404,7 +403,7 @@ class Engine:
         greedy = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
         for kind, size, cfg in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             if kind == "iterate":
-                self.state, n, _ = self.dispatch_iteration(*self._padding_rows(size), cfg)
+                self.state, n = self.dispatch_iteration(*self._padding_rows(size), cfg)
             else:
                 next_tokens = np.zeros((1, size), np.int32)
                 next_tokens[0, 0] = -1

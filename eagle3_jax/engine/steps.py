@@ -249,11 +249,18 @@ def iterate_in_place(params: LlamaParams, dparams: DraftParams | None, state: De
     return iterate(params, dparams, state, rows, block_tables, cfg)[0]
 
 
-def read_verdicts(num_accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The rows' verdicts, copied out of the slots: num_accepted [S], emitted [S, K+1], rows [B] ->
-    (num_accepted [B], emitted [B, K+1]). A program of its own, one gather, whose new output
-    buffers cost no graph rewrite of the iteration."""
-    return num_accepted[rows], emitted[rows]
+def read_verdicts(num_accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> jax.Array:
+    """The rows' verdicts, copied out of the slots in one array, so the host reads them with one
+    device-to-host copy: num_accepted [S], emitted [S, K+1], rows [B] -> verdicts [B, 1 + K+1],
+    column 0 the proposals accepted, then the tokens emitted (`split_verdicts`). A program of its
+    own, one gather, whose new output buffer costs no graph rewrite of the iteration."""
+    return jnp.concatenate([num_accepted[rows][:, None], emitted[rows]], axis=1)
+
+
+def split_verdicts(verdicts):
+    """verdicts [B, 1 + K+1] (`read_verdicts`; a device or host array) -> (num_accepted [B],
+    emitted [B, K+1]): row b emitted emitted[b, :num_accepted[b] + 1]."""
+    return verdicts[:, 0], verdicts[:, 1:]
 
 
 def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
