@@ -105,8 +105,9 @@ def host_activity(events: Sequence[dict], start_us: float, end_us: float, thread
                   top: int = 20) -> tuple[tuple[str, int, float, float], ...]:
     """What the host thread `thread` did within [start_us, end_us]: its events (Python frames
     "$file.py:line function" and the runtime's own, "PjitFunction(name)", "numpy asarray", ...)
-    grouped by name as (name, count, total us, self us), largest self time first (then by name). Self time leaves
-    out the events nested inside, so the self times add up to the thread's traced time."""
+    grouped by name as (name, count, total us, self us), largest self time first (then by name).
+    Self time leaves out the events nested inside, so the self times add up to the thread's traced
+    time."""
     tids = {(e["pid"], e["tid"]) for e in events
             if e.get("ph") == "M" and e.get("name") == "thread_name" and e["args"]["name"] == thread}
     spans = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events

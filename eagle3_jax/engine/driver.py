@@ -400,7 +400,7 @@ class Engine:
         shapes = [("iterate", b, c) for b in self.cfg.batch_buckets for c in self.iteration_configs(b, greedy)]
         shapes += [("prefill", t, c) for t in self.cfg.prefill_buckets for c in self.prefill_configs(greedy)]
         nb = self.cfg.max_blocks_per_seq
-        greedy = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
+        greedy_row = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
         for kind, size, cfg in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             if kind == "iterate":
                 self.state, n = self.dispatch_iteration(*self._padding_rows(size), cfg)
@@ -410,7 +410,7 @@ class Engine:
                 self.state, n = prefill_step(
                     self.params, self.draft_params, self.state, np.zeros((1, size), np.int32), next_tokens,
                     np.ones(1, np.int32), np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32),
-                    np.zeros((1, nb), np.int32), greedy, cfg=cfg)
+                    np.zeros((1, nb), np.int32), greedy_row, cfg=cfg)
             n.block_until_ready()
         for b in self.cfg.batch_buckets:
             # The policy's costs come from the greedy programs (the sampling ones add the same

@@ -249,12 +249,7 @@ def build_draft_vocab(counts: np.ndarray, n: int) -> DraftVocab:
     if not 0 < n <= counts.size:
         raise ValueError(f"draft vocabulary size {n} outside 1..{counts.size}")
     order = np.lexsort((np.arange(counts.size), -counts))  # by count desc, then id asc
-    used = np.sort(order[:n]).astype(np.int32)
-    t2d = np.zeros(counts.size, bool)
-    t2d[used] = True
-    total = counts.sum()
-    coverage = float(counts[used].sum() / total) if total else 0.0
-    return DraftVocab(used=used, d2t=(used - np.arange(n)).astype(np.int64), t2d=t2d, coverage=coverage)
+    return _vocab_of(np.sort(order[:n]).astype(np.int32), counts)
 
 
 def vocab_from_d2t(d2t: np.ndarray, counts: np.ndarray) -> DraftVocab:
@@ -264,11 +259,16 @@ def vocab_from_d2t(d2t: np.ndarray, counts: np.ndarray) -> DraftVocab:
     counts = np.asarray(counts, np.int64)
     if np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= counts.size:
         raise ValueError(f"d2t does not map draft ids to ascending target ids in 0..{counts.size - 1}")
+    return _vocab_of(used, counts)
+
+
+def _vocab_of(used: np.ndarray, counts: np.ndarray) -> DraftVocab:
+    """used [N] ascending target ids, counts [V] -> the DraftVocab (d2t, t2d, coverage)."""
     t2d = np.zeros(counts.size, bool)
     t2d[used] = True
     total = counts.sum()
-    return DraftVocab(used=used, d2t=np.asarray(d2t, np.int64), t2d=t2d,
-                      coverage=float(counts[used].sum() / total) if total else 0.0)
+    coverage = float(counts[used].sum() / total) if total else 0.0
+    return DraftVocab(used=used, d2t=(used - np.arange(len(used))).astype(np.int64), t2d=t2d, coverage=coverage)
 
 
 def coverage_table(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]:
@@ -299,8 +299,10 @@ class Batches:
         self.ex, self.seed = ex, seed
         self.bucket_of = np.searchsorted(self.buckets, ex.lengths)  # [N] index of the shortest bucket that fits
         self.rows_per_batch = tuple(max(1, batch_size * width // b) for b in self.buckets)
-        sizes = np.bincount(self.bucket_of, minlength=len(self.buckets))
-        self.per_epoch = int(sum(n // r for n, r in zip(sizes, self.rows_per_batch)))
+        # Whole batches per epoch in each bucket (a bucket too small for one never comes up).
+        self._batches = [n // r for n, r in zip(np.bincount(self.bucket_of, minlength=len(self.buckets)),
+                                                 self.rows_per_batch)]
+        self.per_epoch = int(sum(self._batches))
         if self.per_epoch == 0:
             raise ValueError(f"{len(ex.tokens)} examples fill no batch of {batch_size} rows")
         self._plan: tuple[int, list[tuple[int, np.ndarray]]] | None = None  # (epoch, [(bucket, rows)])
@@ -325,14 +327,11 @@ class Batches:
 
     def shapes(self) -> list[tuple[int, int]]:
         """The (rows, length) batch shapes that occur, one compiled train step each."""
-        sizes = np.bincount(self.bucket_of, minlength=len(self.buckets))
-        return [(r, t) for n, r, t in zip(sizes, self.rows_per_batch, self.buckets) if n >= r]
+        return [(r, t) for n, r, t in zip(self._batches, self.rows_per_batch, self.buckets) if n]
 
     def share(self) -> list[float]:
         """The fraction of an epoch's batches in each shape of `shapes()`."""
-        sizes = np.bincount(self.bucket_of, minlength=len(self.buckets))
-        counts = [n // r for n, r in zip(sizes, self.rows_per_batch) if n >= r]
-        return [c / self.per_epoch for c in counts]
+        return [n / self.per_epoch for n in self._batches if n]
 
 
 def sharegpt_conversations(sharegpt_path: str | Path, *, mtbench: Iterable[dict] | None,

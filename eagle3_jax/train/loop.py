@@ -394,7 +394,7 @@ def calibrate(train_step, state: dict, run: Run, n: int = 3) -> tuple[float, flo
 
 
 def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_checkpoint, ckpt_every: int,
-               progress: bool) -> tuple[dict, float, int]:
+               progress: bool) -> tuple[dict, float, int, int]:
     """Steps from state["step"] to hp.steps, appending to `history`; `on_checkpoint(state)` every
     `ckpt_every` steps. -> (state, seconds, token slots computed, assistant tokens seen)."""
     from tqdm import tqdm
