@@ -63,6 +63,38 @@ def test_load_sharegpt_counts(tmp_path):
         D.load_sharegpt(path, expect=4)
 
 
+def test_cut_copy_keeps_the_prompts(tmp_path):
+    """A cut-down ShareGPT copy (cut_for_prompts) gives the same prompts as the full records for its
+    number of turns, keeps every record, and reads back from .xz."""
+    import lzma
+
+    from eagle3_jax.train import regenerate as R
+
+    def turn(who, text):
+        return {"from": who, "value": text}
+
+    records = [{"id": "a", "conversations": [turn("human", "q1"), turn("gpt", "a1 " * 300), turn("human", "q2"),
+                                             turn("gpt", "a2 " * 300), turn("human", "q3"), turn("gpt", "a3")]},
+               {"id": "b", "conversations": [turn("system", "be brief"), turn("human", "q"), turn("gpt", "a")]},
+               {"id": "c", "conversations": [turn("human", "q"), turn("bing", "x"), turn("human", "q2")]},
+               {"id": "d", "conversations": [turn("gpt", "hello"), turn("human", "q"), turn("gpt", "r" * 500)]}]
+
+    def prompts(recs, turns):
+        return R.user_turns([m for m in map(D.to_messages, recs) if m is not None], turns)
+
+    for turns in (1, 2):
+        cut = [D.cut_for_prompts(r, turns) for r in records]
+        assert len(cut) == len(records) and prompts(cut, turns) == prompts(records, turns)
+        assert len(json.dumps(cut)) < len(json.dumps(records))
+    cut = [D.cut_for_prompts(r, 1) for r in records]
+    assert cut[0]["conversations"] == [turn("human", "q1"), turn("gpt", ("a1 " * 300)[:200])]
+    assert D.to_messages(cut[2]) is None  # dropped in the full file, dropped in the copy
+    path = tmp_path / "s.json.xz"
+    with lzma.open(path, "wt", encoding="utf-8") as f:
+        json.dump(cut, f)
+    assert D.load_sharegpt(path, expect=4) == cut
+
+
 def test_to_messages_roles():
     conv = lambda *turns: {"conversations": [{"from": f, "value": v} for f, v in turns]}
     assert D.to_messages(conv(("gpt", "hi"), ("human", "q"), ("chatgpt", "a"), ("user", "q2"))) == [

@@ -50,12 +50,13 @@ def read_json_array_prefix(text: str) -> list:
 
 
 def load_sharegpt(path: str | Path, expect: int | None = None) -> list[dict]:
-    """Whole records of a ShareGPT json (or .json.gz); `expect` checks their number."""
+    """Whole records of a ShareGPT json (or .json.gz, .json.xz); `expect` checks their number."""
     path = Path(path)
-    if path.suffix == ".gz":
+    if path.suffix in (".gz", ".xz"):
         import gzip
+        import lzma
 
-        with gzip.open(path, "rt", encoding="utf-8") as f:
+        with (gzip.open if path.suffix == ".gz" else lzma.open)(path, "rt", encoding="utf-8") as f:
             text = f.read()
     else:
         text = path.read_text(encoding="utf-8")
@@ -94,6 +95,22 @@ def to_messages(record: dict) -> list[dict] | None:
     if len(kept) % 2:
         kept = kept[:-1]  # end on an assistant turn
     return system + kept if kept else None
+
+
+def cut_for_prompts(record: dict, turns: int, reply_chars: int = 200) -> dict:
+    """A ShareGPT record cut to what the prompts of its first `turns` user turns read
+    (`regenerate.user_turns`), for small copies of the file (scripts/sharegpt_cutdown.py): the
+    turns before its (turns + 1)-th user turn, the reply after the last of them shortened to
+    `reply_chars` (never part of a prompt; `to_messages` keeps a conversation only up to a reply).
+    A record `to_messages` drops becomes a one-turn stub that it still drops."""
+    if to_messages(record) is None:
+        return {"id": record.get("id"), "conversations": [{"from": "bing", "value": "-"}]}
+    conv = [dict(t) for t in record["conversations"]]
+    users = [i for i, t in enumerate(conv) if ROLE_MAP.get(t.get("from")) == "user"]
+    conv = conv[:users[turns]] if len(users) > turns else conv
+    for t in conv[users[min(turns, len(users)) - 1] + 1:]:
+        t["value"] = (t.get("value") or "")[:reply_chars]
+    return {"id": record.get("id"), "conversations": conv}
 
 
 def _normalize(text: str) -> str:
