@@ -28,6 +28,7 @@ from eagle3_jax import assets  # noqa: E402
 from eagle3_jax.train import data as D  # noqa: E402
 from eagle3_jax.train import regenerate  # noqa: E402
 
+
 def prompts(records: list[dict], turns: int, mtbench) -> list[list[dict]]:
     convs = [m for m in map(D.to_messages, records) if m is not None]
     return regenerate.user_turns(D.drop_mtbench(convs, mtbench)[0], turns)
