@@ -95,9 +95,9 @@ def pages_per_block(num_blocks: int, page_size: int, block_keys: int = 64) -> in
 
 def num_splits(batch: int, kv_heads: int, key_blocks: int, programs: int = TARGET_PROGRAMS) -> int:
     """Splits of each row's keys across programs (flash-decoding): the largest power of two up to
-    `programs` programs in all and one per key block of the table. One row of an 8B decode is only 8 (row, kv head) programs, each walking the whole context
-    alone: latency-bound, 25 us a layer at 512 cached tokens on the H200 (BENCHMARKS.md, fifth
-    session)."""
+    `programs` programs in all and one per key block of the table. One row of an 8B decode is only
+    8 (row, kv head) programs, each walking the whole context alone: latency-bound, 25 us a layer
+    at 512 cached tokens on the H200 (BENCHMARKS.md, fifth session)."""
     wanted = max(1, min(programs // (batch * kv_heads), key_blocks))
     return 1 << (wanted.bit_length() - 1)
 
@@ -106,12 +106,10 @@ def _combine_kernel(o_ref, lse_ref, out_ref):
     # o_ref [S, M, chunk] f32, each split's normalized output (a chunk of the head dim); lse_ref
     # [S, M] f32; out_ref [M, chunk].
     # Online over the splits (unrolled: S independent loads), as the softmax over key blocks.
-    acc, row_max, den = jnp.zeros(out_ref.shape, jnp.float32), None, None
-    for s in range(o_ref.shape[0]):
+    acc, row_max = o_ref[0], lse_ref[0]
+    den = jnp.ones_like(row_max)
+    for s in range(1, o_ref.shape[0]):
         lse = lse_ref[s]
-        if row_max is None:
-            acc, row_max, den = o_ref[s], lse, jnp.ones_like(lse)
-            continue
         new_max = jnp.maximum(row_max, lse)
         correction, weight = jnp.exp(row_max - new_max), jnp.exp(lse - new_max)
         acc = acc * correction[:, None] + o_ref[s] * weight[:, None]
