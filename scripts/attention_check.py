@@ -127,7 +127,7 @@ def block_errors(dtype) -> None:
         x = rng.standard_normal((b, t, d))
         wqkv = rng.standard_normal((d, g, r + 2, hd)) / np.sqrt(d)
         wo = rng.standard_normal((d, d)) / np.sqrt(d)
-        pages = [rng.standard_normal((num_pages, PAGE, g, hd)) for _ in range(2)]
+        pages = [rng.standard_normal((1, num_pages, PAGE, g, hd)) for _ in range(2)]  # one layer
         table = jnp.asarray(1 + rng.permutation(num_pages - 1).reshape(b, nb), jnp.int32)
         positions = jnp.asarray(np.broadcast_to(context + np.arange(t), (b, t)), jnp.int32)
         kw = {"eps": 1e-5, "inv_freq": layers.rope_inv_freq(hd, 500000.0, None)}
@@ -143,9 +143,9 @@ def block_outputs(kind, dtype, x, wqkv, wo, pages, positions, table, kw) -> tupl
     d = x.shape[-1]
     args = [jnp.asarray(a, dtype) for a in (x, np.ones(d), wqkv, wo)]
     k_pages, v_pages = (jnp.asarray(a, dtype) for a in pages)
-    fn = jax.jit(functools.partial(layers.attention_block, attention=kind, **kw))
-    out, k_pages, _ = fn(*args, positions, k_pages, v_pages, table)
-    return np.asarray(out, np.float32), np.asarray(k_pages[1:], np.float32)
+    fn = jax.jit(functools.partial(layers.attention_block, layer=0, attention=kind, **kw))
+    out, k_pages, _ = fn(*args, positions, k_pages, v_pages, block_table=table)
+    return np.asarray(out, np.float32), np.asarray(k_pages[0, 1:], np.float32)
 
 
 if __name__ == "__main__":

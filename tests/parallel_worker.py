@@ -60,9 +60,8 @@ def block_tables(batch: int, blocks: int) -> np.ndarray:
 
 
 def empty_cache(cfg: ModelConfig, batch: int, blocks: int) -> L.KVCache:
-    shape = (1 + batch * blocks, PAGE, cfg.num_kv_heads, cfg.head_dim)
-    return L.KVCache(k=tuple(np.zeros(shape, np.float32) for _ in range(cfg.num_layers)),
-                     v=tuple(np.zeros(shape, np.float32) for _ in range(cfg.num_layers)))
+    shape = (cfg.num_layers, 1 + batch * blocks, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    return L.KVCache(k=np.zeros(shape, np.float32), v=np.zeros(shape, np.float32))
 
 
 def setup(cfg: ModelConfig, params, tp: int, batch: int, blocks: int):
@@ -117,7 +116,7 @@ def run_equivalence() -> dict:
                 prefill=np.asarray(prefill_logits), verify=np.asarray(verify_logits),
                 captures=np.asarray(captures), tokens=np.concatenate([np.asarray(t) for t in generated], 1),
                 margin=min(margins), logits_sharding=str(prefill_logits.sharding.spec),
-                cache_sharding=str(cache.k[0].sharding.spec))
+                cache_sharding=str(cache.k.sharding.spec))
         ref = per_tp[1]
         out[f"kvh{kvh}"] = {str(tp): dict(
             prefill_rel=rel(r["prefill"], ref["prefill"]), verify_rel=rel(r["verify"], ref["verify"]),
@@ -161,8 +160,10 @@ def run_hlo() -> dict:
         lspec = jax.sharding.NamedSharding(mesh, S.logits_spec(cfg.vocab_size, tp))
         rep = jax.sharding.NamedSharding(mesh, S.REPLICATED)
 
+        pin_kv = S.cache_pin(mesh, S.llama_cache_specs(cfg, tp))  # as the engine's steps
+
         def verify(params, tokens, positions, cache, bt):
-            hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt)
+            hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt, pin_kv=pin_kv)
             return L.logits(params, hidden), captures, cache
 
         tok = jax.ShapeDtypeStruct((batch, t), jnp.int32)
@@ -189,9 +190,11 @@ def run_hlo() -> dict:
     cache_s = S.named(mesh, S.draft_cache_specs(dcfg, tp))
     lspec = jax.sharding.NamedSharding(mesh, S.logits_spec(dcfg.draft_vocab_size, tp))
 
+    pin_draft = S.cache_pin(mesh, S.draft_cache_specs(dcfg, tp))
+
     def draft_first_step(dp, captures, tokens, positions, cache, bt):
         h = E.fuse_captures(dp, captures)
-        h, cache = E.draft_forward(dp, dcfg, None, tokens, h, positions, cache, bt)
+        h, cache = E.draft_forward(dp, dcfg, None, tokens, h, positions, cache, bt, pin_kv=pin_draft)
         return E.draft_logits(dp, dcfg, h), h, cache
 
     fn = jax.jit(draft_first_step, in_shardings=(S.named(mesh, dspecs), rep, rep, rep, cache_s, rep),
@@ -212,15 +215,16 @@ def run_hlo() -> dict:
 
     def fused(params, dparams, tokens, positions, cache, dcache, bt, constrain):
         m = mesh if constrain else None
-        hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt)
+        pins = (S.cache_pin(m, S.llama_cache_specs(cfg, tp)), S.cache_pin(m, S.draft_cache_specs(dcfg, tp)))
+        hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt, pin_kv=pins[0])
         hidden, captures = S.replicate((hidden, captures), m)
         picked = jnp.argmax(S.vocab_logits(L.logits(params, hidden), m), axis=-1).astype(jnp.int32)
         h = S.replicate(E.fuse_captures(dparams, captures), m)
-        h, dcache = E.draft_forward(dparams, dcfg, params.embed, picked, h, positions, dcache, bt)
+        h, dcache = E.draft_forward(dparams, dcfg, params.embed, picked, h, positions, dcache, bt, pin_kv=pins[1])
         h = S.replicate(h, m)
         d1 = jnp.argmax(S.vocab_logits(E.draft_logits(dparams, dcfg, h[:, -1:]), m), axis=-1)
         h2, dcache = E.draft_forward(dparams, dcfg, params.embed, d1.astype(jnp.int32), h[:, -1:],
-                                     positions[:, -1:] + 1, dcache, bt)
+                                     positions[:, -1:] + 1, dcache, bt, pin_kv=pins[1])
         h2 = S.replicate(h2, m)
         d2 = jnp.argmax(S.vocab_logits(E.draft_logits(dparams, dcfg, h2), m), axis=-1)
         return picked, jnp.concatenate([d1, d2], axis=1).astype(jnp.int32), cache, dcache

@@ -151,7 +151,8 @@ def test_pallas_attention_matches_the_xla_form(b, t, g, r, hd, blocks, splits):
 def test_pallas_attention_block_matches_the_xla_form(b, t, g, r, hd):
     """attention_block with the kernels (RoPE + KV write + q tiles in one, then attention) against
     the XLA form: the same output and the same pages, a row's tokens straddling a page boundary,
-    a padded row whose tokens run past its table (they go to the scratch page, never to a real one)."""
+    a padded row whose tokens run past its table (they go to the scratch page, never to a real one).
+    The cache holds two layers; the block works on layer 1 and leaves layer 0 as it was."""
     from eagle3_jax.model import layers
 
     rng = np.random.default_rng(t)
@@ -161,7 +162,7 @@ def test_pallas_attention_block_matches_the_xla_form(b, t, g, r, hd):
     wqkv = jnp.asarray(rng.standard_normal((d, g, r + 2, hd)) / np.sqrt(d), jnp.float32)
     wo = jnp.asarray(rng.standard_normal((g * r * hd, d)) / np.sqrt(g * r * hd), jnp.float32)
     norm_w = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32)
-    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, page, g, hd)), jnp.float32) for _ in range(2))
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((2, num_pages, page, g, hd)), jnp.float32) for _ in range(2))
     table = jnp.asarray(1 + rng.permutation(num_pages - 1).reshape(b, blocks), jnp.int32)
     starts = rng.integers(0, blocks * page - t, b)
     starts[0] = page - t // 2 - 1  # straddles a page boundary
@@ -169,12 +170,15 @@ def test_pallas_attention_block_matches_the_xla_form(b, t, g, r, hd):
     positions = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
     inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
     kw = {"eps": 1e-5, "inv_freq": inv_freq}
-    want = layers.attention_block(x, norm_w, wqkv, wo, positions, k_pages, v_pages, table, attention="xla", **kw)
-    got = layers.attention_block(x, norm_w, wqkv, wo, positions, k_pages, v_pages, table, attention="pallas", **kw)
+    want = layers.attention_block(x, norm_w, wqkv, wo, positions, k_pages, v_pages, 1, table, attention="xla", **kw)
+    got = layers.attention_block(x, norm_w, wqkv, wo, positions, k_pages, v_pages, 1, table, attention="pallas", **kw)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5, rtol=2e-5)
-    for pages_got, pages_want in zip(got[1:], want[1:]):  # page 0 is scratch: padded writes collide there
-        np.testing.assert_allclose(np.asarray(pages_got[1:]), np.asarray(pages_want[1:]), atol=1e-6, rtol=1e-6)
-    assert not np.array_equal(np.asarray(got[1][1:]), np.asarray(k_pages[1:]))  # the write happened
+    for pages_got, pages_want, before in zip(got[1:], want[1:], (k_pages, v_pages)):
+        # page 0 is scratch: padded writes collide there
+        np.testing.assert_allclose(np.asarray(pages_got[1, 1:]), np.asarray(pages_want[1, 1:]), atol=1e-6, rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(pages_got[0]), np.asarray(before[0]))
+        np.testing.assert_array_equal(np.asarray(pages_want[0]), np.asarray(before[0]))
+    assert not np.array_equal(np.asarray(got[1][1, 1:]), np.asarray(k_pages[1, 1:]))  # the write happened
 
 
 def test_param_counts_from_eval_shape():

@@ -91,7 +91,7 @@ def test_logits_and_greedy_tokens_match_tp1(kvh):
         # Logits stay vocab-sharded; the cache is split on kv heads when tp divides them.
         assert r["logits_sharding"] == "P(None, None, 'tp')"
         split = kvh % int(tp) == 0
-        assert r["cache_sharding"] == ("P(None, None, 'tp', None)" if split else "P()"), (tp, r)
+        assert r["cache_sharding"] == ("P(None, None, None, 'tp', None)" if split else "P()"), (tp, r)
     # The greedy comparison means something only if no step was a near-tie.
     assert min(r["min_top2_margin"] for r in res.values()) > 1e-4
 
@@ -240,8 +240,8 @@ def test_specs_errors_and_fallbacks():
     specs = S.llama_param_specs(cfg, 16)  # 8 kv heads over 16: replicated wqkv (q too) and cache
     assert specs.layers[0].wqkv == S.REPLICATED and specs.layers[0].w_gate_up == S.GATE_UP
     assert S.llama_param_specs(cfg, 8).layers[0].wqkv == S.QKV_GROUPS
-    assert S.llama_cache_specs(cfg, 16).k[0] == S.REPLICATED
-    assert S.llama_cache_specs(cfg, 8).k[0] == jax.sharding.PartitionSpec(None, None, "tp", None)
+    assert S.llama_cache_specs(cfg, 16).k == S.REPLICATED
+    assert S.llama_cache_specs(cfg, 8).k == jax.sharding.PartitionSpec(None, None, None, "tp", None)
     odd_vocab = ModelConfig.from_hf(dict(vocab_size=1001, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=8,
                                          num_key_value_heads=8, tie_word_embeddings=True))

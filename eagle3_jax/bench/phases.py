@@ -302,13 +302,12 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
 # ==== phase 8b: step functions on synthetic state =================================================
 def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, mesh: Mesh | None = None,
                  attention: str = "xla"):
-    hidden, _, kv = llama.forward(params, cfg, tokens, positions, kv, block_tables, attention)
-    # Under tp, the same pins as the engine's steps: replicated residual stream, logits left
-    # vocab-sharded (an argmax moves per-shard (max, index) pairs), the cache as it came in.
+    # Under tp, the same pins as the engine's steps: the cache as it came in after every layer,
+    # replicated residual stream, logits left vocab-sharded (an argmax moves per-shard (max,
+    # index) pairs).
+    pin_kv = None if mesh is None else sharding.cache_pin(mesh, sharding.llama_cache_specs(cfg, mesh.shape[sharding.TP]))
+    hidden, _, kv = llama.forward(params, cfg, tokens, positions, kv, block_tables, attention, pin_kv)
     logits = sharding.vocab_logits(llama.logits(params, sharding.replicate(hidden, mesh)), mesh, gather=False)
-    if mesh is not None:
-        kv = jax.lax.with_sharding_constraint(
-            kv, sharding.named(mesh, sharding.llama_cache_specs(cfg, mesh.shape[sharding.TP])))
     return kv, jnp.argmax(logits, axis=-1)
 
 

@@ -34,7 +34,14 @@ from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, Slots, state_shardi
 from eagle3_jax.model import eagle3, llama
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams
-from eagle3_jax.parallel.sharding import replicate, vocab_logits
+from eagle3_jax.parallel.sharding import (
+    TP,
+    cache_pin,
+    draft_cache_specs,
+    llama_cache_specs,
+    replicate,
+    vocab_logits,
+)
 
 # Independent PRNG streams under each (row key, tokens generated) pair.
 _STREAM_DRAFT, _STREAM_VERIFY, _STREAM_FIRST = 0, 1, 2
@@ -61,10 +68,19 @@ class StepConfig:
     def speculative(self) -> bool:
         return self.draft is not None and self.num_draft > 0
 
+    def pin_target_kv(self):
+        """The target forward's `pin_kv` (None on one device)."""
+        return None if self.mesh is None else cache_pin(self.mesh, llama_cache_specs(self.target, self.mesh.shape[TP]))
+
+    def pin_draft_kv(self):
+        """The draft forward's `pin_kv` (None on one device)."""
+        return None if self.mesh is None else cache_pin(self.mesh, draft_cache_specs(self.draft, self.mesh.shape[TP]))
+
 
 def _target(params: LlamaParams, cfg: StepConfig, tokens, positions, kv, block_tables):
     """Target forward with the residual stream replicated across tensor-parallel devices."""
-    hidden, captures, kv = llama.forward(params, cfg.target, tokens, positions, kv, block_tables, cfg.attention)
+    hidden, captures, kv = llama.forward(params, cfg.target, tokens, positions, kv, block_tables, cfg.attention,
+                                         cfg.pin_target_kv())
     return (*replicate((hidden, captures), cfg.mesh), kv)
 
 
@@ -88,7 +104,7 @@ def _draft_extend(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array
     (next_tokens [B, T]), RoPE position t. -> (pre-norm h [B, H] at `index` [B], draft_kv)."""
     h, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, next_tokens,
                                        eagle3.fuse_captures(dparams, captures), positions, draft_kv, block_tables,
-                                       cfg.attention)
+                                       cfg.attention, cfg.pin_draft_kv())
     return jnp.take_along_axis(h, index[:, None, None], axis=1)[:, 0], draft_kv
 
 
@@ -139,7 +155,8 @@ def draft_step(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, c
     h, position = carry.h, carry.position
     if j > 0:
         out, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, carry.token[:, None], h[:, None],
-                                             (position + 1)[:, None], draft_kv, block_table, cfg.attention)
+                                             (position + 1)[:, None], draft_kv, block_table, cfg.attention,
+                                             cfg.pin_draft_kv())
         h, position = out[:, 0], position + 1
     # An argmax needs no all-gather of the logits: only per-shard (max, index) pairs move.
     logits = vocab_logits(eagle3.draft_logits(dparams, cfg.draft, h), cfg.mesh, gather=not cfg.greedy)

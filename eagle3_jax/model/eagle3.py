@@ -12,6 +12,8 @@ The pre-norm h is what the next chain step takes as g.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -89,19 +91,21 @@ def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, 
 
 def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
                   h: jax.Array, positions: jax.Array, cache: KVCache,
-                  block_table: jax.Array, attention: str = "xla") -> tuple[jax.Array, KVCache]:
+                  block_table: jax.Array, attention: str = "xla",
+                  pin_kv: Callable[[KVCache], KVCache] | None = None) -> tuple[jax.Array, KVCache]:
     """One draft step over T tokens per row.
 
     tokens, positions [B, T]; h [B, T, H]: `fuse_captures` of the target's captures on the first
-    step, the draft's own previous pre-norm output on chain steps; block_table [B, nb].
-    -> (pre-norm hidden [B, T, H], cache).
+    step, the draft's own previous pre-norm output on chain steps; block_table [B, nb]; pin_kv as
+    `llama.forward`'s. -> (pre-norm hidden [B, T, H], cache).
     """
     def paged(x):
         out, k_pages, v_pages = attention_block(
-            x, None, params.wqkv, params.wo, positions, cache.k[0], cache.v[0], block_table,
+            x, None, params.wqkv, params.wo, positions, cache.k, cache.v, 0, block_table,
             eps=cfg.rms_norm_eps, inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
             attention=attention)
-        return out, KVCache(k=(k_pages,), v=(v_pages,))
+        cache_out = KVCache(k=k_pages, v=v_pages)
+        return out, cache_out if pin_kv is None else pin_kv(cache_out)
 
     return draft_layer(params, cfg, target_embed, tokens, h, paged)
 

@@ -11,8 +11,9 @@ gate/up:
   w_gate_up  [D, 2, I]             [:, 0] gate, [:, 1] up.
 Checkpoints keep the public separate tensors; weights/layout.py converts.
 
-Paged KV layout (shared by target and drafter): one array per layer and per K/V,
-`[num_pages, page_size, kv_heads, head_dim]`. A request owns pages through its block table row
+Paged KV layout (shared by target and drafter): one array for K and one for V, every layer's
+pages in it, `[num_layers, num_pages, page_size, kv_heads, head_dim]` (`llama.KVCache`); layer l
+reads and writes `[l]`. A request owns pages through its block table row
 `[max_blocks]`; logical position p lives at page `block_table[p // page_size]`, slot
 `p % page_size`. Page 0 is the scratch page: unallocated block-table entries point at it, so
 writes from padded rows and padded tokens land there and are never read by a real row.
@@ -79,14 +80,15 @@ def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     return (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ w_down
 
 
-def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
-    """Scatter new [B, T, kvh, hd] at positions [B, T] into pages [P, page, kvh, hd]."""
-    page_size, num_blocks = pages.shape[1], block_table.shape[1]
+def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
+    """Scatter new [B, T, kvh, hd] at positions [B, T] into layer `layer` of pages
+    [L, P, page, kvh, hd] (in place when the caller donates them)."""
+    page_size, num_blocks = pages.shape[2], block_table.shape[1]
     block = positions // page_size
     page = jnp.take_along_axis(block_table, jnp.clip(block, 0, num_blocks - 1), axis=1)  # [B, T]
     # Padded tokens can sit past the table's end: send them to scratch, never onto a real page.
     page = jnp.where(block < num_blocks, page, SCRATCH_PAGE)
-    return pages.at[page, positions % page_size].set(new.astype(pages.dtype))
+    return pages.at[layer, page, positions % page_size].set(new.astype(pages.dtype))
 
 
 def gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
@@ -143,10 +145,12 @@ def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
 
 
 def attention_block(x: jax.Array, norm_w: jax.Array | None, wqkv: jax.Array, wo: jax.Array,
-                    positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_table: jax.Array,
-                    *, eps: float, inv_freq, attention: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pre-norm attention over the paged cache. x [B, T, D]; wqkv [D_in, G, R + 2, hd];
-    wo [G*R*hd, D] -> (attn out [B, T, D], k, v pages).
+                    positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: int,
+                    block_table: jax.Array, *, eps: float, inv_freq,
+                    attention: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pre-norm attention over layer `layer` of the paged cache. x [B, T, D]; wqkv
+    [D_in, G, R + 2, hd]; wo [G*R*hd, D]; k/v_pages [L, P, page, G, hd] -> (attn out [B, T, D],
+    k, v pages with this step's keys and values written).
 
     Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs, so it
     passes its own already-normed input with norm_w=None). Head counts come from wqkv's shape.
@@ -156,15 +160,15 @@ def attention_block(x: jax.Array, norm_w: jax.Array | None, wqkv: jax.Array, wo:
     b, t, _ = x.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
     h = x if norm_w is None else rms_norm(x, norm_w, eps)
-    if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[1]):
+    if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2]):
         # Two kernels after the projection: RoPE + KV write + q tiles, then attention.
         qkv = fused_qkv(h, wqkv)  # [B, T, G, R + 2, hd]
         q_tiles, k_pages, v_pages = pallas_attention.rope_and_write(
-            qkv, positions, block_table, inv_freq, k_pages, v_pages, SCRATCH_PAGE)
-        out = pallas_attention.attend_tiles(q_tiles, k_pages, v_pages, positions, block_table, r)
+            qkv, positions, block_table, inv_freq, k_pages, v_pages, layer, SCRATCH_PAGE)
+        out = pallas_attention.attend_tiles(q_tiles, k_pages, v_pages, layer, positions, block_table, r)
     else:
         q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq)
-        k_pages = write_kv(k_pages, k, positions, block_table)
-        v_pages = write_kv(v_pages, v, positions, block_table)
-        out = paged_attention(q, k_pages, v_pages, positions, block_table)  # [B, T, H, hd]
+        k_pages = write_kv(k_pages, layer, k, positions, block_table)
+        v_pages = write_kv(v_pages, layer, v, positions, block_table)
+        out = paged_attention(q, k_pages[layer], v_pages[layer], positions, block_table)  # [B, T, H, hd]
     return out.reshape(b, t, -1) @ wo, k_pages, v_pages

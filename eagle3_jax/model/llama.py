@@ -8,6 +8,8 @@ compiled program): `lax.scan` over stacked layers measured about 3x slower on th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -44,17 +46,21 @@ class LlamaParams:
 
 @struct.dataclass
 class KVCache:
-    """Paged keys and values, one array per layer: [num_pages, page_size, kvh, hd]."""
+    """Paged keys and values of every layer: k, v [L, num_pages, page_size, kvh, hd].
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    One array for all layers rather than one per layer: every buffer a step takes and donates
+    costs host time at each dispatch (about 3 us in and out on the H200, BENCHMARKS.md), and a
+    SmolLM2 iteration is short enough for 60 per-layer buffers to matter. Layer l's writes go into
+    the shared array in place (the steps donate it); its reads index the layer (layers.py)."""
+
+    k: jax.Array
+    v: jax.Array
 
     @classmethod
     def zeros(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
               dtype) -> KVCache:
-        shape = (num_pages, page_size, kv_heads, head_dim)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+        shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> LlamaParams:
@@ -76,27 +82,26 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> LlamaPa
 
 
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache, block_table: jax.Array, attention: str = "xla") -> tuple[jax.Array, jax.Array, KVCache]:
+            cache: KVCache, block_table: jax.Array, attention: str = "xla",
+            pin_kv: Callable[[KVCache], KVCache] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] ->
     (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache).
-    attention: "xla" or "pallas" (layers.attention_block)."""
+    attention: "xla" or "pallas" (layers.attention_block); pin_kv: applied to the cache after
+    each layer's write (tensor parallelism: `sharding.cache_pin`)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = params.embed[tokens]  # [B, T, D]
     captured = {}  # layer id -> its input [B, T, D]
-    new_k, new_v = [], []
     for i, layer in enumerate(params.layers):
         if i in cfg.capture_layer_ids:
             captured[i] = x
         attn, k_pages, v_pages = attention_block(
-            x, layer.attn_norm, layer.wqkv, layer.wo, positions, cache.k[i], cache.v[i], block_table,
+            x, layer.attn_norm, layer.wqkv, layer.wo, positions, cache.k, cache.v, i, block_table,
             eps=cfg.rms_norm_eps, inv_freq=inv_freq, attention=attention)
+        cache = KVCache(k=k_pages, v=v_pages) if pin_kv is None else pin_kv(KVCache(k=k_pages, v=v_pages))
         x = x + attn
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
-        new_k.append(k_pages)
-        new_v.append(v_pages)
     captures = jnp.concatenate([captured[i] for i in cfg.capture_layer_ids], axis=-1)
-    return (rms_norm(x, params.norm, cfg.rms_norm_eps), captures,
-            KVCache(k=tuple(new_k), v=tuple(new_v)))
+    return rms_norm(x, params.norm, cfg.rms_norm_eps), captures, cache
 
 
 def logits(params: LlamaParams, hidden: jax.Array) -> jax.Array:

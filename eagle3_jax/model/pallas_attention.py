@@ -10,7 +10,8 @@ the valid part is needed. The attention kernel reads only the pages a row has fi
 softmax over blocks of pages, as flash-decoding).
 
 Layout (as `layers.paged_attention`): q [B, T, G*R, hd] (G kv heads, R q heads per kv head, HF
-head order), pages [P, page, G, hd], positions [B, T] contiguous per row (the T new tokens),
+head order), pages [L, P, page, G, hd] of which a call reads layer `layer` (static: the block
+specs select it, no copy), positions [B, T] contiguous per row (the T new tokens),
 block_table [B, nb]. One program per (row, kv head, split): its T*R queries form the M rows of
 the tile (padded to a power of two, at least 16 for the tensor cores); query row m = t*R + r is
 query head g*R + r of token t and sees cached positions <= positions[b, t]. The splits divide
@@ -155,23 +156,30 @@ def query_tile_rows(num_tokens: int, heads_per_kv: int) -> int:
     return max(16, 1 << (num_tokens * heads_per_kv - 1).bit_length())
 
 
+def _layer_pages_spec(pages_shape: tuple[int, ...], layer: int) -> pl.BlockSpec:
+    """Block spec of kv head j's pages [P, page, hd] in layer `layer` of pages [L, P, page, G, hd],
+    for a grid whose second axis is the kv head."""
+    _, num_pages, page_size, _, hd = pages_shape
+    return pl.BlockSpec((None, num_pages, page_size, None, hd), lambda i, j, n: (layer, 0, 0, j, 0))
+
+
 def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
-                   v_pages: jax.Array, scratch_page: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   v_pages: jax.Array, layer: int, scratch_page: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One kernel for what comes between the qkv projection and attention: rotate q and k, write
     k and v into their pages (in place), lay q out as attention tiles. The XLA form of the same is
     four to six small kernels a layer (RoPE, the KV scatters, q's transpose and padding), each
     a launch in a step bound by its launches.
 
     qkv [B, T, G, R + 2, hd] (layers.project_qkv's layout, before RoPE); positions [B, T];
-    block_table [B, nb]; inv_freq [hd/2] -> (q tiles [B, G, M, hd], k_pages, v_pages)."""
+    block_table [B, nb]; inv_freq [hd/2]; k/v_pages [L, P, page, G, hd], of which layer `layer`
+    is written -> (q tiles [B, G, M, hd], k_pages, v_pages)."""
     b, t, g, r2, hd = qkv.shape
-    num_pages, page_size = k_pages.shape[:2]
     r, nb = r2 - 2, block_table.shape[1]
     m = query_tile_rows(t, r)
     # One program per (row, kv head, token): a token's work is a short chain of dependent loads
     # (position, table entry, then the stores); a program per row serialized T of them (8 us a
     # layer for the 8B verify of 8 x 4 on the H200, fifth session).
-    pages_spec = pl.BlockSpec((num_pages, page_size, None, hd), lambda i, j, n: (0, 0, j, 0))
+    pages_spec = _layer_pages_spec(k_pages.shape, layer)
     return pl.pallas_call(
         functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page),
         grid=(b, g, t),
@@ -192,26 +200,28 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
       k_pages, v_pages)
 
 
-def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
+def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: int, positions: jax.Array,
                  block_table: jax.Array, heads_per_kv: int, splits: int | None = None, block_keys: int = 64,
                  num_warps: int = 4) -> jax.Array:
-    """Attention of query tiles [B, G, M, hd] (row t*R + r: q head g*R + r of token t) over the
-    pages [P, page, G, hd] (already holding this step's keys); positions [B, T]; block_table
+    """Attention of query tiles [B, G, M, hd] (row t*R + r: q head g*R + r of token t) over layer
+    `layer` of the pages [L, P, page, G, hd] (already holding this step's keys); positions [B, T]; block_table
     [B, nb] -> [B, T, G*R, hd]. `splits`: programs per (row, kv head), each over its share of the
     row's key blocks (default: `num_splits`; rounded down to a power of two); `block_keys`: keys
     per loop step."""
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r
-    num_pages, page_size = k_pages.shape[:2]
+    page_size = k_pages.shape[2]
     qpos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), r, axis=1), ((0, 0), (0, m - rows)), constant_values=-1)
     nb = block_table.shape[1]
     ppb = pages_per_block(nb, page_size, block_keys)
     key_blocks = nb // ppb
     splits = num_splits(b, g, key_blocks) if splits is None else num_splits(1, 1, key_blocks, splits)
     kernel = functools.partial(_kernel, pages_per_block=ppb, scale=1.0 / math.sqrt(hd))
-    pages_spec = pl.BlockSpec((num_pages, page_size, None, hd), lambda i, j, s: (0, 0, j, 0))
     interpret = jax.default_backend() != "gpu"
+    if interpret:  # the interpreter reads inputs whole per program (50x slower at 30 layers): one layer only
+        k_pages, v_pages, layer = k_pages[layer][None], v_pages[layer][None], 0
+    pages_spec = _layer_pages_spec(k_pages.shape, layer)
     out, lse = pl.pallas_call(
         kernel,
         grid=(b, g, splits),
@@ -265,7 +275,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     # [B, T, G, R, hd] -> [B, G, T*R, hd], padded to M rows.
     tiles = q.reshape(b, t, g, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, g, t * r, hd)
     tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, m - t * r), (0, 0)))
-    return attend_tiles(tiles, k_pages, v_pages, positions, block_table, r, splits, block_keys, num_warps)
+    return attend_tiles(tiles, k_pages[None], v_pages[None], 0, positions, block_table, r, splits, block_keys,
+                        num_warps)
 
 
 def _compiler_params(num_warps: int):

@@ -160,21 +160,21 @@ def draft_param_specs(cfg: DraftConfig, tp: int, own_embedding: bool) -> DraftPa
 
 
 def kv_page_spec(num_kv_heads: int, tp: int) -> P:
-    """Spec of one page array [num_pages, page_size, kvh, hd]: split on kvh, or replicated."""
-    return P(None, None, TP, None) if kv_heads_split(num_kv_heads, tp) else REPLICATED
+    """Spec of a page array [L, num_pages, page_size, kvh, hd]: split on kvh, or replicated."""
+    return P(None, None, None, TP, None) if kv_heads_split(num_kv_heads, tp) else REPLICATED
 
 
-def kv_cache_specs(num_layers: int, num_kv_heads: int, tp: int) -> KVCache:
+def kv_cache_specs(num_kv_heads: int, tp: int) -> KVCache:
     spec = kv_page_spec(num_kv_heads, tp)
-    return KVCache(k=(spec,) * num_layers, v=(spec,) * num_layers)
+    return KVCache(k=spec, v=spec)
 
 
 def llama_cache_specs(cfg: ModelConfig, tp: int) -> KVCache:
-    return kv_cache_specs(cfg.num_layers, cfg.num_kv_heads, tp)
+    return kv_cache_specs(cfg.num_kv_heads, tp)
 
 
 def draft_cache_specs(cfg: DraftConfig, tp: int) -> KVCache:
-    return kv_cache_specs(1, cfg.num_kv_heads, tp)
+    return kv_cache_specs(cfg.num_kv_heads, tp)
 
 
 def logits_spec(vocab_size: int, tp: int) -> P:
@@ -295,6 +295,18 @@ def vocab_logits(logits: jax.Array, mesh: Mesh | None, *, gather: bool = True) -
     return logits
 
 
+def cache_pin(mesh: Mesh | None, specs: KVCache):
+    """The model's `pin_kv` under tp: a function pinning a KV cache to `specs` after each layer's
+    write (None without a mesh). Every layer writes into one stacked array, and left alone Shardy
+    shards those writes like the new tokens' k and v, then all-gathers the whole cache for the
+    step's output (two all-gathers of [L, P, page, kvh, hd] a step, seen with kv heads replicated
+    at tp 8); pinned, only the new k and v [B, T, kvh, hd] move."""
+    if mesh is None:
+        return None
+    shardings = named(mesh, specs)
+    return lambda cache: jax.lax.with_sharding_constraint(cache, shardings)
+
+
 # ------------------------------------------------------------------------------------------------
 # A sharded forward: the pattern the engine's step functions follow.
 
@@ -317,9 +329,10 @@ def jit_forward(cfg: ModelConfig, mesh: Mesh, *, with_logits: bool = False, dona
     pairs; a sort-based sampler wants `vocab_logits(..., gather=True)` inside its jit)."""
     tp = mesh.shape[TP]
     ins, outs = forward_shardings(mesh, llama_param_specs(cfg, tp), llama_cache_specs(cfg, tp))
+    pin_kv = cache_pin(mesh, llama_cache_specs(cfg, tp))
 
     def fn(params, tokens, positions, cache, block_table):
-        hidden, captures, cache = llama.forward(params, cfg, tokens, positions, cache, block_table)
+        hidden, captures, cache = llama.forward(params, cfg, tokens, positions, cache, block_table, pin_kv=pin_kv)
         if with_logits:
             return llama.logits(params, hidden), hidden, captures, cache
         return hidden, captures, cache
