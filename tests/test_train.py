@@ -148,6 +148,15 @@ def test_regenerated_examples_are_the_targets_replies(target_llm):
             assert ex.lengths[row] == n
             assert ex.tokens[row, :n].tolist() == ids + reply
             assert ex.loss_mask[row].tolist() == [False] * len(ids) + [True] * len(reply) + [False] * (96 - n)
+    # Another draw (seed 1, as a continued training run asks): the greedy reply stays, the sampled
+    # one comes from the seed's own range.
+    again = R.regenerate_examples(target_llm, prompts[:1], 96, max_prompt_tokens=64, max_new_tokens=8,
+                                  temperatures=(0.0, 1.0), min_reply_tokens=1, seed=1, progress=False,
+                                  log=lambda *a: None)
+    assert again.tokens[0].tolist() == ex.tokens[0].tolist()
+    ids = target_llm.encode(prompts[0])
+    reply = target_llm.generate([ids], SamplingParams(max_tokens=8, temperature=1.0, seed=R.SEEDS_PER_DRAW + 1))
+    assert again.tokens[1, :len(ids) + len(reply[0].token_ids)].tolist() == ids + reply[0].token_ids
 
 
 def test_data_files_concatenate_in_order(tmp_path):

@@ -35,6 +35,9 @@ from eagle3_jax.sampling_params import SamplingParams
 from eagle3_jax.train import data as D
 
 
+SEEDS_PER_DRAW = 10_000_000  # sampling seeds of one `RegenerateSpec.seed`
+
+
 @dataclasses.dataclass(frozen=True)
 class RegenerateSpec:
     """How `regenerate_sharegpt` asks the target for its replies."""
@@ -45,6 +48,7 @@ class RegenerateSpec:
     turns: int = 1  # user turns per conversation taken as prompts (the first `turns`)
     time_budget_s: float | None = None
     shard: tuple[int, int] = (0, 1)  # (i, n): answer prompts i, i + n, i + 2n, ...
+    seed: int = 0  # another value draws other sampled replies (greedy ones stay the same)
     # Large buckets: the 135M target is launch-bound, so 256 rows cost little more than 16.
     batch_buckets: tuple[int, ...] = (16, 64, 256)
     prefill_buckets: tuple[int, ...] = (128, 512)
@@ -74,7 +78,7 @@ def reply_example(prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[
 def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max_prompt_tokens: int = 512,
                         max_new_tokens: int = 384, temperatures: Sequence[float] = (0.0,),
                         time_budget_s: float | None = None, min_reply_tokens: int = 16, pad_id: int = 0,
-                        prompt_numbers: Sequence[int] | None = None, progress: bool = True,
+                        prompt_numbers: Sequence[int] | None = None, seed: int = 0, progress: bool = True,
                         log=print) -> D.Examples:
     """The target's replies to `prompts` (chat messages), one per prompt and temperature, as padded
     Examples [N, seq_len] (each prompt's replies in the order of `temperatures`).
@@ -86,7 +90,7 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
     temperature by temperature; with `time_budget_s`, none is started after the budget is spent
     (the admitted ones finish and are kept), so the budget cuts the later temperatures' replies. `prompt_numbers` [N] number the prompts for their sampling seeds (default 0..N-1; a
     shard passes the prompts' places in the whole list, so its replies do not depend on how many
-    shards there are).
+    shards there are); `seed` offsets every sampling seed, for another draw of the same prompts.
     """
     if max_prompt_tokens + max_new_tokens > seq_len:
         raise ValueError(f"max_prompt_tokens {max_prompt_tokens} + max_new_tokens {max_new_tokens} "
@@ -107,8 +111,9 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
                     log(f"regenerate: time budget reached at temperature {t} after {n} prompts")
                     return
                 # One seed per (prompt, temperature): sampled replies are reproducible and independent.
+                # Each `seed` owns a range of SEEDS_PER_DRAW, far above any prompt count times temperatures.
                 yield ids[i], SamplingParams(max_tokens=max_new_tokens, temperature=t,
-                                             seed=numbers[i] * len(temperatures) + k)
+                                             seed=seed * SEEDS_PER_DRAW + numbers[i] * len(temperatures) + k)
 
     replies, generated = {}, 0  # (prompt n, temperature k) -> reply ids
     for j, out in llm.generate_iter(requests()):
@@ -148,7 +153,7 @@ def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: i
     ex = regenerate_examples(llm, prompts, seq_len, max_prompt_tokens=spec.max_prompt_tokens,
                              max_new_tokens=spec.max_new_tokens, temperatures=spec.temperatures,
                              time_budget_s=spec.time_budget_s, pad_id=D.pad_id(llm.tokenizer),
-                             prompt_numbers=numbers, progress=progress, log=log)
+                             prompt_numbers=numbers, seed=spec.seed, progress=progress, log=log)
     D.describe(ex, "regenerated", log)
     return ex
 
@@ -165,6 +170,8 @@ def add_arguments(ap) -> None:
     g.add_argument("--regen-turns", type=int, default=RegenerateSpec.turns,
                    help="user turns of each conversation taken as prompts, each with the turns before it (default 1)")
     g.add_argument("--regen-time-budget-s", type=float, help="stop asking for replies after this long")
+    g.add_argument("--regen-seed", type=int, default=RegenerateSpec.seed,
+                   help="another value draws other sampled replies, e.g. to continue training (--init) on new data")
     g.add_argument("--regen-shard", type=_shard, default=RegenerateSpec.shard, metavar="I/N",
                    help="answer only shard I of N of the prompts (one process per GPU); default 0/1")
 
@@ -194,4 +201,4 @@ def spec_from_args(a) -> RegenerateSpec | None:
         return None
     return RegenerateSpec(max_prompt_tokens=a.regen_max_prompt_tokens, max_new_tokens=a.regen_max_new_tokens,
                           temperatures=a.regen_temperatures, time_budget_s=a.regen_time_budget_s,
-                          shard=a.regen_shard, turns=a.regen_turns)
+                          shard=a.regen_shard, turns=a.regen_turns, seed=a.regen_seed)
