@@ -162,7 +162,7 @@ def run_hlo() -> dict:
 
         pin_kv = S.cache_pin(mesh, S.llama_cache_specs(cfg, tp))  # as the engine's steps
 
-        def verify(params, tokens, positions, cache, bt):
+        def verify(params, tokens, positions, cache, bt, pin_kv=pin_kv):
             hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt, pin_kv=pin_kv)
             return L.logits(params, hidden), captures, cache
 

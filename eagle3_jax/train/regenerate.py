@@ -34,7 +34,6 @@ from tqdm.auto import tqdm
 from eagle3_jax.sampling_params import SamplingParams
 from eagle3_jax.train import data as D
 
-
 SEEDS_PER_DRAW = 10_000_000  # sampling seeds of one `RegenerateSpec.seed`
 
 
