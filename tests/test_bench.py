@@ -206,24 +206,29 @@ def test_device_activity_from_a_trace():
 
 
 def test_host_activity_self_times():
-    """The host thread's events by name, self time excluding nested events (hand-sized trace)."""
+    """The host thread's events by name, self time excluding nested events (hand-sized trace);
+    the thread is the one that recorded the marker, whatever it is called."""
     from eagle3_jax.bench import profile
 
     def x(ts, dur, name, tid=7):
         return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name}
 
-    events = [{"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "python"}},
-              {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "worker"}},
+    events = [{"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "python"}},
+              x(0, 165, "profiled-region"),
               x(0, 100, "$driver.py:1 step"),
               x(5, 40, "PjitFunction(iterate)"), x(10, 20, "Execute"),  # nested twice
               x(50, 30, "numpy asarray"),
               x(110, 50, "$driver.py:1 step"), x(115, 10, "PjitFunction(iterate)"),
               x(20, 60, "elsewhere", tid=8), x(170, 5, "after the window")]
-    rows = profile.host_activity(events, 0, 165)
+    thread = profile.marker_thread(events, "profiled-region")
+    assert thread == (1, 7)
+    rows = profile.host_activity(events, 0, 165, thread)
     assert rows == (("$driver.py:1 step", 2, 150.0, 70.0),  # 100 - 40 - 30, plus 50 - 10
                     ("PjitFunction(iterate)", 2, 50.0, 30.0), ("numpy asarray", 1, 30.0, 30.0),
-                    ("Execute", 1, 20.0, 20.0))
-    assert sum(r[3] for r in rows) == 150.0  # self times add up to the top-level spans
+                    ("Execute", 1, 20.0, 20.0), ("profiled-region", 1, 165.0, 15.0))  # 165 - 100 - 50
+    assert sum(r[3] for r in rows) == 165.0  # self times add up to the top-level span
+    with pytest.raises(KeyError, match="missing"):
+        profile.marker_thread(events, "missing")
 
 
 def test_table_formatter():

@@ -101,17 +101,15 @@ def device_activity(events: Sequence[dict], start_us: float, end_us: float, top:
                           events=sum(c for c, _ in names.values()), by_name=tuple(by_name))
 
 
-def host_activity(events: Sequence[dict], start_us: float, end_us: float, thread: str = "python",
+def host_activity(events: Sequence[dict], start_us: float, end_us: float, thread: tuple[int, int],
                   top: int = 20) -> tuple[tuple[str, int, float, float], ...]:
-    """What the host thread `thread` did within [start_us, end_us]: its events (Python frames
-    "$file.py:line function" and the runtime's own, "PjitFunction(name)", "numpy asarray", ...)
-    grouped by name as (name, count, total us, self us), largest self time first (then by name).
-    Self time leaves out the events nested inside, so the self times add up to the thread's traced
-    time."""
-    tids = {(e["pid"], e["tid"]) for e in events
-            if e.get("ph") == "M" and e.get("name") == "thread_name" and e["args"]["name"] == thread}
+    """What the host thread `thread` ((pid, tid), e.g. `marker_thread`'s) did within
+    [start_us, end_us]: its events (Python frames "$file.py:line function" and the runtime's own,
+    "PjitFunction(name)", "numpy asarray", ...) grouped by name as (name, count, total us, self us),
+    largest self time first (then by name). Self time leaves out the events nested inside, so the
+    self times add up to the thread's traced time."""
     spans = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
-                    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in tids
+                    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) == thread
                     and start_us <= float(e["ts"]) and float(e["ts"]) + float(e.get("dur", 0.0)) <= end_us),
                    key=lambda x: (x[0], -x[1]))
     totals = collections.defaultdict(lambda: [0, 0.0, 0.0])  # name -> [count, total, self]
@@ -131,6 +129,16 @@ def host_activity(events: Sequence[dict], start_us: float, end_us: float, thread
     return tuple(rows[:top])
 
 
+def marker_thread(events: Sequence[dict], name: str) -> tuple[int, int]:
+    """(pid, tid) of the thread that recorded the host event `name`: the one that ran the profiled
+    code. Found by the event, not by a thread name (jax 0.11.2's GPU traces had no thread named
+    "python", and the host breakdown came back empty)."""
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") == name:
+            return e["pid"], e["tid"]
+    raise KeyError(f"no event named {name!r} in the trace")
+
+
 def marker_span(events: Sequence[dict], name: str) -> tuple[float, float]:
     """(start, end) us of the host event called `name` (a jax.profiler.TraceAnnotation)."""
     spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
@@ -146,12 +154,16 @@ def profile_region(fn: Callable, out_dir: str | Path, marker: str = "profiled-re
     with `host`."""
     import jax  # here: the trace readers above need no JAX
 
-    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True), jax.profiler.TraceAnnotation(marker):
+    options = jax.profiler.ProfileOptions()
+    options.host_tracer_level = 2  # the runtime's host events (dispatch, argument handling, copies)
+    options.python_tracer_level = 1 if host else 0  # Python frames: asked for, not left to the version's default
+    with (jax.profiler.trace(str(out_dir), create_perfetto_trace=True, profiler_options=options),
+          jax.profiler.TraceAnnotation(marker)):
         result = fn()
     events = load_trace(out_dir)
     span = marker_span(events, marker)
     if host:
-        return result, device_activity(events, *span), host_activity(events, *span)
+        return result, device_activity(events, *span), host_activity(events, *span, marker_thread(events, marker))
     return result, device_activity(events, *span)
 
 
