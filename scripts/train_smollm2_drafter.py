@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""Reproduce the shipped EAGLE-3 drafter for SmolLM2-135M-Instruct on one GPU (an H200).
+"""Reproduce the shipped EAGLE-3 drafter for SmolLM2-135M-Instruct on one GPU (an H200), in two
+stages: the defaults (stage 1), then a continuation on a new draw of sampled replies (stage 2).
 
-    python3 scripts/train_smollm2_drafter.py --sharegpt PATH/ShareGPT_V3_unfiltered_cleaned_split.json \
-        --mtbench PATH/question.jsonl --log-dir runs/smollm2-eagle3
+    python3 scripts/train_smollm2_drafter.py --sharegpt SHAREGPT.json --mtbench question.jsonl \
+        --log-dir runs/stage1 --out runs/stage1/draft
+    python3 scripts/train_smollm2_drafter.py --sharegpt SHAREGPT.json --mtbench question.jsonl \
+        --log-dir runs/stage2 --init runs/stage1/draft --lr 3e-4 --regen-seed 1 \
+        --regen-temperatures 0,0.6 --steps 848
 
 Steps: make sure the target is prepared (`assets.prepare_default_target`, skipped when the target
 directory already holds a config.json: the GPU machine has no internet), answer the first
@@ -17,7 +21,7 @@ sampling seeds as one process (a reply can still differ where bf16 rounding depe
 batch), in another row order, so the held-out rows differ. Training batches rows of similar
 length together (`--length-buckets`, cut at --seq-len).
 
-The defaults are the shipped drafter's recipe (its model card). Writes the drafter to
+The defaults are stage 1 of the shipped drafter's recipe (its model card). Writes the drafter to
 checkpoints/smollm2-135m-eagle3/ (public EAGLE-3 layout), and train_log.json (config,
 throughput, held-out accuracy, per-step history) and train_curves.png to --log-dir.
 """
