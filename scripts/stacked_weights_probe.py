@@ -14,8 +14,8 @@ wall time says whether the device pays for them (BENCHMARKS.md, seventh session)
 Measured on the H200: stacking halves the enqueue time at SmolLM2's shapes and costs the device
 nothing. The engine still keeps one array per layer: with the SmolLM2 target's weights stacked
 this way, XLA had not finished compiling the engine's first program after 3 minutes (20 s
-before), likely because each layer's slice, fused into its GEMMs, makes kernels of its own where
-the 30 layers shared them. The KV cache is stacked (`llama.KVCache`): its kernels take the layer
+before): the compiled HLO shows each GEMM as a fusion that slices its layer inside, one
+computation per layer, where per-layer weights let the layers share a kernel. The KV cache is stacked (`llama.KVCache`): its kernels take the layer
 as a block index, which shares them.
 """
 
