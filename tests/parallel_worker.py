@@ -160,7 +160,7 @@ def run_hlo() -> dict:
         lspec = jax.sharding.NamedSharding(mesh, S.logits_spec(cfg.vocab_size, tp))
         rep = jax.sharding.NamedSharding(mesh, S.REPLICATED)
 
-        pin_kv = S.cache_pin(mesh, S.llama_cache_specs(cfg, tp))  # as the engine's steps
+        pin_kv = S.cache_pin(mesh, cfg.num_kv_heads)  # as the engine's steps
 
         def verify(params, tokens, positions, cache, bt, pin_kv=pin_kv):
             hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt, pin_kv=pin_kv)
@@ -190,7 +190,7 @@ def run_hlo() -> dict:
     cache_s = S.named(mesh, S.draft_cache_specs(dcfg, tp))
     lspec = jax.sharding.NamedSharding(mesh, S.logits_spec(dcfg.draft_vocab_size, tp))
 
-    pin_draft = S.cache_pin(mesh, S.draft_cache_specs(dcfg, tp))
+    pin_draft = S.cache_pin(mesh, dcfg.num_kv_heads)
 
     def draft_first_step(dp, captures, tokens, positions, cache, bt):
         h = E.fuse_captures(dp, captures)
@@ -215,7 +215,7 @@ def run_hlo() -> dict:
 
     def fused(params, dparams, tokens, positions, cache, dcache, bt, constrain):
         m = mesh if constrain else None
-        pins = (S.cache_pin(m, S.llama_cache_specs(cfg, tp)), S.cache_pin(m, S.draft_cache_specs(dcfg, tp)))
+        pins = (S.cache_pin(m, cfg.num_kv_heads), S.cache_pin(m, dcfg.num_kv_heads))
         hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt, pin_kv=pins[0])
         hidden, captures = S.replicate((hidden, captures), m)
         picked = jnp.argmax(S.vocab_logits(L.logits(params, hidden), m), axis=-1).astype(jnp.int32)

@@ -305,8 +305,8 @@ def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, 
     # Under tp, the same pins as the engine's steps: the cache as it came in after every layer,
     # replicated residual stream, logits left vocab-sharded (an argmax moves per-shard (max,
     # index) pairs).
-    pin_kv = None if mesh is None else sharding.cache_pin(mesh, sharding.llama_cache_specs(cfg, mesh.shape[sharding.TP]))
-    hidden, _, kv = llama.forward(params, cfg, tokens, positions, kv, block_tables, attention, pin_kv)
+    hidden, _, kv = llama.forward(params, cfg, tokens, positions, kv, block_tables, attention,
+                                  sharding.cache_pin(mesh, cfg.num_kv_heads))
     logits = sharding.vocab_logits(llama.logits(params, sharding.replicate(hidden, mesh)), mesh, gather=False)
     return kv, jnp.argmax(logits, axis=-1)
 

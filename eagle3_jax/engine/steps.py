@@ -34,14 +34,7 @@ from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, Slots, state_shardi
 from eagle3_jax.model import eagle3, llama
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams
-from eagle3_jax.parallel.sharding import (
-    TP,
-    cache_pin,
-    draft_cache_specs,
-    llama_cache_specs,
-    replicate,
-    vocab_logits,
-)
+from eagle3_jax.parallel.sharding import cache_pin, replicate, vocab_logits
 
 # Independent PRNG streams under each (row key, tokens generated) pair.
 _STREAM_DRAFT, _STREAM_VERIFY, _STREAM_FIRST = 0, 1, 2
@@ -70,11 +63,11 @@ class StepConfig:
 
     def pin_target_kv(self):
         """The target forward's `pin_kv` (None on one device)."""
-        return None if self.mesh is None else cache_pin(self.mesh, llama_cache_specs(self.target, self.mesh.shape[TP]))
+        return cache_pin(self.mesh, self.target.num_kv_heads)
 
     def pin_draft_kv(self):
         """The draft forward's `pin_kv` (None on one device)."""
-        return None if self.mesh is None else cache_pin(self.mesh, draft_cache_specs(self.draft, self.mesh.shape[TP]))
+        return cache_pin(self.mesh, self.draft.num_kv_heads)
 
 
 def _target(params: LlamaParams, cfg: StepConfig, tokens, positions, kv, block_tables):

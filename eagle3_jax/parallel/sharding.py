@@ -295,15 +295,16 @@ def vocab_logits(logits: jax.Array, mesh: Mesh | None, *, gather: bool = True) -
     return logits
 
 
-def cache_pin(mesh: Mesh | None, specs: KVCache):
-    """The model's `pin_kv` under tp: a function pinning a KV cache to `specs` after each layer's
-    write (None without a mesh). Every layer writes into one stacked array, and left alone Shardy
+def cache_pin(mesh: Mesh | None, num_kv_heads: int):
+    """The model's `pin_kv` under tp: a function pinning a KV cache of `num_kv_heads` heads (the
+    target's or the drafter's) to its layout, `kv_cache_specs`, after each layer's write (None
+    without a mesh). Every layer writes into one stacked array, and left alone Shardy
     shards those writes like the new tokens' k and v, then all-gathers the whole cache for the
     step's output (two all-gathers of [L, P, page, kvh, hd] a step, seen with kv heads replicated
     at tp 8); pinned, only the new k and v [B, T, kvh, hd] move."""
     if mesh is None:
         return None
-    shardings = named(mesh, specs)
+    shardings = named(mesh, kv_cache_specs(num_kv_heads, mesh.shape[TP]))
     return lambda cache: jax.lax.with_sharding_constraint(cache, shardings)
 
 
@@ -329,7 +330,7 @@ def jit_forward(cfg: ModelConfig, mesh: Mesh, *, with_logits: bool = False, dona
     pairs; a sort-based sampler wants `vocab_logits(..., gather=True)` inside its jit)."""
     tp = mesh.shape[TP]
     ins, outs = forward_shardings(mesh, llama_param_specs(cfg, tp), llama_cache_specs(cfg, tp))
-    pin_kv = cache_pin(mesh, llama_cache_specs(cfg, tp))
+    pin_kv = cache_pin(mesh, cfg.num_kv_heads)
 
     def fn(params, tokens, positions, cache, block_table):
         hidden, captures, cache = llama.forward(params, cfg, tokens, positions, cache, block_table, pin_kv=pin_kv)
