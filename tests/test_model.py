@@ -60,7 +60,8 @@ def test_logits_parity_with_transformers(smollm2_params, hf_model, chat_ids):
 def test_fused_projections_match_transformers_tiny_gqa():
     """A random transformers Llama with 3 q heads per kv head, loaded through the fused wqkv /
     w_gate_up: q head j sits at wqkv[:, j // 3, j % 3], logits match, and the HF tensors come back
-    bit for bit."""
+    bit for bit. With the norm gains folded into the projections (as the engine serves them), the
+    logits still match, from two argument buffers fewer per layer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,6 +72,10 @@ def test_fused_projections_match_transformers_tiny_gqa():
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"},
                                       initializer_range=0.2)).eval()
+    with torch.no_grad():  # gains away from 1, so that folding them is tested
+        for name, w in hf.named_parameters():
+            if name.endswith("layernorm.weight"):
+                w.uniform_(0.5, 1.5)
     tensors = {k: v.numpy() for k, v in hf.state_dict().items()}
     cfg = ModelConfig.from_hf(config)
     params = params_from_hf(tensors, cfg, jnp.float32)
@@ -92,6 +97,10 @@ def test_fused_projections_match_transformers_tiny_gqa():
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    folded = llama.fold_norm_gains(params)
+    assert len(jax.tree.leaves(params)) - len(jax.tree.leaves(folded)) == 2 * cfg.num_layers
+    folded_logits, _ = contiguous_forward(folded, cfg, ids, length=32)
+    np.testing.assert_allclose(folded_logits, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
     back = params_to_hf(params)
     assert set(back) == set(tensors)
@@ -169,9 +178,9 @@ def test_pallas_attention_block_matches_the_xla_form(b, t, g, r, hd):
     starts[-1] = blocks * page - 1  # the padded row: its tokens past the first run off the table
     positions = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
     inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
-    kw = {"eps": 1e-5, "inv_freq": inv_freq}
-    want = layers.attention_block(x, norm_w, wqkv, wo, positions, k_pages, v_pages, 1, table, attention="xla", **kw)
-    got = layers.attention_block(x, norm_w, wqkv, wo, positions, k_pages, v_pages, 1, table, attention="pallas", **kw)
+    h = layers.rms_norm(x, norm_w, 1e-5)
+    want = layers.attention_block(h, wqkv, wo, positions, k_pages, v_pages, 1, table, inv_freq=inv_freq, attention="xla")
+    got = layers.attention_block(h, wqkv, wo, positions, k_pages, v_pages, 1, table, inv_freq=inv_freq, attention="pallas")
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5, rtol=2e-5)
     for pages_got, pages_want, before in zip(got[1:], want[1:], (k_pages, v_pages)):
         # page 0 is scratch: padded writes collide there

@@ -190,7 +190,8 @@ def engine_figures(rounds: Sequence[Round], stats: EngineStats, k: int) -> dict[
         "acceptance_rates": (accepted_at / iterations).tolist(),
         "iterations": stats.iterations, "iter_ms": 1e3 * wall / max(stats.iterations, 1),
         "step_ms": 1e3 * statistics.median(steady) if steady else nan, "steady_steps": len(steady),
-        "host_ms_per_step": stats.host_ms_per_step, "device_wait_ms_per_step": stats.device_wait_ms_per_step,
+        "host_ms_per_step": stats.host_ms_per_step, "dispatch_ms_per_step": stats.dispatch_ms_per_step,
+        "device_wait_ms_per_step": stats.device_wait_ms_per_step,
     }
 
 
@@ -412,6 +413,7 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     else:
         # 70B in bf16 is 141 GB: each tensor is created on its shards, never whole on one device.
         params, dparams = sharded_random_params(target, draft, own, mesh, dtype)
+    params = llama.fold_norm_gains(params)  # as the engine serves them
     jax.block_until_ready((params, dparams))
     init_s = time.perf_counter() - start
     held = weight_bytes(params, dparams)

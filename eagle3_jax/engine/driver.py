@@ -31,7 +31,7 @@ from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
 from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step,
                                     iterate_in_place_step, prefill_step, read_verdicts_step, split_verdicts)
 from eagle3_jax.model.eagle3 import DraftParams
-from eagle3_jax.model.llama import LlamaParams
+from eagle3_jax.model.llama import LlamaParams, fold_norm_gains
 from eagle3_jax.parallel import sharding
 from eagle3_jax.sampling_params import SamplingParams
 
@@ -63,11 +63,14 @@ class CompileCounter:
 @dataclasses.dataclass
 class EngineStats:
     """Per-step timings: host time is Python work, device wait is time blocked on results.
+    Dispatch time is the part of host time spent inside the calls that enqueue compiled programs
+    (JAX's argument handling and the runtime's launch), the rest is the engine's own Python.
     Iterations dispatched per batch bucket, speculative and target-only, show what the policy did."""
 
     steps: int = 0
     iterations: int = 0
     host_s: float = 0.0
+    dispatch_s: float = 0.0
     device_wait_s: float = 0.0
     warmup_s: float = 0.0
     speculative_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
@@ -76,6 +79,10 @@ class EngineStats:
     @property
     def host_ms_per_step(self) -> float:
         return 1e3 * self.host_s / max(self.steps, 1)
+
+    @property
+    def dispatch_ms_per_step(self) -> float:
+        return 1e3 * self.dispatch_s / max(self.steps, 1)
 
     @property
     def device_wait_ms_per_step(self) -> float:
@@ -170,7 +177,8 @@ class Engine:
                 specs = sharding.draft_param_specs(draft, tp, own_embedding=draft_params.embed is not None)
                 draft_params = sharding.shard_params(draft_params, mesh, specs)
             self.state = jax.device_put(self.state, state_shardings(self.state, target, self.step_cfg.draft, mesh))
-        self.params, self.draft_params = params, draft_params
+        # Two argument buffers fewer per layer at every dispatch (the caller's params are untouched).
+        self.params, self.draft_params = fold_norm_gains(params), draft_params
         self.pinned = PinnedBatch(mesh)
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
@@ -257,11 +265,13 @@ class Engine:
             next_tokens[0, :len(following)] = following
             if start + len(chunk) == len(prompt):
                 next_tokens[0, len(chunk) - 1] = -1  # the first generated token goes here
+            t = time.perf_counter()
             self.state, first = prefill_step(
                 self.params, self.draft_params, self.state, tokens, next_tokens,
                 np.array([len(chunk)], np.int32), np.array([start], np.int32),
                 np.array([req.slot], np.int32), self.scheduler.block_tables[req.slot][None], row,
                 cfg=cfg)
+            self.stats.dispatch_s += time.perf_counter() - t
         self._fresh[req.slot] = self.step_cfg.speculative  # the last chunk drafted K proposals
         first.copy_to_host_async()
         self._pending.append(_Pending([req], first))
@@ -274,8 +284,10 @@ class Engine:
         rows = slots[:len(reqs)]
         fresh = self._fresh[rows].copy()
         self._fresh[rows] = cfg.speculative
+        t = time.perf_counter()
         self.state, verdicts = self.dispatch_iteration(slots, tables, cfg)
         verdicts.copy_to_host_async()
+        self.stats.dispatch_s += time.perf_counter() - t
         self.stats.iterations += 1
         counts = self.stats.speculative_iterations if cfg.speculative else self.stats.target_only_iterations
         counts[bucket] = counts.get(bucket, 0) + 1

@@ -101,9 +101,8 @@ def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array
     """
     def paged(x):
         out, k_pages, v_pages = attention_block(
-            x, None, params.wqkv, params.wo, positions, cache.k, cache.v, 0, block_table,
-            eps=cfg.rms_norm_eps, inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-            attention=attention)
+            x, params.wqkv, params.wo, positions, cache.k, cache.v, 0, block_table,
+            inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), attention=attention)
         cache_out = KVCache(k=k_pages, v=v_pages)
         return out, cache_out if pin_kv is None else pin_kv(cache_out)
 

@@ -33,11 +33,12 @@ from eagle3_jax.model import pallas_attention
 SCRATCH_PAGE = 0
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """[..., D] -> [..., D]; statistics in f32, as transformers' LlamaRMSNorm."""
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """[..., D] -> [..., D]; statistics in f32, as transformers' LlamaRMSNorm. weight None: a unit
+    gain (the gain already folded into the projection that reads the output, `llama.fold_norm_gains`)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * y.astype(x.dtype)
+    return y.astype(x.dtype) if weight is None else weight * y.astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
@@ -144,22 +145,19 @@ def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def attention_block(x: jax.Array, norm_w: jax.Array | None, wqkv: jax.Array, wo: jax.Array,
-                    positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: int,
-                    block_table: jax.Array, *, eps: float, inv_freq,
-                    attention: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pre-norm attention over layer `layer` of the paged cache. x [B, T, D]; wqkv
-    [D_in, G, R + 2, hd]; wo [G*R*hd, D]; k/v_pages [L, P, page, G, hd] -> (attn out [B, T, D],
-    k, v pages with this step's keys and values written).
+def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax.Array,
+                    k_pages: jax.Array, v_pages: jax.Array, layer: int, block_table: jax.Array, *,
+                    inv_freq, attention: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention over layer `layer` of the paged cache, from the already-normed input. h
+    [B, T, D_in]; wqkv [D_in, G, R + 2, hd]; wo [G*R*hd, D]; k/v_pages [L, P, page, G, hd] ->
+    (attn out [B, T, D], k, v pages with this step's keys and values written).
 
-    Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs, so it
-    passes its own already-normed input with norm_w=None). Head counts come from wqkv's shape.
-    attention "pallas" runs the Pallas kernel where the step fits it (few new tokens per row),
-    else the XLA form, which "xla" always runs.
+    Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs). Head
+    counts come from wqkv's shape. attention "pallas" runs the Pallas kernel where the step fits
+    it (few new tokens per row), else the XLA form, which "xla" always runs.
     """
-    b, t, _ = x.shape
+    b, t, _ = h.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
-    h = x if norm_w is None else rms_norm(x, norm_w, eps)
     if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2]):
         # Two kernels after the projection: RoPE + KV write + q tiles, then attention.
         qkv = fused_qkv(h, wqkv)  # [B, T, G, R + 2, hd]

@@ -26,12 +26,13 @@ from eagle3_jax.model.layers import (
 
 @struct.dataclass
 class LayerParams:
-    """One decoder layer; q/k/v and gate/up fused (layout: model/layers.py docstring)."""
+    """One decoder layer; q/k/v and gate/up fused (layout: model/layers.py docstring). A norm
+    gain None is folded into the projection after it (`fold_norm_gains`)."""
 
-    attn_norm: jax.Array  # [D]
+    attn_norm: jax.Array | None  # [D]
     wqkv: jax.Array  # [D, kvh, H/kvh + 2, hd]: per kv group its q heads, then k, then v
     wo: jax.Array  # [H*hd, D]
-    mlp_norm: jax.Array  # [D]
+    mlp_norm: jax.Array | None  # [D]
     w_gate_up: jax.Array  # [D, 2, I]: gate, up
     w_down: jax.Array  # [I, D]
 
@@ -82,6 +83,28 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> LlamaPa
                        lm_head=None if cfg.tie_word_embeddings else dense(d, cfg.vocab_size))
 
 
+@jax.jit
+def _fold_layer(layer: LayerParams) -> LayerParams:
+    def scale_rows(w, gain):  # w [D, ...] * gain [D], in f32, rounded once
+        return (w.astype(jnp.float32) * gain.astype(jnp.float32).reshape(-1, *[1] * (w.ndim - 1))).astype(w.dtype)
+
+    return layer.replace(attn_norm=None, wqkv=scale_rows(layer.wqkv, layer.attn_norm),
+                         mlp_norm=None, w_gate_up=scale_rows(layer.w_gate_up, layer.mlp_norm))
+
+
+def fold_norm_gains(params: LlamaParams) -> LlamaParams:
+    """The same model with each layer's two RMSNorm gains multiplied into the input rows of the
+    projection that reads the norm's output: rms_norm(x, g) @ W == rms_norm(x, None) @ (g[:, None] * W).
+
+    The engine serves folded weights. The device work is the same (the gain's multiply moves
+    from the activations into the weights), but every buffer a compiled step takes costs the host
+    time at each dispatch (about 2.5 us on the H200, BENCHMARKS.md, seventh session), and this
+    drops two of the six per layer. In bf16 the folded weight is rounded once, after the
+    multiply; the activations then skip one bf16 rounding. Already-folded layers pass through."""
+    layers = tuple(layer if layer.attn_norm is None else _fold_layer(layer) for layer in params.layers)
+    return params.replace(layers=layers)
+
+
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, block_table: jax.Array, attention: str = "xla",
             pin_kv: Callable[[KVCache], KVCache] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
@@ -96,8 +119,8 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
         if i in cfg.capture_layer_ids:
             captured[i] = x
         attn, k_pages, v_pages = attention_block(
-            x, layer.attn_norm, layer.wqkv, layer.wo, positions, cache.k, cache.v, i, block_table,
-            eps=cfg.rms_norm_eps, inv_freq=inv_freq, attention=attention)
+            rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), layer.wqkv, layer.wo, positions, cache.k, cache.v, i,
+            block_table, inv_freq=inv_freq, attention=attention)
         cache = KVCache(k=k_pages, v=v_pages) if pin_kv is None else pin_kv(KVCache(k=k_pages, v=v_pages))
         x = x + attn
         x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
