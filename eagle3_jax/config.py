@@ -362,9 +362,10 @@ class EngineConfig:
     max_model_len: longest prompt + output a request may have.
     attention: paged attention of decode, verify and draft steps. "pallas": one Pallas kernel per
         layer that reads only the pages a row has filled (model/pallas_attention.py; interpreted,
-        and slow, off the GPU); "xla": the XLA form over the whole block table; "auto": pallas
-        on a GPU without tensor parallelism, else xla. Prefill chunks of more than a few tokens
-        use the XLA form either way.
+        and slow, off the GPU), and the target's residual adds each fused with the RMSNorm after
+        it (model/pallas_norm.py); "xla": the XLA forms, attention over the whole block table;
+        "auto": pallas on a GPU without tensor parallelism, else xla. Prefill chunks of more than
+        a few tokens use the XLA attention either way.
     """
 
     batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)

@@ -190,6 +190,29 @@ def test_pallas_attention_block_matches_the_xla_form(b, t, g, r, hd):
     assert not np.array_equal(np.asarray(got[1][1, 1:]), np.asarray(k_pages[1, 1:]))  # the write happened
 
 
+@pytest.mark.parametrize("shape, dtype", [((2, 3, 576), jnp.bfloat16), ((5, 48), jnp.float32)])
+def test_pallas_add_rms_norm_matches_the_xla_form(shape, dtype):
+    """The residual add + RMSNorm kernel (interpreted here) against the XLA form, with and without
+    something to add and a gain, at a width that is not a power of two (SmolLM2's 576)."""
+    from eagle3_jax.model import layers, pallas_norm
+
+    rng = np.random.default_rng(len(shape))
+    x, delta = (jnp.asarray(3 * rng.standard_normal(shape), dtype) for _ in range(2))
+    weight = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1]), dtype)
+    for d in (None, delta):
+        for w in (None, weight):
+            got = pallas_norm.add_rms_norm(x, d, w, 1e-5)
+            want = layers.add_rms_norm(x, d, w, 1e-5)
+            for g, r in zip(got, want):
+                assert g.shape == r.shape == shape and g.dtype == dtype
+                np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=1e-6, atol=1e-6)
+    s, y = want
+    np.testing.assert_allclose(np.asarray(s, np.float32), np.asarray(x, np.float32) + np.asarray(delta, np.float32),
+                               rtol=1e-2)  # the sum, rounded to the stream's dtype
+    ms = np.mean(np.asarray(y, np.float32) ** 2 / np.asarray(weight, np.float32) ** 2, axis=-1)
+    np.testing.assert_allclose(ms, 1.0, rtol=3e-2)  # unit mean square before the gain
+
+
 def test_param_counts_from_eval_shape():
     for config, expected in ((LLAMA31_8B, 8_030_261_248), (LLAMA33_70B, 70_553_706_496)):
         cfg = ModelConfig.from_hf(config)

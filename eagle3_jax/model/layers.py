@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.config import Llama3RopeScaling
-from eagle3_jax.model import pallas_attention
+from eagle3_jax.model import pallas_attention, pallas_norm
 
 SCRATCH_PAGE = 0
 
@@ -39,6 +39,17 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return y.astype(x.dtype) if weight is None else weight * y.astype(x.dtype)
+
+
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array | None, eps: float,
+                 kernel: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The pre-norm residual step: x, delta [..., D] (delta None: nothing to add) ->
+    (s = x + delta, rms_norm(s, weight)). kernel: one Pallas kernel (model/pallas_norm.py) for
+    what XLA compiles into several small ones."""
+    if kernel:
+        return pallas_norm.add_rms_norm(x, delta, weight, eps)
+    s = x if delta is None else x + delta
+    return s, rms_norm(s, weight, eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:

@@ -16,6 +16,7 @@ from flax import struct
 
 from eagle3_jax.config import ModelConfig
 from eagle3_jax.model.layers import (
+    add_rms_norm,
     attention_block,
     qkv_shape,
     rms_norm,
@@ -110,22 +111,27 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             pin_kv: Callable[[KVCache], KVCache] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] ->
     (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache).
-    attention: "xla" or "pallas" (layers.attention_block); pin_kv: applied to the cache after
+    attention: "xla" or "pallas" (layers.attention_block; "pallas" also runs each residual add
+    and the norm after it as one kernel, layers.add_rms_norm); pin_kv: applied to the cache after
     each layer's write (tensor parallelism: `sharding.cache_pin`)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    eps, kernel = cfg.rms_norm_eps, attention == "pallas"  # the Pallas kernels go together
     x = params.embed[tokens]  # [B, T, D]
+    delta = None  # what the previous layer's MLP adds to x, added in the next norm's kernel
     captured = {}  # layer id -> its input [B, T, D]
     for i, layer in enumerate(params.layers):
+        x, h = add_rms_norm(x, delta, layer.attn_norm, eps, kernel)  # x: layer i's input
         if i in cfg.capture_layer_ids:
             captured[i] = x
         attn, k_pages, v_pages = attention_block(
-            rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), layer.wqkv, layer.wo, positions, cache.k, cache.v, i,
-            block_table, inv_freq=inv_freq, attention=attention)
+            h, layer.wqkv, layer.wo, positions, cache.k, cache.v, i, block_table, inv_freq=inv_freq,
+            attention=attention)
         cache = KVCache(k=k_pages, v=v_pages) if pin_kv is None else pin_kv(KVCache(k=k_pages, v=v_pages))
-        x = x + attn
-        x = x + swiglu(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
+        x, h = add_rms_norm(x, attn, layer.mlp_norm, eps, kernel)
+        delta = swiglu(h, layer.w_gate_up, layer.w_down)
     captures = jnp.concatenate([captured[i] for i in cfg.capture_layer_ids], axis=-1)
-    return rms_norm(x, params.norm, cfg.rms_norm_eps), captures, cache
+    _, hidden = add_rms_norm(x, delta, params.norm, eps, kernel)
+    return hidden, captures, cache
 
 
 def logits(params: LlamaParams, hidden: jax.Array) -> jax.Array:
