@@ -19,7 +19,6 @@ from eagle3_jax.model.layers import (
     add_rms_norm,
     attention_block,
     qkv_shape,
-    rms_norm,
     rope_inv_freq,
     swiglu,
 )
