@@ -100,7 +100,9 @@ def fold_norm_gains(params: LlamaParams) -> LlamaParams:
     from the activations into the weights), but every buffer a compiled step takes costs the host
     time at each dispatch (about 2.5 us on the H200, BENCHMARKS.md, seventh session), and this
     drops two of the six per layer. In bf16 the folded weight is rounded once, after the
-    multiply; the activations then skip one bf16 rounding. Already-folded layers pass through."""
+    multiply; the activations then skip one bf16 rounding. Already-folded layers pass through.
+    The folded wqkv and w_gate_up are new arrays: the unfolded ones live on only while the caller
+    holds them (`LLM` does not)."""
     layers = tuple(layer if layer.attn_norm is None else _fold_layer(layer) for layer in params.layers)
     return params.replace(layers=layers)
 
