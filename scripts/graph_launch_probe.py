@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Why the host's dispatch of an engine step takes about as long as the step runs on the device.
+
+    python3 scripts/graph_launch_probe.py
+
+The profiler puts the engine's host time per step in `cuGraphLaunch` (BENCHMARKS.md, eighth
+session), 0.7-1.5 ms per SmolLM2 iteration, close to the iteration's device time. Two readings fit:
+the launch costs the host per node of the graph, or it waits while the previous launch of the same
+graph is still running. This program tells them apart with chains of n small kernels (each
+reduction feeds the next element-wise step, so XLA cannot fuse them), one row of 4096 f32:
+
+  idle        the device drained before each call: the launch alone
+  same        the same program dispatched back to back, as the engine does
+  alternating two programs of the same size taking turns (a graph never follows itself)
+  + side      as `same`, with a small program after each call that reads the output (which the
+              next call donates) into a new buffer, kept one call and copied to the host, as the
+              engine's verdicts are
+  + side, drop the same small program, its output dropped at once (no copy)
+  + other     the same small program on another array (never donated), kept and copied
+
+Columns: kernels per program (from the compiled HLO), device us per call (back-to-back wall time),
+and the host's median us per dispatch in each mode. If `same` tracks the device time while `idle`
+and `alternating` stay small, the launch waits for its own graph's previous run; if all three
+grow with n alike, it is the per-node cost.
+
+Measured on the H200 (jax 0.11.2, BENCHMARKS.md, eighth session), host us per dispatch at 800
+kernels and 897 us of device time: idle 229, same 123, alternating 226, + side 1,252,
++ side, drop 594, + other 1,231. Neither reading holds: a graph launch by itself costs the host
+about 0.15 us a kernel and does not wait for its previous run. What costs 1-2 us a kernel is a
+small program between the calls whose output stays alive, whatever array it reads. The likely
+mechanism, not yet confirmed: that output moves where the next call's temporary buffer is
+allocated, so XLA updates every node of the graph before the launch. The engine's verdicts
+(`steps.read_verdicts`) are such an output.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def chain(n: int, offset: float):
+    def f(x):  # [1, 4096] -> [1, 4096]: n reduce + broadcast steps, one kernel or two each
+        for i in range(n):
+            x = x * 0.999 + jnp.tanh(jnp.sum(x, axis=-1, keepdims=True) * 1e-3 + offset + i)
+        return x
+    return jax.jit(f, donate_argnums=0)
+
+
+def kernels(compiled) -> int:
+    """Kernel launches in the compiled HLO: fusions and custom calls of the entry computation."""
+    entry = compiled.as_text().split("ENTRY", 1)[1]
+    return len(re.findall(r"= [^ ]+ (fusion|custom-call)\(", entry))
+
+
+_side = jax.jit(lambda x: x[:, :8] * 2)  # a fresh small output per call, like `read_verdicts`
+
+
+def host_us(fns, x, calls: int, drain: bool, side: str = "") -> tuple[float, jax.Array]:
+    """Median us the host spends in one dispatch of `fns` (cycled), with the side program after
+    it: "keep" (reads x, output kept one call and copied out), "drop", "other" (reads another array)."""
+    samples, held, other = [], None, jnp.ones((1, 4096), jnp.float32)
+    for i in range(calls):
+        if drain:
+            x.block_until_ready()
+        t = time.perf_counter()
+        x = fns[i % len(fns)](x)
+        samples.append(time.perf_counter() - t)
+        if side == "drop":
+            _side(x)  # the result dropped at once
+        elif side:
+            out = _side(other if side == "other" else x)
+            out.copy_to_host_async()
+            if held is not None:
+                jax.device_get(held)
+            held = out
+    x.block_until_ready()
+    return 1e6 * statistics.median(samples), x
+
+
+def main() -> None:
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    print("| steps | kernels | device us/call | host us: idle | same | alternating | + side | + side, drop | + other |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in (25, 100, 400):
+        a, b = chain(n, 0.0), chain(n, 0.5)
+        x = jnp.ones((1, 4096), jnp.float32)
+        count = kernels(a.lower(x).compile())
+        for f in (a, b):  # compile and build the graphs
+            for _ in range(3):
+                x = f(x)
+        x.block_until_ready()
+        calls = 60
+        start = time.perf_counter()
+        for _ in range(calls):
+            x = a(x)
+        x.block_until_ready()
+        device = 1e6 * (time.perf_counter() - start) / calls
+        idle, x = host_us([a], x, calls, drain=True)
+        same, x = host_us([a], x, calls, drain=False)
+        alternating, x = host_us([a, b], x, calls, drain=False)
+        sides = []
+        for mode in ("keep", "drop", "other"):
+            us, x = host_us([a], x, calls, drain=False, side=mode)
+            sides.append(f"{us:.0f}")
+        print(f"| {n} | {count} | {device:.0f} | {idle:.0f} | {same:.0f} | {alternating:.0f} | {' | '.join(sides)} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
