@@ -17,6 +17,9 @@ reduction feeds the next element-wise step, so XLA cannot fuse them), one row of
               engine's verdicts are
   + side, drop the same small program, its output dropped at once (no copy)
   + other     the same small program on another array (never donated), kept and copied
+  + side, pair as `+ side`, but the small program writes over one of two donated buffers in turn,
+              so nothing is allocated between the calls (the engine's verdicts since the ninth
+              session, `PinnedBatch.read_verdicts`)
 
 Columns: kernels per program (from the compiled HLO), device us per call (back-to-back wall time),
 and the host's median us per dispatch in each mode. If `same` tracks the device time while `idle`
@@ -57,13 +60,17 @@ def kernels(compiled) -> int:
     return len(re.findall(r"= [^ ]+ (fusion|custom-call)\(", entry))
 
 
-_side = jax.jit(lambda x: x[:, :8] * 2)  # a fresh small output per call, like `read_verdicts`
+_side = jax.jit(lambda x: x[:, :8] * 2)  # a fresh small output per call, like `read_verdicts` was
+# The same, written over a donated buffer (unused but for its address).
+_side_into = jax.jit(lambda buffer, x: x[:, :8] * 2, donate_argnums=0, keep_unused=True)
 
 
 def host_us(fns, x, calls: int, drain: bool, side: str = "") -> tuple[float, jax.Array]:
     """Median us the host spends in one dispatch of `fns` (cycled), with the side program after
-    it: "keep" (reads x, output kept one call and copied out), "drop", "other" (reads another array)."""
+    it: "keep" (reads x, output kept one call and copied out), "drop", "other" (reads another array),
+    "pair" (as "keep", into two donated buffers taking turns)."""
     samples, held, other = [], None, jnp.ones((1, 4096), jnp.float32)
+    pair = [jnp.zeros((1, 8), jnp.float32) for _ in range(2)]
     for i in range(calls):
         if drain:
             x.block_until_ready()
@@ -73,7 +80,11 @@ def host_us(fns, x, calls: int, drain: bool, side: str = "") -> tuple[float, jax
         if side == "drop":
             _side(x)  # the result dropped at once
         elif side:
-            out = _side(other if side == "other" else x)
+            if side == "pair":
+                out = _side_into(pair[0], x)
+                pair = [pair[1], out]
+            else:
+                out = _side(other if side == "other" else x)
             out.copy_to_host_async()
             if held is not None:
                 jax.device_get(held)
@@ -84,8 +95,9 @@ def host_us(fns, x, calls: int, drain: bool, side: str = "") -> tuple[float, jax
 
 def main() -> None:
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print("| steps | kernels | device us/call | host us: idle | same | alternating | + side | + side, drop | + other |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| steps | kernels | device us/call | host us: idle | same | alternating | + side | + side, drop | + other "
+          "| + side, pair |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in (25, 100, 400):
         a, b = chain(n, 0.0), chain(n, 0.5)
         x = jnp.ones((1, 4096), jnp.float32)
@@ -104,7 +116,7 @@ def main() -> None:
         same, x = host_us([a], x, calls, drain=False)
         alternating, x = host_us([a, b], x, calls, drain=False)
         sides = []
-        for mode in ("keep", "drop", "other"):
+        for mode in ("keep", "drop", "other", "pair"):
             us, x = host_us([a], x, calls, drain=False, side=mode)
             sides.append(f"{us:.0f}")
         print(f"| {n} | {count} | {device:.0f} | {idle:.0f} | {same:.0f} | {alternating:.0f} | {' | '.join(sides)} |",

@@ -237,7 +237,8 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     the nodes of a moved buffer before the next launch (on the H200 this cost about 1 ms of host
     time per SmolLM2 iteration). So nothing the iteration touches moves: the state is donated and
     aliased, the per-call arguments are pinned per bucket and overwritten in place when the batch
-    changes, and the verdicts stay in the state until a gather of their own copies them out."""
+    changes, and the verdicts stay in the state until a gather of their own copies them out, into
+    two buffers per bucket taken in turn (nothing may be allocated between iterations either)."""
     engine = spec_llm.engine
     k = engine.step_cfg.num_draft
     bucket = engine.cfg.batch_buckets[1]
@@ -250,13 +251,17 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
 
     engine.state, _ = engine.dispatch_iteration(slots, tables, cfg)
     before = addresses()
-    for page in (1, 2):
+    verdict_addresses = []
+    for page in (1, 2, 2, 2):
         tables = tables.copy()
         tables[0, -1] = page  # a new page in a block the dummy row never reaches: same work
         engine.state, verdicts = engine.dispatch_iteration(slots, tables, cfg)
+        verdict_addresses.append(verdicts.unsafe_buffer_pointer())
     assert verdicts.shape == (bucket, 1 + k + 1)  # proposals accepted, then the tokens emitted
     assert engine.pinned.get(slots, tables)[1][0, -1] == 2
     assert addresses() == before
+    a, b = verdict_addresses[:2]
+    assert a != b and verdict_addresses == [a, b, a, b]
 
 
 def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):

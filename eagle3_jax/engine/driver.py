@@ -105,19 +105,21 @@ _overwrite = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)
 
 class PinnedBatch:
     """The iteration's per-call arguments, slots [B] and block tables [B, nb], kept on the device at
-    one address per bucket.
+    one address per bucket; and two buffers per bucket its verdicts are copied into in turn.
 
     XLA launches a compiled iteration as a CUDA graph that records every buffer address it uses,
     and rewrites the graph nodes that use a moved buffer before the next launch (see
     `steps.iterate_in_place`). A host array passed as an argument is a new device buffer on every
     call. So the engine keeps one device copy per bucket and overwrites it in place (a donated
     copy, a program with no graph of its own) only when the scheduler's values change: a request
-    joined or left, or a row took a new KV page.
+    joined or left. Nor may anything be allocated between two iterations (`steps.read_verdicts`),
+    so the verdicts go into buffers held here, written over in turn.
     """
 
     def __init__(self, mesh: Mesh | None):
         self._placement = sharding.replicated_placement(mesh)  # like every per-row input under tp
         self._by_bucket: dict[int, tuple[np.ndarray, np.ndarray, tuple[jax.Array, jax.Array]]] = {}
+        self._verdicts: dict[int, tuple[jax.Array, jax.Array]] = {}  # bucket -> (oldest, newest)
 
     def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """Device arrays holding these slots [B] and tables [B, nb], at the bucket's address."""
@@ -131,6 +133,20 @@ class PinnedBatch:
         device = _overwrite(held[2], (slots, tables))
         self._by_bucket[len(slots)] = (slots.copy(), tables.copy(), device)
         return device
+
+    def read_verdicts(self, state, rows: jax.Array) -> jax.Array:
+        """The verdicts [B, 1 + K+1] of the iteration just dispatched over `rows` [B] (from `get`),
+        without waiting. They go into the bucket's older buffer, so each array returned here must
+        be read (or dropped) before the bucket's next iteration but one: that call writes over it,
+        and reading it after raises "Array has been deleted". The engine reads every iteration's
+        verdicts during the step that dispatches the next."""
+        pair = self._verdicts.get(rows.shape[0])
+        if pair is None:
+            empty = np.zeros((rows.shape[0], 1 + state.slots.emitted.shape[1]), np.int32)
+            pair = tuple(jax.device_put(empty, self._placement, may_alias=False) for _ in range(2))
+        verdicts = read_verdicts_step(pair[0], state.slots.num_accepted, state.slots.emitted, rows)
+        self._verdicts[rows.shape[0]] = (pair[1], verdicts)
+        return verdicts
 
 
 def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
@@ -150,7 +166,7 @@ def iterate_pinned(params: LlamaParams, dparams: DraftParams | None, state, pinn
     -> (state, verdicts [B, 1 + K+1]), without waiting."""
     slots, tables = pinned.get(slots, tables)
     state = iterate_in_place_step(params, dparams, state, slots, tables, cfg=cfg)
-    return state, read_verdicts_step(state.slots.num_accepted, state.slots.emitted, slots)
+    return state, pinned.read_verdicts(state, slots)
 
 
 class Engine:
@@ -305,7 +321,7 @@ class Engine:
         for j in range(1, cfg.num_draft):
             state, carry = chain_step_jit(self.draft_params, self.params.embed, state, carry, tables, j, cfg=cfg)
         state = commit_step(state, slots, carry, cfg=cfg)
-        return state, read_verdicts_step(state.slots.num_accepted, state.slots.emitted, slots)
+        return state, self.pinned.read_verdicts(state, slots)
 
     def _collect(self, pending: _Pending) -> list[Request]:
         t = time.perf_counter()

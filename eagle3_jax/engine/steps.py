@@ -255,15 +255,22 @@ def iterate_in_place(params: LlamaParams, dparams: DraftParams | None, state: De
     every buffer it touches, and rewrites the nodes that touch a buffer whose address changed before
     the next launch. A returned array is a new buffer on every call; so is a host array passed in.
     On the H200 that rewrite cost about as much host time as the whole SmolLM2 iteration took on
-    the device (BENCHMARKS.md, fourth session). `read_verdicts` copies the verdicts out."""
+    the device (BENCHMARKS.md, fourth session). `read_verdicts` copies the verdicts out, into
+    buffers of their own for the same reason."""
     return iterate(params, dparams, state, rows, block_tables, cfg)[0]
 
 
-def read_verdicts(num_accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> jax.Array:
+def read_verdicts(buffer: jax.Array, num_accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> jax.Array:
     """The rows' verdicts, copied out of the slots in one array, so the host reads them with one
     device-to-host copy: num_accepted [S], emitted [S, K+1], rows [B] -> verdicts [B, 1 + K+1],
-    column 0 the proposals accepted, then the tokens emitted (`split_verdicts`). A program of its
-    own, one gather, whose new output buffer costs no graph rewrite of the iteration."""
+    column 0 the proposals accepted, then the tokens emitted (`split_verdicts`).
+
+    Written over `buffer` [B, 1 + K+1] (donated; only its address is used), so the program
+    allocates nothing. Why: a device buffer allocated between two iterations, even one this small,
+    moves the next iteration's temporary buffer, and XLA then updates every node of its CUDA graph
+    before the launch: 1-2 us of host time a kernel on the H200, as long as the SmolLM2 iteration
+    runs on the device (`scripts/graph_launch_probe.py`; BENCHMARKS.md, ninth session)."""
+    del buffer
     return jnp.concatenate([num_accepted[rows][:, None], emitted[rows]], axis=1)
 
 
@@ -319,7 +326,7 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
 # One executable per input shape (batch bucket, chunk bucket) and StepConfig; state donated.
 prefill_step = jax.jit(prefill, static_argnames="cfg", donate_argnames="state")
 iterate_in_place_step = jax.jit(iterate_in_place, static_argnames="cfg", donate_argnames="state")
-read_verdicts_step = jax.jit(read_verdicts)
+read_verdicts_step = jax.jit(read_verdicts, donate_argnames="buffer", keep_unused=True)
 # The per-step path: the same iteration as K + 1 programs, the driver threading the carry.
 iterate_head_step = jax.jit(iterate_head, static_argnames="cfg", donate_argnames="state")
 chain_step_jit = jax.jit(chain_step, static_argnames=("j", "cfg"), donate_argnames=("state", "carry"))
