@@ -24,8 +24,10 @@ kernels one by one under a profiler).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import time
@@ -41,8 +43,9 @@ import numpy as np  # noqa: E402
 from eagle3_jax import presets  # noqa: E402
 from eagle3_jax.bench import profile  # noqa: E402
 from eagle3_jax.bench.profile import DeviceActivity  # noqa: E402
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig  # noqa: E402
+from eagle3_jax.config import ATTENTION_KINDS, DraftConfig, EngineConfig, ModelConfig  # noqa: E402
 from eagle3_jax.engine.driver import Engine  # noqa: E402
+from eagle3_jax.engine.steps import iterate_in_place_step  # noqa: E402
 from eagle3_jax.model import llama  # noqa: E402
 from eagle3_jax.model.eagle3 import init_draft_params  # noqa: E402
 
@@ -50,16 +53,48 @@ if "--profile" in sys.argv:
     profile.keep_command_buffers()  # before the backend starts (the first use of a device)
 
 
-def engine_for(target: ModelConfig, draft: DraftConfig, k: int, fused: bool, batches, dtype) -> Engine:
+def engine_for(target: ModelConfig, draft: DraftConfig, k: int, fused: bool, batches, dtype,
+               attention: str = "auto") -> Engine:
     params = llama.init_params(target, jax.random.PRNGKey(0), dtype)
     dparams = init_draft_params(draft, jax.random.PRNGKey(1), dtype) if k else None
     cfg = EngineConfig(batch_buckets=tuple(batches), prefill_buckets=(32,), num_speculative_tokens=k,
-                       fused_iteration=fused, max_model_len=1024)
+                       fused_iteration=fused, max_model_len=1024, attention=attention)
     return Engine(target, params, draft if k else None, dparams, cfg)
 
 
-def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: int) -> tuple[float, float]:
-    """(enqueue ms, wall ms) per call, medians over rounds of `calls` back-to-back iterations."""
+def census(engine: Engine, batch: int) -> str:
+    """What the compiled iteration launches, from its optimized HLO: the entry computation's
+    fusions by kind, custom calls by target, copies, loops and conditionals (a graph's nodes), in
+    the entry computation and in the command buffers XLA wrapped parts of it into."""
+    rows = np.arange(1, batch + 1, dtype=np.int32)
+    tables = np.zeros((batch, engine.cfg.max_blocks_per_seq), np.int32)
+    step_cfg = dataclasses.replace(engine.step_cfg, greedy=True)
+    text = iterate_in_place_step.lower(engine.params, engine.draft_params, engine.state, rows, tables,
+                                       cfg=step_cfg).compile().as_text()
+    blocks = re.split(r"\n(?=\S)", text)  # one per computation
+    launched = [b for b in blocks if b.startswith("ENTRY") or re.match(r"%?command_buffer", b)]
+    counts = collections.Counter()
+    for line in "\n".join(launched).splitlines():
+        op = re.search(r"= \S+ ([a-z-]+)\(", line)
+        if op is None or op.group(1) in ("parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
+            continue
+        name = op.group(1)
+        if name == "fusion":
+            kind = re.search(r"kind=(\w+)", line)
+            name += f" {kind.group(1) if kind else '?'}"
+            backend = re.search(r'"kind":"(\w+)"', line)
+            if backend:
+                name += f" {backend.group(1)}"
+        elif name == "custom-call":
+            name += " " + re.search(r'custom_call_target="([^"]+)"', line).group(1)
+        counts[name] += 1
+    return ", ".join(f"{name} {n}" for name, n in counts.most_common())
+
+
+def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: int,
+                drained: bool = False) -> tuple[float, float]:
+    """(enqueue ms, wall ms) per call, medians over rounds of `calls` back-to-back iterations; with
+    `drained`, the device finishes each call before the next is dispatched (the launch alone)."""
     rows = np.arange(1, batch + 1, dtype=np.int32)
     tables = np.zeros((batch, engine.cfg.max_blocks_per_seq), np.int32)  # scratch pages: same work
     step_cfg = dataclasses.replace(engine.step_cfg, greedy=True)  # what a batch of greedy requests runs
@@ -67,14 +102,19 @@ def time_bucket(engine: Engine, batch: int, context: int, calls: int, rounds: in
     for r in range(rounds + 1):  # round 0 compiles and warms up
         s = engine.state
         engine.state = s.replace(slots=s.slots.replace(length=jnp.full_like(s.slots.length, context)))
-        start = time.perf_counter()
+        start, launching = time.perf_counter(), 0.0
         for _ in range(calls):
+            if drained:
+                jax.block_until_ready(engine.state)
+                t = time.perf_counter()
             engine.state, n = engine.dispatch_iteration(rows, tables, step_cfg)
+            if drained:
+                launching += time.perf_counter() - t
         queued = time.perf_counter()
         n.block_until_ready()
         done = time.perf_counter()
         if r:
-            enqueue.append((queued - start) / calls)
+            enqueue.append((launching if drained else queued - start) / calls)
             wall.append((done - start) / calls)
     return 1e3 * statistics.median(enqueue), 1e3 * statistics.median(wall)
 
@@ -125,22 +165,28 @@ def main() -> int:
     ap.add_argument("--profile", metavar="DIR", help="also profile one round per step and batch, traces in DIR")
     ap.add_argument("--kinds", default="decode,fused,programs",
                     help="which steps: decode (target-only), fused (one program per iteration), programs (K + 1)")
+    ap.add_argument("--attention", default="auto", choices=ATTENTION_KINDS, help="EngineConfig.attention")
+    ap.add_argument("--census", action="store_true", help="also list what each compiled iteration launches")
     a = ap.parse_args()
     target = ModelConfig.from_hf(presets.SMOLLM2_135M)
     draft = DraftConfig.like_target(target, draft_vocab_size=16384)
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     batches = [int(b) for b in a.batches.split(",")]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print("| step | batch | enqueue ms/call | wall ms/call | host share |\n|---|---|---|---|---|")
+    print("| step | batch | enqueue ms/call | wall ms/call | host share | enqueue ms/call, device drained |\n"
+          "|---|---|---|---|---|---|")
     kinds = {"decode": ("target-only decode", 0, True), "fused": (f"EAGLE-3 K={a.k} fused", a.k, True),
              "programs": (f"EAGLE-3 K={a.k} as {a.k + 1} programs", a.k, False)}
     kinds = [kinds[k] for k in a.kinds.split(",")]
-    profiled = []
+    profiled, censuses = [], []
     for name, k, fused in kinds:
-        engine = engine_for(target, draft, k, fused, batches, dtype)
+        engine = engine_for(target, draft, k, fused, batches, dtype, a.attention)
         for b in batches:
             enqueue, wall = time_bucket(engine, b, a.context, a.calls, a.rounds)
-            print(f"| {name} | {b} | {enqueue:.3f} | {wall:.3f} | {enqueue / wall:.0%} |", flush=True)
+            alone, _ = time_bucket(engine, b, a.context, a.calls, a.rounds, drained=True)
+            print(f"| {name} | {b} | {enqueue:.3f} | {wall:.3f} | {enqueue / wall:.0%} | {alone:.3f} |", flush=True)
+            if a.census and fused:
+                censuses.append(f"{name}, batch {b}: {census(engine, b)}")
             if a.profile:
                 out = Path(a.profile) / f"{name.split()[0]}-k{k}-{'fused' if fused else 'programs'}-b{b}"
                 profiled.append((name, b, wall, profile_bucket(engine, b, a.context, a.calls, out)))
@@ -152,6 +198,8 @@ def main() -> int:
                 print(f"| {what} ({leaves if with_params else len(jax.tree_util.tree_leaves(engine.state))} "
                       f"leaves) | - | {enqueue:.3f} | {wall:.3f} | {enqueue / wall:.0%} |", flush=True)
         del engine
+    for line in censuses:
+        print(f"\n{line}")
     if profiled:
         print_profiles(profiled, a.calls)
     return 0

@@ -26,14 +26,20 @@ and the host's median us per dispatch in each mode. If `same` tracks the device 
 and `alternating` stay small, the launch waits for its own graph's previous run; if all three
 grow with n alike, it is the per-node cost.
 
-Measured on the H200 (jax 0.11.2, BENCHMARKS.md, eighth session), host us per dispatch at 800
-kernels and 897 us of device time: idle 229, same 123, alternating 226, + side 1,252,
-+ side, drop 594, + other 1,231. Neither reading holds: a graph launch by itself costs the host
-about 0.15 us a kernel and does not wait for its previous run. What costs 1-2 us a kernel is a
-small program between the calls whose output stays alive, whatever array it reads. The likely
-mechanism, not yet confirmed: that output moves where the next call's temporary buffer is
-allocated, so XLA updates every node of the graph before the launch. The engine's verdicts
-(`steps.read_verdicts`) are such an output.
+Measured on the H200 (jax 0.11.2, BENCHMARKS.md, eighth and ninth sessions), host us per dispatch
+at 800 kernels and 842-897 us of device time: idle 165-245, same 123-157, alternating 163-226,
++ side 1,134-1,252, + side, drop 594-631, + other 1,160-1,683, + side, pair 176-188. A graph launch
+by itself costs the host about 0.15-0.3 us a kernel and does not wait for its previous run. What
+costs 1-2 us a kernel is a small device buffer allocated between the calls. The likely mechanism:
+it moves the next call's temporary buffer, so XLA updates every node of the graph before the
+launch. Written into buffers that already exist ("pair"), it costs nothing. The engine's verdicts
+(`steps.read_verdicts`) were such an output: with them, XLA's log (TF_CPP_VMODULE=
+command_buffer_thunk=3) counted 1,225 graph updates in 1,400 iterations of
+`scripts/dispatch_overhead.py`, most at batch buckets 16-64; with the pair, 50 (one per round).
+
+The first table, the launch alone per kernel kind (device drained before each call), tells the
+kernels apart: the GEMM chain's extra cost is its one weight argument per step (argument handling
+is 1-2 us a buffer), not its kernels.
 """
 
 from __future__ import annotations
@@ -52,6 +58,32 @@ def chain(n: int, offset: float):
             x = x * 0.999 + jnp.tanh(jnp.sum(x, axis=-1, keepdims=True) * 1e-3 + offset + i)
         return x
     return jax.jit(f, donate_argnums=0)
+
+
+def dot_chain(n: int):
+    """n GEMV steps, [1, 576] @ [576, 576] in bf16, each a Triton GEMM fusion of XLA's."""
+    def f(x, ws):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x
+    return jax.jit(f, donate_argnums=0), [jnp.full((576, 576), 1e-3, jnp.bfloat16) for _ in range(n)]
+
+
+def pallas_chain(n: int):
+    """n Pallas (Triton) kernels, each y = x * 0.999 + 0.001 over [4096]."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 0.999 + 0.001
+
+    step = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4096,), jnp.float32),
+                          interpret=jax.default_backend() == "cpu")
+
+    def f(x, ws):
+        for _ in range(n):
+            x = step(x)
+        return x
+    return jax.jit(f, donate_argnums=0), []
 
 
 def kernels(compiled) -> int:
@@ -95,6 +127,8 @@ def host_us(fns, x, calls: int, drain: bool, side: str = "") -> tuple[float, jax
 
 def main() -> None:
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    launch_by_kind()
+    print()
     print("| steps | kernels | device us/call | host us: idle | same | alternating | + side | + side, drop | + other "
           "| + side, pair |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -121,6 +155,28 @@ def main() -> None:
             sides.append(f"{us:.0f}")
         print(f"| {n} | {count} | {device:.0f} | {idle:.0f} | {same:.0f} | {alternating:.0f} | {' | '.join(sides)} |",
               flush=True)
+
+
+def launch_by_kind() -> None:
+    """The launch alone (device drained before each call), per kernel kind: host us per call."""
+    print("\n| kernel kind | steps | kernels | host us per launch, drained | us per kernel |\n|---|---|---|---|---|")
+    for name, build, shape, dtype in (("XLA reduce + elementwise", lambda n: (chain(n, 0.0), []), (1, 4096), jnp.float32),
+                                      ("XLA Triton GEMM", dot_chain, (1, 576), jnp.bfloat16),
+                                      ("Pallas Triton", pallas_chain, (4096,), jnp.float32)):
+        for n in (50, 200):
+            fn, ws = build(n)
+            x = jnp.ones(shape, dtype)
+            args = (x, ws) if ws or name.startswith("Pallas") else (x,)
+            count = kernels(fn.lower(*args).compile())
+            samples = []
+            for i in range(40):
+                x = jax.block_until_ready(x)
+                t = time.perf_counter()
+                x = fn(x, ws) if len(args) == 2 else fn(x)
+                if i >= 5:  # the first calls compile and build the graph
+                    samples.append(time.perf_counter() - t)
+            us = 1e6 * statistics.median(samples)
+            print(f"| {name} | {n} | {count} | {us:.0f} | {us / max(count, 1):.2f} |", flush=True)
 
 
 if __name__ == "__main__":
