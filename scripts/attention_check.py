@@ -130,7 +130,7 @@ def block_errors(dtype) -> None:
         pages = [rng.standard_normal((1, num_pages, PAGE, g, hd)) for _ in range(2)]  # one layer
         table = jnp.asarray(1 + rng.permutation(num_pages - 1).reshape(b, nb), jnp.int32)
         positions = jnp.asarray(np.broadcast_to(context + np.arange(t), (b, t)), jnp.int32)
-        kw = {"eps": 1e-5, "inv_freq": layers.rope_inv_freq(hd, 500000.0, None)}
+        kw = {"inv_freq": layers.rope_inv_freq(hd, 500000.0, None)}
         case = (x, wqkv, wo, pages, positions, table, kw)
         want, want_k = block_outputs("xla", jnp.float32, *case)
         (xla, _), (kernel, kernel_k) = block_outputs("xla", dtype, *case), block_outputs("pallas", dtype, *case)
@@ -140,8 +140,7 @@ def block_errors(dtype) -> None:
 
 def block_outputs(kind, dtype, x, wqkv, wo, pages, positions, table, kw) -> tuple[np.ndarray, np.ndarray]:
     """(attention_block's output, the K pages it wrote, scratch page left out) as f32 arrays."""
-    d = x.shape[-1]
-    args = [jnp.asarray(a, dtype) for a in (x, np.ones(d), wqkv, wo)]
+    args = [jnp.asarray(a, dtype) for a in (x, wqkv, wo)]  # x stands for the normed input
     k_pages, v_pages = (jnp.asarray(a, dtype) for a in pages)
     fn = jax.jit(functools.partial(layers.attention_block, layer=0, attention=kind, **kw))
     out, k_pages, _ = fn(*args, positions, k_pages, v_pages, block_table=table)
