@@ -143,9 +143,11 @@ def test_engine_rows(report):
         for b in BATCHES:
             assert f"| {mode} | {b} | {max(b, 2)} |" in markdown
     assert [n for n in data["notes"] if n.startswith("EAGLE-3 K=1 auto: speculation policy") and "break-even" in n]
-    # --profile: where each row's host thread spent its time; the engine's step is among it.
+    # --profile: where each row's host thread spent its time: the compiled programs' dispatch and
+    # the engine's own frames are among its largest self times (the order of the small ones varies).
     host_notes = [n for n in data["notes"] if "the host thread's self time per iteration" in n]
-    assert len(host_notes) == len(modes) * len(BATCHES) and all("step" in n for n in host_notes)
+    assert len(host_notes) == len(modes) * len(BATCHES)
+    assert all("PjitFunction(" in n and "driver.py" in n for n in host_notes)
 
 
 def test_step_rows(report):
