@@ -34,8 +34,9 @@ costs 1-2 us a kernel is a small device buffer allocated between the calls. The 
 it moves the next call's temporary buffer, so XLA updates every node of the graph before the
 launch. Written into buffers that already exist ("pair"), it costs nothing. The engine's verdicts
 (`steps.read_verdicts`) were such an output: with them, XLA's log (TF_CPP_VMODULE=
-command_buffer_thunk=3) counted 1,225 graph updates in 1,400 iterations of
-`scripts/dispatch_overhead.py`, most at batch buckets 16-64; with the pair, 50 (one per round).
+command_buffer_thunk=3) counted 1,225 graph updates in 2,800 iterations of
+`scripts/dispatch_overhead.py`, 1,200 of them at batch buckets 16-64; with the pair, 50, about one
+per round.
 
 The first table, the launch alone per kernel kind (device drained before each call), tells the
 kernels apart: the GEMM chain's extra cost is its one weight argument per step (argument handling
