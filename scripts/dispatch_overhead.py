@@ -63,9 +63,9 @@ def engine_for(target: ModelConfig, draft: DraftConfig, k: int, fused: bool, bat
 
 
 def census(engine: Engine, batch: int) -> str:
-    """What the compiled iteration launches, from its optimized HLO: the entry computation's
-    fusions by kind, custom calls by target, copies, loops and conditionals (a graph's nodes), in
-    the entry computation and in the command buffers XLA wrapped parts of it into."""
+    """What the compiled iteration launches, from its optimized HLO: fusions by kind, custom calls
+    by target and every other op (copies, loops, conditionals), counted in the entry computation
+    and in the command buffers XLA wrapped parts of it into (a graph's nodes)."""
     rows = np.arange(1, batch + 1, dtype=np.int32)
     tables = np.zeros((batch, engine.cfg.max_blocks_per_seq), np.int32)
     step_cfg = dataclasses.replace(engine.step_cfg, greedy=True)

@@ -62,16 +62,17 @@ def chain(n: int, offset: float):
 
 
 def dot_chain(n: int):
-    """n GEMV steps, [1, 576] @ [576, 576] in bf16, each a Triton GEMM fusion of XLA's."""
+    """n GEMV steps, [1, 576] @ [576, 576] in bf16, each a Triton GEMM fusion of XLA's:
+    -> (program of (x, weights), (weights,))."""
     def f(x, ws):
         for w in ws:
             x = jnp.tanh(x @ w)
         return x
-    return jax.jit(f, donate_argnums=0), [jnp.full((576, 576), 1e-3, jnp.bfloat16) for _ in range(n)]
+    return jax.jit(f, donate_argnums=0), ([jnp.full((576, 576), 1e-3, jnp.bfloat16) for _ in range(n)],)
 
 
 def pallas_chain(n: int):
-    """n Pallas (Triton) kernels, each y = x * 0.999 + 0.001 over [4096]."""
+    """n Pallas (Triton) kernels, each y = x * 0.999 + 0.001 over [4096]: -> (program of x, ())."""
     from jax.experimental import pallas as pl
 
     def kernel(x_ref, o_ref):
@@ -80,11 +81,11 @@ def pallas_chain(n: int):
     step = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4096,), jnp.float32),
                           interpret=jax.default_backend() == "cpu")
 
-    def f(x, ws):
+    def f(x):
         for _ in range(n):
             x = step(x)
         return x
-    return jax.jit(f, donate_argnums=0), []
+    return jax.jit(f, donate_argnums=0), ()
 
 
 def kernels(compiled) -> int:
@@ -161,19 +162,19 @@ def main() -> None:
 def launch_by_kind() -> None:
     """The launch alone (device drained before each call), per kernel kind: host us per call."""
     print("\n| kernel kind | steps | kernels | host us per launch, drained | us per kernel |\n|---|---|---|---|---|")
-    for name, build, shape, dtype in (("XLA reduce + elementwise", lambda n: (chain(n, 0.0), []), (1, 4096), jnp.float32),
-                                      ("XLA Triton GEMM", dot_chain, (1, 576), jnp.bfloat16),
-                                      ("Pallas Triton", pallas_chain, (4096,), jnp.float32)):
+    kinds = (("XLA reduce + elementwise", lambda n: (chain(n, 0.0), ()), (1, 4096), jnp.float32),
+             ("XLA Triton GEMM", dot_chain, (1, 576), jnp.bfloat16),
+             ("Pallas Triton", pallas_chain, (4096,), jnp.float32))
+    for name, build, shape, dtype in kinds:
         for n in (50, 200):
-            fn, ws = build(n)
+            fn, rest = build(n)  # called as fn(x, *rest), x donated
             x = jnp.ones(shape, dtype)
-            args = (x, ws) if ws or name.startswith("Pallas") else (x,)
-            count = kernels(fn.lower(*args).compile())
+            count = kernels(fn.lower(x, *rest).compile())
             samples = []
             for i in range(40):
                 x = jax.block_until_ready(x)
                 t = time.perf_counter()
-                x = fn(x, ws) if len(args) == 2 else fn(x)
+                x = fn(x, *rest)
                 if i >= 5:  # the first calls compile and build the graph
                     samples.append(time.perf_counter() - t)
             us = 1e6 * statistics.median(samples)

@@ -270,7 +270,8 @@ def read_verdicts(buffer: jax.Array, num_accepted: jax.Array, emitted: jax.Array
     can move the next iteration's temporary buffer, and XLA then updates every node of its CUDA
     graph before the launch (`scripts/graph_launch_probe.py`). On the H200 a fresh verdicts array
     did so at batch buckets 16-64: 1,225 graph updates in 2,800 SmolLM2 EAGLE-3 iterations, 1,200
-    of them at those buckets; 2.0-2.3 ms of host time per iteration there, against 0.9-1.3 ms now (BENCHMARKS.md, ninth session)."""
+    of them at those buckets; 2.0-2.3 ms of host time per iteration there, against 0.9-1.3 ms now
+    (BENCHMARKS.md, ninth session)."""
     del buffer
     return jnp.concatenate([num_accepted[rows][:, None], emitted[rows]], axis=1)
 
