@@ -202,12 +202,15 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
 
 def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: int, positions: jax.Array,
                  block_table: jax.Array, heads_per_kv: int, splits: int | None = None, block_keys: int = 64,
-                 num_warps: int = 4) -> jax.Array:
+                 num_warps: int = 4, num_stages: int = 1) -> jax.Array:
     """Attention of query tiles [B, G, M, hd] (row t*R + r: q head g*R + r of token t) over layer
     `layer` of the pages [L, P, page, G, hd] (already holding this step's keys); positions [B, T]; block_table
     [B, nb] -> [B, T, G*R, hd]. `splits`: programs per (row, kv head), each over its share of the
     row's key blocks (default: `num_splits`; rounded down to a power of two); `block_keys`: keys
-    per loop step."""
+    per loop step; `num_stages`: Triton's software pipelining of the key-block loop. A split walks
+    only a few blocks, and one stage (no pipelining) ran the 8B verify of 8 x 4 at 11.5 us a
+    layer against 14.6 with two, decode at one row 10.2 against 10.7 (H200, BENCHMARKS.md,
+    tenth session)."""
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r
@@ -237,7 +240,7 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
         out_shape=[jax.ShapeDtypeStruct((b, g, splits, m, hd), q_tiles.dtype if splits == 1 else jnp.float32),
                    jax.ShapeDtypeStruct((b, g, splits, m), jnp.float32)],
         interpret=interpret,
-        compiler_params=_compiler_params(num_warps),
+        compiler_params=_compiler_params(num_warps, num_stages),
         name="eagle3_paged_attention",
     )(q_tiles, qpos, block_table.astype(jnp.int32), k_pages, v_pages)
     if splits == 1:
@@ -253,17 +256,17 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
             out_specs=pl.BlockSpec((None, None, m, chunk), lambda i, j, c: (i, j, 0, c)),
             out_shape=jax.ShapeDtypeStruct((b, g, m, hd), q_tiles.dtype),
             interpret=interpret,
-            compiler_params=_compiler_params(num_warps),
+            compiler_params=_compiler_params(num_warps, num_stages),
             name="eagle3_attention_combine",
         )(out, lse)
     # [B, G, M, hd] -> [B, T, G*R, hd]
     return out[:, :, :rows].reshape(b, g, t, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "block_keys", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("splits", "block_keys", "num_warps", "num_stages"))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
                     block_table: jax.Array, splits: int | None = None, block_keys: int = 64,
-                    num_warps: int = 4) -> jax.Array:
+                    num_warps: int = 4, num_stages: int = 1) -> jax.Array:
     """Same contract as `layers.paged_attention`: q [B, T, H, hd] (rotated), k/v_pages
     [P, page, G, hd] (already holding this step's keys), positions [B, T], block_table [B, nb]
     -> [B, T, H, hd]. The steps call `rope_and_write` then `attend_tiles` instead; this form
@@ -276,10 +279,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     tiles = q.reshape(b, t, g, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, g, t * r, hd)
     tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, m - t * r), (0, 0)))
     return attend_tiles(tiles, k_pages[None], v_pages[None], 0, positions, block_table, r, splits, block_keys,
-                        num_warps)
+                        num_warps, num_stages)
 
 
-def _compiler_params(num_warps: int):
+def _compiler_params(num_warps: int, num_stages: int = 2):
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
