@@ -208,9 +208,9 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
     [B, nb] -> [B, T, G*R, hd]. `splits`: programs per (row, kv head), each over its share of the
     row's key blocks (default: `num_splits`; rounded down to a power of two); `block_keys`: keys
     per loop step; `num_stages`: Triton's software pipelining of the key-block loop. A split walks
-    only a few blocks, and one stage (no pipelining) ran the 8B verify of 8 x 4 at 11.5 us a
-    layer against 14.6 with two, decode at one row 10.2 against 10.7 (H200, BENCHMARKS.md,
-    tenth session)."""
+    only a few blocks, and one stage (no pipelining) ran the 8B verify of 8 x 4 at 11.5-11.7 us a
+    layer against 14.6-15.0 with two, decode at one row 10.0-10.2 against 10.7-11.0 (two sweeps
+    on the H200, BENCHMARKS.md, tenth session)."""
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r
