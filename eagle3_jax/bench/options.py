@@ -15,7 +15,8 @@ from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHA
 from eagle3_jax.config import ATTENTION_KINDS
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def sorted_ints(text: str) -> tuple[int, ...]:
+    """"8,1,2,2" -> (1, 2, 8): a comma-separated list of sizes, sorted, each once."""
     return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
 
 
@@ -146,22 +147,22 @@ class Options:
         phases = tuple(x.strip() for x in a.only.split(",") if x.strip())
         if unknown := set(phases) - set(PHASES):
             raise SystemExit(f"--only: unknown phase(s) {sorted(unknown)}; choose from {', '.join(PHASES)}")
-        batches = _ints(a.batches)
-        if min(_ints(a.num_draft)) < 1:
+        batches = sorted_ints(a.batches)
+        if min(sorted_ints(a.num_draft)) < 1:
             raise SystemExit("--num-draft: K must be at least 1 (target-only always runs)")
         if a.tp < 1:
             raise SystemExit(f"--tp must be at least 1, got {a.tp}")
         if "tp" in phases and a.tp < 2:
             raise SystemExit("--only tp compares TP=N with TP=1: give --tp N with N >= 2")
         return cls(phases=phases, out_dir=Path(a.out_dir), batches=batches,
-                   batches_8b=_ints(a.batches_8b) if a.batches_8b else batches, num_draft=_ints(a.num_draft), per_step=a.per_step,
+                   batches_8b=sorted_ints(a.batches_8b) if a.batches_8b else batches, num_draft=sorted_ints(a.num_draft), per_step=a.per_step,
                    auto=a.auto, min_bucket=a.min_bucket,
                    prompts=a.prompts, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos, dtype_name=a.dtype,
                    target=Path(a.target), draft=a.draft, questions=a.questions, max_model_len=a.max_model_len,
-                   prefill_buckets=_ints(a.prefill_buckets), step_model=a.step_model, step_draft=a.step_draft,
+                   prefill_buckets=sorted_ints(a.prefill_buckets), step_model=a.step_model, step_draft=a.step_draft,
                    tp=a.tp, context=a.context,
                    max_model_len_8b=a.max_model_len_8b, assumed_acceptance=a.assumed_acceptance,
-                   peer_batches=_ints(a.peer_batches), peer_prompts=a.peer_prompts or a.prompts,
+                   peer_batches=sorted_ints(a.peer_batches), peer_prompts=a.peer_prompts or a.prompts,
                    peer_8b=a.peer_8b, peer_timeout=a.peer_timeout, calls=a.calls, rounds=a.rounds,
                    bandwidth_gb=a.bandwidth_gb, matmul_size=a.matmul_size, parallel_compile=a.parallel_compile,
                    attention=a.attention,

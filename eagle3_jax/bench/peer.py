@@ -38,7 +38,7 @@ def peer_spec(opts: Options) -> tuple[dict, str]:
         def encode(text):
             return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False)
-    prompts, source = load_prompts(opts, encode, cfg.vocab_size, max(opts.peer_prompts, max(opts.peer_batches)))
+    prompts, source = load_prompts(opts.questions, encode, cfg.vocab_size, max(opts.peer_prompts, max(opts.peer_batches)))
     eos = set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok is not None and tok.eos_token_id is not None else set())
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else min(eos, default=0)
     spec = {"target": str(opts.target), "prompts": [[int(t) for t in p] for p in prompts], "eos": sorted(eos),

@@ -102,19 +102,20 @@ def run_round(engine: Engine, prompts: Sequence[list[int]], params: SamplingPara
     return Round(reqs, wall, ttft, tpot, steady)
 
 
-def load_prompts(opts: Options, encode, vocab_size: int, count: int) -> tuple[list[list[int]], str]:
+def load_prompts(questions: str | None, encode, vocab_size: int, count: int) -> tuple[list[list[int]], str]:
     """`count` prompts as token ids, and where they came from: MT-bench first turns in order
-    (repeated as needed) through `encode` (the chat template); random ids without a tokenizer."""
+    (repeated as needed) through `encode` (the chat template), from the question.jsonl at
+    `questions` (None: the packaged asset); random ids without a tokenizer."""
     if encode is None:
         rng = np.random.default_rng(0)
         return ([rng.integers(1, vocab_size, 32).tolist() for _ in range(count)],
                 "random token ids (no tokenizer), 32 per prompt")
-    if opts.questions:
-        with open(opts.questions) as f:
-            questions = [json.loads(line) for line in f if line.strip()]
+    if questions:
+        with open(questions) as f:
+            records = [json.loads(line) for line in f if line.strip()]
     else:
-        questions = assets.mtbench_questions()
-    turns = [q["turns"][0] for q in questions]
+        records = assets.mtbench_questions()
+    turns = [q["turns"][0] for q in records]
     return ([list(encode(turns[i % len(turns)])) for i in range(count)],
             f"MT-bench first turns ({len(turns)} questions, in order, repeated as needed), chat template")
 
@@ -216,7 +217,7 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
     log(f"{mode}: compiled in {compile_s:.1f} s, Engine.warmup {warmup_s:.1f} s")
     target, draft = engine.step_cfg.target, engine.step_cfg.draft
     count = max(math.ceil(opts.prompts / b) * b for b in opts.batches)
-    prompts, source = load_prompts(opts, llm.encode if llm.tokenizer else None, target.vocab_size, count)
+    prompts, source = load_prompts(opts.questions, llm.encode if llm.tokenizer else None, target.vocab_size, count)
     params = SamplingParams(max_tokens=opts.max_tokens, ignore_eos=opts.ignore_eos)
     results = []
     for b in opts.batches:
