@@ -264,6 +264,33 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     assert a != b and verdict_addresses == [a, b, a, b]
 
 
+def test_first_tokens_are_read_into_buffers_held_per_slot(spec_llm, chat_ids, monkeypatch):
+    """Nor does an admission leave a new buffer on the device: the prefill's only output is the
+    donated state, and its first token is copied out of the slots into a buffer held per slot.
+    Requests admitted together are all read (each slot's buffer is its own), and a slot admitted
+    again reuses its buffer. Each request's metrics time its arrival and its tokens' collection."""
+    engine = spec_llm.engine
+    reads = []  # (slot, address of the first-token array)
+    read = engine.pinned.read_first_token
+
+    def recording(state, slot):
+        first = read(state, slot)
+        reads.append((slot, first.unsafe_buffer_pointer()))
+        return first
+
+    monkeypatch.setattr(engine.pinned, "read_first_token", recording)
+    state_addresses = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.state)]
+    for _ in range(2):  # three requests admitted in one step, twice into the same three slots
+        outputs = spec_llm.generate(chat_ids[:3], SamplingParams(max_tokens=2))
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.state)] == state_addresses
+    assert all(o.metrics.arrival_time < o.metrics.first_token_time <= o.metrics.last_token_time for o in outputs)
+    slots = sorted({slot for slot, _ in reads})
+    assert len(reads) == 6 and len(slots) == 3
+    by_slot = {slot: {address for s, address in reads if s == slot} for slot in slots}
+    assert all(len(addresses) == 1 for addresses in by_slot.values())
+    assert len(set.union(*by_slot.values())) == 3
+
+
 def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     """Every buffer a step takes and donates costs host time at each dispatch (about 2.5 us on the
     H200), so the KV cache is one array for K and one for V whatever the depth: a 30-layer target's

@@ -29,7 +29,8 @@ from eagle3_jax.engine import policy, sampling
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
 from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step,
-                                    iterate_in_place_step, prefill_step, read_verdicts_step, split_verdicts)
+                                    iterate_in_place_step, prefill_step, read_first_token_step, read_verdicts_step,
+                                    split_verdicts)
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams, fold_norm_gains
 from eagle3_jax.parallel import sharding
@@ -105,7 +106,8 @@ _overwrite = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)
 
 class PinnedBatch:
     """The iteration's per-call arguments, slots [B] and block tables [B, nb], kept on the device at
-    one address per bucket; and two buffers per bucket its verdicts are copied into in turn.
+    one address per bucket; two buffers per bucket its verdicts are copied into in turn; and one
+    buffer per slot a prefill's first token is copied into.
 
     XLA launches a compiled iteration as a CUDA graph that records every buffer address it uses,
     and rewrites the graph nodes that use a moved buffer before the next launch (see
@@ -113,13 +115,14 @@ class PinnedBatch:
     call. So the engine keeps one device copy per bucket and overwrites it in place (a donated
     copy, a program with no graph of its own) only when the scheduler's values change: a request
     joined or left. Nor may anything be allocated between two iterations (`steps.read_verdicts`),
-    so the verdicts go into buffers held here, written over in turn.
+    so the verdicts and first tokens go into buffers held here, written over.
     """
 
     def __init__(self, mesh: Mesh | None):
         self._placement = sharding.replicated_placement(mesh)  # like every per-row input under tp
         self._by_bucket: dict[int, tuple[np.ndarray, np.ndarray, tuple[jax.Array, jax.Array]]] = {}
         self._verdicts: dict[int, tuple[jax.Array, jax.Array]] = {}  # bucket -> (oldest, newest)
+        self._first_tokens: list[list[jax.Array]] = []  # slot -> [slot index [1], first token [1]]
 
     def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """Device arrays holding these slots [B] and tables [B, nb], at the bucket's address."""
@@ -147,6 +150,22 @@ class PinnedBatch:
         verdicts = read_verdicts_step(pair[0], state.slots.num_accepted, state.slots.emitted, rows)
         self._verdicts[rows.shape[0]] = (pair[1], verdicts)
         return verdicts
+
+    def read_first_token(self, state, slot: int) -> jax.Array:
+        """The first token [1] the prefill just dispatched sampled into `slot`, without waiting.
+        The gather takes the slot's index from a held buffer and writes over the slot's own
+        buffer, so nothing is allocated. One buffer per slot rather than two taken in turn: one
+        step may admit many requests, all read in the next step, but a slot is admitted again only
+        after its request finished, and a request finishes only once its first token was read. So
+        each array returned here must be read (or dropped) before the slot's next prefill, which
+        writes over it; the engine reads it in the step after the one that dispatched it."""
+        if not self._first_tokens:  # every slot's at once: none is allocated while serving
+            held = [(np.array([s], np.int32), np.zeros(1, np.int32)) for s in range(state.slots.last_token.shape[0])]
+            self._first_tokens = [list(pair) for pair in jax.device_put(held, self._placement, may_alias=False)]
+        index, buffer = self._first_tokens[slot]
+        first = read_first_token_step(buffer, state.slots.last_token, index)
+        self._first_tokens[slot][1] = first
+        return first
 
 
 def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
@@ -238,9 +257,11 @@ class Engine:
         return tuple(policy.BucketChoice(b, self.step_costs.get(b), self.speculates(b)) for b in self.cfg.batch_buckets)
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
-        """Queue a request; raise RequestError naming the problem (nothing else is affected)."""
-        return self.scheduler.add(list(prompt), params)
+    def add_request(self, prompt: Sequence[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
+        """Queue a request; raise RequestError naming the problem (nothing else is affected).
+        `arrival_time` (time.perf_counter() seconds, default now) is when it reached the server:
+        its metrics measure the time to the first token from there."""
+        return self.scheduler.add(list(prompt), params, arrival_time)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
@@ -270,7 +291,6 @@ class Engine:
         prompt = req.prompt
         row = sampling.row_sampling_from_params([req.params], rng=self._seed_rng)
         cfg = dataclasses.replace(self.step_cfg, greedy=req.params.greedy)
-        first = None
         for start in range(0, len(prompt), largest):
             chunk = prompt[start:start + largest]
             size = next(b for b in self.cfg.prefill_buckets if b >= len(chunk))
@@ -282,14 +302,17 @@ class Engine:
             if start + len(chunk) == len(prompt):
                 next_tokens[0, len(chunk) - 1] = -1  # the first generated token goes here
             t = time.perf_counter()
-            self.state, first = prefill_step(
+            self.state = prefill_step(
                 self.params, self.draft_params, self.state, tokens, next_tokens,
                 np.array([len(chunk)], np.int32), np.array([start], np.int32),
                 np.array([req.slot], np.int32), self.scheduler.block_tables[req.slot][None], row,
                 cfg=cfg)
             self.stats.dispatch_s += time.perf_counter() - t
         self._fresh[req.slot] = self.step_cfg.speculative  # the last chunk drafted K proposals
+        t = time.perf_counter()
+        first = self.pinned.read_first_token(self.state, req.slot)  # [1], the last chunk's sample
         first.copy_to_host_async()
+        self.stats.dispatch_s += time.perf_counter() - t
         self._pending.append(_Pending([req], first))
 
     def _dispatch_iterate(self) -> None:
@@ -326,7 +349,8 @@ class Engine:
     def _collect(self, pending: _Pending) -> list[Request]:
         t = time.perf_counter()
         result = np.asarray(pending.result)
-        self.stats.device_wait_s += time.perf_counter() - t
+        collected = time.perf_counter()
+        self.stats.device_wait_s += collected - t
         accepted, tokens = split_verdicts(result) if pending.iteration else (None, result)
         if accepted is not None:
             # Measured: running rows (not the surplus iteration of a finished one) of a speculative
@@ -344,6 +368,7 @@ class Engine:
                 req.metrics.record(int(accepted[i]), speculative=pending.speculative)
                 new = tokens[i, :accepted[i] + 1].tolist()
             self._append(req, new)
+            req.metrics.collected(collected)
             changed.append(req)
         return changed
 
@@ -435,10 +460,11 @@ class Engine:
             else:
                 next_tokens = np.zeros((1, size), np.int32)
                 next_tokens[0, 0] = -1
-                self.state, n = prefill_step(
+                self.state = prefill_step(
                     self.params, self.draft_params, self.state, np.zeros((1, size), np.int32), next_tokens,
                     np.ones(1, np.int32), np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32),
                     np.zeros((1, nb), np.int32), greedy_row, cfg=cfg)
+                n = self.pinned.read_first_token(self.state, DUMMY_SLOT)  # as serving reads it
             n.block_until_ready()
         for b in self.cfg.batch_buckets:
             # The policy's costs come from the greedy programs (the sampling ones add the same

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import time
 from collections import deque
 
 import numpy as np
@@ -31,6 +32,11 @@ class RequestMetrics:
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # [K] drafts accepted at position j
     num_draft: int = 0  # K
     speculative_iterations: int = 0  # those forwards that verified K drafts (the rest ran the target alone)
+    # time.perf_counter() seconds: when the request arrived (Scheduler.add), and when the host
+    # collected its first and its latest tokens (None before).
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def record(self, num_accepted: int, speculative: bool = True) -> None:
         self.iterations += 1
@@ -38,6 +44,12 @@ class RequestMetrics:
         self.emitted += num_accepted + 1
         for j in range(num_accepted):
             self.accepted_at[j] += 1
+
+    def collected(self, at: float) -> None:
+        """New tokens of the request reached the host at `at` (time.perf_counter())."""
+        if self.first_token_time is None:
+            self.first_token_time = at
+        self.last_token_time = at
 
     @property
     def acceptance_length(self) -> float:
@@ -117,8 +129,9 @@ class Scheduler:
         in_flight = 2 * (self.num_draft + 1)  # this iteration and the one dispatched ahead
         return -(-(prompt_len + max_tokens + in_flight) // self.cfg.page_size)
 
-    def add(self, prompt: list[int], params: SamplingParams) -> Request:
-        """Validate and queue a request; raise RequestError naming the problem."""
+    def add(self, prompt: list[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request; raise RequestError naming the problem. `arrival_time`
+        (time.perf_counter() seconds, default now) is when it reached the server."""
         if len(prompt) == 0:
             raise RequestError("prompt is empty")
         ids = np.asarray(prompt)
@@ -136,8 +149,10 @@ class Scheduler:
         if self.pages_needed(len(prompt), max_tokens) > self.pool.capacity:
             raise RequestError(f"prompt + max_tokens needs {self.pages_needed(len(prompt), max_tokens)} KV "
                                f"pages; the pool has {self.pool.capacity}")
+        metrics = RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft,
+                                 arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, max_tokens=max_tokens,
-                      metrics=RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft))
+                      metrics=metrics)
         self.waiting.append(req)
         return req
 

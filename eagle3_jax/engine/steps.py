@@ -5,7 +5,8 @@ state (the KV pool is updated in place):
 
   prefill(chunk [1, T])     target prefill of one prompt chunk + the draft prefill over the same
                             chunk (ids shifted left by one, the target's captures); on the last
-                            chunk it also samples the first token and drafts the first K proposals.
+                            chunk it also samples the first token (left in the slot's last_token,
+                            `read_first_token` copies it out) and drafts the first K proposals.
   iterate(rows [B])         one whole speculative iteration: target verify of K+1 tokens, lossless
                             acceptance, draft extend over the verified positions (overwriting the
                             draft KV its own chain wrote, with the target's captures), K-1 chain
@@ -276,6 +277,15 @@ def read_verdicts(buffer: jax.Array, num_accepted: jax.Array, emitted: jax.Array
     return jnp.concatenate([num_accepted[rows][:, None], emitted[rows]], axis=1)
 
 
+def read_first_token(buffer: jax.Array, last_token: jax.Array, slot: jax.Array) -> jax.Array:
+    """The first token a prefill sampled into `slot` [1], copied out of the slots: last_token [S]
+    -> [1]. Written over `buffer` [1] (donated; only its address is used), so the program
+    allocates nothing, for the reason `read_verdicts` gives: a prefill admitted between two
+    iterations would otherwise leave a new buffer on the device, kept until the host reads it."""
+    del buffer
+    return last_token[slot]
+
+
 def split_verdicts(verdicts):
     """verdicts [B, 1 + K+1] (`read_verdicts`; a device or host array) -> (num_accepted [B],
     emitted [B, K+1]): row b emitted emitted[b, :num_accepted[b] + 1]."""
@@ -285,15 +295,16 @@ def split_verdicts(verdicts):
 def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
             next_tokens: jax.Array, num_valid: jax.Array, start: jax.Array, slot: jax.Array,
             block_table: jax.Array, row: sampling.RowSampling,
-            cfg: StepConfig) -> tuple[DeviceState, jax.Array]:
+            cfg: StepConfig) -> DeviceState:
     """Prefill one chunk of one prompt into `slot`.
 
     tokens [1, T] (padded after num_valid [1]), next_tokens [1, T]: the same ids shifted left by
     one; its entry num_valid-1 is the next prompt token, or -1 on the last chunk, where the
     sampled first token goes; start [1]: position of tokens[0]; block_table
     [1, nb]; row: the request's sampling parameters [1].
-    -> (state, first generated token [1]; meaningful on the last chunk only).
-    The slot's state is written on every chunk; the last chunk's write is the one that stays.
+    -> state, its only output (aliased to the donated input: nothing new stays on the device). The
+    slot's state is written on every chunk; the last chunk's write is the one that stays, its
+    `last_token` the first generated token (`read_first_token` copies it out).
     """
     t = tokens.shape[1]
     positions = start[:, None] + jnp.arange(t)  # [1, T]
@@ -322,13 +333,14 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
                 num_generated=jnp.ones_like(length), num_accepted=jnp.zeros_like(length),
                 emitted=jnp.zeros((1, state.slots.emitted.shape[1]), jnp.int32))
     slots = _write_slots(state.slots, slot, new)
-    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), first
+    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg)
 
 
 # One executable per input shape (batch bucket, chunk bucket) and StepConfig; state donated.
 prefill_step = jax.jit(prefill, static_argnames="cfg", donate_argnames="state")
 iterate_in_place_step = jax.jit(iterate_in_place, static_argnames="cfg", donate_argnames="state")
 read_verdicts_step = jax.jit(read_verdicts, donate_argnames="buffer", keep_unused=True)
+read_first_token_step = jax.jit(read_first_token, donate_argnames="buffer", keep_unused=True)
 # The per-step path: the same iteration as K + 1 programs, the driver threading the carry.
 iterate_head_step = jax.jit(iterate_head, static_argnames="cfg", donate_argnames="state")
 chain_step_jit = jax.jit(chain_step, static_argnames=("j", "cfg"), donate_argnames=("state", "carry"))
