@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from eagle3_jax.bench import costs  # noqa: E402
 from eagle3_jax.model import layers, pallas_attention  # noqa: E402
 
 # name, batch, new tokens, kv heads, q heads per kv head, head dim, cached tokens, table width (pages)
@@ -44,22 +43,7 @@ PAGE = 16
 
 def timed(fn, *args, calls: int = 50, rounds: int = 5) -> float:
     """Median ms per call, calls back to back."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls)
-    return 1e3 * statistics.median(samples)
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a device copy of 1 GiB (read + written)."""
-    x = jnp.ones((1 << 28,), jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0001)
-    return 2 * x.nbytes / (timed(copy, x, calls=10, rounds=3) / 1e3)
+    return 1e3 * costs.seconds_per_call(lambda: fn(*args), calls, rounds)
 
 
 LAYERS = 32  # attentions per timed program, each reading the last one's output (a model's layers)
@@ -77,7 +61,7 @@ def stacked(attend):
 
 def main() -> int:
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    bandwidth = copy_bandwidth()
+    bandwidth = costs.copy_bandwidth()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print("us per layer: one program of 32 dependent attentions, divided by 32. Pallas columns: splits of each "
           "(row, kv head)'s keys, from pallas_attention.num_splits for about N programs in all (default N = "

@@ -35,6 +35,14 @@ def seconds_per_call(fn: Callable[[], Any], calls: int = 10, rounds: int = 5) ->
     return statistics.median(samples)
 
 
+def copy_bandwidth(gib: float = 1.0) -> float:
+    """Bytes per second (read + written) of one device copy of `gib` GiB of f32: the probe
+    scripts' floor (the bench's own is `measure_ceilings`, the best of several kernels)."""
+    x = jnp.ones((int(gib * (1 << 28)),), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    return 2 * x.nbytes / seconds_per_call(lambda: copy(x), calls=10, rounds=3)
+
+
 def measure_ceilings(copy_gb: float, matmul_n: int) -> Ceilings:
     """Memory bandwidth: copies (x * 2, bytes read + written) of copy_gb of random bf16 and f32, and
     a read-only row sum of the f32; the best is the ceiling. Compute: an n^3 bf16 matmul."""
