@@ -225,9 +225,10 @@ def test_pallas_attention_engine_is_token_identical(smollm2_dir, drafter, target
     assert attention_kind(EngineConfig(), None) == "xla"  # "auto" off the GPU
     with pytest.raises(ConfigError, match="tensor parallelism"):
         attention_kind(EngineConfig(attention="pallas"), Mesh(np.array(jax.devices()[:1]), ("tp",)))
-    prompts = chat_ids[:3]
-    got = llm.generate(prompts, SamplingParams(max_tokens=24))
-    want = target_llm.generate(prompts, SamplingParams(max_tokens=24))
+    prompts = chat_ids[:3]  # in bucket 4: one padded row runs the kernels too
+    # 16 tokens: the interpreted kernels make this the suite's slowest test (95 s at 24 tokens).
+    got = llm.generate(prompts, SamplingParams(max_tokens=16))
+    want = target_llm.generate(prompts, SamplingParams(max_tokens=16))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.acceptance_length for o in got) / len(got) > 1.2  # the drafter still works
 
