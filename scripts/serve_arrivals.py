@@ -54,7 +54,7 @@ from eagle3_jax import assets
 from eagle3_jax.bench.common import Column, Result, markdown_table
 from eagle3_jax.bench.harness import sized_engine_config
 from eagle3_jax.bench.options import sorted_ints
-from eagle3_jax.bench.phases import load_prompts
+from eagle3_jax.bench.phases import load_prompts, request_latencies
 from eagle3_jax.config import ATTENTION_KINDS
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.driver import Engine, EngineStats
@@ -112,21 +112,13 @@ def serve(engine: Engine, prompts: Sequence[list[int]], params: SamplingParams,
     return requests, time.perf_counter() - start
 
 
-def latencies(requests: Sequence[Request]) -> tuple[list[float], list[float]]:
-    """(TTFT s per request, TPOT s per request of two tokens or more), from each one's metrics."""
-    ttft = [r.metrics.first_token_time - r.metrics.arrival_time for r in requests]
-    tpot = [(r.metrics.last_token_time - r.metrics.first_token_time) / (len(r.output) - 1)
-            for r in requests if len(r.output) > 1]
-    return ttft, tpot
-
-
 def percentile_ms(seconds: Sequence[float], q: float) -> float:
     return 1e3 * float(np.percentile(seconds, q)) if seconds else math.nan
 
 
 def figures(requests: Sequence[Request], wall_s: float, stats: EngineStats, compiles: int) -> dict:
     """One table row's values (every column but rate, mode, requests and the two speedups)."""
-    ttft, tpot = latencies(requests)
+    ttft, tpot = request_latencies(requests)
     tokens = sum(len(r.output) for r in requests)
     return {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s,
             "ttft_p50_ms": percentile_ms(ttft, 50), "ttft_p90_ms": percentile_ms(ttft, 90),

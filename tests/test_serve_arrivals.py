@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from eagle3_jax import SamplingParams
+from eagle3_jax.bench.phases import request_latencies
 from eagle3_jax.engine.scheduler import Request, RequestMetrics
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "serve_arrivals.py"
@@ -41,8 +42,9 @@ def test_latencies_from_request_metrics(serve_arrivals):
         return Request(id=0, prompt=[1], params=SamplingParams(), max_tokens=8, metrics=metrics,
                        output=list(range(tokens)))
 
-    # TTFT: arrival -> first token; TPOT: (last - first) / (tokens - 1), none for a one-token reply.
-    ttft, tpot = serve_arrivals.latencies([request(1.0, 1.5, 3.5, 5), request(2.0, 2.1, 2.1, 1)])
+    # TTFT: arrival -> first token, none before it; TPOT: (last - first) / (tokens - 1), none for a
+    # one-token reply.
+    ttft, tpot = request_latencies([request(1.0, 1.5, 3.5, 5), request(2.0, 2.1, 2.1, 1), request(3.0, None, None, 0)])
     assert ttft == pytest.approx([0.5, 0.1]) and tpot == pytest.approx([0.5])
     assert serve_arrivals.percentile_ms([0.1, 0.2, 0.3], 50) == pytest.approx(200.0)
     assert math.isnan(serve_arrivals.percentile_ms([], 90))

@@ -55,6 +55,7 @@ from eagle3_jax.engine.driver import (
     iterate_pinned,
 )
 from eagle3_jax.engine.sampling import row_sampling_from_params
+from eagle3_jax.engine.scheduler import Request
 from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, init_state, state_shardings
 from eagle3_jax.engine.steps import StepConfig, iterate_in_place_step, prefill_step
 from eagle3_jax.model import llama
@@ -74,12 +75,21 @@ class Round:
     steady_steps_s: list[float]  # steps with the whole batch running and no prefill
 
 
+def request_latencies(requests: Sequence[Request]) -> tuple[list[float], list[float]]:
+    """(TTFT s per request that produced a token, TPOT s per request of two tokens or more), from
+    each one's metrics: TTFT = arrival -> first token collected by the host, TPOT = (last token
+    time - first token time) / (tokens - 1)."""
+    ttft = [r.metrics.first_token_time - r.metrics.arrival_time for r in requests
+            if r.metrics.first_token_time is not None]
+    tpot = [(r.metrics.last_token_time - r.metrics.first_token_time) / (len(r.output) - 1)
+            for r in requests if len(r.output) > 1]
+    return ttft, tpot
+
+
 def run_round(engine: Engine, prompts: Sequence[list[int]], params: SamplingParams) -> Round:
     """Submit the prompts together and step the engine until it is idle (LLM.generate's loop)."""
     batch = len(prompts)
     reqs = [engine.add_request(p, params) for p in prompts]
-    first: dict[int, float] = {}
-    done: dict[int, float] = {}
     steady = []
     start = time.perf_counter()
     steps = 0
@@ -87,19 +97,11 @@ def run_round(engine: Engine, prompts: Sequence[list[int]], params: SamplingPara
         running, waiting = len(engine.scheduler.running), bool(engine.scheduler.waiting)
         t = time.perf_counter()
         engine.step()
-        now = time.perf_counter()
         steps += 1
         if steps > 2 and not waiting and running == batch == len(engine.scheduler.running):
-            steady.append(now - t)
-        for r in reqs:
-            if r.output and r.id not in first:
-                first[r.id] = now
-            if r.finished and r.id not in done:
-                done[r.id] = now
+            steady.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
-    ttft = [first[r.id] - start for r in reqs if r.id in first]
-    tpot = [(done[r.id] - first[r.id]) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
-    return Round(reqs, wall, ttft, tpot, steady)
+    return Round(reqs, wall, *request_latencies(reqs), steady)
 
 
 def load_prompts(questions: str | None, encode, vocab_size: int, count: int) -> tuple[list[list[int]], str]:
