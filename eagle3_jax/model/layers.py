@@ -100,7 +100,13 @@ def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array,
     page = jnp.take_along_axis(block_table, jnp.clip(block, 0, num_blocks - 1), axis=1)  # [B, T]
     # Padded tokens can sit past the table's end: send them to scratch, never onto a real page.
     page = jnp.where(block < num_blocks, page, SCRATCH_PAGE)
-    return pages.at[layer, page, positions % page_size].set(new.astype(pages.dtype))
+    # unique_indices: a real page's positions are written once per call (a row's positions are
+    # distinct, and no two rows share a page); only scratch is written many times over (padded
+    # tokens, padding rows), and what lands there is never read. Without the promise XLA writes
+    # every element with an atomic, and the collisions on scratch serialize: a prefill of 8 x 512
+    # padded tokens spent 89 of its 99 ms in these scatters on the H200 (scripts/prefill_probe.py,
+    # BENCHMARKS.md, eleventh session).
+    return pages.at[layer, page, positions % page_size].set(new.astype(pages.dtype), unique_indices=True)
 
 
 def gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
