@@ -341,6 +341,12 @@ class EngineConfig:
         matrix-vector path for M=1 bf16 dots), so one request runs padded to two rows.
     prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
         largest bucket.
+    prefill_batch_buckets: prompts per prefill call compiled (each with every chunk bucket). The
+        requests admitted in one step are prefilled together, those whose last chunk falls in the
+        same chunk bucket sharing a call, up to the largest bucket per call; a call of fewer pads
+        to the smallest bucket that holds them. With (1,) every prompt is a call of its own, and a
+        burst of 32 SmolLM2 requests waited 61-77 ms for its first tokens (BENCHMARKS.md, tenth
+        session).
     num_speculative_tokens: K draft tokens per iteration (0 = target only).
     speculation: "auto" speculates at a bucket only while it emits tokens faster than the target
         alone, from the measured cost of both iterations there (timed in warm-up, or
@@ -370,6 +376,7 @@ class EngineConfig:
 
     batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
+    prefill_batch_buckets: tuple[int, ...] = (1, 8)
     num_speculative_tokens: int = 3
     speculation: str = "auto"
     speculative_max_batch: int | None = None
@@ -385,10 +392,10 @@ class EngineConfig:
         if self.attention not in ATTENTION_KINDS:
             raise ConfigError(f"{where}: attention must be one of {', '.join(ATTENTION_KINDS)}, got "
                               f"{self.attention!r}")
-        if not self.batch_buckets or sorted(set(self.batch_buckets)) != list(self.batch_buckets):
-            raise ConfigError(f"{where}: batch_buckets must be increasing, got {self.batch_buckets}")
-        if not self.prefill_buckets or sorted(set(self.prefill_buckets)) != list(self.prefill_buckets):
-            raise ConfigError(f"{where}: prefill_buckets must be increasing, got {self.prefill_buckets}")
+        for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
+            buckets = getattr(self, name)
+            if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
+                raise ConfigError(f"{where}: {name} must be increasing positive sizes, got {buckets}")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
                               f"{self.num_speculative_tokens}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import math
 import os
 import statistics
@@ -55,7 +56,7 @@ from eagle3_jax.bench.common import Column, Result, markdown_table
 from eagle3_jax.bench.harness import sized_engine_config
 from eagle3_jax.bench.options import sorted_ints
 from eagle3_jax.bench.phases import load_prompts, request_latencies
-from eagle3_jax.config import ATTENTION_KINDS
+from eagle3_jax.config import ATTENTION_KINDS, EngineConfig
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.driver import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
@@ -73,6 +74,7 @@ COLUMNS = [Column("rate", "arrivals"), Column("mode", "mode"), Column("batch", "
            Column("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), Column("ttft_p90_ms", "TTFT p90 ms", "{:.1f}"),
            Column("tpot_p50_ms", "TPOT p50 ms", "{:.2f}"), Column("tpot_p90_ms", "TPOT p90 ms", "{:.2f}"),
            Column("acceptance_length", "acceptance length", "{:.2f}"), Column("iterations", "iterations", "{}"),
+           Column("prefill_calls", "prefill calls", "{}"),
            Column("host_ms_per_step", "host ms/step", "{:.2f}"),
            Column("device_wait_ms_per_step", "device wait ms/step", "{:.2f}"), Column("compiles", "compiles", "{}")]
 
@@ -124,7 +126,8 @@ def figures(requests: Sequence[Request], wall_s: float, stats: EngineStats, comp
             "ttft_p50_ms": percentile_ms(ttft, 50), "ttft_p90_ms": percentile_ms(ttft, 90),
             "tpot_p50_ms": percentile_ms(tpot, 50), "tpot_p90_ms": percentile_ms(tpot, 90),
             "acceptance_length": statistics.mean(r.metrics.acceptance_length for r in requests),
-            "iterations": stats.iterations, "host_ms_per_step": stats.host_ms_per_step,
+            "iterations": stats.iterations, "prefill_calls": stats.prefill_calls,
+            "host_ms_per_step": stats.host_ms_per_step,
             "device_wait_ms_per_step": stats.device_wait_ms_per_step, "compiles": compiles}
 
 
@@ -135,6 +138,8 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
 
     engine_config = sized_engine_config(a.batches, k, a.max_model_len, a.prefill_buckets, speculation=speculation,
                                         attention=a.attention)
+    if a.prefill_batch_buckets:
+        engine_config = dataclasses.replace(engine_config, prefill_batch_buckets=a.prefill_batch_buckets)
     llm = LLM(target=a.target, draft=draft, num_speculative_tokens=k, engine_config=engine_config, warmup=False,
               progress=False)
     engine = llm.engine
@@ -180,7 +185,8 @@ def serve_all(a: argparse.Namespace) -> int:
     rows.sort(key=lambda r: order[r.values["rate"]])  # stable: modes side by side within a rate
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; target {a.target}, drafter {a.draft}; "
           f"{a.requests} requests per rate ({source}), greedy, max_tokens {a.max_tokens}, Poisson seed {a.seed}; "
-          f"batch buckets {a.batches}, prefill buckets {a.prefill_buckets}, max_model_len {a.max_model_len}\n")
+          f"batch buckets {a.batches}, prefill buckets {a.prefill_buckets} x rows "
+          f"{a.prefill_batch_buckets or EngineConfig.prefill_batch_buckets}, max_model_len {a.max_model_len}\n")
     print(markdown_table(rows, COLUMNS))
     for r in rows:
         if r.values["compiles"]:
@@ -242,6 +248,8 @@ def main() -> int:
     ap.add_argument("--batches", type=sorted_ints, default=(2, 4, 8, 16, 32),
                     help="batch buckets compiled; the largest is how many requests run at once")
     ap.add_argument("--prefill-buckets", type=sorted_ints, default=(128, 512))
+    ap.add_argument("--prefill-batch-buckets", type=sorted_ints, default=None,
+                    help="prompts per prefill call compiled (EngineConfig.prefill_batch_buckets; default: its default)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--attention", default="auto", choices=ATTENTION_KINDS, help="EngineConfig.attention")
     ap.add_argument("--log-graph-updates", action="store_true",

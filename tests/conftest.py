@@ -66,11 +66,13 @@ def random_drafter_dir(tmp_path_factory, smollm2_cfg):
     return save_drafter(params, cfg, tmp_path_factory.mktemp("random_drafter"))
 
 
-# Small shapes keep CPU compilation cheap: prompts over 64 tokens are prefilled in chunks.
+# Small shapes keep CPU compilation cheap: prompts over 64 tokens are prefilled in chunks, one
+# prompt per prefill call (each prefill shape is two more programs of ~20 s each to compile on the
+# CPU: tests/test_engine.py's spec_llm batches its prefills, against the target alone's single ones).
 # "always": one iteration program per bucket, and every test speculates whatever the CPU's timing;
 # tests/test_engine.py runs "auto" end to end.
-TEST_ENGINE = {"batch_buckets": (1, 8), "prefill_buckets": (64,), "max_model_len": 384, "num_pages": 256,
-               "speculation": "always"}
+TEST_ENGINE = {"batch_buckets": (1, 8), "prefill_buckets": (64,), "prefill_batch_buckets": (1,),
+               "max_model_len": 384, "num_pages": 256, "speculation": "always"}
 
 
 def make_llm(target, draft=None, num_draft=3, **engine):

@@ -26,7 +26,7 @@ def drafter(random_drafter_dir):
 
 @pytest.fixture(scope="module")
 def spec_llm(smollm2_dir, drafter):
-    return make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(1, 2, 4, 8))
+    return make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(1, 2, 4, 8), prefill_batch_buckets=(1, 8))
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +143,26 @@ def test_sampling_is_reproducible_whatever_the_batch(spec_llm, chat_ids):
     other_seed = spec_llm.generate([chat_ids[2]], SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95,
                                                                  seed=99))[0]
     assert other_seed.token_ids != alone.token_ids  # the seed matters
+
+
+def test_prompts_admitted_together_share_prefill_calls(spec_llm, target_llm, chat_ids):
+    """Six prompts admitted in one step: each long one's leading chunks run alone, then all six
+    last chunks run as one call of the 8-row prefill (two padding rows). The greedy tokens equal
+    the target alone's, and a seeded sample (its first token drawn in that call) equals its own
+    alone."""
+    engine = spec_llm.engine
+    assert engine.cfg.prefill_batch_buckets == (1, 8) and engine.cfg.prefill_buckets == (64,)
+    prompts = chat_ids[10:16]
+    leading = sum((len(p) - 1) // 64 for p in prompts)
+    assert leading > 0  # some prompts are prefilled in chunks
+    compiled, calls = engine.num_compilations, engine.stats.prefill_calls
+    params = [SamplingParams(max_tokens=8)] * 5 + [SamplingParams(max_tokens=8, temperature=1.0, seed=7)]
+    outputs = spec_llm.generate(prompts, params)
+    assert engine.stats.prefill_calls - calls == leading + 1
+    assert engine.num_compilations == compiled  # warm-up built the 8-row prefill
+    for prompt, out in zip(prompts[:5], outputs):
+        assert out.token_ids == target_llm.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
+    assert outputs[5].token_ids == spec_llm.generate([prompts[5]], params[5])[0].token_ids
 
 
 def test_speculation_switched_off_past_a_batch_size_stays_lossless(smollm2_dir, drafter, target_llm, workload):

@@ -54,7 +54,6 @@ from eagle3_jax.engine.driver import (
     attention_kind,
     iterate_pinned,
 )
-from eagle3_jax.engine.sampling import row_sampling_from_params
 from eagle3_jax.engine.scheduler import Request
 from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, init_state, state_shardings
 from eagle3_jax.engine.steps import StepConfig, iterate_in_place_step, prefill_step
@@ -143,14 +142,11 @@ def warmup_jobs(engine: Engine, greedy: bool | None = None) -> list[Job]:
     them built."""
     cfg, nb = engine.cfg, engine.cfg.max_blocks_per_seq
     p, dp, st = engine.params, engine.draft_params, engine.state
-    greedy_row = row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
     jobs = [(iterate_in_place_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)),
              {"cfg": c})
             for b in cfg.batch_buckets for c in engine.iteration_configs(b, greedy)]
-    jobs += [(prefill_step, (p, dp, st, np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.ones(1, np.int32),
-                             np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32), np.zeros((1, nb), np.int32),
-                             greedy_row), {"cfg": c})
-             for t in cfg.prefill_buckets for c in engine.prefill_configs(greedy)]
+    jobs += [(prefill_step, engine.padding_prefill_args(*shape), {"cfg": c})
+             for shape in engine.prefill_shapes() for c in engine.prefill_configs(greedy)]
     return jobs
 
 

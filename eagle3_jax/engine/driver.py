@@ -70,6 +70,7 @@ class EngineStats:
 
     steps: int = 0
     iterations: int = 0
+    prefill_calls: int = 0  # prefill programs dispatched (several requests' chunks may share one)
     host_s: float = 0.0
     dispatch_s: float = 0.0
     device_wait_s: float = 0.0
@@ -97,6 +98,46 @@ class _Pending:
     iteration: bool = False
     speculative: bool = False  # iterate: K drafts verified (else the target alone)
     fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, proposals drafted at the row's position
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Chunk [start, start + the largest chunk bucket) of a request's prompt, and the request's
+    sampling seed (None: its SamplingParams carry one)."""
+
+    req: Request
+    start: int
+    seed: int | None
+
+    def tokens(self, largest: int) -> list[int]:
+        return self.req.prompt[self.start:self.start + largest]
+
+
+_PADDING_PARAMS = SamplingParams(max_tokens=1)  # greedy: a padding row never makes a call sample
+
+
+@dataclasses.dataclass
+class PrefillInputs:
+    """The host arrays of one prefill call (`steps.prefill`'s), P rows of T-token chunks."""
+
+    tokens: np.ndarray  # [P, T]
+    next_tokens: np.ndarray  # [P, T]
+    num_valid: np.ndarray  # [P]
+    start: np.ndarray  # [P]
+    slot: np.ndarray  # [P]
+    block_table: np.ndarray  # [P, nb]
+
+    @classmethod
+    def padding(cls, rows: int, size: int, num_blocks: int) -> PrefillInputs:
+        """Padding rows only: each a last chunk of one token (next_tokens -1) into the dummy slot,
+        its block table all scratch."""
+        next_tokens = np.zeros((rows, size), np.int32)
+        next_tokens[:, 0] = -1
+        return cls(np.zeros((rows, size), np.int32), next_tokens, np.ones(rows, np.int32), np.zeros(rows, np.int32),
+                   np.full(rows, DUMMY_SLOT, np.int32), np.zeros((rows, num_blocks), np.int32))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.tokens, self.next_tokens, self.num_valid, self.start, self.slot, self.block_table
 
 
 # Overwrite device arrays with new values at their own addresses: the donated `old` is the output
@@ -272,8 +313,9 @@ class Engine:
         start = time.perf_counter()
         wait_before = self.stats.device_wait_s
         before = len(self._pending)
-        for req in self.scheduler.admit():
-            self._dispatch_prefill(req)
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._dispatch_prefills(admitted)
         if self.scheduler.running:
             self._dispatch_iterate()
         # With new work queued, read only what was dispatched before it (the overlap); with none,
@@ -286,34 +328,62 @@ class Engine:
         self.stats.host_s += time.perf_counter() - start - (self.stats.device_wait_s - wait_before)
         return changed
 
-    def _dispatch_prefill(self, req: Request) -> None:
+    def _dispatch_prefills(self, reqs: list[Request]) -> None:
+        """Prefill the requests admitted in this step. A prompt longer than the largest chunk
+        bucket first runs its leading chunks alone; then the last chunks of all of them run
+        together, grouped by chunk bucket, up to the largest prefill batch bucket per call: a
+        burst of arrivals costs a few prefills, not one per request."""
         largest = self.cfg.prefill_buckets[-1]
-        prompt = req.prompt
-        row = sampling.row_sampling_from_params([req.params], rng=self._seed_rng)
-        cfg = dataclasses.replace(self.step_cfg, greedy=req.params.greedy)
-        for start in range(0, len(prompt), largest):
-            chunk = prompt[start:start + largest]
-            size = next(b for b in self.cfg.prefill_buckets if b >= len(chunk))
-            tokens = np.zeros((1, size), np.int32)
-            tokens[0, :len(chunk)] = chunk
-            following = prompt[start + 1:start + len(chunk) + 1]
-            next_tokens = np.zeros((1, size), np.int32)
-            next_tokens[0, :len(following)] = following
-            if start + len(chunk) == len(prompt):
-                next_tokens[0, len(chunk) - 1] = -1  # the first generated token goes here
-            t = time.perf_counter()
-            self.state = prefill_step(
-                self.params, self.draft_params, self.state, tokens, next_tokens,
-                np.array([len(chunk)], np.int32), np.array([start], np.int32),
-                np.array([req.slot], np.int32), self.scheduler.block_tables[req.slot][None], row,
-                cfg=cfg)
-            self.stats.dispatch_s += time.perf_counter() - t
-        self._fresh[req.slot] = self.step_cfg.speculative  # the last chunk drafted K proposals
+        by_bucket: dict[int, list[PrefillChunk]] = collections.defaultdict(list)
+        for req in reqs:
+            # One seed per request, drawn in admission order whatever the grouping (seeded
+            # requests draw none): the same requests sample the same tokens however they are batched.
+            seed = None if req.params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
+            starts = range(0, len(req.prompt), largest)
+            for start in starts[:-1]:
+                self._dispatch_prefill_call([PrefillChunk(req, start, seed)])
+            last = PrefillChunk(req, starts[-1], seed)
+            by_bucket[self._chunk_bucket(len(last.tokens(largest)))].append(last)
+        most = self.cfg.prefill_batch_buckets[-1]
+        for chunks in by_bucket.values():
+            for i in range(0, len(chunks), most):
+                self._dispatch_prefill_call(chunks[i:i + most])
         t = time.perf_counter()
-        first = self.pinned.read_first_token(self.state, req.slot)  # [1], the last chunk's sample
-        first.copy_to_host_async()
+        for req in reqs:
+            self._fresh[req.slot] = self.step_cfg.speculative  # its last chunk drafted K proposals
+            first = self.pinned.read_first_token(self.state, req.slot)  # [1], the last chunk's sample
+            first.copy_to_host_async()
+            self._pending.append(_Pending([req], first))
         self.stats.dispatch_s += time.perf_counter() - t
-        self._pending.append(_Pending([req], first))
+
+    def _chunk_bucket(self, length: int) -> int:
+        return next(b for b in self.cfg.prefill_buckets if b >= length)
+
+    def _dispatch_prefill_call(self, chunks: list[PrefillChunk]) -> None:
+        """One prefill program over `chunks`, one row each, padded to the smallest batch bucket
+        and chunk bucket that hold them."""
+        rows = next(b for b in self.cfg.prefill_batch_buckets if b >= len(chunks))
+        largest = self.cfg.prefill_buckets[-1]
+        pieces = [c.tokens(largest) for c in chunks]
+        inputs = PrefillInputs.padding(rows, self._chunk_bucket(max(map(len, pieces))), self.cfg.max_blocks_per_seq)
+        for i, (chunk, piece) in enumerate(zip(chunks, pieces)):
+            prompt, start = chunk.req.prompt, chunk.start
+            following = prompt[start + 1:start + len(piece) + 1]  # the ids shifted left by one
+            inputs.next_tokens[i] = 0  # a real row: no padding marker
+            inputs.tokens[i, :len(piece)] = piece
+            inputs.next_tokens[i, :len(following)] = following
+            if start + len(piece) == len(prompt):
+                inputs.next_tokens[i, len(piece) - 1] = -1  # the first generated token goes here
+            inputs.num_valid[i], inputs.start[i] = len(piece), start
+            inputs.slot[i], inputs.block_table[i] = chunk.req.slot, self.scheduler.block_tables[chunk.req.slot]
+        params = [c.req.params for c in chunks] + [_PADDING_PARAMS] * (rows - len(chunks))
+        seeds = [c.seed for c in chunks] + [0] * (rows - len(chunks))
+        row = sampling.row_sampling_from_params(params, seeds)
+        cfg = dataclasses.replace(self.step_cfg, greedy=all(p.greedy for p in params))
+        t = time.perf_counter()
+        self.state = prefill_step(self.params, self.draft_params, self.state, *inputs.arrays(), row, cfg=cfg)
+        self.stats.dispatch_s += time.perf_counter() - t
+        self.stats.prefill_calls += 1
 
     def _dispatch_iterate(self) -> None:
         reqs, slots, tables = self.scheduler.batch()
@@ -426,6 +496,16 @@ class Engine:
         """The prefill programs: the greedy one and the sampling one (`greedy` picks one)."""
         return [dataclasses.replace(self.step_cfg, greedy=g) for g in ((True, False) if greedy is None else (greedy,))]
 
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows, chunk tokens) of every prefill program."""
+        return [(rows, size) for size in self.cfg.prefill_buckets for rows in self.cfg.prefill_batch_buckets]
+
+    def padding_prefill_args(self, rows: int, size: int) -> tuple:
+        """`prefill_step`'s arguments for a call of padding rows only (warm-up)."""
+        row = sampling.row_sampling_from_params([_PADDING_PARAMS] * rows, seeds=[0] * rows)
+        inputs = PrefillInputs.padding(rows, size, self.cfg.max_blocks_per_seq)
+        return (self.params, self.draft_params, self.state, *inputs.arrays(), row)
+
     def _padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
         return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
@@ -451,19 +531,12 @@ class Engine:
         on first use."""
         start = time.perf_counter()
         shapes = [("iterate", b, c) for b in self.cfg.batch_buckets for c in self.iteration_configs(b, greedy)]
-        shapes += [("prefill", t, c) for t in self.cfg.prefill_buckets for c in self.prefill_configs(greedy)]
-        nb = self.cfg.max_blocks_per_seq
-        greedy_row = sampling.row_sampling_from_params([SamplingParams(max_tokens=1)], seeds=[0])
+        shapes += [("prefill", shape, c) for shape in self.prefill_shapes() for c in self.prefill_configs(greedy)]
         for kind, size, cfg in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             if kind == "iterate":
                 self.state, n = self.dispatch_iteration(*self._padding_rows(size), cfg)
             else:
-                next_tokens = np.zeros((1, size), np.int32)
-                next_tokens[0, 0] = -1
-                self.state = prefill_step(
-                    self.params, self.draft_params, self.state, np.zeros((1, size), np.int32), next_tokens,
-                    np.ones(1, np.int32), np.zeros(1, np.int32), np.full(1, DUMMY_SLOT, np.int32),
-                    np.zeros((1, nb), np.int32), greedy_row, cfg=cfg)
+                self.state = prefill_step(*self.padding_prefill_args(*size), cfg=cfg)
                 n = self.pinned.read_first_token(self.state, DUMMY_SLOT)  # as serving reads it
             n.block_until_ready()
         for b in self.cfg.batch_buckets:

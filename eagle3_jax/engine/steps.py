@@ -3,10 +3,11 @@
 Two executables per shape bucket, both pure `DeviceState -> DeviceState` functions that donate the
 state (the KV pool is updated in place):
 
-  prefill(chunk [1, T])     target prefill of one prompt chunk + the draft prefill over the same
-                            chunk (ids shifted left by one, the target's captures); on the last
-                            chunk it also samples the first token (left in the slot's last_token,
-                            `read_first_token` copies it out) and drafts the first K proposals.
+  prefill(chunks [P, T])    target prefill of one chunk of each of P prompts + the draft prefill
+                            over the same chunks (ids shifted left by one, the target's captures);
+                            on a prompt's last chunk it also samples the first token (left in the
+                            slot's last_token, `read_first_token` copies it out) and drafts the
+                            first K proposals.
   iterate(rows [B])         one whole speculative iteration: target verify of K+1 tokens, lossless
                             acceptance, draft extend over the verified positions (overwriting the
                             draft KV its own chain wrote, with the target's captures), K-1 chain
@@ -296,28 +297,29 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
             next_tokens: jax.Array, num_valid: jax.Array, start: jax.Array, slot: jax.Array,
             block_table: jax.Array, row: sampling.RowSampling,
             cfg: StepConfig) -> DeviceState:
-    """Prefill one chunk of one prompt into `slot`.
+    """Prefill one chunk of each of P prompts, row p into `slot[p]`.
 
-    tokens [1, T] (padded after num_valid [1]), next_tokens [1, T]: the same ids shifted left by
-    one; its entry num_valid-1 is the next prompt token, or -1 on the last chunk, where the
-    sampled first token goes; start [1]: position of tokens[0]; block_table
-    [1, nb]; row: the request's sampling parameters [1].
+    tokens [P, T] (row p padded after num_valid[p]), next_tokens [P, T]: the same ids shifted left
+    by one; entry num_valid-1 of a row is the next prompt token, or -1 on the prompt's last chunk,
+    where the sampled first token goes; start [P]: position of each row's tokens[0]; block_table
+    [P, nb]; row: each request's sampling parameters [P]. Padding rows (a bucket larger than the
+    prompts admitted) name the dummy slot with num_valid 1 and an all-scratch block table.
     -> state, its only output (aliased to the donated input: nothing new stays on the device). The
     slot's state is written on every chunk; the last chunk's write is the one that stays, its
     `last_token` the first generated token (`read_first_token` copies it out).
     """
-    t = tokens.shape[1]
-    positions = start[:, None] + jnp.arange(t)  # [1, T]
+    p, t = tokens.shape
+    positions = start[:, None] + jnp.arange(t)  # [P, T]
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_table)
     last_idx = num_valid - 1
-    last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [1, D]
-    logits = vocab_logits(llama.logits(params, last_hidden), cfg.mesh, gather=not cfg.greedy)  # [1, V]
+    last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
+    logits = vocab_logits(llama.logits(params, last_hidden), cfg.mesh, gather=not cfg.greedy)  # [P, V]
     first = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
-             else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST)))  # [1]
+             else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST)))  # [P]
     length = start + num_valid
     k = cfg.num_draft if cfg.speculative else 0
-    drafts = jnp.zeros((1, k), jnp.int32)
-    draft_probs = jnp.zeros((1, k, state.slots.draft_probs.shape[-1]), jnp.float32)
+    drafts = jnp.zeros((p, k), jnp.int32)
+    draft_probs = jnp.zeros((p, k, state.slots.draft_probs.shape[-1]), jnp.float32)
     draft_kv = state.draft_kv
     if cfg.speculative:
         # next_tokens holds -1 where the token the target just produced belongs (last chunk).
@@ -331,7 +333,7 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
         drafts, draft_probs = carry.drafts, carry.q
     new = Slots(last_token=first, length=length, drafts=drafts, draft_probs=draft_probs, sampling=row,
                 num_generated=jnp.ones_like(length), num_accepted=jnp.zeros_like(length),
-                emitted=jnp.zeros((1, state.slots.emitted.shape[1]), jnp.int32))
+                emitted=jnp.zeros((p, state.slots.emitted.shape[1]), jnp.int32))
     slots = _write_slots(state.slots, slot, new)
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg)
 
