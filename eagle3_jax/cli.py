@@ -33,7 +33,9 @@ def _llm(args, num_prompts: int = 1):
         buckets = tuple(int(b) for b in args.batch_buckets.split(","))
     else:  # powers of two from 2 up to the batch: compile only what this run can use
         buckets = tuple(2 ** i for i in range(1, max(1, num_prompts - 1).bit_length() + 1))
-    cfg = EngineConfig(batch_buckets=buckets, max_model_len=args.max_model_len,
+    # Prompts per prefill call: likewise, no more than this run has.
+    rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
+    cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
                        speculation=args.speculation, speculative_max_batch=args.speculative_max_batch)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg)
 

@@ -35,6 +35,7 @@ Measured on the H200 (jax 0.11.2; BENCHMARKS.md, eleventh session), LHS / CONCUR
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -145,7 +146,10 @@ def inputs():
 def measure_mode() -> dict[str, float]:
     """us per layer of every variant, in this process's scheduling mode."""
     args = inputs()
-    return {v: 1e6 * costs.seconds_per_call(lambda f=chain(v): f(*args), calls=20) / LAYERS for v in VARIANTS}
+    us = {}
+    for variant in VARIANTS:
+        us[variant] = 1e6 * costs.seconds_per_call(functools.partial(chain(variant), *args), calls=20) / LAYERS
+    return us
 
 
 def check() -> int:

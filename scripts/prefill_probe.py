@@ -73,20 +73,24 @@ def main() -> int:
                 print(f"| {name} | {rows} | {size} | {ms:.2f} | {ms / rows:.2f} | {rows * size / ms * 1e3:,.0f} |",
                       flush=True)
         if a.profile and name == modes[-1][0]:  # with the drafter when there is one
-            rows, size = a.rows[-1], a.sizes[-1]
-            cfg = engine.prefill_configs(greedy=True)[0]
-            rest = engine.padding_prefill_args(rows, size)[3:]
-
-            def call(state):
-                return prefill_step(engine.params, engine.draft_params, state, *rest, cfg=cfg), None
-
-            engine.state, activity = profile.profile_calls(call, engine.state, 3, a.profile)
-            print(f"\n{name}, {rows} x {size}, 3 calls: busy {activity.busy_us / 3e3:.2f} ms a call; "
-                  "top kernels (count, us a call):")
-            for kernel, count, total in activity.by_name:
-                print(f"- {kernel}: {count // 3}, {total / 3:.0f}")
-            print()
+            print_profile(engine, name, a.rows[-1], a.sizes[-1], a.profile)
     return 0
+
+
+def print_profile(engine, name: str, rows: int, size: int, out_dir: str, calls: int = 3) -> None:
+    """The kernels of `calls` prefills of (rows, size) under JAX's profiler, per call."""
+    cfg = engine.prefill_configs(greedy=True)[0]
+    rest = engine.padding_prefill_args(rows, size)[3:]
+
+    def call(state):
+        return prefill_step(engine.params, engine.draft_params, state, *rest, cfg=cfg), None
+
+    engine.state, activity = profile.profile_calls(call, engine.state, calls, out_dir)
+    print(f"\n{name}, {rows} x {size}, {calls} calls: busy {activity.busy_us / calls / 1e3:.2f} ms a call; "
+          "top kernels (count, us a call):")
+    for kernel, count, total in activity.by_name:
+        print(f"- {kernel}: {count // calls}, {total / calls:.0f}")
+    print()
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import math
 import os
 import statistics
@@ -137,9 +136,7 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
     from eagle3_jax.api import LLM
 
     engine_config = sized_engine_config(a.batches, k, a.max_model_len, a.prefill_buckets, speculation=speculation,
-                                        attention=a.attention)
-    if a.prefill_batch_buckets:
-        engine_config = dataclasses.replace(engine_config, prefill_batch_buckets=a.prefill_batch_buckets)
+                                        attention=a.attention, prefill_batch_buckets=a.prefill_batch_buckets)
     llm = LLM(target=a.target, draft=draft, num_speculative_tokens=k, engine_config=engine_config, warmup=False,
               progress=False)
     engine = llm.engine

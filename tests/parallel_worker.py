@@ -302,8 +302,8 @@ def run_engine() -> dict:
         params = jax.tree.map(jnp.asarray, random_params(cfg))
         dcfg = small_draft(cfg)
         dparams = E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding=True)
-        engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), num_speculative_tokens=3,
-                                  page_size=PAGE, num_pages=64, max_model_len=64)
+        engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
+                                  num_speculative_tokens=3, page_size=PAGE, num_pages=64, max_model_len=64)
         res = {}
         for tp in (1, 2, 4, 8):
             engine = Engine(cfg, params, dcfg, dparams, engine_cfg, mesh=S.make_mesh(tp) if tp > 1 else None)

@@ -100,6 +100,7 @@ def report(tmp_path_factory):
     argv = ["--out-dir", str(out), "--target", str(target), "--draft", str(draft), "--step-model", str(target),
             "--batches", ",".join(map(str, BATCHES)), "--num-draft", "1", "--per-step", "--prompts", "2", "--max-tokens", "6",
             "--max-model-len", "64", "--max-model-len-8b", "64", "--prefill-buckets", "32", "--context", "16",
+            "--prefill-batch-buckets", "1,2",  # the 2 prompts of a round share a prefill call
             "--calls", "2", "--rounds", "2", "--bandwidth-gb", "0.01", "--matmul-size", "128",
             "--peer-batches", "1", "--peer-prompts", "1", "--no-peer-8b", "--dtype", "f32", "--profile", str(root / "prof")]
     assert bench.main(argv) == 0

@@ -53,6 +53,8 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                    help="MT-bench question.jsonl (default: the packaged asset, fetched when not cached)")
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--prefill-buckets", default="128,512")
+    g.add_argument("--prefill-batch-buckets", default="",
+                   help="prompts per prefill call compiled (EngineConfig.prefill_batch_buckets; empty: its default)")
     g = p.add_argument_group("8b phase: step functions on synthetic state")
     g.add_argument("--step-model", default=LLAMA31_8B,
                    help=f"'{LLAMA31_8B}', '{LLAMA33_70B}' (with its 70B-layout drafter), or a checkpoint "
@@ -117,6 +119,7 @@ class Options:
     questions: str | None
     max_model_len: int
     prefill_buckets: tuple[int, ...]
+    prefill_batch_buckets: tuple[int, ...] | None  # None: the engine's default
     step_model: str
     step_draft: str | None
     tp: int
@@ -159,7 +162,9 @@ class Options:
                    auto=a.auto, min_bucket=a.min_bucket,
                    prompts=a.prompts, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos, dtype_name=a.dtype,
                    target=Path(a.target), draft=a.draft, questions=a.questions, max_model_len=a.max_model_len,
-                   prefill_buckets=sorted_ints(a.prefill_buckets), step_model=a.step_model, step_draft=a.step_draft,
+                   prefill_buckets=sorted_ints(a.prefill_buckets),
+                   prefill_batch_buckets=sorted_ints(a.prefill_batch_buckets) if a.prefill_batch_buckets else None,
+                   step_model=a.step_model, step_draft=a.step_draft,
                    tp=a.tp, context=a.context,
                    max_model_len_8b=a.max_model_len_8b, assumed_acceptance=a.assumed_acceptance,
                    peer_batches=sorted_ints(a.peer_batches), peer_prompts=a.peer_prompts or a.prompts,

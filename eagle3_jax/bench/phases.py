@@ -202,7 +202,7 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
 
     engine_config = dataclasses.replace(
         sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets, opts.min_bucket, speculation,
-                            opts.attention),
+                            opts.attention, opts.prefill_batch_buckets),
         fused_iteration=fused)
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
               engine_config=engine_config, warmup=False, progress=False)
@@ -293,7 +293,9 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
     info = {"target": str(opts.target), "drafter": draft_label, "prompts": source,
             "prompts per batch size": f"{opts.prompts} (batch b: max(1, ceil({opts.prompts}/b)) rounds of b)",
             "max_tokens": opts.max_tokens, "ignore_eos": opts.ignore_eos, "max_model_len": opts.max_model_len,
-            "prefill_buckets": list(opts.prefill_buckets), "dtype": jnp.dtype(opts.dtype).name,
+            "prefill_buckets": list(opts.prefill_buckets),
+            "prefill_batch_buckets": list(opts.prefill_batch_buckets or EngineConfig.prefill_batch_buckets),
+            "dtype": jnp.dtype(opts.dtype).name,
             "compile": "parallel precompile, then Engine.warmup" if opts.parallel_compile else "Engine.warmup",
             "paged attention": attention_kind(EngineConfig(attention=opts.attention), None)}
     return results, info
