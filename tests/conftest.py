@@ -1,7 +1,10 @@
 """Shared fixtures: the real SmolLM2 target (prepared once per machine), MT-bench prompts, and
-engines shared across tests so each compiled bucket is built once per session."""
+engines shared across tests so each compiled bucket is built once per session (and loaded from
+JAX's persistent cache in each later module: see _drop_compiled_programs)."""
 
 from __future__ import annotations
+
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,18 @@ from eagle3_jax.config import DraftConfig, ModelConfig
 
 # The CPU is the test platform; f32 everywhere so parity is meaningful.
 jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """Drop every compiled program when a test module ends (the next use rebuilds it, from JAX's
+    persistent cache where it was saved). One process compiles hundreds of XLA CPU executables
+    over the suite: without this, the full run aborted inside an XLA compile in tests/test_train.py,
+    twice at the same test, at ~12 GB resident, while that file alone passed. Which limit it hit
+    (memory, mappings) was not pinned down."""
+    yield
+    gc.collect()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
