@@ -344,9 +344,9 @@ class EngineConfig:
     prefill_batch_buckets: prompts per prefill call compiled (each with every chunk bucket). The
         requests admitted in one step are prefilled together, those whose last chunk falls in the
         same chunk bucket sharing a call, up to the largest bucket per call; a call of fewer pads
-        to the smallest bucket that holds them. With (1,) every prompt is a call of its own, and a
-        burst of 32 SmolLM2 requests waited 61-77 ms for its first tokens (BENCHMARKS.md, tenth
-        session).
+        to the smallest bucket that holds them. With (1,) every prompt is a call of its own: on the
+        H200 a burst of 32 SmolLM2 requests then waited 86 ms for its first tokens, against 49 ms
+        in 5 calls with (1, 8) (BENCHMARKS.md, eleventh session).
     num_speculative_tokens: K draft tokens per iteration (0 = target only).
     speculation: "auto" speculates at a bucket only while it emits tokens faster than the target
         alone, from the measured cost of both iterations there (timed in warm-up, or
