@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,22 +27,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax
 
 from eagle3_jax.bench import profile
+from eagle3_jax.bench.harness import time_calls
 from eagle3_jax.bench.options import sorted_ints
 from eagle3_jax.config import EngineConfig
 from eagle3_jax.engine.steps import prefill_step
 
 
-def ms_per_call(engine, rows: int, size: int, calls: int = 5, rounds: int = 5) -> float:
+def prefill_call(engine, rows: int, size: int):
+    """The engine's greedy prefill of (rows, size) padding rows as state -> (state, None)."""
     cfg = engine.prefill_configs(greedy=True)[0]
     rest = engine.padding_prefill_args(rows, size)[3:]
-    samples = []
-    for _ in range(rounds + 1):  # the first round compiles and warms up
-        start = time.perf_counter()
-        for _ in range(calls):
-            engine.state = prefill_step(engine.params, engine.draft_params, engine.state, *rest, cfg=cfg)
-        jax.block_until_ready(engine.state)
-        samples.append((time.perf_counter() - start) / calls)
-    return 1e3 * statistics.median(samples[1:])
+
+    def call(state):
+        return prefill_step(engine.params, engine.draft_params, state, *rest, cfg=cfg), None
+
+    return call
+
+
+def ms_per_call(engine, rows: int, size: int, calls: int = 5, rounds: int = 5) -> float:
+    engine.state, samples = time_calls(prefill_call(engine, rows, size), engine.state, lambda s: s, calls, rounds)
+    return 1e3 * statistics.median(samples)
 
 
 def main() -> int:
@@ -79,13 +82,7 @@ def main() -> int:
 
 def print_profile(engine, name: str, rows: int, size: int, out_dir: str, calls: int = 3) -> None:
     """The kernels of `calls` prefills of (rows, size) under JAX's profiler, per call."""
-    cfg = engine.prefill_configs(greedy=True)[0]
-    rest = engine.padding_prefill_args(rows, size)[3:]
-
-    def call(state):
-        return prefill_step(engine.params, engine.draft_params, state, *rest, cfg=cfg), None
-
-    engine.state, activity = profile.profile_calls(call, engine.state, calls, out_dir)
+    engine.state, activity = profile.profile_calls(prefill_call(engine, rows, size), engine.state, calls, out_dir)
     print(f"\n{name}, {rows} x {size}, {calls} calls: busy {activity.busy_us / calls / 1e3:.2f} ms a call; "
           "top kernels (count, us a call):")
     for kernel, count, total in activity.by_name:
