@@ -331,6 +331,14 @@ SPECULATION_MODES = ("auto", "always")  # EngineConfig.speculation
 ATTENTION_KINDS = ("auto", "xla", "pallas")  # EngineConfig.attention
 
 
+def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
+    """The smallest of the increasing `buckets` that holds `n` (a batch, a chunk, rows of a call)."""
+    for bucket in buckets:
+        if bucket >= n:
+            return bucket
+    raise ValueError(f"{n} exceeds the largest bucket of {buckets}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Shapes of the compiled step functions and of the KV pool.

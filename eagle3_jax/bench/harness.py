@@ -15,7 +15,7 @@ import numpy as np
 
 from eagle3_jax.bench.common import STEP_PRESETS
 from eagle3_jax.bench.options import Options
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, smallest_bucket
 from eagle3_jax.engine.state import DeviceState
 
 
@@ -71,7 +71,7 @@ def sized_engine_config(batches: Sequence[int], k: int, max_model_len: int,
 
 
 def bucket_for(cfg: EngineConfig, batch: int) -> int:
-    return next(b for b in cfg.batch_buckets if b >= batch)
+    return smallest_bucket(cfg.batch_buckets, batch)
 
 
 # ==== compiling, synthetic rows, timing ===========================================================

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, check_draft_fits
+from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, check_draft_fits, smallest_bucket
 from eagle3_jax.engine import policy, sampling
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
@@ -357,12 +357,12 @@ class Engine:
         self.stats.dispatch_s += time.perf_counter() - t
 
     def _chunk_bucket(self, length: int) -> int:
-        return next(b for b in self.cfg.prefill_buckets if b >= length)
+        return smallest_bucket(self.cfg.prefill_buckets, length)
 
     def _dispatch_prefill_call(self, chunks: list[PrefillChunk]) -> None:
         """One prefill program over `chunks`, one row each, padded to the smallest batch bucket
         and chunk bucket that hold them."""
-        rows = next(b for b in self.cfg.prefill_batch_buckets if b >= len(chunks))
+        rows = smallest_bucket(self.cfg.prefill_batch_buckets, len(chunks))
         largest = self.cfg.prefill_buckets[-1]
         pieces = [c.tokens(largest) for c in chunks]
         inputs = PrefillInputs.padding(rows, self._chunk_bucket(max(map(len, pieces))), self.cfg.max_blocks_per_seq)

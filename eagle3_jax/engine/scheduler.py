@@ -7,7 +7,6 @@ out of pages and nothing is preempted; when the pool is short, new requests wait
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
 import time
@@ -15,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from eagle3_jax.config import EngineConfig
+from eagle3_jax.config import EngineConfig, smallest_bucket
 from eagle3_jax.engine.state import DUMMY_SLOT
 from eagle3_jax.model.layers import SCRATCH_PAGE
 from eagle3_jax.sampling_params import SamplingParams
@@ -181,7 +180,7 @@ class Scheduler:
             req.slot, req.pages = None, []
 
     def bucket(self, n: int) -> int:
-        return self.cfg.batch_buckets[bisect.bisect_left(self.cfg.batch_buckets, n)]
+        return smallest_bucket(self.cfg.batch_buckets, n)
 
     def batch(self) -> tuple[list[Request], np.ndarray, np.ndarray]:
         """The running requests padded to a bucket: (requests, slots [B], block tables [B, nb])."""
