@@ -329,6 +329,7 @@ def count_params(shapes: Any) -> int:
 MAX_SPECULATIVE_TOKENS = 16
 SPECULATION_MODES = ("auto", "always")  # EngineConfig.speculation
 ATTENTION_KINDS = ("auto", "xla", "pallas")  # EngineConfig.attention
+GEMV_KINDS = ("xla", "mosaic")  # EngineConfig.gemv
 
 
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -380,6 +381,12 @@ class EngineConfig:
         it (model/pallas_norm.py); "xla": the XLA forms, attention over the whole block table;
         "auto": pallas on a GPU without tensor parallelism, else xla. Prefill chunks of more than
         a few tokens use the XLA attention either way.
+    gemv: the weight projections of decode, verify and draft steps of up to 64 rows. "xla": XLA's
+        dots. "mosaic": a Pallas Mosaic GPU kernel per projection (model/mosaic_gemv.py), on one
+        Hopper GPU; on the H200 it made every Llama-3.1-8B step 4-5% slower than XLA's dots
+        (BENCHMARKS.md, thirteenth session), so it is not the default: it is the start of
+        projections that take in the kernels around them. Prefills and larger steps use XLA's dots
+        either way.
     """
 
     batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
@@ -394,12 +401,15 @@ class EngineConfig:
     num_pages: int | None = None
     max_model_len: int = 2048
     attention: str = "auto"
+    gemv: str = "xla"
 
     def __post_init__(self):
         where = "engine config"
         if self.attention not in ATTENTION_KINDS:
             raise ConfigError(f"{where}: attention must be one of {', '.join(ATTENTION_KINDS)}, got "
                               f"{self.attention!r}")
+        if self.gemv not in GEMV_KINDS:
+            raise ConfigError(f"{where}: gemv must be one of {', '.join(GEMV_KINDS)}, got {self.gemv!r}")
         for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
             buckets = getattr(self, name)
             if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:

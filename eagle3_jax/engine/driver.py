@@ -220,6 +220,18 @@ def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
     return "pallas" if jax.default_backend() == "gpu" and mesh is None else "xla"
 
 
+def gemv_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
+    """EngineConfig.gemv, checked: the Mosaic GPU kernel needs a Hopper GPU (wgmma, TMA copies)
+    and one device (a kernel is not partitioned by XLA's sharding propagation)."""
+    device = jax.devices()[0]
+    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+    if cfg.gemv == "mosaic" and (mesh is not None or not hopper):
+        where = " under tensor parallelism" if mesh is not None else ""
+        raise ConfigError(f"engine config: gemv 'mosaic' runs on one Hopper GPU only, not on "
+                          f"{device.device_kind}{where} (use 'xla')")
+    return cfg.gemv
+
+
 def iterate_pinned(params: LlamaParams, dparams: DraftParams | None, state, pinned: PinnedBatch,
                    slots: np.ndarray, tables: np.ndarray, cfg: StepConfig):
     """One fused iteration as the engine dispatches it, every buffer at a stable address:
@@ -241,7 +253,7 @@ class Engine:
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         k = cfg.num_speculative_tokens if draft is not None else 0
         self.step_cfg = StepConfig(target=target, draft=draft if k else None, num_draft=k, mesh=mesh,
-                                   attention=attention_kind(cfg, mesh))
+                                   attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
         self.scheduler = Scheduler(cfg, target.vocab_size, k)

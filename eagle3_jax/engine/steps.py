@@ -58,6 +58,7 @@ class StepConfig:
     # iteration. The steps below branch only on this static flag.
     greedy: bool = False
     attention: str = "xla"  # paged attention of these steps: "xla" or "pallas" (EngineConfig.attention)
+    gemv: str = "xla"  # few-row weight projections: "xla" or "mosaic" (EngineConfig.gemv)
 
     @property
     def speculative(self) -> bool:
@@ -75,7 +76,7 @@ class StepConfig:
 def _target(params: LlamaParams, cfg: StepConfig, tokens, positions, kv, block_tables):
     """Target forward with the residual stream replicated across tensor-parallel devices."""
     hidden, captures, kv = llama.forward(params, cfg.target, tokens, positions, kv, block_tables, cfg.attention,
-                                         cfg.pin_target_kv())
+                                         cfg.pin_target_kv(), cfg.gemv)
     return (*replicate((hidden, captures), cfg.mesh), kv)
 
 
@@ -98,8 +99,8 @@ def _draft_extend(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array
     """The draft over target-verified positions: capture t paired with the token at t+1
     (next_tokens [B, T]), RoPE position t. -> (pre-norm h [B, H] at `index` [B], draft_kv)."""
     h, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, next_tokens,
-                                       eagle3.fuse_captures(dparams, captures), positions, draft_kv, block_tables,
-                                       cfg.attention, cfg.pin_draft_kv())
+                                       eagle3.fuse_captures(dparams, captures, cfg.gemv), positions, draft_kv,
+                                       block_tables, cfg.attention, cfg.pin_draft_kv(), cfg.gemv)
     return jnp.take_along_axis(h, index[:, None, None], axis=1)[:, 0], draft_kv
 
 
@@ -151,10 +152,10 @@ def draft_step(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array, c
     if j > 0:
         out, draft_kv = eagle3.draft_forward(dparams, cfg.draft, target_embed, carry.token[:, None], h[:, None],
                                              (position + 1)[:, None], draft_kv, block_table, cfg.attention,
-                                             cfg.pin_draft_kv())
+                                             cfg.pin_draft_kv(), cfg.gemv)
         h, position = out[:, 0], position + 1
     # An argmax needs no all-gather of the logits: only per-shard (max, index) pairs move.
-    logits = vocab_logits(eagle3.draft_logits(dparams, cfg.draft, h), cfg.mesh, gather=not cfg.greedy)
+    logits = vocab_logits(eagle3.draft_logits(dparams, cfg.draft, h, cfg.gemv), cfg.mesh, gather=not cfg.greedy)
     ids, q = _draft_token(logits, carry.row, sampling.fold_in_rows(carry.keys, j), cfg.greedy)
     token = eagle3.to_target_ids(dparams, ids)
     carry = carry.replace(h=h, token=token, position=position, drafts=carry.drafts.at[:, j].set(token))
@@ -198,7 +199,7 @@ def iterate_head(params: LlamaParams, dparams: DraftParams | None, state: Device
     tokens = jnp.concatenate([s.last_token[:, None], s.drafts[:, :k]], axis=1)  # [B, K+1]
     positions = s.length[:, None] + jnp.arange(k + 1)  # [B, K+1]
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables)
-    logits = vocab_logits(llama.logits(params, hidden), cfg.mesh, gather=not cfg.greedy)  # [B, K+1, V]
+    logits = vocab_logits(llama.logits(params, hidden, cfg.gemv), cfg.mesh, gather=not cfg.greedy)  # [B, K+1, V]
     n, emitted = _verify(cfg, dparams, logits, s.drafts[:, :k], s.draft_probs, s.sampling,
                          _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY))
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
@@ -308,12 +309,17 @@ def prefill(params: LlamaParams, dparams: DraftParams | None, state: DeviceState
     slot's state is written on every chunk; the last chunk's write is the one that stays, its
     `last_token` the first generated token (`read_first_token` copies it out).
     """
+    # XLA's dots for every projection of a prefill, whatever its rows: the KV and hidden states a
+    # prompt leaves must not depend on how many prompts shared its call (a call of one 32-token
+    # chunk fits the Mosaic GEMV, eight of them do not), or EAGLE-3 and the target alone could
+    # part ways at a near tie.
+    cfg = dataclasses.replace(cfg, gemv="xla")
     p, t = tokens.shape
     positions = start[:, None] + jnp.arange(t)  # [P, T]
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_table)
     last_idx = num_valid - 1
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
-    logits = vocab_logits(llama.logits(params, last_hidden), cfg.mesh, gather=not cfg.greedy)  # [P, V]
+    logits = vocab_logits(llama.logits(params, last_hidden, cfg.gemv), cfg.mesh, gather=not cfg.greedy)  # [P, V]
     first = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
              else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST)))  # [P]
     length = start + num_valid

@@ -21,6 +21,7 @@ from flax import struct
 from eagle3_jax.config import DraftConfig
 from eagle3_jax.model.layers import (
     attention_block,
+    project,
     qkv_shape,
     rms_norm,
     rope_inv_freq,
@@ -66,18 +67,19 @@ def init_draft_params(cfg: DraftConfig, key: jax.Array, dtype=jnp.bfloat16,
         embed=dense(cfg.vocab_size, h) if own_embedding else None)
 
 
-def fuse_captures(params: DraftParams, captures: jax.Array) -> jax.Array:
+def fuse_captures(params: DraftParams, captures: jax.Array, gemv: str = "xla") -> jax.Array:
     """Target captures [..., n_capture * H_target] -> the first step's hidden input [..., H]."""
-    return captures @ params.fc
+    return project(captures, params.fc, gemv)
 
 
 def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
-                h: jax.Array, attend):
+                h: jax.Array, attend, gemv: str = "xla"):
     """The midlayer around a given attention: tokens [B, T]; h [B, T, H];
     attend(x [B, T, 2H]) -> (attention output after o_proj [B, T, H], aux). -> (h [B, T, H], aux).
 
     Inference attends over the paged cache (`draft_forward`); training's time test attends
-    under its own mask (train/objective.py). The layer around it is this one function.
+    under its own mask (train/objective.py). The layer around it is this one function. gemv:
+    the MLP's projections' kernel (layers.project).
     """
     embed = target_embed if params.embed is None else params.embed
     e = embed[tokens].astype(h.dtype)
@@ -85,34 +87,35 @@ def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, 
                          rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
     attn, aux = attend(x)
     h = h + attn
-    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate_up, params.w_down)
+    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate_up, params.w_down, gemv)
     return h, aux
 
 
 def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
                   h: jax.Array, positions: jax.Array, cache: KVCache,
                   block_table: jax.Array, attention: str = "xla",
-                  pin_kv: Callable[[KVCache], KVCache] | None = None) -> tuple[jax.Array, KVCache]:
+                  pin_kv: Callable[[KVCache], KVCache] | None = None,
+                  gemv: str = "xla") -> tuple[jax.Array, KVCache]:
     """One draft step over T tokens per row.
 
     tokens, positions [B, T]; h [B, T, H]: `fuse_captures` of the target's captures on the first
-    step, the draft's own previous pre-norm output on chain steps; block_table [B, nb]; pin_kv as
-    `llama.forward`'s. -> (pre-norm hidden [B, T, H], cache).
+    step, the draft's own previous pre-norm output on chain steps; block_table [B, nb]; pin_kv and
+    gemv as `llama.forward`'s. -> (pre-norm hidden [B, T, H], cache).
     """
     def paged(x):
         out, k_pages, v_pages = attention_block(
             x, params.wqkv, params.wo, positions, cache.k, cache.v, 0, block_table,
-            inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), attention=attention)
+            inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), attention=attention,
+            gemv=gemv)
         cache_out = KVCache(k=k_pages, v=v_pages)
         return out, cache_out if pin_kv is None else pin_kv(cache_out)
 
-    return draft_layer(params, cfg, target_embed, tokens, h, paged)
+    return draft_layer(params, cfg, target_embed, tokens, h, paged, gemv)
 
 
-def draft_logits(params: DraftParams, cfg: DraftConfig, hidden: jax.Array) -> jax.Array:
+def draft_logits(params: DraftParams, cfg: DraftConfig, hidden: jax.Array, gemv: str = "xla") -> jax.Array:
     """pre-norm hidden [..., H] -> f32 logits over the draft vocabulary [..., V_draft]."""
-    return jnp.dot(rms_norm(hidden, params.norm, cfg.rms_norm_eps), params.lm_head,
-                   preferred_element_type=jnp.float32)
+    return project(rms_norm(hidden, params.norm, cfg.rms_norm_eps), params.lm_head, gemv, out_dtype=jnp.float32)
 
 
 def to_target_ids(params: DraftParams, draft_ids: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.config import Llama3RopeScaling
-from eagle3_jax.model import pallas_attention, pallas_norm
+from eagle3_jax.model import mosaic_gemv, pallas_attention, pallas_norm
 
 SCRATCH_PAGE = 0
 
@@ -84,12 +84,23 @@ def qkv_shape(d_in: int, heads: int, kv_heads: int, head_dim: int) -> tuple[int,
     return d_in, kv_heads, heads // kv_heads + 2, head_dim
 
 
-def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, gemv: str = "xla", out_dtype=None) -> jax.Array:
+    """A weight projection: x [..., K] @ w [K, *out] -> [..., *out] (out_dtype, default x's).
+
+    gemv "mosaic" runs the Mosaic GPU kernel where the product fits it (a few rows: decode, verify
+    and draft steps; model/mosaic_gemv.py), else XLA's dot, which "xla" always runs."""
+    rows, k, n = math.prod(x.shape[:-1]), x.shape[-1], math.prod(w.shape[1:])
+    if gemv == "mosaic" and mosaic_gemv.supports(rows, k, n, x.dtype):
+        return mosaic_gemv.project(x, w, out_dtype)
+    return jnp.tensordot(x, w, axes=1, preferred_element_type=out_dtype)
+
+
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, gemv: str = "xla") -> jax.Array:
     """x [B, T, D]; w_gate_up [D, 2, I] (gate, up); w_down [I, D] -> [B, T, D].
 
     One GEMM for gate and up together instead of two (the step is launch-bound)."""
-    gate_up = jnp.einsum("btd,dzi->btzi", x, w_gate_up)  # [B, T, 2, I]
-    return (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ w_down
+    gate_up = project(x, w_gate_up, gemv)  # [B, T, 2, I]
+    return project(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down, gemv)
 
 
 def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
@@ -139,14 +150,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     return out.reshape(b, t, h, hd)
 
 
-def fused_qkv(h: jax.Array, wqkv: jax.Array) -> jax.Array:
+def fused_qkv(h: jax.Array, wqkv: jax.Array, gemv: str = "xla") -> jax.Array:
     """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> [B, T, G, R + 2, hd]: per kv group, its R q
     heads, then k, then v, none rotated yet."""
-    return jnp.einsum("btd,dgrk->btgrk", h, wqkv)
+    return project(h, wqkv, gemv)
 
 
 def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
-                inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+                inv_freq, gemv: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> q [B, T, G*R, hd], k, v [B, T, G, hd];
     q and k rotated to `positions`.
 
@@ -156,7 +167,7 @@ def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
     """
     b, t, _ = h.shape
     g, r, hd = wqkv.shape[1], wqkv.shape[2] - 2, wqkv.shape[3]
-    qkv = fused_qkv(h, wqkv)  # [B, T, G, R + 2, hd]
+    qkv = fused_qkv(h, wqkv, gemv)  # [B, T, G, R + 2, hd]
     q = qkv[:, :, :, :r].reshape(b, t, g * r, hd)
     k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]  # [B, T, G, hd]
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
@@ -164,26 +175,26 @@ def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
 
 def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax.Array,
                     k_pages: jax.Array, v_pages: jax.Array, layer: int, block_table: jax.Array, *,
-                    inv_freq, attention: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+                    inv_freq, attention: str = "xla", gemv: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention over layer `layer` of the paged cache, from the already-normed input. h
     [B, T, D_in]; wqkv [D_in, G, R + 2, hd]; wo [G*R*hd, D]; k/v_pages [L, P, page, G, hd] ->
     (attn out [B, T, D], k, v pages with this step's keys and values written).
 
     Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs). Head
     counts come from wqkv's shape. attention "pallas" runs the Pallas kernel where the step fits
-    it (few new tokens per row), else the XLA form, which "xla" always runs.
+    it (few new tokens per row), else the XLA form, which "xla" always runs. gemv: `project`'s.
     """
     b, t, _ = h.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
     if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2]):
         # Two kernels after the projection: RoPE + KV write + q tiles, then attention.
-        qkv = fused_qkv(h, wqkv)  # [B, T, G, R + 2, hd]
+        qkv = fused_qkv(h, wqkv, gemv)  # [B, T, G, R + 2, hd]
         q_tiles, k_pages, v_pages = pallas_attention.rope_and_write(
             qkv, positions, block_table, inv_freq, k_pages, v_pages, layer, SCRATCH_PAGE)
         out = pallas_attention.attend_tiles(q_tiles, k_pages, v_pages, layer, positions, block_table, r)
     else:
-        q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq)
+        q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq, gemv=gemv)
         k_pages = write_kv(k_pages, layer, k, positions, block_table)
         v_pages = write_kv(v_pages, layer, v, positions, block_table)
         out = paged_attention(q, k_pages[layer], v_pages[layer], positions, block_table)  # [B, T, H, hd]
-    return out.reshape(b, t, -1) @ wo, k_pages, v_pages
+    return project(out.reshape(b, t, -1), wo, gemv), k_pages, v_pages

@@ -18,6 +18,7 @@ from eagle3_jax.config import ModelConfig
 from eagle3_jax.model.layers import (
     add_rms_norm,
     attention_block,
+    project,
     qkv_shape,
     rope_inv_freq,
     swiglu,
@@ -109,12 +110,14 @@ def fold_norm_gains(params: LlamaParams) -> LlamaParams:
 
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, block_table: jax.Array, attention: str = "xla",
-            pin_kv: Callable[[KVCache], KVCache] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+            pin_kv: Callable[[KVCache], KVCache] | None = None,
+            gemv: str = "xla") -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] ->
     (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache).
     attention: "xla" or "pallas" (layers.attention_block; "pallas" also runs each residual add
     and the norm after it as one kernel, layers.add_rms_norm); pin_kv: applied to the cache after
-    each layer's write (tensor parallelism: `sharding.cache_pin`)."""
+    each layer's write (tensor parallelism: `sharding.cache_pin`); gemv: "xla" or "mosaic", the
+    weight projections' kernel where the step has few rows (layers.project)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     eps, kernel = cfg.rms_norm_eps, attention == "pallas"  # the Pallas kernels go together
     x = params.embed[tokens]  # [B, T, D]
@@ -126,17 +129,18 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             captured[i] = x
         attn, k_pages, v_pages = attention_block(
             h, layer.wqkv, layer.wo, positions, cache.k, cache.v, i, block_table, inv_freq=inv_freq,
-            attention=attention)
+            attention=attention, gemv=gemv)
         cache = KVCache(k=k_pages, v=v_pages) if pin_kv is None else pin_kv(KVCache(k=k_pages, v=v_pages))
         x, h = add_rms_norm(x, attn, layer.mlp_norm, eps, kernel)
-        delta = swiglu(h, layer.w_gate_up, layer.w_down)
+        delta = swiglu(h, layer.w_gate_up, layer.w_down, gemv)
     captures = jnp.concatenate([captured[i] for i in cfg.capture_layer_ids], axis=-1)
     _, hidden = add_rms_norm(x, delta, params.norm, eps, kernel)
     return hidden, captures, cache
 
 
-def logits(params: LlamaParams, hidden: jax.Array) -> jax.Array:
-    """hidden [..., D] (final-normed) -> f32 logits [..., V]."""
+def logits(params: LlamaParams, hidden: jax.Array, gemv: str = "xla") -> jax.Array:
+    """hidden [..., D] (final-normed) -> f32 logits [..., V]. gemv as `forward`'s, for an untied
+    lm_head [D, V] (a tied one is read as embed [V, D], XLA's dot either way)."""
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    return project(hidden, params.lm_head, gemv, out_dtype=jnp.float32)

@@ -1,0 +1,80 @@
+"""model/mosaic_gemv.py, the Mosaic GPU kernel for few-row weight projections.
+
+The suite runs on the CPU, where the kernel cannot (its TMA copies have no interpreter in jax
+0.10), so it checks what needs none: the tiles it picks, and that a decode forward lowers for the
+GPU with the kernel in each projection, and a prefill-sized one without it. On a Hopper GPU,
+`scripts/gemv_probe.py --kernel mosaic --check` runs it: against jnp.dot, and a row's result bit
+for bit the same whatever rows share its call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig
+from eagle3_jax.engine.driver import gemv_kind
+from eagle3_jax.model import llama, mosaic_gemv
+from eagle3_jax.model.mosaic_gemv import Tiling
+
+
+def test_tiles_of_the_8b_and_smollm2_projections():
+    want = {  # (K, N): the 8B's o, qkv, down, gate_up, lm_head; SmolLM2's qkv and down
+        (4096, 4096): Tiling(64, 128, 4, 4),
+        (4096, 6144): Tiling(64, 128, 2, 4),
+        (14336, 4096): Tiling(64, 128, 4, 4),
+        (4096, 28672): Tiling(128, 128, 1, 4),
+        (4096, 128256): Tiling(128, 128, 1, 4),
+        (576, 960): Tiling(64, 64, 3, 3),  # K = 9 x 64: three splits of three steps
+        (1536, 576): Tiling(64, 128, 4, 3),
+    }
+    for (k, n), tiling in want.items():
+        got = mosaic_gemv.tiling(k, n)
+        assert got == tiling, (k, n)
+        assert n % got.tile_n == 0 and k % (got.splits * got.tile_k) == 0
+        assert got.stages <= k // got.splits // got.tile_k  # never deeper than a program's steps
+        # pipeline stages at the most rows, plus the f32 output tile: within a program's 227 KB
+        smem = got.stages * (got.tile_k * got.tile_n + mosaic_gemv.MAX_ROWS * got.tile_k) * 2
+        assert smem + got.tile_n * mosaic_gemv.MAX_ROWS * 4 <= 227 * 1024
+    assert mosaic_gemv.supports(64, 4096, 4096, jnp.bfloat16)
+    assert not mosaic_gemv.supports(65, 4096, 4096, jnp.bfloat16)  # a GEMM: XLA's
+    assert not mosaic_gemv.supports(1, 4096, 4096, jnp.float32)
+    assert not mosaic_gemv.supports(1, 4000, 4096, jnp.bfloat16)
+
+
+def test_decode_lowers_for_the_gpu_with_the_kernel_in_every_projection(monkeypatch):
+    """A two-layer model with an untied lm_head: a decode forward (2 rows) puts the kernel in each
+    layer's four projections and the lm_head, and lowers for CUDA with them (the kernels are built
+    then: a shape the kernel rejects fails here); a prefill forward (2 x 64 rows) has none."""
+    cfg = ModelConfig.from_hf({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+                               "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 512,
+                               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                               "max_position_embeddings": 256})
+    params = jax.eval_shape(lambda: llama.fold_norm_gains(llama.init_params(cfg, jax.random.PRNGKey(0))))
+    cache = jax.eval_shape(lambda: llama.KVCache.zeros(cfg.num_layers, 9, 16, cfg.num_kv_heads, cfg.head_dim,
+                                                         jnp.bfloat16))
+    calls = []
+    project = mosaic_gemv.project
+    monkeypatch.setattr(mosaic_gemv, "project", lambda x, w, out_dtype=None: calls.append(w.shape) or
+                        project(x, w, out_dtype))
+
+    def step(params, cache, tokens, positions, table):
+        hidden, _, cache = llama.forward(params, cfg, tokens, positions, cache, table, gemv="mosaic")
+        return llama.logits(params, hidden, gemv="mosaic"), cache
+
+    for t, want in ((1, 4 * cfg.num_layers + 1), (64, 0)):
+        calls.clear()
+        args = (jax.ShapeDtypeStruct((2, t), jnp.int32), jax.ShapeDtypeStruct((2, t), jnp.int32),
+                jax.ShapeDtypeStruct((2, 4), jnp.int32))
+        lowered = jax.jit(step).trace(params, cache, *args).lower(lowering_platforms=("cuda",))
+        assert len(calls) == want, (t, calls)
+        assert ("mosaic_gpu" in lowered.as_text()) == (want > 0)
+
+
+def test_the_gemv_setting_names_what_is_wrong():
+    with pytest.raises(ConfigError, match="gemv must be one of xla, mosaic, got 'fast'"):
+        EngineConfig(gemv="fast")
+    with pytest.raises(ConfigError, match="gemv 'mosaic' runs on one Hopper GPU only, not on cpu"):
+        gemv_kind(EngineConfig(gemv="mosaic"), None)  # the suite runs on the CPU
+    assert gemv_kind(EngineConfig(), None) == "xla"
