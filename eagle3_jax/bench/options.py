@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from eagle3_jax import assets
 from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHASES
-from eagle3_jax.config import ATTENTION_KINDS
+from eagle3_jax.config import ATTENTION_KINDS, GEMV_KINDS
 
 
 def sorted_ints(text: str) -> tuple[int, ...]:
@@ -43,6 +43,8 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="auto",
                    help="paged attention of decode/verify/draft steps (EngineConfig.attention)")
+    p.add_argument("--gemv", choices=GEMV_KINDS, default="xla",
+                   help="weight projections of steps with few rows (EngineConfig.gemv)")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
                    help="weights and KV cache (default: bf16 on accelerators, f32 on the CPU)")
     g = p.add_argument_group("smollm2 phase: the engine end to end")
@@ -136,6 +138,7 @@ class Options:
     matmul_size: int
     parallel_compile: bool
     attention: str = "auto"
+    gemv: str = "xla"
     tp_check_hidden: int = 512
     tp_check_layers: int = 4
     tp_check_vocab: int = 8192
@@ -170,7 +173,7 @@ class Options:
                    peer_batches=sorted_ints(a.peer_batches), peer_prompts=a.peer_prompts or a.prompts,
                    peer_8b=a.peer_8b, peer_timeout=a.peer_timeout, calls=a.calls, rounds=a.rounds,
                    bandwidth_gb=a.bandwidth_gb, matmul_size=a.matmul_size, parallel_compile=a.parallel_compile,
-                   attention=a.attention,
+                   attention=a.attention, gemv=a.gemv,
                    tp_check_hidden=a.tp_check_hidden, tp_check_layers=a.tp_check_layers,
                    tp_check_vocab=a.tp_check_vocab, tp_check_prompts=a.tp_check_prompts,
                    tp_check_tokens=a.tp_check_tokens, allreduce_mb=a.allreduce_mb,

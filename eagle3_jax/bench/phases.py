@@ -52,6 +52,7 @@ from eagle3_jax.engine.driver import (
     EngineStats,
     PinnedBatch,
     attention_kind,
+    gemv_kind,
     iterate_pinned,
 )
 from eagle3_jax.engine.scheduler import Request
@@ -202,7 +203,7 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
 
     engine_config = dataclasses.replace(
         sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets, opts.min_bucket, speculation,
-                            opts.attention, opts.prefill_batch_buckets),
+                            opts.attention, opts.prefill_batch_buckets, opts.gemv),
         fused_iteration=fused)
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
               engine_config=engine_config, warmup=False, progress=False)
@@ -297,23 +298,25 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
             "prefill_batch_buckets": list(opts.prefill_batch_buckets or EngineConfig.prefill_batch_buckets),
             "dtype": jnp.dtype(opts.dtype).name,
             "compile": "parallel precompile, then Engine.warmup" if opts.parallel_compile else "Engine.warmup",
-            "paged attention": attention_kind(EngineConfig(attention=opts.attention), None)}
+            "paged attention": attention_kind(EngineConfig(attention=opts.attention), None),
+            "few-row projections": gemv_kind(EngineConfig(gemv=opts.gemv), None)}
     return results, info
 
 
 # ==== phase 8b: step functions on synthetic state =================================================
 def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, mesh: Mesh | None = None,
-                 attention: str = "xla"):
+                 attention: str = "xla", gemv: str = "xla"):
     # Under tp, the same pins as the engine's steps: the cache as it came in after every layer,
     # replicated residual stream, logits left vocab-sharded (an argmax moves per-shard (max,
     # index) pairs).
     hidden, _, kv = llama.forward(params, cfg, tokens, positions, kv, block_tables, attention,
-                                  sharding.cache_pin(mesh, cfg.num_kv_heads))
-    logits = sharding.vocab_logits(llama.logits(params, sharding.replicate(hidden, mesh)), mesh, gather=False)
+                                  sharding.cache_pin(mesh, cfg.num_kv_heads), gemv)
+    logits = sharding.vocab_logits(llama.logits(params, sharding.replicate(hidden, mesh), gemv), mesh, gather=False)
     return kv, jnp.argmax(logits, axis=-1)
 
 
-verify_only = jax.jit(_verify_only, static_argnames=("cfg", "mesh", "attention"), donate_argnames="kv")
+verify_only = jax.jit(_verify_only, static_argnames=("cfg", "mesh", "attention", "gemv"),
+                      donate_argnames="kv")
 
 
 def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
@@ -370,7 +373,7 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
         # On the device once: the same buffers every call, as the engine's pinned arguments.
         tokens, positions, tables = jax.device_put((tokens, positions, tables), sharding.replicated_placement(scfg.mesh))
 
-        kw = {"cfg": scfg.target, "mesh": scfg.mesh, "attention": scfg.attention}
+        kw = {"cfg": scfg.target, "mesh": scfg.mesh, "attention": scfg.attention, "gemv": scfg.gemv}
 
         def job(state):
             return verify_only, (params, state.target_kv, tokens, positions, tables), kw
@@ -402,7 +405,7 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     k, batches, dtype = max(opts.num_draft), opts.batches_8b, opts.dtype
     itemsize = jnp.dtype(dtype).itemsize
     own = own_embedding(target, draft)
-    ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, attention=opts.attention)
+    ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, attention=opts.attention, gemv=opts.gemv)
     if opts.context + opts.calls * (k + 1) > opts.max_model_len_8b:
         raise SystemExit(f"--context {opts.context} + {opts.calls} calls x {k + 1} tokens exceed "
                          f"--max-model-len-8b {opts.max_model_len_8b}")
@@ -422,10 +425,11 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     kinds = [StepKind("decode, target-only (K=0)", 0), StepKind(f"EAGLE-3 iteration (K={k})", k),
              StepKind(f"verify only (B x {k + 1} tokens)", 0, verify_only=True)]
     # Greedy programs: what a batch of greedy requests runs (StepConfig.greedy).
-    attention = attention_kind(ecfg, mesh)
-    notes.append(f"8b: paged attention {attention} (--attention {opts.attention})")
+    attention, gemv = attention_kind(ecfg, mesh), gemv_kind(ecfg, mesh)
+    notes.append(f"8b: paged attention {attention} (--attention {opts.attention}); few-row projections {gemv} "
+                 f"(--gemv {opts.gemv})")
     scfgs = {kind: StepConfig(target=target, draft=draft if kind.num_draft else None, num_draft=kind.num_draft,
-                              mesh=mesh, greedy=True, attention=attention) for kind in kinds}
+                              mesh=mesh, greedy=True, attention=attention, gemv=gemv) for kind in kinds}
     calls = {(kind, b): step_call(kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b),
                                   k + 1, opts.context)
              for kind, scfg in scfgs.items() for b in batches}
