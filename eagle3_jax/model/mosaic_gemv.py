@@ -64,7 +64,8 @@ def tiling(k: int, n: int) -> Tiling:
     up to four while the grid stays within two programs per multiprocessor."""
     tile_k = 128 if k % 128 == 0 else 64
     tile_n = 128 if n % 128 == 0 and n // 128 >= 200 else 64
-    splits = max(s for s in (1, 2, 3, 4) if (n // tile_n) * s <= max(_PROGRAMS, n // tile_n) and k % (s * tile_k) == 0)
+    tiles = n // tile_n
+    splits = max(s for s in (1, 2, 3, 4) if k % (s * tile_k) == 0 and (s == 1 or tiles * s <= _PROGRAMS))
     stage_bytes = (tile_k * tile_n + MAX_ROWS * tile_k) * 2
     stages = max(2, min(4, k // splits // tile_k, _SMEM_BUDGET // stage_bytes))
     return Tiling(tile_n, tile_k, splits, stages)
