@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig
@@ -78,3 +79,40 @@ def test_the_gemv_setting_names_what_is_wrong():
     with pytest.raises(ConfigError, match="gemv 'mosaic' runs on one Hopper GPU only, not on cpu"):
         gemv_kind(EngineConfig(gemv="mosaic"), None)  # the suite runs on the CPU
     assert gemv_kind(EngineConfig(), None) == "xla"
+
+
+def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypatch):
+    """StepConfig.gemv reaches every projection of an iteration (target verify, draft extend and
+    chain), while a prefill keeps XLA's dots even where its rows would fit the kernel (a lone
+    32-token chunk): lowered for CUDA from the CPU suite's engine."""
+    import dataclasses
+
+    from eagle3_jax.config import DraftConfig
+    from eagle3_jax.engine import steps
+    from eagle3_jax.engine.driver import Engine
+    from eagle3_jax.model.eagle3 import init_draft_params
+
+    target = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         max_position_embeddings=256, tie_word_embeddings=False, eos_token_ids=(2,))
+    draft = DraftConfig.like_target(target, 256)
+    params = llama.fold_norm_gains(llama.init_params(target, jax.random.PRNGKey(0), jnp.bfloat16))
+    engine = Engine(target, params, draft, init_draft_params(draft, jax.random.PRNGKey(1), jnp.bfloat16, False),
+                    EngineConfig(batch_buckets=(2,), prefill_buckets=(32,), max_model_len=128))
+    cfg = dataclasses.replace(engine.step_cfg, gemv="mosaic")
+    calls = []
+    project = mosaic_gemv.project
+    monkeypatch.setattr(mosaic_gemv, "project", lambda x, w, out_dtype=None: calls.append(w.shape) or
+                        project(x, w, out_dtype))
+
+    prefill = steps.prefill_step.trace(*engine.padding_prefill_args(1, 32), cfg=cfg).lower(lowering_platforms=("cuda",))
+    assert calls == [] and "mosaic_gpu" not in prefill.as_text()
+
+    slots, tables = np.ones(2, np.int32), np.zeros((2, engine.cfg.max_blocks_per_seq), np.int32)
+    iteration = steps.iterate_in_place_step.trace(engine.params, engine.draft_params, engine.state, slots, tables,
+                                                  cfg=cfg).lower(lowering_platforms=("cuda",))
+    # target: 4 projections a layer + lm_head; draft extend: fc + its 4; each of K - 1 chain steps:
+    # its 4; K draft lm_heads
+    k = cfg.num_draft
+    assert len(calls) == 4 * target.num_layers + 1 + 5 + 4 * (k - 1) + k, calls
+    assert "mosaic_gpu" in iteration.as_text()
