@@ -1,8 +1,9 @@
 """model/mosaic_gemv.py, the Mosaic GPU kernel for few-row weight projections.
 
 The suite runs on the CPU, where the kernel cannot (its TMA copies have no interpreter in jax
-0.10), so it checks what needs none: the tiles it picks, and that a decode forward lowers for the
-GPU with the kernel in each projection, and a prefill-sized one without it. On a Hopper GPU,
+0.10), so it checks what needs none: the tiles it picks; that a decode forward lowers for the GPU
+with the kernel in each projection, and a prefill-sized one without it; that the engine's
+iteration runs it in every projection and its prefill in none. On a Hopper GPU,
 `scripts/gemv_probe.py --kernel mosaic --check` runs it: against jnp.dot, and a row's result bit
 for bit the same whatever rows share its call.
 """
