@@ -299,7 +299,7 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
             "dtype": jnp.dtype(opts.dtype).name,
             "compile": "parallel precompile, then Engine.warmup" if opts.parallel_compile else "Engine.warmup",
             "paged attention": attention_kind(EngineConfig(attention=opts.attention), None),
-            "few-row projections": gemv_kind(EngineConfig(gemv=opts.gemv), None)}
+            "few-row projections": opts.gemv}
     return results, info
 
 
