@@ -45,6 +45,18 @@ def test_tiles_of_the_8b_and_smollm2_projections():
     assert not mosaic_gemv.supports(1, 4000, 4096, jnp.bfloat16)
 
 
+def test_every_row_count_it_takes_lowers_for_the_gpu():
+    """supports() promises 1..64 rows. Mosaic tiles x's rows by 8 and, past 8, takes only whole
+    tiles: unpadded, 49 of these counts failed to lower (SmolLM2's verify of 2 x 5 tokens, 10
+    rows, on the H200), while the 8B bench's 1, 4, 8 and 32 rows passed."""
+    w = jax.ShapeDtypeStruct((128, 192), jnp.bfloat16)
+    for rows in range(1, mosaic_gemv.MAX_ROWS + 1):
+        x = jax.ShapeDtypeStruct((rows, 128), jnp.bfloat16)
+        assert mosaic_gemv.supports(rows, 128, 192, x.dtype)
+        text = jax.jit(mosaic_gemv.project).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and f"tensor<{rows}x192xbf16>" in text, rows
+
+
 def test_decode_lowers_for_the_gpu_with_the_kernel_in_every_projection(monkeypatch):
     """A two-layer model with an untied lm_head: a decode forward (2 rows) puts the kernel in each
     layer's four projections and the lm_head, and lowers for CUDA with them (the kernels are built

@@ -73,13 +73,16 @@ def tiling(k: int, n: int) -> Tiling:
 
 def partials(x: jax.Array, w: jax.Array, t: Tiling) -> jax.Array:
     """x [M, K], w [K, N] -> transposed partial products [S, N, Mp] f32, Mp = M rounded up to 8.
-    The TMA copies read x's rows past M as zeros: no padded copy of x is made (it would cost a
-    kernel of its own per projection)."""
+    Up to 8 rows, the TMA copies read x's rows past M as zeros: no padded copy of x is made (it
+    would cost a kernel of its own per projection). Past 8, Mosaic tiles x's rows by 8 and takes
+    only whole tiles, so an M that is not a multiple of 8 (a verify of 2 x 5 tokens) is padded."""
     # The GPU-only backend, imported on use.
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    k = x.shape[1]
-    mp = -(-x.shape[0] // 8) * 8
+    m, k = x.shape
+    mp = -(-m // 8) * 8
+    if m > 8 and m != mp:
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))  # zero rows: their own output columns, dropped by `project`
     n = w.shape[1]
     steps = k // t.splits // t.tile_k
     # Both operands' minor dimension is cut into 64-element (128-byte) swizzled tiles, as wgmma reads them.
