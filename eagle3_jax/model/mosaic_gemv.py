@@ -7,12 +7,13 @@ scale, the SwiGLU, the residual add), which cost a Llama-3.1-8B decode about 0.5
 This is the first step: the product alone. Where it stands (H200, BENCHMARKS.md, thirteenth
 session): in a chain of lone GEMVs it beat `jnp.dot` (o 13.8 against 16.1 us, gate_up 60.8
 against 62.0; `scripts/gemv_probe.py --kernel mosaic`), but in the 8B forward its 129 kernels
-took 3,749 us where XLA's GEMMs take about 3,655, and every step was 4-5% slower; on SmolLM2
-with the drafter (fourteenth session) EAGLE-3 at batch 1 gave 1,642 tok/s against 2,142, the
-host's time per step up from 0.98 to 1.30 ms. Hence opt-in (EngineConfig.gemv). Most of that gap (0.13 of 0.22 ms a decode) is programmatic dependent
-launch: XLA launches its own kernels with it and this one without, as jax 0.11.2's runtime does
-not act on the mark `griddepcontrol_wait` leaves. Once it does, the weight copies (which depend on
-no earlier kernel) can also start before the wait for x.
+took 3,749 us where XLA's GEMMs take about 3,655, and every step was 4-5% slower. Most of that
+gap (0.13 of 0.22 ms a decode) is programmatic dependent launch: XLA launches its own kernels
+with it and this one without, as jax 0.11.2's runtime does not act on the mark
+`griddepcontrol_wait` leaves. Once it does, the weight copies (which depend on no earlier kernel)
+can also start before the wait for x. On SmolLM2 with the drafter (fourteenth session), EAGLE-3
+at batch 1 gave 1,642 tok/s against 2,142 with XLA's dots, the host's time per step up from 0.98
+to 1.30 ms. Hence opt-in (EngineConfig.gemv).
 
 The kernel: a grid of (N / tile_n column tiles, S splits of K). Program (j, s) pipelines its K range
 through shared memory in tile_k steps with TMA copies, `stages` in flight, and multiplies on the
