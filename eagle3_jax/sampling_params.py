@@ -1,8 +1,8 @@
 """Per-request sampling parameters (host side).
 
 `SamplingParams` is an immutable, validated description of how one request is
-decoded.  The device-side math lives in `eagle3_jax.engine.sampling`; use
-`eagle3_jax.engine.sampling.row_sampling_from_params` to turn a batch of these
+decoded.  The device-side math lives in `eagle3_jax.runner.sampling`; use
+`eagle3_jax.runner.sampling.row_sampling_from_params` to turn a batch of these
 into per-row arrays.
 """
 

@@ -45,7 +45,7 @@ from eagle3_jax.bench import profile  # noqa: E402
 from eagle3_jax.bench.profile import DeviceActivity  # noqa: E402
 from eagle3_jax.config import ATTENTION_KINDS, DraftConfig, EngineConfig, ModelConfig  # noqa: E402
 from eagle3_jax.engine.driver import Engine  # noqa: E402
-from eagle3_jax.engine.steps import iterate_in_place_step  # noqa: E402
+from eagle3_jax.runner.steps import iterate_in_place_step  # noqa: E402
 from eagle3_jax.model import llama  # noqa: E402
 from eagle3_jax.model.eagle3 import init_draft_params  # noqa: E402
 

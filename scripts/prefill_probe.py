@@ -30,7 +30,7 @@ from eagle3_jax.bench import profile
 from eagle3_jax.bench.harness import time_calls
 from eagle3_jax.bench.options import sorted_ints
 from eagle3_jax.config import EngineConfig
-from eagle3_jax.engine.steps import prefill_step
+from eagle3_jax.runner.steps import prefill_step
 
 
 def prefill_call(engine, rows: int, size: int):

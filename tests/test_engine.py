@@ -14,8 +14,8 @@ from eagle3_jax import SamplingParams, assets
 from eagle3_jax.config import ConfigError, EngineConfig
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.policy import AcceptanceEstimate, BucketCost, SpeculationPolicy
-from eagle3_jax.engine.sampling import row_sampling_from_params as sampling_rows
-from eagle3_jax.engine.state import DUMMY_SLOT
+from eagle3_jax.runner.sampling import row_sampling_from_params as sampling_rows
+from eagle3_jax.runner.state import DUMMY_SLOT
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     and the sampling iteration none of the old all-greedy kind (only top-k/top-p's sort guard,
     one per sampled distribution: the verify and each of the K draft tokens). The driver picks
     the program from the requests' parameters."""
-    from eagle3_jax.engine.steps import iterate_in_place_step, prefill_step
+    from eagle3_jax.runner.steps import iterate_in_place_step, prefill_step
 
     engine = spec_llm.engine
     k = engine.step_cfg.num_draft
@@ -318,7 +318,7 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     H200), so the KV cache is one array for K and one for V whatever the depth: a 30-layer target's
     state has as many buffers as a 2-layer one's, and layer l's pages are row l of them."""
     from eagle3_jax.config import DraftConfig
-    from eagle3_jax.engine.state import init_state
+    from eagle3_jax.runner.state import init_state
 
     engine_cfg = EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256)
     shallow = dataclasses.replace(smollm2_cfg, num_layers=2, capture_layer_ids=(0, 1, 1))

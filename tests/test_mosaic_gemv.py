@@ -101,7 +101,7 @@ def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypa
     import dataclasses
 
     from eagle3_jax.config import DraftConfig
-    from eagle3_jax.engine import steps
+    from eagle3_jax.runner import steps
     from eagle3_jax.engine.driver import Engine
     from eagle3_jax.model.eagle3 import init_draft_params
 

@@ -1,4 +1,4 @@
-"""Tests for eagle3_jax.engine.sampling and eagle3_jax.sampling_params.
+"""Tests for eagle3_jax.runner.sampling and eagle3_jax.sampling_params.
 
 The statistical tests are deterministic (fixed seeds).  Positive tests require
 chi-square p-values > 1e-3; negative controls show that the same test, with the
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from eagle3_jax.engine import sampling as S
+from eagle3_jax.runner import sampling as S
 from eagle3_jax.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 from eagle3_jax.bench.common import STEP_PRESETS
 from eagle3_jax.bench.options import Options
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, smallest_bucket
-from eagle3_jax.engine.state import DeviceState
+from eagle3_jax.runner.state import DeviceState
 
 
 def draft_config_like(target: ModelConfig, draft_vocab_size: int = 32000) -> DraftConfig:

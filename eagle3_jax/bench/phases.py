@@ -56,8 +56,8 @@ from eagle3_jax.engine.driver import (
     iterate_pinned,
 )
 from eagle3_jax.engine.scheduler import Request
-from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, init_state, state_shardings
-from eagle3_jax.engine.steps import StepConfig, iterate_in_place_step, prefill_step
+from eagle3_jax.runner.state import DUMMY_SLOT, DeviceState, init_state, state_shardings
+from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step, prefill_step
 from eagle3_jax.model import llama
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.parallel import sharding

@@ -25,10 +25,11 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, check_draft_fits, smallest_bucket
-from eagle3_jax.engine import policy, sampling
+from eagle3_jax.engine import policy
+from eagle3_jax.runner import sampling
 from eagle3_jax.engine.scheduler import Request, Scheduler
-from eagle3_jax.engine.state import DUMMY_SLOT, init_state, state_shardings
-from eagle3_jax.engine.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step,
+from eagle3_jax.runner.state import DUMMY_SLOT, init_state, state_shardings
+from eagle3_jax.runner.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step,
                                     iterate_in_place_step, prefill_step, read_first_token_step, read_verdicts_step,
                                     split_verdicts)
 from eagle3_jax.model.eagle3 import DraftParams

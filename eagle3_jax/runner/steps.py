@@ -31,8 +31,8 @@ from flax import struct
 from jax.sharding import Mesh
 
 from eagle3_jax.config import DraftConfig, ModelConfig
-from eagle3_jax.engine import sampling
-from eagle3_jax.engine.state import DUMMY_SLOT, DeviceState, Slots, state_shardings
+from eagle3_jax.runner import sampling
+from eagle3_jax.runner.state import DUMMY_SLOT, DeviceState, Slots, state_shardings
 from eagle3_jax.model import eagle3, llama
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import LlamaParams

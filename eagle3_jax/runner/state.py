@@ -18,7 +18,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
-from eagle3_jax.engine.sampling import RowSampling
+from eagle3_jax.runner.sampling import RowSampling
 from eagle3_jax.model.llama import KVCache
 
 DUMMY_SLOT = 0
