@@ -2,8 +2,8 @@
 """Can a layer's o_proj weight be read into L2 while its attention runs, so that the GEMV after
 it reads from L2 instead of HBM?
 
-    python3 scripts/l2_prefetch_probe.py            # GPU: both scheduling modes, one table
-    python3 scripts/l2_prefetch_probe.py --check    # any backend: the Pallas touch sums its input
+    python3 experiments/l2_prefetch_probe.py            # GPU: both scheduling modes, one table
+    python3 experiments/l2_prefetch_probe.py --check    # any backend: the Pallas touch sums its input
 
 Why: an 8B decode at batch 1 spends ~20 us a layer in latency-bound kernels (RoPE + KV write,
 attention and its combine, norms, split-K reductions; BENCHMARKS.md, tenth session), during

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a buffer costs at dispatch, and whether stacked layer weights cost anything on the device.
 
-    python3 scripts/stacked_weights_probe.py [HLO_OUT]
+    python3 experiments/stacked_weights_probe.py [HLO_OUT]
 
 Times one jitted program of unrolled layers, x = x + silu(norm(x) @ w1[l]) @ w2[l], with the
 weights as one array per layer (2 L buffers) or stacked [L, ...] (2 buffers, layer l a static
@@ -15,8 +15,8 @@ Measured on the H200: stacking halves the enqueue time at SmolLM2's shapes and c
 nothing. The engine still keeps one array per layer: with the SmolLM2 target's weights stacked
 this way, XLA had not finished compiling the engine's first program after 3 minutes (20 s
 before): the compiled HLO shows each GEMM as a fusion that slices its layer inside, one
-computation per layer, where per-layer weights let the layers share a kernel. The KV cache is stacked (`llama.KVCache`): its kernels take the layer
-as a block index, which shares them.
+computation per layer, where per-layer weights let the layers share a kernel. The KV cache is
+stacked (`llama.KVCache`): its kernels take the layer as a block index, which shares them.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def main(hlo_out: str | None = None) -> int:
             y.block_until_ready()
             done = time.perf_counter()
             floor_us = 1e6 * 2 * layers * 2 * d * n / 4.5e12
-            print(f"| {'stacked' if stacked else 'per layer'} | {layers} | {d} x {n} | {len(jax.tree.leaves(weights))} | "
+            kind = "stacked" if stacked else "per layer"
+            print(f"| {kind} | {layers} | {d} x {n} | {len(jax.tree.leaves(weights))} | "
                   f"{1e6 * (enqueued - start) / calls:.0f} | {1e6 * (done - start) / calls:.0f} | {floor_us:.0f} | "
                   f"{copies} |", flush=True)
             if stacked and layers == 16 and hlo_out:

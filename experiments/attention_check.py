@@ -2,7 +2,7 @@
 """The paged attention of one layer, XLA form against the Pallas kernel, on real step shapes:
 agreement (bf16 inputs, against an f32 evaluation of the XLA form) and time per call.
 
-    python3 scripts/attention_check.py
+    python3 experiments/attention_check.py
 
 Each case is one layer's attention of a decode or verify step over a paged pool whose rows hold
 `context` cached tokens. The floor is the bytes a step must read (the valid K and V of every row,
@@ -19,12 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from eagle3_jax.bench import costs  # noqa: E402
-from eagle3_jax.model import layers, pallas_attention  # noqa: E402
+from eagle3_jax.bench import costs
+from eagle3_jax.model import layers, pallas_attention
 
 # name, batch, new tokens, kv heads, q heads per kv head, head dim, cached tokens, table width (pages)
 CASES = [
@@ -104,7 +104,8 @@ def main() -> int:
 def block_errors(dtype) -> None:
     """layers.attention_block, kernels (RoPE + KV write + q tiles, then attention) against the XLA
     form, both in `dtype`, each against the XLA form in f32: the block's output and written pages."""
-    print("\n| attention block | max abs err XLA | max abs err Pallas | max abs err of written K, Pallas |\n|---|---|---|---|")
+    print("\n| attention block | max abs err XLA | max abs err Pallas | max abs err of written K, Pallas |\n"
+          "|---|---|---|---|")
     for name, b, t, g, r, hd, context, nb in (CASES if jax.default_backend() == "gpu" else CPU_CASES):
         rng = np.random.default_rng(1)
         d, num_pages = g * r * hd, b * nb + 1

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Why the host's dispatch of an engine step takes about as long as the step runs on the device.
 
-    python3 scripts/graph_launch_probe.py
+    python3 experiments/graph_launch_probe.py
 
 The profiler puts the engine's host time per step in `cuGraphLaunch` (BENCHMARKS.md, eighth
 session), 0.7-1.5 ms per SmolLM2 iteration, close to the iteration's device time. Two readings fit:
@@ -34,9 +34,8 @@ costs 1-2 us a kernel is a small device buffer allocated between the calls. The 
 it moves the next call's temporary buffer, so XLA updates every node of the graph before the
 launch. Written into buffers that already exist ("pair"), it costs nothing. The engine's verdicts
 (`steps.read_verdicts`) were such an output: with them, XLA's log (TF_CPP_VMODULE=
-command_buffer_thunk=3) counted 1,225 graph updates in 2,800 iterations of
-`scripts/dispatch_overhead.py`, 1,200 of them at batch buckets 16-64; with the pair, 50, about one
-per round.
+command_buffer_thunk=3) counted 1,225 graph updates in 2,800 engine iterations, 1,200 of them at
+batch buckets 16-64; with the pair, 50, about one per round.
 
 The first table, the launch alone per kernel kind (device drained before each call), tells the
 kernels apart: the GEMM chain's extra cost is its one weight argument per step (argument handling

@@ -2,10 +2,10 @@
 """Can a GEMV of our own read the 8B weights as fast as XLA's Triton GEMMs, while leaving its
 split-K partial sums to the kernel after it?
 
-    python3 scripts/gemv_probe.py                   # GPU: every shape, the Triton sweep, a table
-    python3 scripts/gemv_probe.py --kernel mosaic   # Hopper: the same for model/mosaic_gemv.py's kernel
-    python3 scripts/gemv_probe.py --check           # any backend: the Triton kernel against jnp.dot
-    python3 scripts/gemv_probe.py --kernel mosaic --check   # Hopper: the engine's kernel, see check_mosaic
+    python3 experiments/gemv_probe.py                   # GPU: every shape, the Triton sweep, a table
+    python3 experiments/gemv_probe.py --kernel mosaic   # Hopper: the same for model/mosaic_gemv.py's kernel
+    python3 experiments/gemv_probe.py --check           # any backend: the Triton kernel against jnp.dot
+    python3 experiments/gemv_probe.py --kernel mosaic --check   # Hopper: the engine's kernel, see check_mosaic
 
 Why: an 8B decode at batch 1 spends about 3.7 of its 4.3 ms in XLA's weight GEMMs (91% of the read
 bandwidth) and ~0.7 ms in ten small kernels a layer, among them three split-K reductions, two
