@@ -9,7 +9,7 @@ split-K partial sums to the kernel after it?
 
 Why: an 8B decode at batch 1 spends about 3.7 of its 4.3 ms in XLA's weight GEMMs (91% of the read
 bandwidth) and ~0.7 ms in ten small kernels a layer, among them three split-K reductions, two
-add + RMSNorms and the SwiGLU multiply (BENCHMARKS.md, tenth session). Those three kinds could live
+add + RMSNorms and the SwiGLU multiply (BENCHMARKS.md). Those three kinds could live
 inside the GEMVs: RMSNorm's scale is per row, so it commutes with the matmul and can be applied
 from summed sums of squares; the residual add and the SwiGLU are element-wise on the GEMV's input.
 That plan only pays if the GEMV itself keeps XLA's speed when it writes its partials [S, M, N] in
@@ -23,14 +23,14 @@ the weight (so nothing is served from L2) and each fed by the previous one's out
 overlap), divided by LAYERS. Bandwidth = weight bytes / time; the floor is the weight bytes over
 the copy bandwidth measured here.
 
-Measured on the H200 (jax 0.11.2, BENCHMARKS.md, tenth session), us per GEMV at batch 1, XLA
+Measured on the H200 (jax 0.11.2, BENCHMARKS.md), us per GEMV at batch 1, XLA
 against the best of the sweep: o 14.0 / 28.3, qkv 19.2 / 42.0, down 37.1 / 94.3, gate_up
 61.8 / 179.4; the same at 32 rows. This kernel reads 1.1-1.3 TB/s where XLA's reads 2.2-3.9: 2.0-3.0x
 slower, so the fused plan does not start from it. Why it is slow was not measured; the likeliest
 reason is weight loads that Triton does not pipeline here, and Pallas' Mosaic GPU backend (TMA,
 explicit pipelines) is the next thing to try.
 
-It was (thirteenth session, `--kernel mosaic`): model/mosaic_gemv.py's kernel, its partials summed
+It was (`--kernel mosaic`): model/mosaic_gemv.py's kernel, its partials summed
 by one XLA kernel, against jnp.dot at batch 1: o 13.8 / 16.1 us, qkv 17.8 / 21.2, down 33.7 / 35.0,
 gate_up 60.8 / 62.0; 0.84-0.98x XLA's time, and the engine now runs it (EngineConfig.gemv).
 """
@@ -249,7 +249,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="correctness on small shapes only (any backend)")
     ap.add_argument("--kernel", choices=("triton", "mosaic"), default="triton",
-                    help="whose GEMV to sweep against XLA's: Pallas Triton (the tenth session's) or Mosaic GPU")
+                    help="whose GEMV to sweep against XLA's: Pallas Triton (this file's) or Mosaic GPU")
     a = ap.parse_args()
     if a.kernel == "mosaic":
         return check_mosaic() if a.check else sweep_mosaic()

@@ -3,8 +3,8 @@
 
     python3 experiments/graph_launch_probe.py
 
-The profiler puts the engine's host time per step in `cuGraphLaunch` (BENCHMARKS.md, eighth
-session), 0.7-1.5 ms per SmolLM2 iteration, close to the iteration's device time. Two readings fit:
+The profiler puts the engine's host time per step in `cuGraphLaunch` (BENCHMARKS.md),
+0.7-1.5 ms per SmolLM2 iteration, close to the iteration's device time. Two readings fit:
 the launch costs the host per node of the graph, or it waits while the previous launch of the same
 graph is still running. This program tells them apart with chains of n small kernels (each
 reduction feeds the next element-wise step, so XLA cannot fuse them), one row of 4096 f32:
@@ -18,15 +18,15 @@ reduction feeds the next element-wise step, so XLA cannot fuse them), one row of
   + side, drop the same small program, its output dropped at once (no copy)
   + other     the same small program on another array (never donated), kept and copied
   + side, pair as `+ side`, but the small program writes over one of two donated buffers in turn,
-              so nothing is allocated between the calls (the engine's verdicts since the ninth
-              session, `PinnedBatch.read_verdicts`)
+              so nothing is allocated between the calls (how the engine writes its verdicts,
+              `PinnedBatch.read_verdicts`)
 
 Columns: kernels per program (from the compiled HLO), device us per call (back-to-back wall time),
 and the host's median us per dispatch in each mode. If `same` tracks the device time while `idle`
 and `alternating` stay small, the launch waits for its own graph's previous run; if all three
 grow with n alike, it is the per-node cost.
 
-Measured on the H200 (jax 0.11.2, BENCHMARKS.md, eighth and ninth sessions), host us per dispatch
+Measured on the H200 (jax 0.11.2, BENCHMARKS.md), host us per dispatch
 at 800 kernels and 842-897 us of device time: idle 165-245, same 123-157, alternating 163-226,
 + side 1,134-1,252, + side, drop 594-631, + other 1,160-1,683, + side, pair 176-188. A graph launch
 by itself costs the host about 0.15-0.3 us a kernel and does not wait for its previous run. What

@@ -6,7 +6,7 @@ it reads from L2 instead of HBM?
     python3 experiments/l2_prefetch_probe.py --check    # any backend: the Pallas touch sums its input
 
 Why: an 8B decode at batch 1 spends ~20 us a layer in latency-bound kernels (RoPE + KV write,
-attention and its combine, norms, split-K reductions; BENCHMARKS.md, tenth session), during
+attention and its combine, norms, split-K reductions; BENCHMARKS.md), during
 which HBM sits nearly idle, and then the GEMVs are bound by HBM. The o_proj weight (34 MB) fits
 the H200's 50 MB L2. If a "touch" kernel reads it while the attention runs, the o_proj GEMV
 could read it from L2. Two conditions, each measured here:
@@ -20,7 +20,7 @@ Each timed program is LAYERS layers, each on its own weight and KV copy (nothing
 from one layer to the next except what the layer itself touched), each fed by the previous
 layer's output. us per layer. Shapes: Llama-3.1-8B decode at one row, 512 cached tokens.
 
-Measured on the H200 (jax 0.11.2; BENCHMARKS.md, eleventh session), LHS / CONCURRENT:
+Measured on the H200 (jax 0.11.2; BENCHMARKS.md), LHS / CONCURRENT:
 - L2 does keep the weight. After a touch the GEMV took about 7 us (touch -> GEMV 20.2, touch
   alone 13.1), against 13.0 alone.
 - But the touches are slow: XLA's sum read the 34 MB in 13.1 us (2.6 TB/s), the Pallas kernel in

@@ -9,7 +9,7 @@ slice), at SmolLM2's and the 8B's MLP shapes, one row, bf16. Enqueue is the host
 until the dispatch returns; wall, until the device finishes 50 back-to-back calls; floor, the
 weights' bytes over 4.5 TB/s (the H200's measured read bandwidth). The last column counts
 slice/copy instructions in the compiled HLO: stacked weights show their slices there, and the
-wall time says whether the device pays for them (BENCHMARKS.md, seventh session).
+wall time says whether the device pays for them (BENCHMARKS.md).
 
 Measured on the H200: stacking halves the enqueue time at SmolLM2's shapes and costs the device
 nothing. The engine still keeps one array per layer: with the SmolLM2 target's weights stacked
