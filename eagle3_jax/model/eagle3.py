@@ -1,6 +1,6 @@
 """The EAGLE-3 draft head as pure functions.
 
-One step, for token embeddings e and incoming hidden states g (see ../shared/EAGLE3.md, section 2):
+One step, for token embeddings e and incoming hidden states g (docs/EAGLE3.md, "The draft forward pass"):
   h = fc(g) when g is the target's capture [.., n_capture * H_target], else h = g (the draft's own
   pre-norm output of the previous step, [.., H]);
   x = concat(input_layernorm(e), hidden_norm(h))            # embedding FIRST, width 2H

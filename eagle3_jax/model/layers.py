@@ -115,8 +115,8 @@ def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array,
     # distinct, and no two rows share a page); only scratch is written many times over (padded
     # tokens, padding rows), and what lands there is never read. Without the promise XLA writes
     # every element with an atomic, and the collisions on scratch serialize: a prefill of 8 x 512
-    # padded tokens spent 89 of its 99 ms in these scatters on the H200 (scripts/prefill_probe.py,
-    # BENCHMARKS.md, eleventh session).
+    # padded tokens spent 89 of its 99 ms in these scatters on the H200 (BENCHMARKS.md,
+    # "Serving with arrivals").
     return pages.at[layer, page, positions % page_size].set(new.astype(pages.dtype), unique_indices=True)
 
 

@@ -53,7 +53,7 @@ class KVCache:
     One array for all layers rather than one per layer: every buffer a step takes and donates
     costs host time at each dispatch, and a SmolLM2 iteration is short enough for 60 per-layer
     buffers to matter (one array cut the host's time per EAGLE-3 step from 1.10 to 0.73 ms on the
-    H200: BENCHMARKS.md, seventh session). Layer l's writes go into the shared array in place (the
+    H200: BENCHMARKS.md, "Host overhead"). Layer l's writes go into the shared array in place (the
     steps donate it); its reads index the layer (layers.py)."""
 
     k: jax.Array
@@ -99,7 +99,7 @@ def fold_norm_gains(params: LlamaParams) -> LlamaParams:
 
     The engine serves folded weights. The device work is the same (the gain's multiply moves
     from the activations into the weights), but every buffer a compiled step takes costs the host
-    time at each dispatch (about 2.5 us on the H200, BENCHMARKS.md, seventh session), and this
+    time at each dispatch (about 2.5 us on the H200, BENCHMARKS.md, "Host overhead"), and this
     drops two of the six per layer. In bf16 the folded weight is rounded once, after the
     multiply; the activations then skip one bf16 rounding. Already-folded layers pass through.
     The folded wqkv and w_gate_up are new arrays: the unfolded ones live on only while the caller

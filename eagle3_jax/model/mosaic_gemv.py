@@ -4,14 +4,14 @@ each, for Hopper GPUs.
 Why: at a few rows a projection is a matrix-vector product that only has to stream its weight
 from HBM once, and a kernel of our own can take in the small kernels around it (the RMSNorm's
 scale, the SwiGLU, the residual add), which cost a Llama-3.1-8B decode about 0.5 ms on the H200.
-This is the first step: the product alone. Where it stands (H200, BENCHMARKS.md, thirteenth
-session): in a chain of lone GEMVs it beat `jnp.dot` (o 13.8 against 16.1 us, gate_up 60.8
-against 62.0; `scripts/gemv_probe.py --kernel mosaic`), but in the 8B forward its 129 kernels
+This is the first step: the product alone. Where it stands (H200; BENCHMARKS.md, "Tried and
+rejected"): in a chain of lone GEMVs it beat `jnp.dot` (o 13.8 against 16.1 us, gate_up 60.8
+against 62.0; `experiments/gemv_probe.py --kernel mosaic`), but in the 8B forward its 129 kernels
 took 3,749 us where XLA's GEMMs take about 3,655, and every step was 4-5% slower. Most of that
 gap (0.13 of 0.22 ms a decode) is programmatic dependent launch: XLA launches its own kernels
 with it and this one without, as jax 0.11.2's runtime does not act on the mark
 `griddepcontrol_wait` leaves. Once it does, the weight copies (which depend on no earlier kernel)
-can also start before the wait for x. On SmolLM2 with the drafter (fourteenth session), EAGLE-3
+can also start before the wait for x. On SmolLM2 with the drafter, EAGLE-3
 at batch 1 gave 1,642 tok/s against 2,142 with XLA's dots, the host's time per step up from 0.98
 to 1.30 ms. Hence opt-in (EngineConfig.gemv).
 
@@ -28,7 +28,7 @@ Numerics: f32 accumulation of bf16 products, rounded once to the output dtype. T
 only on the weight's shape (`tiling`), never on the number of rows, and the partials are summed
 split by split in order (XLA's reduce over them was not batch-invariant), so a row comes out bit
 for bit the same whatever rows share its call: on six shapes on the H200, rows 1, 3, 8 and 32
-alone against a 64-row call (`scripts/gemv_probe.py --kernel mosaic --check`).
+alone against a 64-row call (`experiments/gemv_probe.py --kernel mosaic --check`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def supports(rows: int, k: int, n: int, dtype) -> bool:
 
 def tiling(k: int, n: int) -> Tiling:
     """The kernel's tiles for a [k, n] weight (a function of the weight's shape only; the module
-    docstring says why). Tuned on the H200's 8B projections (scripts/gemv_probe.py): 128-wide
+    docstring says why). Tuned on the H200's 8B projections (experiments/gemv_probe.py): 128-wide
     column tiles only where there are at least 200 of them (gate_up), 64 elsewhere; K split in
     up to four while the grid stays within two programs per multiprocessor."""
     tile_k = 128 if k % 128 == 0 else 64

@@ -5,7 +5,7 @@ combine of its splits).
 Why a kernel of our own: the XLA form (`layers.paged_attention`) gathers every row's whole block
 table (max_model_len positions), masks it and runs softmax as separate fusions, about a dozen
 kernels per layer. A SmolLM2 iteration is bound by its kernel count (~780 kernels, ~2 us each on
-the H200; BENCHMARKS.md, fourth session), and an 8B verify reads the full-length cache where only
+the H200; BENCHMARKS.md, "Host overhead"), and an 8B verify reads the full-length cache where only
 the valid part is needed. The attention kernel reads only the pages a row has filled (online
 softmax over blocks of pages, as flash-decoding).
 
@@ -34,7 +34,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 MAX_QUERY_ROWS = 64  # T*R per (row, kv head) tile; larger steps use the XLA form
-TARGET_PROGRAMS = 256  # about two per SM of an H200 (132 SMs); verify 8 x 4 ran faster at 256 than 64 (fifth session)
+# About two per SM of an H200 (132 SMs); the 8B verify of 8 x 4 ran faster at 256 than at 64
+# (BENCHMARKS.md, "Llama-3.1-8B step functions").
+TARGET_PROGRAMS = 256
 COMBINE_CHUNK = 32  # head-dim lanes per program of the combine: 4 programs per (row, kv head) at hd 128
 _MASKED = -1e30  # finite: a padded query row sees nothing and must not produce NaN
 
@@ -98,7 +100,7 @@ def num_splits(batch: int, kv_heads: int, key_blocks: int, programs: int = TARGE
     """Splits of each row's keys across programs (flash-decoding): the largest power of two up to
     `programs` programs in all and one per key block of the table. One row of an 8B decode is only
     8 (row, kv head) programs, each walking the whole context alone: latency-bound, 25 us a layer
-    at 512 cached tokens on the H200 (BENCHMARKS.md, fifth session)."""
+    at 512 cached tokens on the H200 (BENCHMARKS.md, "Llama-3.1-8B step functions")."""
     wanted = max(1, min(programs // (batch * kv_heads), key_blocks))
     return 1 << (wanted.bit_length() - 1)
 
@@ -178,7 +180,7 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
     m = query_tile_rows(t, r)
     # One program per (row, kv head, token): a token's work is a short chain of dependent loads
     # (position, table entry, then the stores); a program per row serialized T of them (8 us a
-    # layer for the 8B verify of 8 x 4 on the H200, fifth session).
+    # layer for the 8B verify of 8 x 4 on the H200).
     pages_spec = _layer_pages_spec(k_pages.shape, layer)
     return pl.pallas_call(
         functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page),
@@ -210,7 +212,7 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
     per loop step; `num_stages`: Triton's software pipelining of the key-block loop. A split walks
     only a few blocks, and one stage (no pipelining) ran the 8B verify of 8 x 4 at 11.5-11.7 us a
     layer against 14.6-15.0 with two, decode at one row 10.0-10.2 against 10.7-11.0 (two sweeps
-    on the H200, BENCHMARKS.md, tenth session)."""
+    on the H200, BENCHMARKS.md, "Llama-3.1-8B step functions")."""
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r

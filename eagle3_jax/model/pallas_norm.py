@@ -3,7 +3,7 @@
 Why: XLA compiled `x + delta` and the `rms_norm` after it into three or four small kernels (the
 add, the mean-square reduction, the convert, the multiply), each 1-2 us on the H200 whatever its
 size. Here one program per row reads the row once and writes the new residual stream and its
-normed copy. Measured (BENCHMARKS.md, eighth session): every Llama-3.1-8B step 1.5-2.7% faster
+normed copy. Measured (BENCHMARKS.md, "Llama-3.1-8B step functions"): every Llama-3.1-8B step 1.5-2.7% faster
 (XLA had fused each GEMM's split-K reduction into the add, and those reductions now run on their
 own); no change to a SmolLM2 iteration's device time.
 
