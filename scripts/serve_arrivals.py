@@ -28,7 +28,7 @@ from one rate to the next, as it would while serving.
 --log-graph-updates runs this script again in a child process with XLA's command-buffer log on
 (TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3) and counts its "Update command
 buffer" lines per mode and rate: XLA rewriting a CUDA graph before a launch because a buffer it
-records moved (BENCHMARKS.md, ninth session). GPU only: on any other backend the counts are n/a.
+records moved (BENCHMARKS.md, "Host overhead"). GPU only: on any other backend the counts are n/a.
 """
 
 from __future__ import annotations

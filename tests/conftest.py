@@ -1,5 +1,5 @@
 """Shared fixtures: the real SmolLM2 target (prepared once per machine), MT-bench prompts, and
-engines shared across tests so each compiled bucket is built once per session (and loaded from
+engines shared across tests so each compiled bucket is built once per test run (and loaded from
 JAX's persistent cache in each later module: see _drop_compiled_programs)."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ LEGEND = """\
 Measured vs derived:
 - measured: tok/s (tokens generated / wall time of the rounds, prefill included); TPOT (per request,
   (last token - first token time) / (tokens - 1), mean); TTFT (submission -> first token read by the
-  host, mean; times from RequestMetrics since the tenth session); tok/req; acceptance length and
+  host, mean; times from RequestMetrics); tok/req; acceptance length and
   rate by position (RequestMetrics); wall/iter (wall / iterations dispatched, prefill included);
   steady step (median wall time of a step with the whole batch running, no prefill); host ms/step,
   wait ms/step (EngineStats); device ms/iter (the iterate step alone, back to back, median of rounds:

@@ -260,7 +260,7 @@ class DraftVocab:
 
 def build_draft_vocab(counts: np.ndarray, n: int) -> DraftVocab:
     """The n most frequent target tokens, sorted ascending (EAGLE reference `scandata`, see
-    ../shared/EAGLE3.md section 2): d2t[i] = used[i] - i; t2d[j] = j in used. Ties break toward
+    docs/EAGLE3.md, "The draft vocabulary"): d2t[i] = used[i] - i; t2d[j] = j in used. Ties break toward
     the lower id so the result is deterministic."""
     counts = np.asarray(counts, np.int64)
     if not 0 < n <= counts.size:
