@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Issue 7's benchmark on one GPU, in one go: `eagle3-jax bench` with the H200 settings; and
-issue 9's, Llama-3.3-70B shapes under tensor parallelism on several GPUs.
+"""The H200 benchmark in one go: `eagle3-jax bench` with the H200 settings on one GPU (the
+Hugging Face peer, SmolLM2 with its drafter end to end, the Llama-3.1-8B step functions), and the
+Llama-3.3-70B step functions under tensor parallelism on several GPUs. BENCHMARKS.md's "SmolLM2
+end to end", "Llama-3.1-8B step functions" and "Llama-3.3-70B tensor parallel" are its runs.
 
     python3 scripts/bench_h200.py --out-dir "$OUT"            # everything, about 6 to 8 minutes
     python3 scripts/bench_h200.py --out-dir "$OUT" --only 8b --batches 1,8
