@@ -8,7 +8,7 @@ intervals, so kernels overlapping on several streams count once; idle is the res
 XLA runs a program's kernels as a CUDA graph, but by default it falls back to launching them one
 by one while a profiler is active (which changes the host's cost, not the kernels'). Set
 `--xla_enable_command_buffers_during_profiling=true` to keep the graphs
-(`scripts/dispatch_overhead.py --profile` does).
+(`keep_command_buffers`, which `eagle3-jax bench --profile` calls).
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     """Same contract as `layers.paged_attention`: q [B, T, H, hd] (rotated), k/v_pages
     [P, page, G, hd] (already holding this step's keys), positions [B, T], block_table [B, nb]
     -> [B, T, H, hd]. The steps call `rope_and_write` then `attend_tiles` instead; this form
-    takes q as the XLA form does (tests, scripts/attention_check.py)."""
+    takes q as the XLA form does (tests, experiments/attention_check.py)."""
     b, t, h, hd = q.shape
     g = k_pages.shape[2]
     r = h // g
