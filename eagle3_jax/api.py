@@ -21,9 +21,10 @@ import jax.numpy as jnp
 
 from eagle3_jax import assets
 from eagle3_jax.config import EngineConfig, ModelConfig
-from eagle3_jax.engine.driver import Engine
+from eagle3_jax.engine.engine import Engine
 from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
 from eagle3_jax.parallel import sharding
+from eagle3_jax.runner.target import target_model_for
 from eagle3_jax.sampling_params import SamplingParams
 from eagle3_jax.weights.eagle3 import load_drafter
 from eagle3_jax.weights.llama import load_llama
@@ -70,11 +71,15 @@ class LLM:
         the embedded default, SmolLM2-135M-Instruct, prepared on first use.
     draft: a drafter directory in the public EAGLE-3 layout; "default" uses the shipped drafter
         when the target is the default; None runs the target alone.
+    warmup: compile every program before serving (True), or each on its first use, through the
+        persistent compilation cache (False). None, the default, warms up on accelerators, where
+        steady latency matters and "auto" speculation times each bucket, and not on the CPU, where
+        compiling every shape takes minutes and a short run needs only a few.
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
-                 tensor_parallel_size: int = 1, warmup: bool = True, progress: bool = True):
+                 tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True):
         enable_compilation_cache()
         if target is None:
             target = assets.prepare_default_target(progress=progress)
@@ -87,7 +92,8 @@ class LLM:
             mesh = sharding.make_mesh(tensor_parallel_size)
             # Each tensor goes straight to its shards: a 70B target never sits whole on one device.
             target_cfg = ModelConfig.from_json(target / "config.json")
-            place = sharding.make_place(mesh, sharding.llama_param_specs(target_cfg, tensor_parallel_size))
+            specs = target_model_for(target_cfg).param_specs(target_cfg, tensor_parallel_size)
+            place = sharding.make_place(mesh, specs)
         cfg, params = load_llama(target, dtype, place=place)
         draft_cfg = draft_params = None
         if draft is not None:
@@ -102,7 +108,7 @@ class LLM:
         engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens)
         self.engine = Engine(cfg, params, draft_cfg, draft_params, engine_config, eos_token_ids=sorted(eos),
                              detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh)
-        if warmup:
+        if warmup or (warmup is None and jax.default_backend() != "cpu"):
             self.engine.warmup(progress=progress)
 
     # ---- prompts and text --------------------------------------------------------------------
@@ -164,7 +170,7 @@ class LLM:
         live: dict[int, int] = {}  # engine request id -> index in `requests`
         exhausted = False
         while True:
-            while not exhausted and len(self.engine.scheduler.waiting) < limit:
+            while not exhausted and self.engine.num_waiting < limit:
                 item = next(source, None)
                 if item is None:
                     exhausted = True
@@ -193,7 +199,7 @@ class LLM:
                 new = req.output[seen:]
                 seen = len(req.output)
                 yield StreamDelta(new, self.decode(new), req.finished, self._output(req) if req.finished else None)
-        while self.engine.has_unfinished() and not self.engine.scheduler.running and not self.engine.scheduler.waiting:
+        while self.engine.has_unfinished() and not self.engine.num_running and not self.engine.num_waiting:
             self.engine.step()  # drain the surplus iteration so the engine is idle again
 
     def _add(self, prompt: Prompt, params: SamplingParams | dict) -> Request | RequestOutput:

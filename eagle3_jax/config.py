@@ -332,6 +332,12 @@ ATTENTION_KINDS = ("auto", "xla", "pallas")  # EngineConfig.attention
 GEMV_KINDS = ("xla", "mosaic")  # EngineConfig.gemv
 
 
+# Row 0 of the per-slot state is the dummy slot padded batch rows read and write; page 0 of the
+# KV pool is the scratch page unused block-table entries point at. Neither belongs to a request.
+DUMMY_SLOT = 0
+SCRATCH_PAGE = 0
+
+
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
     """The smallest of the increasing `buckets` that holds `n` (a batch, a chunk, rows of a call)."""
     for bucket in buckets:

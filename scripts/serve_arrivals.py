@@ -57,7 +57,7 @@ from eagle3_jax.bench.options import sorted_ints
 from eagle3_jax.bench.phases import load_prompts, request_latencies
 from eagle3_jax.config import ATTENTION_KINDS, EngineConfig
 from eagle3_jax.engine import policy
-from eagle3_jax.engine.driver import Engine, EngineStats
+from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
 from eagle3_jax.sampling_params import SamplingParams
 
@@ -147,7 +147,7 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
     params = SamplingParams(max_tokens=a.max_tokens)
     rows = []
     for rate in rates:
-        engine.stats = EngineStats(warmup_s=warmup_s)
+        engine.reset_stats()
         compiled = engine.num_compilations
         log(f"begin {mode} | {rate_label(rate)}")
         requests, wall_s = serve(engine, prompts, params, poisson_arrivals(a.requests, rate, a.seed))

@@ -97,12 +97,13 @@ TEST_ENGINE = {"batch_buckets": (1, 8), "prefill_buckets": (64,), "prefill_batch
                "max_model_len": 384, "num_pages": 256, "speculation": "always"}
 
 
-def make_llm(target, draft=None, num_draft=3, **engine):
+def make_llm(target, draft=None, num_draft=3, warmup=True, **engine):
+    """An LLM on the test engine config, warmed up (every program built) unless told otherwise."""
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig
 
     return LLM(target=target, draft=draft, num_speculative_tokens=num_draft,
-               engine_config=EngineConfig(**{**TEST_ENGINE, **engine}), progress=False)
+               engine_config=EngineConfig(**{**TEST_ENGINE, **engine}), warmup=warmup, progress=False)
 
 
 @pytest.fixture(scope="session")

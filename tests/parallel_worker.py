@@ -292,7 +292,7 @@ def run_engine() -> dict:
     """Greedy speculative decoding through the whole engine (prefill, fused iterations with a
     random drafter, K=3) at tp 1, 2, 4, 8 for both head layouts: tokens per tp."""
     from eagle3_jax.config import EngineConfig
-    from eagle3_jax.engine.driver import Engine
+    from eagle3_jax.engine.engine import Engine
     from eagle3_jax.sampling_params import SamplingParams
 
     out = {}

@@ -256,12 +256,6 @@ def test_random_drafter_is_lossless(smollm2_dir, random_drafter_dir, chat_ids, r
     assert np.mean([o.metrics.acceptance_length for o in outs]) < 1.3
 
 
-def _force_drafts(engine, slot: int, drafts) -> None:
-    """Overwrite one slot's pending proposals on the device (the next iteration verifies them)."""
-    slots = engine.state.slots
-    engine.state = engine.state.replace(slots=slots.replace(drafts=slots.drafts.at[slot].set(jnp.asarray(drafts))))
-
-
 def _run_forced(llm, ids, ref, max_tokens, choose_mismatch):
     """Decode with proposals taken from the known greedy continuation `ref`, wrong at the index
     `choose_mismatch(tokens_remaining)` returns (None: all right).
@@ -283,7 +277,7 @@ def _run_forced(llm, ids, ref, max_tokens, choose_mismatch):
         drafts = list(truth)
         if wrong is not None:
             drafts[wrong] = (truth[wrong] + 1) % 49152
-        _force_drafts(engine, req.slot, drafts)
+        engine.runner.set_proposals(req.slot, drafts)  # the next iteration verifies these
     while engine.has_unfinished():
         engine.step()
     return req, history

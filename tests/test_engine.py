@@ -14,7 +14,6 @@ from eagle3_jax import SamplingParams, assets
 from eagle3_jax.config import ConfigError, EngineConfig
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.policy import AcceptanceEstimate, BucketCost, SpeculationPolicy
-from eagle3_jax.runner.sampling import row_sampling_from_params as sampling_rows
 from eagle3_jax.runner.state import DUMMY_SLOT
 
 
@@ -109,7 +108,7 @@ def test_generate_iter_streams_requests_through_the_batch(spec_llm, workload):
 
     def source():
         for i, r in enumerate(requests):
-            pulled.append((i, len(spec_llm.engine.scheduler.running)))
+            pulled.append((i, spec_llm.engine.num_running))
             yield r
 
     outputs = dict(spec_llm.generate_iter(source(), max_waiting=1))
@@ -203,29 +202,21 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     and the sampling iteration none of the old all-greedy kind (only top-k/top-p's sort guard,
     one per sampled distribution: the verify and each of the K draft tokens). The driver picks
     the program from the requests' parameters."""
-    from eagle3_jax.runner.steps import iterate_in_place_step, prefill_step
-
     engine = spec_llm.engine
     k = engine.step_cfg.num_draft
-    bucket = engine.cfg.batch_buckets[1]
-    slots = np.full(bucket, DUMMY_SLOT, np.int32)  # padded rows: the same program as real ones
-    tables = np.zeros((bucket, engine.cfg.max_blocks_per_seq), np.int32)
+    bucket = engine.cfg.batch_buckets[1]  # padded rows: the same program as real ones
 
     def branches(cfg) -> int:
-        text = iterate_in_place_step.lower(engine.params, engine.draft_params, engine.state, slots, tables, cfg=cfg).as_text()
-        return text.count('"stablehlo.case"')
+        return engine.runner.trace_iteration(bucket, cfg).lower().as_text().count('"stablehlo.case"')
 
     greedy, sampling = (engine.iterate_config(bucket, greedy=g) for g in (True, False))
     assert (branches(greedy), branches(sampling)) == (0, k + 1)
-    first = prefill_step.lower(
-        engine.params, engine.draft_params, engine.state, np.zeros((1, 32), np.int32), np.zeros((1, 32), np.int32),
-        np.ones(1, np.int32), np.zeros(1, np.int32), slots[:1], tables[:1],
-        sampling_rows([SamplingParams()], seeds=[0]), cfg=dataclasses.replace(engine.step_cfg, greedy=True)).as_text()
+    first = engine.runner.trace_prefill(1, 32, dataclasses.replace(engine.step_cfg, greedy=True)).lower().as_text()
     assert '"stablehlo.case"' not in first
 
     ran = []
-    dispatch = engine.dispatch_iteration
-    monkeypatch.setattr(engine, "dispatch_iteration", lambda s, t, cfg: (ran.append(cfg.greedy), dispatch(s, t, cfg))[1])
+    iterate = engine.runner.iterate
+    monkeypatch.setattr(engine.runner, "iterate", lambda s, t, cfg: (ran.append(cfg.greedy), iterate(s, t, cfg))[1])
     spec_llm.generate(chat_ids[:2], SamplingParams(max_tokens=6))
     assert ran and all(ran)
     ran.clear()
@@ -238,7 +229,7 @@ def test_pallas_attention_engine_is_token_identical(smollm2_dir, drafter, target
     default; interpreted here) emits exactly the target-alone tokens (XLA attention)."""
     from jax.sharding import Mesh
 
-    from eagle3_jax.engine.driver import attention_kind
+    from eagle3_jax.runner.runner import attention_kind
 
     # The interpreter copies the whole page pool for each program it runs: a pool of 48 pages, not 256.
     llm = make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(1, 4), attention="pallas", num_pages=48)
@@ -268,19 +259,21 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     tables = np.zeros((bucket, engine.cfg.max_blocks_per_seq), np.int32)
     cfg = engine.iterate_config(bucket, greedy=True)
 
-    def addresses() -> list[int]:
-        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves((engine.state, engine.pinned.get(slots, tables)))]
+    runner = engine.runner
 
-    engine.state, _ = engine.dispatch_iteration(slots, tables, cfg)
+    def addresses() -> list[int]:
+        return runner.buffer_addresses() + [x.unsafe_buffer_pointer() for x in runner.pinned_batch(slots, tables)]
+
+    runner.iterate(slots, tables, cfg)
     before = addresses()
     verdict_addresses = []
     for page in (1, 2, 2, 2):
         tables = tables.copy()
         tables[0, -1] = page  # a new page in a block the dummy row never reaches: same work
-        engine.state, verdicts = engine.dispatch_iteration(slots, tables, cfg)
+        verdicts = runner.iterate(slots, tables, cfg)
         verdict_addresses.append(verdicts.unsafe_buffer_pointer())
     assert verdicts.shape == (bucket, 1 + k + 1)  # proposals accepted, then the tokens emitted
-    assert engine.pinned.get(slots, tables)[1][0, -1] == 2
+    assert runner.pinned_batch(slots, tables)[1][0, -1] == 2
     assert addresses() == before
     a, b = verdict_addresses[:2]
     assert a != b and verdict_addresses == [a, b, a, b]
@@ -291,20 +284,20 @@ def test_first_tokens_are_read_into_buffers_held_per_slot(spec_llm, chat_ids, mo
     donated state, and its first token is copied out of the slots into a buffer held per slot.
     Requests admitted together are all read (each slot's buffer is its own), and a slot admitted
     again reuses its buffer. Each request's metrics time its arrival and its tokens' collection."""
-    engine = spec_llm.engine
+    runner = spec_llm.engine.runner
     reads = []  # (slot, address of the first-token array)
-    read = engine.pinned.read_first_token
+    read = runner.first_token
 
-    def recording(state, slot):
-        first = read(state, slot)
+    def recording(slot):
+        first = read(slot)
         reads.append((slot, first.unsafe_buffer_pointer()))
         return first
 
-    monkeypatch.setattr(engine.pinned, "read_first_token", recording)
-    state_addresses = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.state)]
+    monkeypatch.setattr(runner, "first_token", recording)
+    state_addresses = runner.buffer_addresses()
     for _ in range(2):  # three requests admitted in one step, twice into the same three slots
         outputs = spec_llm.generate(chat_ids[:3], SamplingParams(max_tokens=2))
-    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.state)] == state_addresses
+    assert runner.buffer_addresses() == state_addresses
     assert all(o.metrics.arrival_time < o.metrics.first_token_time <= o.metrics.last_token_time for o in outputs)
     slots = sorted({slot for slot, _ in reads})
     assert len(reads) == 6 and len(slots) == 3
@@ -457,7 +450,8 @@ def test_greedy_only_warmup_builds_what_greedy_requests_use(tmp_path):
               engine_config=EngineConfig(batch_buckets=(2,), prefill_buckets=(16,), max_model_len=64,
                                          num_pages=32, speculation="always"))
     engine = llm.engine
-    assert all(c.greedy for c in engine.iteration_configs(2, greedy=True) + engine.prefill_configs(greedy=True))
+    iterations, prefills = engine.programs(greedy=True)
+    assert all(c.greedy for _, c in iterations) and all(greedy for _, _, greedy in prefills)
     before = engine.num_compilations
     engine.warmup(progress=False, greedy=True)
     built = engine.num_compilations

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig
-from eagle3_jax.engine.driver import gemv_kind
+from eagle3_jax.runner.runner import gemv_kind
 from eagle3_jax.model import llama, mosaic_gemv
 from eagle3_jax.model.mosaic_gemv import Tiling
 
@@ -101,8 +100,7 @@ def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypa
     import dataclasses
 
     from eagle3_jax.config import DraftConfig
-    from eagle3_jax.runner import steps
-    from eagle3_jax.engine.driver import Engine
+    from eagle3_jax.engine.engine import Engine
     from eagle3_jax.model.eagle3 import init_draft_params
 
     target = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
@@ -118,12 +116,10 @@ def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypa
     monkeypatch.setattr(mosaic_gemv, "project", lambda x, w, out_dtype=None: calls.append(w.shape) or
                         project(x, w, out_dtype))
 
-    prefill = steps.prefill_step.trace(*engine.padding_prefill_args(1, 32), cfg=cfg).lower(lowering_platforms=("cuda",))
+    prefill = engine.runner.trace_prefill(1, 32, cfg).lower(lowering_platforms=("cuda",))
     assert calls == [] and "mosaic_gpu" not in prefill.as_text()
 
-    slots, tables = np.ones(2, np.int32), np.zeros((2, engine.cfg.max_blocks_per_seq), np.int32)
-    iteration = steps.iterate_in_place_step.trace(engine.params, engine.draft_params, engine.state, slots, tables,
-                                                  cfg=cfg).lower(lowering_platforms=("cuda",))
+    iteration = engine.runner.trace_iteration(2, cfg).lower(lowering_platforms=("cuda",))
     # target: 4 projections a layer + lm_head; draft extend: fc + its 4; each of K - 1 chain steps:
     # its 4; K draft lm_heads
     k = cfg.num_draft

@@ -1,4 +1,4 @@
-"""Model configurations, engine sizing, compiling on a thread pool, synthetic rows and timing."""
+"""Model configurations, engine sizing, compiling on a thread pool, synthetic rows."""
 
 from __future__ import annotations
 
@@ -6,17 +6,15 @@ import concurrent.futures
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import jax
 import numpy as np
 
 from eagle3_jax.bench.common import STEP_PRESETS
 from eagle3_jax.bench.options import Options
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, smallest_bucket
-from eagle3_jax.runner.state import DeviceState
+from eagle3_jax.runner.runner import Job
 
 
 def draft_config_like(target: ModelConfig, draft_vocab_size: int = 32000) -> DraftConfig:
@@ -75,9 +73,6 @@ def bucket_for(cfg: EngineConfig, batch: int) -> int:
 
 
 # ==== compiling, synthetic rows, timing ===========================================================
-Job = tuple[Callable, tuple, dict]  # (jitted function, args, keyword args)
-
-
 def precompile(jobs: Sequence[Job]) -> float:
     """Lower and compile the jobs on a thread pool (XLA compiles without holding the GIL); jitted
     calls with the same shapes then find the executables built. -> seconds."""
@@ -102,28 +97,3 @@ def synthetic_rows(ecfg: EngineConfig, batch: int) -> tuple[np.ndarray, np.ndarr
     if 1 + batch * nb > ecfg.num_pages:
         raise ValueError(f"{batch} rows of {nb} pages need {1 + batch * nb} pages; the pool has {ecfg.num_pages}")
     return np.arange(1, batch + 1, dtype=np.int32), (1 + np.arange(batch * nb, dtype=np.int32)).reshape(batch, nb)
-
-
-def with_lengths(state: DeviceState, rows: np.ndarray, length: int) -> DeviceState:
-    slots = state.slots
-    return state.replace(slots=slots.replace(length=slots.length.at[rows].set(length)))
-
-
-def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: DeviceState,
-               reset: Callable[[DeviceState], DeviceState], calls: int, rounds: int) -> tuple[DeviceState, list[float]]:
-    """Seconds per call of `call` (state -> (state, out), state donated), calls issued back to back:
-    one sample per round of `calls`, after two warm-up calls. -> (state, samples)."""
-    for _ in range(2):
-        state, out = call(state)
-    jax.block_until_ready((state, out))
-    samples = []
-    for _ in range(rounds):
-        state = jax.block_until_ready(reset(state))
-        start = time.perf_counter()
-        for _ in range(calls):
-            state, out = call(state)
-        jax.block_until_ready((state, out))
-        samples.append((time.perf_counter() - start) / calls)
-    return state, samples
-
-

@@ -30,7 +30,6 @@ from eagle3_jax.bench.collectives import (
 from eagle3_jax.bench.common import Result, log
 from eagle3_jax.bench.costs import Ceilings, LinkCeilings, iteration_cost, target_cost
 from eagle3_jax.bench.harness import (
-    Job,
     bucket_for,
     compile_lowered,
     draft_config_like,
@@ -40,24 +39,23 @@ from eagle3_jax.bench.harness import (
     sized_engine_config,
     step_models,
     synthetic_rows,
-    time_calls,
-    with_lengths,
 )
 from eagle3_jax.bench.options import Options
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.engine import policy
-from eagle3_jax.engine.driver import (
+from eagle3_jax.engine.engine import Engine, EngineStats
+from eagle3_jax.engine.scheduler import Request
+from eagle3_jax.runner.runner import (
     CompileCounter,
-    Engine,
-    EngineStats,
+    Job,
     PinnedBatch,
     attention_kind,
     gemv_kind,
     iterate_pinned,
+    time_calls,
 )
-from eagle3_jax.engine.scheduler import Request
-from eagle3_jax.runner.state import DUMMY_SLOT, DeviceState, init_state, state_shardings
-from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step, prefill_step
+from eagle3_jax.runner.state import DeviceState, init_state, state_shardings, with_lengths
+from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step
 from eagle3_jax.model import llama
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.parallel import sharding
@@ -94,11 +92,11 @@ def run_round(engine: Engine, prompts: Sequence[list[int]], params: SamplingPara
     start = time.perf_counter()
     steps = 0
     while engine.has_unfinished():
-        running, waiting = len(engine.scheduler.running), bool(engine.scheduler.waiting)
+        running, waiting = engine.num_running, engine.num_waiting
         t = time.perf_counter()
         engine.step()
         steps += 1
-        if steps > 2 and not waiting and running == batch == len(engine.scheduler.running):
+        if steps > 2 and not waiting and running == batch == engine.num_running:
             steady.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
     return Round(reqs, wall, *request_latencies(reqs), steady)
@@ -138,35 +136,14 @@ def resolve_draft(opts: Options, target_cfg: ModelConfig, scratch: Path) -> tupl
     return path, "RANDOM drafter (init_draft_params; untrained, so acceptance says nothing)"
 
 
-def warmup_jobs(engine: Engine, greedy: bool | None = None) -> list[Job]:
-    """The calls Engine.warmup(greedy=greedy) makes, as precompile jobs: its jitted calls then find
-    them built."""
-    cfg, nb = engine.cfg, engine.cfg.max_blocks_per_seq
-    p, dp, st = engine.params, engine.draft_params, engine.state
-    jobs = [(iterate_in_place_step, (p, dp, st, np.full(b, DUMMY_SLOT, np.int32), np.zeros((b, nb), np.int32)),
-             {"cfg": c})
-            for b in cfg.batch_buckets for c in engine.iteration_configs(b, greedy)]
-    jobs += [(prefill_step, engine.padding_prefill_args(*shape), {"cfg": c})
-             for shape in engine.prefill_shapes() for c in engine.prefill_configs(greedy)]
-    return jobs
-
-
 def isolated_iteration_s(engine: Engine, batch: int, context: int, opts: Options) -> float:
-    """Median seconds per call of the engine's iterate step alone, back to back, in the bucket
+    """Median seconds per call of the engine's iteration alone, back to back, in the bucket
     `batch` runs in and as it runs there now (speculative or target-only): its weights, rows with
-    pages of their own and `context` cached tokens. The engine's state is threaded through and
-    handed back (the next prefill rewrites a slot's state)."""
+    pages of their own and `context` cached tokens."""
     bucket = bucket_for(engine.cfg, batch)
     rows, tables = synthetic_rows(engine.cfg, bucket)
-    cfg = engine.iterate_config(bucket)
-
-    def call(state):  # as the engine dispatches it (pinned arguments, verdicts read out)
-        engine.state = state
-        state, n = engine.dispatch_iteration(rows, tables, cfg)
-        return state, n
-
-    state, samples = time_calls(call, engine.state, lambda s: with_lengths(s, rows, context), opts.calls, opts.rounds)
-    engine.state = with_lengths(state, rows, 0)
+    samples = engine.runner.time_iteration(rows, tables, engine.iterate_config(bucket), context, opts.calls,
+                                           opts.rounds)
     return statistics.median(samples)
 
 
@@ -211,7 +188,8 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
     # The parallel precompile knows the fused programs; Engine.warmup builds the per-step ones.
     # Greedy programs only: every request here is greedy (a sampling program compiling inside the
     # timed rounds would show in the notes).
-    compile_s = precompile(warmup_jobs(engine, greedy=True)) if opts.parallel_compile and fused else float("nan")
+    compile_s = (precompile(engine.runner.compile_jobs(*engine.programs(greedy=True)))
+                 if opts.parallel_compile and fused else float("nan"))
     warmup_s = engine.warmup(progress=False, greedy=True)
     log(f"{mode}: compiled in {compile_s:.1f} s, Engine.warmup {warmup_s:.1f} s")
     target, draft = engine.step_cfg.target, engine.step_cfg.draft
@@ -221,11 +199,11 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
     results = []
     for b in opts.batches:
         num_rounds = max(1, math.ceil(opts.prompts / b))
-        engine.stats = EngineStats(warmup_s=warmup_s)
-        compiles = CompileCounter.count
+        engine.reset_stats()
+        compiles = engine.num_compilations
         rounds = [run_round(engine, prompts[i * b:(i + 1) * b], params) for i in range(num_rounds)]
-        if CompileCounter.count != compiles:
-            notes.append(f"{mode}, batch {b}: {CompileCounter.count - compiles} compile(s) inside the timed rounds")
+        if engine.num_compilations != compiles:
+            notes.append(f"{mode}, batch {b}: {engine.num_compilations - compiles} compile(s) inside the timed rounds")
         values = engine_figures(rounds, engine.stats, k)
         # Device time per iteration: the iterate step alone, at the rounds' mean context.
         context = int(np.mean([len(p) for p in prompts[:num_rounds * b]])) + opts.max_tokens // 2

@@ -34,7 +34,7 @@ fresh measurement arrives (about three iterations: the first verifies stale prop
 drafter whose acceptance rose with the traffic is noticed; buckets where even K+1 tokens cannot
 pay never probe. The cost is bounded by a few iterations in `probe_every`.
 
-Everything here is pure: frozen dataclasses in, values out; the driver owns the state.
+Everything here is pure: frozen dataclasses in, values out; the engine owns the state.
 """
 
 from __future__ import annotations
@@ -64,15 +64,13 @@ class BucketCost:
 @dataclasses.dataclass(frozen=True)
 class SpeculationPolicy:
     """The decision's constants. Frozen and hashable, so a policy is a value a test or a user
-    swaps whole (`dataclasses.replace`), never a knob edited behind the driver's back."""
+    swaps whole (`dataclasses.replace`), never a knob edited behind the engine's back."""
 
     margin: float = 0.05  # speculation must beat target-only by this fraction
     prior_weight: int = 8  # row-iterations the prior K+1 counts as
     # Row-iterations the moving average spans (weight 1/window each). Long: L belongs to the
-    # drafter and the traffic, while one request's acceptance swings widely. On the H200 with a
-    # window of 64, bucket 2 (break-even 1.42) ran target-only for 90% of its iterations although
-    # the drafter's acceptance length there was 1.75 when always speculating (BENCHMARKS.md,
-    # second session); 1024 is a judgment from that run, not yet measured on the GPU.
+    # drafter and the traffic, while one request's acceptance swings widely; a window of 64 kept
+    # bucket 2 target-only although speculating paid there (BENCHMARKS.md, "Tried and rejected").
     window: int = 1024
     probe_every: int = 256  # collected iterations without a measurement before probing
 
@@ -80,7 +78,7 @@ class SpeculationPolicy:
 @dataclasses.dataclass(frozen=True)
 class AcceptanceEstimate:
     """L, tokens emitted per speculative row-iteration. Frozen: every update returns a new
-    value, so the driver's state is one assignment and a decision never sees half an update."""
+    value, so the engine's state is one assignment and a decision never sees half an update."""
 
     mean: float  # 1..K+1; the prior until measurements arrive
     rows: int = 0  # row-iterations measured so far

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
-from eagle3_jax.runner.sampling import RowSampling
+from eagle3_jax.config import DUMMY_SLOT, DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.model.llama import KVCache
+from eagle3_jax.runner.sampling import RowSampling
 
-DUMMY_SLOT = 0
+__all__ = ["DUMMY_SLOT", "DeviceState", "Slots", "init_state", "state_shardings", "with_lengths"]
 
 
 @struct.dataclass
@@ -64,6 +64,12 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
                   draft_probs=jnp.zeros((s, k, vd), jnp.float32), sampling=sampling,
                   num_generated=zeros_i(), num_accepted=zeros_i(), emitted=jnp.zeros((s, k + 1), jnp.int32))
     return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
+
+
+def with_lengths(state: DeviceState, rows, length: int) -> DeviceState:
+    """The state with `rows`' cached lengths set to `length` (for timing a step at a context)."""
+    slots = state.slots
+    return state.replace(slots=slots.replace(length=slots.length.at[rows].set(length)))
 
 
 def state_shardings(state: DeviceState, target: ModelConfig, draft: DraftConfig | None, mesh: Mesh):

@@ -1,0 +1,363 @@
+"""The engine: requests in, tokens out, over the device runner. Host only.
+
+Each `step()` schedules (admits waiting requests into slots, pads the running ones to a batch
+bucket), runs (dispatches their prefills and one iteration on the `ModelRunner`, without
+waiting), and postprocesses the results dispatched in the step before: appends the accepted
+tokens, checks stops, finishes requests. The host's work thus overlaps the device's. Every
+dispatch threads the runner's donated state, so the device runs them in order; a request that
+finished in the results being read was already dispatched once more, and that surplus iteration
+is discarded (its pages reserve room for it).
+
+Speculation per bucket: with `EngineConfig.speculation == "auto"` each iteration speculates or runs
+the target alone by engine/policy.py's rule, from the step costs timed in warm-up and the
+acceptance length measured from the iterations collected here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, smallest_bucket
+from eagle3_jax.engine import policy
+from eagle3_jax.engine.scheduler import Request, Scheduler
+from eagle3_jax.model.eagle3 import DraftParams
+from eagle3_jax.runner.runner import PADDING_PARAMS, ModelRunner, PrefillInputs
+from eagle3_jax.runner.steps import StepConfig, split_verdicts
+from eagle3_jax.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Per-step timings: host time is Python work, device wait is time blocked on results.
+    Dispatch time is the part of host time spent inside the calls that enqueue compiled programs
+    (JAX's argument handling and the runtime's launch), the rest is the engine's own Python.
+    Iterations dispatched per batch bucket, speculative and target-only, show what the policy did."""
+
+    steps: int = 0
+    iterations: int = 0
+    prefill_calls: int = 0  # prefill programs dispatched (several requests' chunks may share one)
+    host_s: float = 0.0
+    dispatch_s: float = 0.0
+    device_wait_s: float = 0.0
+    warmup_s: float = 0.0
+    speculative_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
+    target_only_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
+
+    @property
+    def host_ms_per_step(self) -> float:
+        return 1e3 * self.host_s / max(self.steps, 1)
+
+    @property
+    def dispatch_ms_per_step(self) -> float:
+        return 1e3 * self.dispatch_s / max(self.steps, 1)
+
+    @property
+    def device_wait_ms_per_step(self) -> float:
+        return 1e3 * self.device_wait_s / max(self.steps, 1)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A dispatched program whose results the host has not read yet."""
+
+    reqs: list[Request]
+    result: object  # device array: prefill's first token [1]; an iteration's verdicts [B, 1 + K+1]
+    iteration: bool = False
+    speculative: bool = False  # iterate: K drafts verified (else the target alone)
+    fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, proposals drafted at the row's position
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Chunk [start, start + the largest chunk bucket) of a request's prompt, and the request's
+    sampling seed (None: its SamplingParams carry one)."""
+
+    req: Request
+    start: int
+    seed: int | None
+
+    def tokens(self, largest: int) -> list[int]:
+        return self.req.prompt[self.start:self.start + largest]
+
+
+class Engine:
+    """Continuous-batching EAGLE-3 engine over the runner's fixed-shape compiled steps."""
+
+    def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params: DraftParams | None,
+                 cfg: EngineConfig, eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True,
+                 mesh: Mesh | None = None):
+        self.runner = ModelRunner(target, params, draft, draft_params, cfg, mesh)
+        self.cfg = cfg
+        self.overlap = overlap  # False: read each step's results before returning (for measuring)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
+        k = self.runner.step_cfg.num_draft
+        self.scheduler = Scheduler(cfg, target.vocab_size, k)
+        self.stats = EngineStats()
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._seed_rng = np.random.default_rng()
+        # The speculation policy's inputs: costs per bucket (injected, or timed in warm-up), the
+        # acceptance estimate (updated as iterations are collected), and per slot whether its
+        # proposals were drafted at its current position (false after a target-only iteration:
+        # the next verify checks stale proposals, no measure of the drafter).
+        self.policy = policy.SpeculationPolicy()
+        self.acceptance = policy.AcceptanceEstimate.prior(k)
+        self.step_costs: dict[int, policy.BucketCost] = {
+            b: policy.BucketCost(t0, tk) for b, t0, tk in cfg.step_costs or () if b in cfg.batch_buckets}
+        self._fresh = np.zeros(cfg.max_num_seqs + 1, bool)  # [S]
+
+    @property
+    def step_cfg(self) -> StepConfig:
+        """The static config every program shares (target, drafter, K, attention, mesh)."""
+        return self.runner.step_cfg
+
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
+        """Queue a request; raise RequestError naming the problem (nothing else is affected).
+        `arrival_time` (time.perf_counter() seconds, default now) is when it reached the server:
+        its metrics measure the time to the first token from there."""
+        return self.scheduler.add(list(prompt), params, arrival_time)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    def reset_stats(self) -> None:
+        """Start the step statistics afresh (warm-up time kept)."""
+        self.stats = EngineStats(warmup_s=self.stats.warmup_s)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Schedule, run, postprocess: returns the requests that changed."""
+        start, waited = time.perf_counter(), self.stats.device_wait_s
+        earlier = len(self._pending)  # dispatched in earlier steps
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._run_prefills(admitted)
+        if self.scheduler.running:
+            self._run_iteration(*self.scheduler.batch())
+        # With new work queued, read only what was dispatched before it (the overlap); with none,
+        # drain everything so the loop can end.
+        ready = earlier if self.overlap and len(self._pending) > earlier else len(self._pending)
+        changed = [req for _ in range(ready) for req in self._postprocess(self._pending.popleft())]
+        self.stats.steps += 1
+        self.stats.host_s += time.perf_counter() - start - (self.stats.device_wait_s - waited)
+        return changed
+
+    def _run_prefills(self, reqs: list[Request]) -> None:
+        """Prefill the requests admitted in this step. A prompt longer than the largest chunk
+        bucket first runs its leading chunks alone; then the last chunks of all of them run
+        together, grouped by chunk bucket, up to the largest prefill batch bucket per call: a
+        burst of arrivals costs a few prefills, not one per request."""
+        largest = self.cfg.prefill_buckets[-1]
+        by_bucket: dict[int, list[PrefillChunk]] = collections.defaultdict(list)
+        for req in reqs:
+            # One seed per request, drawn in admission order whatever the grouping (seeded
+            # requests draw none): the same requests sample the same tokens however they are batched.
+            seed = None if req.params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
+            starts = range(0, len(req.prompt), largest)
+            for start in starts[:-1]:
+                self._run_prefill_call([PrefillChunk(req, start, seed)])
+            last = PrefillChunk(req, starts[-1], seed)
+            by_bucket[self._chunk_bucket(len(last.tokens(largest)))].append(last)
+        most = self.cfg.prefill_batch_buckets[-1]
+        for chunks in by_bucket.values():
+            for i in range(0, len(chunks), most):
+                self._run_prefill_call(chunks[i:i + most])
+        t = time.perf_counter()
+        for req in reqs:
+            self._fresh[req.slot] = self.step_cfg.speculative  # its last chunk drafted K proposals
+            first = self.runner.first_token(req.slot)  # [1], the last chunk's sample
+            first.copy_to_host_async()
+            self._pending.append(_Pending([req], first))
+        self.stats.dispatch_s += time.perf_counter() - t
+
+    def _chunk_bucket(self, length: int) -> int:
+        return smallest_bucket(self.cfg.prefill_buckets, length)
+
+    def _run_prefill_call(self, chunks: list[PrefillChunk]) -> None:
+        """One prefill program over `chunks`, one row each, padded to the smallest batch bucket
+        and chunk bucket that hold them."""
+        rows = smallest_bucket(self.cfg.prefill_batch_buckets, len(chunks))
+        largest = self.cfg.prefill_buckets[-1]
+        pieces = [c.tokens(largest) for c in chunks]
+        inputs = PrefillInputs.padding(rows, self._chunk_bucket(max(map(len, pieces))), self.cfg.max_blocks_per_seq)
+        for i, (chunk, piece) in enumerate(zip(chunks, pieces)):
+            prompt, start = chunk.req.prompt, chunk.start
+            following = prompt[start + 1:start + len(piece) + 1]  # the ids shifted left by one
+            inputs.next_tokens[i] = 0  # a real row: no padding marker
+            inputs.tokens[i, :len(piece)] = piece
+            inputs.next_tokens[i, :len(following)] = following
+            if start + len(piece) == len(prompt):
+                inputs.next_tokens[i, len(piece) - 1] = -1  # the first generated token goes here
+            inputs.num_valid[i], inputs.start[i] = len(piece), start
+            inputs.slot[i], inputs.block_table[i] = chunk.req.slot, self.scheduler.block_tables[chunk.req.slot]
+        params = [c.req.params for c in chunks] + [PADDING_PARAMS] * (rows - len(chunks))
+        seeds = [c.seed for c in chunks] + [0] * (rows - len(chunks))
+        t = time.perf_counter()
+        self.runner.prefill(inputs, params, seeds)
+        self.stats.dispatch_s += time.perf_counter() - t
+        self.stats.prefill_calls += 1
+
+    def _run_iteration(self, reqs: list[Request], slots: np.ndarray, tables: np.ndarray) -> None:
+        bucket = len(slots)
+        cfg = self.iterate_config(bucket, greedy=all(r.params.greedy for r in reqs))
+        # Device order is dispatch order, so freshness at dispatch is what this iteration verifies.
+        rows = slots[:len(reqs)]
+        fresh = self._fresh[rows].copy()
+        self._fresh[rows] = cfg.speculative
+        t = time.perf_counter()
+        verdicts = self.runner.iterate(slots, tables, cfg)
+        verdicts.copy_to_host_async()
+        self.stats.dispatch_s += time.perf_counter() - t
+        self.stats.iterations += 1
+        counts = self.stats.speculative_iterations if cfg.speculative else self.stats.target_only_iterations
+        counts[bucket] = counts.get(bucket, 0) + 1
+        self._pending.append(_Pending(reqs, verdicts, True, cfg.speculative, fresh))
+
+    def _postprocess(self, pending: _Pending) -> list[Request]:
+        """Read one dispatched program's results and apply them to its requests."""
+        t = time.perf_counter()
+        result = np.asarray(pending.result)
+        collected = time.perf_counter()
+        self.stats.device_wait_s += collected - t
+        accepted, tokens = split_verdicts(result) if pending.iteration else (None, result)
+        if accepted is not None:
+            # Measured: running rows (not the surplus iteration of a finished one) of a speculative
+            # iteration whose proposals were fresh. Read before _append finishes any request.
+            measured = [pending.speculative and bool(fresh) and not req.finished
+                        for req, fresh in zip(pending.reqs, pending.fresh)]
+            self.acceptance = policy.observe(self.acceptance, accepted[:len(pending.reqs)], measured, self.policy)
+        changed = []
+        for i, req in enumerate(pending.reqs):
+            if req.finished:
+                continue  # the surplus iteration dispatched before we knew
+            if accepted is None:
+                new = tokens[:1].tolist()
+            else:
+                req.metrics.record(int(accepted[i]), speculative=pending.speculative)
+                new = tokens[i, :accepted[i] + 1].tolist()
+            self._append(req, new)
+            req.metrics.collected(collected)
+            changed.append(req)
+        return changed
+
+    def _append(self, req: Request, new_tokens: list[int]) -> None:
+        params = req.params
+        stops = self.eos_token_ids if not params.ignore_eos else frozenset()
+        for tok in new_tokens:
+            req.output.append(tok)
+            if tok in stops or tok in params.stop_token_ids:
+                self.scheduler.finish(req, "stop")
+                break
+            if params.stop and self.detokenize is not None and self._hit_stop_string(req):
+                self.scheduler.finish(req, "stop")
+                break
+            if len(req.output) >= req.max_tokens:
+                self.scheduler.finish(req, "length")
+                break
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        text = self.detokenize(req.output)
+        for stop in req.params.stop:
+            if (i := text.find(stop)) >= 0:
+                req.text = text[:i]
+                return True
+        return False
+
+    def run(self, requests: Iterable[Request], progress: bool = False) -> None:
+        """Step until every given request has finished."""
+        requests = list(requests)
+        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not progress)
+        done = 0
+        while self.has_unfinished():
+            self.step()
+            now = sum(r.finished for r in requests)
+            bar.update(now - done)
+            done = now
+        bar.close()
+
+    # ---- speculation per bucket --------------------------------------------------------------
+    def may_speculate(self, bucket: int) -> bool:
+        """Whether a bucket can speculate at all: a drafter, K > 0, within speculative_max_batch."""
+        limit = self.cfg.speculative_max_batch
+        return self.step_cfg.speculative and (limit is None or bucket <= limit)
+
+    def speculates(self, bucket: int) -> bool:
+        """This bucket's choice now: "always" speculates wherever it may; "auto" asks the policy."""
+        if not self.may_speculate(bucket):
+            return False
+        if self.cfg.speculation == "always":
+            return True
+        return policy.speculate(self.step_costs.get(bucket), self.acceptance, self.step_cfg.num_draft, self.policy)
+
+    def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
+        """The iteration's config for a batch bucket: K drafts, or none when it runs the target
+        alone (the proposals in the slots then wait unverified; any proposal is safe to verify
+        later, since each was drawn from the q stored with it); the greedy program when every
+        request of the batch is greedy (`StepConfig.greedy`)."""
+        return self.runner.config(self.step_cfg.num_draft if self.speculates(bucket) else 0, greedy)
+
+    def speculation_table(self) -> tuple[policy.BucketChoice, ...]:
+        """Every bucket's cost and current choice; `policy.format_table(table, engine.acceptance)`
+        prints it."""
+        return tuple(policy.BucketChoice(b, self.step_costs.get(b), self.speculates(b)) for b in self.cfg.batch_buckets)
+
+    # ---- compilation -------------------------------------------------------------------------
+    def iteration_configs(self, bucket: int, greedy: bool | None = None) -> list[StepConfig]:
+        """The iterations a bucket may run: speculative, target-only, or (in "auto") both; each as
+        the greedy program and the sampling one (`greedy` picks one of the two)."""
+        ks = [self.step_cfg.num_draft] if self.may_speculate(bucket) else []
+        if not ks or self.cfg.speculation == "auto":
+            ks.append(0)
+        kinds = (True, False) if greedy is None else (greedy,)
+        return [self.runner.config(k, g) for k in ks for g in kinds]
+
+    def programs(self, greedy: bool | None = None) -> tuple[list[tuple[int, StepConfig]], list[tuple[int, int, bool]]]:
+        """Every program serving may run: (iterations as (bucket, config), prefills as (rows,
+        chunk tokens, greedy)); `greedy` True (or False) only the greedy (or sampling) ones."""
+        kinds = (True, False) if greedy is None else (greedy,)
+        iterations = [(b, c) for b in self.cfg.batch_buckets for c in self.iteration_configs(b, greedy)]
+        prefills = [(rows, size, g) for size in self.cfg.prefill_buckets for rows in self.cfg.prefill_batch_buckets
+                    for g in kinds]
+        return iterations, prefills
+
+    def warmup(self, progress: bool = True, greedy: bool | None = None) -> float:
+        """Compile every program now, so serving never compiles; in "auto", time both iterations
+        of each bucket that may speculate (buckets missing from `step_costs`) for the policy.
+        `greedy` True (or False) builds only the greedy (or sampling) programs, for a workload
+        known to need only those: the others then compile on first use. -> seconds."""
+        start = time.perf_counter()
+        iterations, prefills = self.programs(greedy)
+        shapes = [("iterate", *job) for job in iterations] + [("prefill", *job) for job in prefills]
+        for kind, *job in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
+            (self.runner.compile_iteration if kind == "iterate" else self.runner.compile_prefill)(*job)
+        for b in self.cfg.batch_buckets:
+            # The policy's costs come from the greedy programs (the sampling ones add the same
+            # sampling work to both iterations).
+            configs = self.iteration_configs(b, greedy=True)
+            if len(configs) == 2 and b not in self.step_costs:
+                spec, target_only = (statistics.median(self.runner.time_iteration(*self.runner.padding_rows(b), c))
+                                     for c in configs)
+                self.step_costs[b] = policy.BucketCost(target_only_s=target_only, speculative_s=spec)
+        self.stats.warmup_s = time.perf_counter() - start
+        return self.stats.warmup_s

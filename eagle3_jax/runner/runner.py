@@ -1,0 +1,352 @@
+"""The device runner: everything on the device, behind a few calls.
+
+`ModelRunner` owns the served weights, the `DeviceState` the step functions thread and donate,
+the buffers pinned per batch bucket, and the compiled steps (jax.jit keeps one executable per
+shape and `StepConfig`: the table of programs per batch bucket). It dispatches prefills and
+iterations without waiting for them, and compiles and times them on padding rows. What to run,
+and when, is the engine's (engine/engine.py); nothing else holds the device state.
+
+Every buffer an iteration touches keeps its device address from call to call: XLA launches the
+program as a CUDA graph and rewrites the nodes of any moved buffer first, which costs as much
+host time as the SmolLM2 iteration takes on the device (BENCHMARKS.md, "Host overhead"). So the
+state is donated, the per-call arguments live in `PinnedBatch`, and the results are copied into
+buffers held here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from eagle3_jax.config import DUMMY_SLOT, ConfigError, DraftConfig, EngineConfig, ModelConfig, check_draft_fits
+from eagle3_jax.model.eagle3 import DraftParams
+from eagle3_jax.parallel import sharding
+from eagle3_jax.runner import sampling
+from eagle3_jax.runner.state import DeviceState, init_state, state_shardings, with_lengths
+from eagle3_jax.runner.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step, iterate_in_place_step,
+                                     prefill_step, read_first_token_step, read_verdicts_step)
+from eagle3_jax.runner.target import target_model_for
+from eagle3_jax.sampling_params import SamplingParams
+
+Job = tuple[Callable, tuple, dict]  # (jitted function, args, keyword args): one program to compile
+
+
+class CompileCounter:
+    """Counts executables JAX builds (backend compiles and persistent-cache loads), process-wide."""
+
+    count = 0
+    _registered = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._registered:
+            return
+        cls._registered = True
+
+        def on_duration(event: str, _duration: float, **_kw) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                cls.count += 1
+
+        def on_event(event: str, **_kw) -> None:
+            if event == "/jax/compilation_cache/cache_hits":
+                cls.count += 1
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        jax.monitoring.register_event_listener(on_event)
+
+
+def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
+    """EngineConfig.attention resolved: "auto" is the Pallas kernel on a GPU without tensor
+    parallelism (a pallas_call is not partitioned by XLA's sharding propagation)."""
+    if cfg.attention == "pallas" and mesh is not None:
+        raise ConfigError("engine config: attention 'pallas' does not run under tensor parallelism "
+                          "(use 'auto' or 'xla')")
+    if cfg.attention != "auto":
+        return cfg.attention
+    return "pallas" if jax.default_backend() == "gpu" and mesh is None else "xla"
+
+
+def gemv_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
+    """EngineConfig.gemv, checked: the Mosaic GPU kernel needs a Hopper GPU (wgmma, TMA copies)
+    and one device (a kernel is not partitioned by XLA's sharding propagation)."""
+    device = jax.devices()[0]
+    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+    if cfg.gemv == "mosaic" and (mesh is not None or not hopper):
+        where = " under tensor parallelism" if mesh is not None else ""
+        raise ConfigError(f"engine config: gemv 'mosaic' runs on one Hopper GPU only, not on "
+                          f"{device.device_kind}{where} (use 'xla')")
+    return cfg.gemv
+
+
+@dataclasses.dataclass
+class PrefillInputs:
+    """The host arrays of one prefill call (`steps.prefill`'s), P rows of T-token chunks."""
+
+    tokens: np.ndarray  # [P, T]
+    next_tokens: np.ndarray  # [P, T]
+    num_valid: np.ndarray  # [P]
+    start: np.ndarray  # [P]
+    slot: np.ndarray  # [P]
+    block_table: np.ndarray  # [P, nb]
+
+    @classmethod
+    def padding(cls, rows: int, size: int, num_blocks: int) -> PrefillInputs:
+        """Padding rows only: each a last chunk of one token (next_tokens -1) into the dummy slot,
+        its block table all scratch."""
+        next_tokens = np.zeros((rows, size), np.int32)
+        next_tokens[:, 0] = -1
+        return cls(np.zeros((rows, size), np.int32), next_tokens, np.ones(rows, np.int32), np.zeros(rows, np.int32),
+                   np.full(rows, DUMMY_SLOT, np.int32), np.zeros((rows, num_blocks), np.int32))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.tokens, self.next_tokens, self.num_valid, self.start, self.slot, self.block_table
+
+
+# The rows' cached lengths set in place (donated: the state keeps its addresses).
+_set_lengths = jax.jit(with_lengths, donate_argnums=0)
+
+# A padding row never makes a call sample: greedy.
+PADDING_PARAMS = SamplingParams(max_tokens=1)
+
+# Overwrite device arrays with new values at their own addresses: the donated `old` is the output
+# buffer (keep_unused: jit would otherwise drop the unread `old`, and with it the aliasing).
+_overwrite = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)
+
+
+class PinnedBatch:
+    """The iteration's per-call arguments, slots [B] and block tables [B, nb], kept on the device at
+    one address per bucket; two buffers per bucket its verdicts are copied into in turn; and one
+    buffer per slot a prefill's first token is copied into.
+
+    A host array passed as an argument is a new device buffer on every call. So one device copy
+    per bucket is overwritten in place (a donated copy, a program with no graph of its own) only
+    when the scheduler's values change: a request joined or left. Nor may anything be allocated
+    between two iterations (`steps.read_verdicts`), so the verdicts and first tokens go into
+    buffers held here, written over.
+    """
+
+    def __init__(self, mesh: Mesh | None):
+        self._placement = sharding.replicated_placement(mesh)  # like every per-row input under tp
+        self._by_bucket: dict[int, tuple[np.ndarray, np.ndarray, tuple[jax.Array, jax.Array]]] = {}
+        self._verdicts: dict[int, tuple[jax.Array, jax.Array]] = {}  # bucket -> (oldest, newest)
+        self._first_tokens: list[list[jax.Array]] = []  # slot -> [slot index [1], first token [1]]
+
+    def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """Device arrays holding these slots [B] and tables [B, nb], at the bucket's address."""
+        held = self._by_bucket.get(len(slots))
+        if held is not None and np.array_equal(held[0], slots) and np.array_equal(held[1], tables):
+            return held[2]
+        if held is None:
+            # Buffers of their own (the CPU backend may alias host memory, which a donation cannot
+            # reuse); overwritten once already, so the bucket's first call (warm-up) compiles that.
+            held = (None, None, jax.device_put((slots, tables), self._placement, may_alias=False))
+        device = _overwrite(held[2], (slots, tables))
+        self._by_bucket[len(slots)] = (slots.copy(), tables.copy(), device)
+        return device
+
+    def read_verdicts(self, state: DeviceState, rows: jax.Array) -> jax.Array:
+        """The verdicts [B, 1 + K+1] of the iteration just dispatched over `rows` [B] (from `get`),
+        without waiting. They go into the bucket's older buffer, so each array returned here must
+        be read (or dropped) before the bucket's next iteration but one: that call writes over it,
+        and reading it after raises "Array has been deleted"."""
+        pair = self._verdicts.get(rows.shape[0])
+        if pair is None:
+            empty = np.zeros((rows.shape[0], 1 + state.slots.emitted.shape[1]), np.int32)
+            pair = tuple(jax.device_put(empty, self._placement, may_alias=False) for _ in range(2))
+        verdicts = read_verdicts_step(pair[0], state.slots.num_accepted, state.slots.emitted, rows)
+        self._verdicts[rows.shape[0]] = (pair[1], verdicts)
+        return verdicts
+
+    def read_first_token(self, state: DeviceState, slot: int) -> jax.Array:
+        """The first token [1] the prefill just dispatched sampled into `slot`, without waiting.
+        One buffer per slot rather than two taken in turn: a slot is admitted again only after its
+        request finished, and a request finishes only once its first token was read. So each
+        array returned here must be read (or dropped) before the slot's next prefill."""
+        if not self._first_tokens:  # every slot's at once: none is allocated while serving
+            held = [(np.array([s], np.int32), np.zeros(1, np.int32)) for s in range(state.slots.last_token.shape[0])]
+            self._first_tokens = [list(pair) for pair in jax.device_put(held, self._placement, may_alias=False)]
+        index, buffer = self._first_tokens[slot]
+        first = read_first_token_step(buffer, state.slots.last_token, index)
+        self._first_tokens[slot][1] = first
+        return first
+
+
+def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch, slots: np.ndarray,
+                   tables: np.ndarray, cfg: StepConfig) -> tuple[DeviceState, jax.Array]:
+    """One fused iteration with every buffer at a stable address: -> (state, verdicts [B, 1 + K+1]),
+    without waiting. The state is donated."""
+    slots, tables = pinned.get(slots, tables)
+    state = iterate_in_place_step(params, draft_params, state, slots, tables, cfg=cfg)
+    return state, pinned.read_verdicts(state, slots)
+
+
+def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: DeviceState,
+               reset: Callable[[DeviceState], DeviceState], calls: int, rounds: int) -> tuple[DeviceState, list[float]]:
+    """Seconds per call of `call` (state -> (state, out), state donated), calls issued back to back
+    as serving issues them: one sample per round of `calls`, after two warm-up calls, `reset`
+    applied before each round. -> (state, samples)."""
+    for _ in range(2):
+        state, out = call(state)
+    jax.block_until_ready((state, out))
+    samples = []
+    for _ in range(rounds):
+        state = jax.block_until_ready(reset(state))
+        start = time.perf_counter()
+        for _ in range(calls):
+            state, out = call(state)
+        jax.block_until_ready((state, out))
+        samples.append((time.perf_counter() - start) / calls)
+    return state, samples
+
+
+class ModelRunner:
+    """The target and drafter on the device, their state, and the programs that step it."""
+
+    def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params: DraftParams | None,
+                 cfg: EngineConfig, mesh: Mesh | None = None):
+        if draft is not None:
+            check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
+        self.cfg = cfg
+        k = cfg.num_speculative_tokens if draft is not None else 0
+        model = target_model_for(target)
+        self.step_cfg = StepConfig(target=target, draft=draft if k else None, num_draft=k, mesh=mesh,
+                                   attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), model=model)
+        state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype)
+        if mesh is not None:  # weights already placed by their loader stay where they are
+            tp = mesh.shape[sharding.TP]
+            params = sharding.shard_params(params, mesh, model.param_specs(target, tp))
+            if draft_params is not None:
+                specs = sharding.draft_param_specs(draft, tp, own_embedding=draft_params.embed is not None)
+                draft_params = sharding.shard_params(draft_params, mesh, specs)
+            state = jax.device_put(state, state_shardings(state, target, self.step_cfg.draft, mesh))
+        # As served: fewer argument buffers per dispatch (the caller's params are untouched).
+        self._params, self._draft_params, self._state = model.for_serving(params), draft_params, state
+        self._pinned = PinnedBatch(mesh)
+        CompileCounter.install()
+
+    # ---- what runs ---------------------------------------------------------------------------
+    @property
+    def speculator(self):
+        """The widest proposal this runner verifies (a chain of K; of 0 without a drafter)."""
+        return self.step_cfg.speculator
+
+    def config(self, num_draft: int, greedy: bool) -> StepConfig:
+        """The step config of one program: `num_draft` proposals verified (0: the target alone),
+        and the greedy program or the sampling one."""
+        return dataclasses.replace(self.step_cfg, num_draft=num_draft, greedy=greedy)
+
+    @property
+    def num_compilations(self) -> int:
+        """Executables built in this process so far (compiles and persistent-cache loads)."""
+        return CompileCounter.count
+
+    # ---- dispatch, never waiting -------------------------------------------------------------
+    def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None]) -> None:
+        """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
+        (None: its params carry a seed); the greedy program when every row is greedy."""
+        row = sampling.row_sampling_from_params(params, seeds)
+        cfg = self.config(self.step_cfg.num_draft, greedy=all(p.greedy for p in params))
+        self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
+
+    def first_token(self, slot: int) -> jax.Array:
+        """The first token [1] the last prefill into `slot` sampled; read it before the slot's next
+        prefill (`PinnedBatch.read_first_token`)."""
+        return self._pinned.read_first_token(self._state, slot)
+
+    def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig) -> jax.Array:
+        """Dispatch one iteration over `slots` [B] with block `tables` [B, nb], fused or as one
+        program per draft step: -> verdicts [B, 1 + K+1] (`steps.split_verdicts`), to be read
+        before the bucket's next iteration but one."""
+        if self.cfg.fused_iteration or not cfg.speculative:
+            self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,
+                                                   tables, cfg)
+            return verdicts
+        slots, tables = self._pinned.get(slots, tables)
+        state, _, _, carry = iterate_head_step(self._params, self._draft_params, self._state, slots, tables, cfg=cfg)
+        for j in range(1, cfg.speculator.num_draft_steps):
+            state, carry = chain_step_jit(self._draft_params, self._params.embed, state, carry, tables, j, cfg=cfg)
+        self._state = commit_step(state, slots, carry, cfg=cfg)
+        return self._pinned.read_verdicts(self._state, slots)
+
+    # ---- compiling and measuring, on padding rows ----------------------------------------------
+    def padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+        """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
+        return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
+
+    def _padding_prefill(self, rows: int, size: int) -> tuple[PrefillInputs, list[SamplingParams], list[int]]:
+        return PrefillInputs.padding(rows, size, self.cfg.max_blocks_per_seq), [PADDING_PARAMS] * rows, [0] * rows
+
+    def compile_iteration(self, bucket: int, cfg: StepConfig) -> None:
+        """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows."""
+        self.iterate(*self.padding_rows(bucket), cfg).block_until_ready()
+
+    def compile_prefill(self, rows: int, size: int, greedy: bool) -> None:
+        """Build the prefill program of `rows` x `size` tokens by running it on padding rows."""
+        inputs, params, seeds = self._padding_prefill(rows, size)
+        row = sampling.row_sampling_from_params(params, seeds)
+        cfg = self.config(self.step_cfg.num_draft, greedy)
+        self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
+        self.first_token(DUMMY_SLOT).block_until_ready()  # as serving reads it
+
+    def compile_jobs(self, iterations: Sequence[tuple[int, StepConfig]],
+                     prefills: Sequence[tuple[int, int, bool]]) -> list[Job]:
+        """The fused iteration and prefill programs as (function, args, kwargs) to lower and compile
+        elsewhere (on a thread pool, say); jitted calls with the same shapes then find them built."""
+        p, dp, st = self._params, self._draft_params, self._state
+        jobs = [(iterate_in_place_step, (p, dp, st, *self.padding_rows(b)), {"cfg": c}) for b, c in iterations]
+        for rows, size, greedy in prefills:
+            inputs, params, seeds = self._padding_prefill(rows, size)
+            jobs.append((prefill_step, (p, dp, st, *inputs.arrays(), sampling.row_sampling_from_params(params, seeds)),
+                         {"cfg": self.config(self.step_cfg.num_draft, greedy)}))
+        return jobs
+
+    def time_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig, context: int | None = None,
+                       calls: int = 3, rounds: int = 3) -> list[float]:
+        """Seconds per iteration over `slots` [B] and `tables` [B, nb], dispatched as serving
+        dispatches them, `calls` back to back per round: one sample a round. With `context`, the
+        rows start every round at that many cached tokens and end at 0 (a prefill rewrites a
+        slot's state anyway); the state's buffers keep their addresses either way."""
+        rows = np.unique(slots)
+
+        def reset(state, length):
+            return state if length is None else _set_lengths(state, rows, length)
+
+        def call(state):
+            self._state = state
+            return self._state, self.iterate(slots, tables, cfg)
+
+        state, samples = time_calls(call, self._state, lambda s: reset(s, context), calls, rounds)
+        self._state = reset(state, None if context is None else 0)
+        return samples
+
+    # ---- inspection (tests, benchmarks) --------------------------------------------------------
+    def trace_iteration(self, bucket: int, cfg: StepConfig):
+        """The fused iteration program at `bucket`, traced (`.lower()` for its HLO, for any platform)."""
+        return iterate_in_place_step.trace(self._params, self._draft_params, self._state, *self.padding_rows(bucket),
+                                           cfg=cfg)
+
+    def trace_prefill(self, rows: int, size: int, cfg: StepConfig):
+        """The prefill program of `rows` x `size` tokens under `cfg`, traced."""
+        inputs, params, seeds = self._padding_prefill(rows, size)
+        return prefill_step.trace(self._params, self._draft_params, self._state, *inputs.arrays(),
+                                  sampling.row_sampling_from_params(params, seeds), cfg=cfg)
+
+    def buffer_addresses(self) -> list[int]:
+        """The device address of every state buffer (they never move while serving)."""
+        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(self._state)]
+
+    def pinned_batch(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """The device copies of this batch's slots [B] and block tables [B, nb] an iteration reads
+        (overwritten in place when they change)."""
+        return self._pinned.get(slots, tables)
+
+    def set_proposals(self, slot: int, drafts: Sequence[int]) -> None:
+        """Overwrite one slot's pending proposals (target ids [K]): the next iteration verifies them."""
+        s = self._state.slots
+        self._state = self._state.replace(slots=s.replace(drafts=s.drafts.at[slot].set(np.asarray(drafts, np.int32))))
