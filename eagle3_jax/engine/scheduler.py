@@ -14,9 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from eagle3_jax.config import EngineConfig, smallest_bucket
-from eagle3_jax.runner.state import DUMMY_SLOT
-from eagle3_jax.model.layers import SCRATCH_PAGE
+from eagle3_jax.config import DUMMY_SLOT, SCRATCH_PAGE, EngineConfig, smallest_bucket
 from eagle3_jax.sampling_params import SamplingParams
 
 
