@@ -148,7 +148,7 @@ def test_engine_rows(report):
     # the engine's own frames are among its largest self times (the order of the small ones varies).
     host_notes = [n for n in data["notes"] if "the host thread's self time per iteration" in n]
     assert len(host_notes) == len(modes) * len(BATCHES)
-    assert all("PjitFunction(" in n and "driver.py" in n for n in host_notes)
+    assert all("PjitFunction(" in n and ("engine.py" in n or "runner.py" in n) for n in host_notes)
 
 
 def test_step_rows(report):

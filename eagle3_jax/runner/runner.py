@@ -319,7 +319,8 @@ class ModelRunner:
 
         def call(state):
             self._state = state
-            return self._state, self.iterate(slots, tables, cfg)
+            verdicts = self.iterate(slots, tables, cfg)  # donates `state`: read self._state after
+            return self._state, verdicts
 
         state, samples = time_calls(call, self._state, lambda s: reset(s, context), calls, rounds)
         self._state = reset(state, None if context is None else 0)
