@@ -18,7 +18,7 @@ from eagle3_jax.presets import EAGLE3_8B, EAGLE3_70B
 from eagle3_jax.weights.eagle3 import CheckpointError, load_drafter, public_shapes
 from eagle3_jax.weights.tensors import write
 
-# ../shared/EAGLE3.md, section 1 (PyTorch [out, in] layout).
+# docs/EAGLE3.md, "Drafter checkpoints" (PyTorch [out, in] layout).
 SHAPES_8B = {
     "fc.weight": (4096, 12288), "midlayer.self_attn.q_proj.weight": (4096, 8192),
     "midlayer.self_attn.k_proj.weight": (1024, 8192), "midlayer.self_attn.v_proj.weight": (1024, 8192),

@@ -4,7 +4,7 @@ The suite runs on the CPU, where the kernel cannot (its TMA copies have no inter
 0.10), so it checks what needs none: the tiles it picks; that a decode forward lowers for the GPU
 with the kernel in each projection, and a prefill-sized one without it; that the engine's
 iteration runs it in every projection and its prefill in none. On a Hopper GPU,
-`scripts/gemv_probe.py --kernel mosaic --check` runs it: against jnp.dot, and a row's result bit
+`experiments/gemv_probe.py --kernel mosaic --check` runs it: against jnp.dot, and a row's result bit
 for bit the same whatever rows share its call.
 """
 
