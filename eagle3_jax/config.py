@@ -40,7 +40,7 @@ def _field(d: dict, name: str, kind: type | tuple[type, ...], where: str, defaul
     value = d[name]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"{where}: field '{name}' must be {kind}, got {value!r}")
     return value
 
@@ -254,8 +254,14 @@ class DraftConfig:
                       target_hidden_size=target.hidden_size, num_captures=len(target.capture_layer_ids))
         return cls(**{**fields, **overrides})
 
-    def to_hf(self) -> dict:
-        """The public EAGLE-3 config.json layout (loads in other EAGLE-3 engines)."""
+    def to_hf(self, has_own_embedding: bool = False) -> dict:
+        """The public EAGLE-3 config.json layout (loads in other EAGLE-3 engines).
+
+        `has_own_embedding`: whether the drafter's file stores `embed_tokens.weight`. The EAGLE
+        reference reads the mere presence of `target_hidden_size` as "this drafter brings its own
+        embedding" (and then skips loading the target's), so the key is written only when it
+        differs from `hidden_size` or an embedding is stored; `from_hf` defaults it to hidden_size.
+        """
         d: dict[str, Any] = {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",
@@ -271,10 +277,11 @@ class DraftConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
             "tie_word_embeddings": False,
             "torch_dtype": "float16",
         }
+        if has_own_embedding or self.target_hidden_size != self.hidden_size:
+            d["target_hidden_size"] = self.target_hidden_size
         if self.rope_scaling is not None:
             d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         if self.capture_layer_ids is not None:
@@ -296,8 +303,11 @@ def check_draft_fits(target: ModelConfig, draft: DraftConfig, has_own_embedding:
         raise ConfigError(f"drafter vocab_size {draft.vocab_size} does not match the target's "
                           f"{target.vocab_size}")
     if draft.target_hidden_size != target.hidden_size:
+        if draft.target_hidden_size == draft.hidden_size:  # no target_hidden_size of its own
+            raise ConfigError(f"drafter hidden_size {draft.hidden_size} does not match the target's "
+                              f"hidden_size {target.hidden_size}: the drafter was made for another target")
         raise ConfigError(f"drafter target_hidden_size {draft.target_hidden_size} does not match the "
-                          f"target's hidden_size {target.hidden_size}")
+                          f"target's hidden_size {target.hidden_size}: the drafter was made for another target")
     if not has_own_embedding and draft.hidden_size != target.hidden_size:
         raise ConfigError(f"drafter hidden_size {draft.hidden_size} differs from the target's "
                           f"{target.hidden_size} and the drafter has no embed_tokens of its own")

@@ -47,24 +47,44 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def read_drafter_tensors(directory: Path) -> Mapping[str, np.ndarray]:
-    """Tensors of a drafter directory, .safetensors preferred, else pytorch_model.bin (needs torch)."""
-    if any(directory.glob("*.safetensors")):
-        files = TensorFiles(directory)
-        return {canonical_name(k): files[k] for k in files}
-    bin_path = directory / "pytorch_model.bin"
-    if not bin_path.is_file():
-        raise CheckpointError(f"{directory}: no model.safetensors or pytorch_model.bin")
+class _PublicNames(Mapping[str, np.ndarray]):
+    """A safetensors checkpoint under the public names, read lazily: its names (and so whether it
+    stores an embedding) are known before any tensor is."""
+
+    def __init__(self, files: TensorFiles):
+        self._files = files
+        self._stored = {canonical_name(k): k for k in files}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._files[self._stored[name]]
+
+    def __iter__(self):
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+def _import_torch(bin_path: Path, hint: str):
     try:
         import torch
     except ImportError:
-        raise CheckpointError(
-            f"{bin_path} is a PyTorch pickle; reading it needs torch: `pip install torch` (a CPU build "
-            "is enough), or convert it once with `eagle3-jax convert-draft` on a machine that has torch"
-        ) from None
+        raise CheckpointError(f"{bin_path} is a PyTorch pickle; reading it needs torch: pip install torch "
+                              f"(a CPU build is enough){hint}") from None
+    return torch
+
+
+def read_drafter_tensors(directory: Path) -> Mapping[str, np.ndarray]:
+    """Tensors of a drafter directory, .safetensors preferred, else pytorch_model.bin (needs torch)."""
+    if any(directory.glob("*.safetensors")):
+        return _PublicNames(TensorFiles(directory))
+    bin_path = directory / "pytorch_model.bin"
+    if not bin_path.is_file():
+        raise CheckpointError(f"{directory}: no model.safetensors or pytorch_model.bin")
+    torch = _import_torch(bin_path, ", or convert it once with `eagle3-jax convert-draft` on a machine that has torch")
     try:
         state = torch.load(bin_path, map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (unpickling raises errors of any kind on a damaged file)
         raise CheckpointError(f"{bin_path}: unreadable PyTorch checkpoint ({e})") from None
     return {canonical_name(k): v.float().numpy() if v.is_floating_point() else v.numpy()
             for k, v in state.items()}
@@ -94,10 +114,10 @@ def load_drafter(directory: str | Path, target: ModelConfig | None = None,
     """(config, params) of a drafter directory; with `target`, also check that it fits."""
     directory = Path(directory)
     cfg = DraftConfig.from_json(directory / "config.json")
-    params = draft_params_from_tensors(read_drafter_tensors(directory), cfg, dtype, where=str(directory))
-    if target is not None:
-        check_draft_fits(target, cfg, has_own_embedding=params.embed is not None)
-    return cfg, params
+    tensors = read_drafter_tensors(directory)
+    if target is not None:  # the config's sizes first: they name the field, a tensor's shape would not
+        check_draft_fits(target, cfg, has_own_embedding=EMBED in tensors)
+    return cfg, draft_params_from_tensors(tensors, cfg, dtype, where=str(directory))
 
 
 def drafter_tensors(params: DraftParams, cfg: DraftConfig, dtype=np.float16) -> dict[str, np.ndarray]:
@@ -122,11 +142,19 @@ def public_shapes(cfg: DraftConfig, own_embedding: bool = False) -> dict[str, tu
     return shapes
 
 
+def _write_readable(tensors: Mapping[str, np.ndarray], path: Path) -> None:
+    """safetensors writes through a private temporary file (mode 0600) renamed into place; a
+    checkpoint is for others to read too (0644)."""
+    write(tensors, path)
+    path.chmod(0o644)
+
+
 def save_drafter(params: DraftParams, cfg: DraftConfig, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    write(drafter_tensors(params, cfg), directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    _write_readable(drafter_tensors(params, cfg), directory / "model.safetensors")
+    config = cfg.to_hf(has_own_embedding=params.embed is not None)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
 
@@ -134,10 +162,16 @@ def convert_bin_to_safetensors(directory: str | Path, out: str | Path | None = N
     """pytorch_model.bin -> model.safetensors with the same public names (needs torch)."""
     directory = Path(directory)
     out = Path(out) if out else directory
+    bin_path = directory / "pytorch_model.bin"
+    if not bin_path.is_file():
+        raise CheckpointError(f"{directory}: no pytorch_model.bin to convert")
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory}: no config.json beside pytorch_model.bin")
+    _import_torch(bin_path, "")  # before reading anything: the error would otherwise name this command
     tensors = read_drafter_tensors(directory)
     out.mkdir(parents=True, exist_ok=True)
     stored = {k: (v.astype(np.float16) if np.issubdtype(v.dtype, np.floating) else v) for k, v in tensors.items()}
-    write(stored, out / "model.safetensors")
+    _write_readable(stored, out / "model.safetensors")
     if out != directory:
         (out / "config.json").write_text((directory / "config.json").read_text())
     return out
