@@ -1,21 +1,28 @@
 """The real Llama-3 configurations this project runs with random weights (shapes, sharding and
 speed), and the public EAGLE-3 drafter layouts that go with them, as Hugging Face config.json
-dicts. One place, so the benchmark, the memory plan and the tests agree on them."""
+dicts. One place, so the benchmark, the memory plan and the tests agree on them.
+
+The targets' and drafters' config.json files ship in `eagle3_jax/configs/` (the targets' as
+their models publish them); `eagle3-jax bench --step-model` and `eagle3-jax plan --target` take
+the preset names of `PRESETS` as well as a path.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from eagle3_jax.config import DraftConfig, ModelConfig
 
-LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-}
-LLAMA33_70B = {**LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-               "num_attention_heads": 64}
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def _shipped(name: str) -> dict:
+    return json.loads((CONFIGS / name / "config.json").read_text())
+
+
+LLAMA31_8B = _shipped("Llama-3.1-8B-Instruct")
+LLAMA33_70B = _shipped("Llama-3.3-70B-Instruct")
 
 # SmolLM2-135M-Instruct as converted from its GGUF (`eagle3-jax prepare`): the embedded default's
 # shapes, for measurements that need no weights.
@@ -26,14 +33,10 @@ SMOLLM2_135M = {
     "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
 }
 
-# "EAGLE3-LLaMA3.1-Instruct-8B" (../shared/EAGLE3.md, section 1): no rope_theta (10000 applies).
-EAGLE3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
-             "max_position_embeddings": 2048, "vocab_size": 128256, "draft_vocab_size": 32000,
-             "tie_word_embeddings": False, "torch_dtype": "float16"}
+# The drafter "EAGLE3-LLaMA3.1-Instruct-8B": no rope_theta (10000 applies).
+EAGLE3_8B = _shipped("EAGLE3-LLaMA3.1-Instruct-8B")
 # The 70B layout: narrower than its 8192-wide target, with target_hidden_size and its own embedding.
-EAGLE3_70B = {**EAGLE3_8B, "hidden_size": 6144, "intermediate_size": 16384, "num_attention_heads": 48,
-              "head_dim": 128, "target_hidden_size": 8192, "rope_theta": 500000.0}
+EAGLE3_70B = _shipped("EAGLE3-LLaMA3.3-Instruct-70B")
 
 
 def llama31_8b() -> tuple[ModelConfig, DraftConfig]:
@@ -42,3 +45,22 @@ def llama31_8b() -> tuple[ModelConfig, DraftConfig]:
 
 def llama33_70b() -> tuple[ModelConfig, DraftConfig]:
     return ModelConfig.from_hf(LLAMA33_70B), DraftConfig.from_hf(EAGLE3_70B)
+
+
+# Preset name (spelled either way) -> (target directory, drafter directory) under CONFIGS.
+PRESETS: dict[str, tuple[str, str]] = {
+    "llama3.1-8b": ("Llama-3.1-8B-Instruct", "EAGLE3-LLaMA3.1-Instruct-8B"),
+    "llama-3.1-8b": ("Llama-3.1-8B-Instruct", "EAGLE3-LLaMA3.1-Instruct-8B"),
+    "llama3.3-70b": ("Llama-3.3-70B-Instruct", "EAGLE3-LLaMA3.3-Instruct-70B"),
+    "llama-3.3-70b": ("Llama-3.3-70B-Instruct", "EAGLE3-LLaMA3.3-Instruct-70B"),
+}
+
+
+def preset_dirs(name: str) -> tuple[Path, Path]:
+    """(target, drafter) directories of a preset, each holding a config.json; KeyError naming the
+    presets when `name` is not one."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise KeyError(f"{name!r} is not a preset ({', '.join(PRESETS)})")
+    target, draft = PRESETS[key]
+    return CONFIGS / target, CONFIGS / draft
