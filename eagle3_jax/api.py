@@ -80,6 +80,7 @@ class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True):
+        dataclasses.replace(engine_config or EngineConfig(), num_speculative_tokens=num_speculative_tokens)  # K, now
         enable_compilation_cache()
         if target is None:
             target = assets.prepare_default_target(progress=progress)
@@ -118,16 +119,22 @@ class LLM:
             if not prompt.strip():
                 raise RequestError("prompt is empty")
             prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__") or not hasattr(prompt, "__iter__"):
+            raise RequestError(f"{_BAD_PROMPT}, got {type(prompt).__name__}")
         if len(prompt) == 0:
             raise RequestError("prompt is empty")
         if all(isinstance(m, dict) for m in prompt):
+            for i, m in enumerate(prompt):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise RequestError(f"chat message {i} needs a 'role' and a 'content', both strings")
             if self.tokenizer is None:
                 raise RequestError("this target has no tokenizer: pass token ids")
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
             return list(ids)
-        if not all(isinstance(t, int) or hasattr(t, "__index__") for t in prompt):
-            raise RequestError("a prompt is a string, a list of chat messages or a list of token ids")
+        if not all(_is_token_id(t) for t in prompt):
+            kinds = sorted({type(t).__name__ for t in prompt if not _is_token_id(t)})
+            raise RequestError(f"{_BAD_PROMPT}; got a list holding {', '.join(kinds)}")
         return [int(t) for t in prompt]
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -145,8 +152,10 @@ class LLM:
         dict of its fields (a request payload, validated here). A bad request gets finish_reason
         "error" and its message in `.error`; the others are served as usual.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        if not _is_batch(prompts):
             prompts = [prompts]
+        if len(prompts) == 0:
+            raise ValueError("no prompts: pass a prompt or a non-empty list of prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -191,7 +200,10 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield tokens as they are accepted (a few per iteration); the last delta has the output."""
-        req = self.engine.add_request(self.encode(prompt), sampling_params or SamplingParams())
+        req = self._add(prompt, sampling_params or SamplingParams())
+        if isinstance(req, RequestOutput):  # refused: one delta carrying the error, as generate returns it
+            yield StreamDelta([], "", True, req)
+            return
         seen = 0
         while not req.finished:
             self.engine.step()
@@ -207,7 +219,12 @@ class LLM:
         try:
             if not isinstance(params, SamplingParams):
                 params = SamplingParams(**params)
-            return self.engine.add_request(self.encode(prompt), params)
+            ids = self.encode(prompt)
+            limit = self.engine.cfg.max_model_len
+            if len(ids) >= limit:
+                raise RequestError(f"prompt has {len(ids)} tokens; the context holds {limit} (prompt plus at least "
+                                   "one generated token): shorten the prompt or raise EngineConfig.max_model_len")
+            return self.engine.add_request(ids, params)
         except (RequestError, ValueError, TypeError) as e:
             return self._error_output(prompt, str(e))
 
@@ -216,8 +233,24 @@ class LLM:
         return RequestOutput(req.id, req.prompt, list(req.output), text, req.finish_reason, req.error, req.metrics)
 
     def _error_output(self, prompt: Prompt, message: str) -> RequestOutput:
-        ids = list(prompt) if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt) else []
+        ids = [int(t) for t in prompt] if isinstance(prompt, (list, tuple)) and all(map(_is_token_id, prompt)) else []
         return RequestOutput(None, ids, [], "", "error", message, RequestMetrics())
+
+
+_BAD_PROMPT = "a prompt is a string, chat messages (a list of {'role', 'content'} dicts) or token ids (a list of ints)"
+
+
+def _is_token_id(t) -> bool:
+    return hasattr(t, "__index__") and not isinstance(t, bool)
+
+
+def _is_batch(prompts) -> bool:
+    """Whether `generate` got a list of prompts rather than one prompt: a list whose items are
+    each a prompt (a string or a list), not chat messages, token ids or other scalars (those make
+    one prompt, checked by `encode`)."""
+    if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
+        return False
+    return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, bytes)) for p in prompts)
 
 
 def _load_tokenizer(directory: Path):

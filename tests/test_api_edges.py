@@ -1,0 +1,75 @@
+"""`LLM`'s answers to bad input: an error output (finish_reason "error", the message in `.error`)
+for a bad prompt, from `generate` and `stream` alike; a clear exception for a call that cannot
+mean anything (no prompts, an invalid K), raised before anything loads.
+
+A tiny random target without a tokenizer and without warm-up: nothing here compiles a step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_cli import write_tiny_target
+
+from eagle3_jax.api import LLM
+from eagle3_jax.config import ConfigError, EngineConfig
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    target = write_tiny_target(tmp_path_factory.mktemp("tiny_target"))
+    cfg = EngineConfig(batch_buckets=(2,), prefill_buckets=(32,), prefill_batch_buckets=(1,),
+                       max_model_len=MAX_MODEL_LEN, num_pages=32)
+    return LLM(target=target, draft=None, num_speculative_tokens=0, engine_config=cfg, warmup=False, progress=False)
+
+
+def test_stream_of_an_empty_prompt_yields_an_error_output(llm):
+    deltas = list(llm.stream(""))
+    assert len(deltas) == 1
+    delta = deltas[0]
+    assert delta.finished and delta.token_ids == [] and delta.text == ""
+    assert delta.output.finish_reason == "error" and delta.output.error == "prompt is empty"
+    # The same request through generate: the same output.
+    (out,) = llm.generate([""])
+    assert (out.finish_reason, out.error) == ("error", "prompt is empty")
+
+
+def test_a_list_of_floats_is_one_bad_prompt(llm):
+    outs = llm.generate([0.5, 1.5])
+    assert len(outs) == 1  # not read as two prompts
+    assert outs[0].finish_reason == "error"
+    assert outs[0].error.startswith("a prompt is a string, chat messages")
+    assert "float" in outs[0].error
+    (delta,) = llm.stream([0.5, 1.5])
+    assert delta.output.error == outs[0].error
+
+
+def test_bad_prompt_shapes_are_reported_not_raised(llm):
+    outs = llm.generate([[{"role": "user"}], [1, "two"], ""])
+    assert [o.finish_reason for o in outs] == ["error"] * 3
+    assert outs[0].error == "chat message 0 needs a 'role' and a 'content', both strings"
+    assert outs[1].error.startswith("a prompt is a string") and "str" in outs[1].error
+    assert outs[2].error == "prompt is empty"
+    (one,) = llm.generate(None)
+    assert one.finish_reason == "error" and "NoneType" in one.error
+
+
+def test_no_prompts_raises(llm):
+    with pytest.raises(ValueError, match="no prompts"):
+        llm.generate([])
+
+
+def test_overlong_prompt_names_max_model_len(llm):
+    (out,) = llm.generate([list(range(3, 3 + MAX_MODEL_LEN))])
+    assert out.finish_reason == "error"
+    assert out.error.startswith(f"prompt has {MAX_MODEL_LEN} tokens; the context holds {MAX_MODEL_LEN}")
+    assert "EngineConfig.max_model_len" in out.error
+    assert out.prompt_token_ids == list(range(3, 3 + MAX_MODEL_LEN))
+
+
+@pytest.mark.parametrize("k", [-1, 17])
+def test_invalid_num_speculative_tokens_fails_before_loading(tmp_path, k):
+    # The target does not exist: reaching the loader would raise FileNotFoundError instead.
+    with pytest.raises(ConfigError, match=f"num_speculative_tokens must be in 0..16, got {k}"):
+        LLM(target=tmp_path / "nowhere", num_speculative_tokens=k)
