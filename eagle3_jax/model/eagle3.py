@@ -20,6 +20,7 @@ from flax import struct
 
 from eagle3_jax.config import DraftConfig
 from eagle3_jax.model.layers import (
+    TreeAttention,
     attention_block,
     project,
     qkv_shape,
@@ -95,18 +96,18 @@ def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array
                   h: jax.Array, positions: jax.Array, cache: KVCache,
                   block_table: jax.Array, attention: str = "xla",
                   pin_kv: Callable[[KVCache], KVCache] | None = None,
-                  gemv: str = "xla") -> tuple[jax.Array, KVCache]:
+                  gemv: str = "xla", tree: TreeAttention | None = None) -> tuple[jax.Array, KVCache]:
     """One draft step over T tokens per row.
 
     tokens, positions [B, T]; h [B, T, H]: `fuse_captures` of the target's captures on the first
-    step, the draft's own previous pre-norm output on chain steps; block_table [B, nb]; pin_kv and
-    gemv as `llama.forward`'s. -> (pre-norm hidden [B, T, H], cache).
+    step, the draft's own previous pre-norm output on chain steps; block_table [B, nb]; pin_kv,
+    gemv and tree as `llama.forward`'s. -> (pre-norm hidden [B, T, H], cache).
     """
     def paged(x):
         out, k_pages, v_pages = attention_block(
             x, params.wqkv, params.wo, positions, cache.k, cache.v, 0, block_table,
             inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), attention=attention,
-            gemv=gemv)
+            gemv=gemv, tree=tree)
         cache_out = KVCache(k=k_pages, v=v_pages)
         return out, cache_out if pin_kv is None else pin_kv(cache_out)
 

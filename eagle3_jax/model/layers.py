@@ -22,6 +22,7 @@ writes from padded rows and padded tokens land there and are never read by a rea
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,17 @@ from eagle3_jax.config import Llama3RopeScaling
 from eagle3_jax.model import mosaic_gemv, pallas_attention, pallas_norm
 
 SCRATCH_PAGE = 0
+
+
+class TreeAttention(NamedTuple):
+    """Where a call's T tokens sit in a token tree (a draft level, or the target's verify of a
+    tree): token t of row b is stored at its `positions` entry, rotated at rope_positions[b, t],
+    and sees every cached position before window_start[b] and, of the W positions window_start[b]
+    .. window_start[b] + W - 1, those window_mask[b, t] marks (its ancestors and itself)."""
+
+    rope_positions: jax.Array  # [B, T]
+    window_start: jax.Array  # [B]
+    window_mask: jax.Array  # [B, T, W] bool
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
@@ -103,14 +115,20 @@ def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, gemv: str = "x
     return project(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down, gemv)
 
 
-def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
-    """Scatter new [B, T, kvh, hd] at positions [B, T] into layer `layer` of pages
-    [L, P, page, kvh, hd] (in place when the caller donates them)."""
-    page_size, num_blocks = pages.shape[2], block_table.shape[1]
+def _page_of(positions: jax.Array, block_table: jax.Array, page_size: int) -> jax.Array:
+    """positions [B, T] -> the page [B, T] each lives on; past the table's end: scratch."""
+    num_blocks = block_table.shape[1]
     block = positions // page_size
     page = jnp.take_along_axis(block_table, jnp.clip(block, 0, num_blocks - 1), axis=1)  # [B, T]
     # Padded tokens can sit past the table's end: send them to scratch, never onto a real page.
-    page = jnp.where(block < num_blocks, page, SCRATCH_PAGE)
+    return jnp.where(block < num_blocks, page, SCRATCH_PAGE)
+
+
+def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
+    """Scatter new [B, T, kvh, hd] at positions [B, T] into layer `layer` of pages
+    [L, P, page, kvh, hd] (in place when the caller donates them)."""
+    page_size = pages.shape[2]
+    page = _page_of(positions, block_table, page_size)
     # unique_indices: a real page's positions are written once per call (a row's positions are
     # distinct, and no two rows share a page); only scratch is written many times over (padded
     # tokens, padding rows), and what lands there is never read. Without the promise XLA writes
@@ -120,6 +138,15 @@ def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array,
     return pages.at[layer, page, positions % page_size].set(new.astype(pages.dtype), unique_indices=True)
 
 
+def move_kv(pages: jax.Array, src: jax.Array, dst: jax.Array, block_table: jax.Array) -> jax.Array:
+    """Every layer's entries at positions src [B, M] copied to positions dst [B, M] of the same
+    row, all read before any is written: pages [L, P, page, kvh, hd] -> pages. A tree's accepted
+    path moves this way to the contiguous positions it belongs at."""
+    page_size = pages.shape[2]
+    moved = pages[:, _page_of(src, block_table, page_size), src % page_size]  # [L, B, M, kvh, hd]
+    return pages.at[:, _page_of(dst, block_table, page_size), dst % page_size].set(moved)
+
+
 def gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
     """pages [P, page, kvh, hd], block_table [B, nb] -> [B, nb * page, kvh, hd] in logical order."""
     b, nb = block_table.shape
@@ -127,13 +154,24 @@ def gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
     return ctx.reshape(b, nb * pages.shape[1], *pages.shape[2:])
 
 
+def window_visible(window_start: jax.Array, window_mask: jax.Array, num_keys: int) -> jax.Array:
+    """window_start [B], window_mask [B, T, W] -> visible [B, T, S] over key positions 0..S-1:
+    those before the window, and those in it that the query's mask row marks."""
+    b, t, w = window_mask.shape
+    rel = jnp.arange(num_keys)[None, :] - window_start[:, None]  # [B, S]: offset in the window
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], (b, t, num_keys))
+    marked = jnp.take_along_axis(window_mask, idx, axis=2)  # [B, T, S]
+    return (rel < 0)[:, None, :] | (marked & (rel < w)[:, None, :])
+
+
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
-                    block_table: jax.Array) -> jax.Array:
+                    block_table: jax.Array, tree: TreeAttention | None = None) -> jax.Array:
     """Causal GQA of new queries over everything cached for their row.
 
     q [B, T, H, hd] (already rotated), positions [B, T] (each query's position), k/v_pages
     [P, page, kvh, hd] (already holding this step's keys), block_table [B, nb] -> [B, T, H, hd].
-    A query at position p sees cached positions 0..p of its row, which this or earlier steps wrote.
+    A query at position p sees cached positions 0..p of its row, which this or earlier steps wrote;
+    with a `tree`, what its window mask lets it see instead (`window_visible`).
     """
     b, t, h, hd = q.shape
     k = gather_kv(k_pages, block_table)  # [B, S, kvh, hd]
@@ -142,8 +180,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     qg = q.reshape(b, t, kvh, h // kvh, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(hd))
-    key_pos = jnp.arange(k.shape[1])
-    visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    if tree is None:
+        key_pos = jnp.arange(k.shape[1])
+        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    else:
+        visible = window_visible(tree.window_start, tree.window_mask, k.shape[1])
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
@@ -175,7 +216,8 @@ def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
 
 def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax.Array,
                     k_pages: jax.Array, v_pages: jax.Array, layer: int, block_table: jax.Array, *,
-                    inv_freq, attention: str = "xla", gemv: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+                    inv_freq, attention: str = "xla", gemv: str = "xla",
+                    tree: TreeAttention | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention over layer `layer` of the paged cache, from the already-normed input. h
     [B, T, D_in]; wqkv [D_in, G, R + 2, hd]; wo [G*R*hd, D]; k/v_pages [L, P, page, G, hd] ->
     (attn out [B, T, D], k, v pages with this step's keys and values written).
@@ -183,18 +225,21 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
     Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs). Head
     counts come from wqkv's shape. attention "pallas" runs the Pallas kernel where the step fits
     it (few new tokens per row), else the XLA form, which "xla" always runs. gemv: `project`'s.
+    tree: the tokens' RoPE positions and window mask when they form a token tree (XLA form only);
+    `positions` then only say where their keys and values are stored.
     """
     b, t, _ = h.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
-    if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2]):
+    if tree is None and attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2]):
         # Two kernels after the projection: RoPE + KV write + q tiles, then attention.
         qkv = fused_qkv(h, wqkv, gemv)  # [B, T, G, R + 2, hd]
         q_tiles, k_pages, v_pages = pallas_attention.rope_and_write(
             qkv, positions, block_table, inv_freq, k_pages, v_pages, layer, SCRATCH_PAGE)
         out = pallas_attention.attend_tiles(q_tiles, k_pages, v_pages, layer, positions, block_table, r)
     else:
-        q, k, v = project_qkv(h, wqkv, positions, inv_freq=inv_freq, gemv=gemv)
+        rope_positions = positions if tree is None else tree.rope_positions
+        q, k, v = project_qkv(h, wqkv, rope_positions, inv_freq=inv_freq, gemv=gemv)
         k_pages = write_kv(k_pages, layer, k, positions, block_table)
         v_pages = write_kv(v_pages, layer, v, positions, block_table)
-        out = paged_attention(q, k_pages[layer], v_pages[layer], positions, block_table)  # [B, T, H, hd]
+        out = paged_attention(q, k_pages[layer], v_pages[layer], positions, block_table, tree)  # [B, T, H, hd]
     return project(out.reshape(b, t, -1), wo, gemv), k_pages, v_pages

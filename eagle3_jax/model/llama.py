@@ -16,6 +16,7 @@ from flax import struct
 
 from eagle3_jax.config import ModelConfig
 from eagle3_jax.model.layers import (
+    TreeAttention,
     add_rms_norm,
     attention_block,
     project,
@@ -111,13 +112,15 @@ def fold_norm_gains(params: LlamaParams) -> LlamaParams:
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, block_table: jax.Array, attention: str = "xla",
             pin_kv: Callable[[KVCache], KVCache] | None = None,
-            gemv: str = "xla") -> tuple[jax.Array, jax.Array, KVCache]:
+            gemv: str = "xla", tree: TreeAttention | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] ->
     (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache).
     attention: "xla" or "pallas" (layers.attention_block; "pallas" also runs each residual add
     and the norm after it as one kernel, layers.add_rms_norm); pin_kv: applied to the cache after
     each layer's write (tensor parallelism: `sharding.cache_pin`); gemv: "xla" or "mosaic", the
-    weight projections' kernel where the step has few rows (layers.project)."""
+    weight projections' kernel where the step has few rows (layers.project); tree: the tokens'
+    RoPE positions and attention window when they form a token tree (layers.TreeAttention;
+    `positions` are then where their keys and values are stored)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     eps, kernel = cfg.rms_norm_eps, attention == "pallas"  # the Pallas kernels go together
     x = params.embed[tokens]  # [B, T, D]
@@ -129,7 +132,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             captured[i] = x
         attn, k_pages, v_pages = attention_block(
             h, layer.wqkv, layer.wo, positions, cache.k, cache.v, i, block_table, inv_freq=inv_freq,
-            attention=attention, gemv=gemv)
+            attention=attention, gemv=gemv, tree=tree)
         cache = KVCache(k=k_pages, v=v_pages) if pin_kv is None else pin_kv(KVCache(k=k_pages, v=v_pages))
         x, h = add_rms_norm(x, attn, layer.mlp_norm, eps, kernel)
         delta = swiglu(h, layer.w_gate_up, layer.w_down, gemv)
