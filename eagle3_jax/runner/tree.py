@@ -1,0 +1,349 @@
+r"""EAGLE-2's dynamic draft tree as pure functions over arrays (device side, jittable).
+
+An iteration can draft a tree instead of a chain: the target verifies every node in one forward
+under an ancestor mask, and the row keeps the longest accepted path from the root. Everything is
+batched over rows [B], with shapes fixed by a static `TreeSpec(steps, top_k, tokens)`; nothing
+branches on data.
+
+Building (k = top_k), as the EAGLE reference's `topK_genrate` builds it
+------------------------------------------------------------------------
+  level 1      the draft at the verified position: its k most likely tokens (log-softmax over
+               the draft vocabulary) are the root's children, each scored by its log-prob.
+  level l > 1  the draft runs on level l-1's k beams (`draft_attention`: each sees the context
+               and its own ancestors); each beam's k most likely children score the beam's score
+               plus their log-prob. All k^2 are candidates; the k best are level l's beams.
+  select       the `tokens` best candidates, in candidate order. A child never scores above its
+               parent (log-probs are <= 0) and lax.top_k breaks ties towards the lower index,
+               which the parent has: the set is closed under ancestors, parents before children.
+Candidate slots (N = k + (steps-1) k^2): level 1 at [0, k), level l at [k + (l-2) k^2,
+k + (l-1) k^2), beam-major (slot = offset + beam * k + rank), as the reference flattens them.
+
+The tree (T = tokens, the verify layout): index 0 is the root, the row's last token, stored at
+position `length`; node i in 1..T is stored at length + i and rotated at length + depth[i]
+(`verify_attention`). The target's logits at index i are its distribution after node i.
+
+Acceptance
+----------
+Greedy: the longest root-to-node path on which every node is the target's argmax after its
+parent; the row emits the path's tokens and the target's argmax after the path's last node.
+
+Sampling (lossless), the multi-draft rule of SpecInfer and of the reference's
+`evaluate_posterior`: at a node with target distribution p, try its children in order; child c,
+drawn from q_c, is accepted with probability min(1, p(c) / q_c(c)); on rejection
+p <- norm((p - q_c)^+) and the next child is tried; if all are rejected the token is drawn from
+the last p. Each step is the chain's one-step argument (sampling.py), so the emitted tokens have
+the target's distribution, provided q_c is the distribution c was really drawn from, given its
+earlier siblings. The tree above picks children deterministically (top-k), so q_c is the point
+mass on c, the reference's rule (it sets q = 1): accept with probability p(c), else zero p(c) and
+renormalise. Accepting on the draft's own distribution instead is biased on such a tree
+(tests/test_tree.py measures it). Siblings drawn without replacement from a draft distribution q
+have q_c = q with the earlier siblings zeroed, renormalised (`sample_accept`'s node_q).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from eagle3_jax.model.layers import TreeAttention
+from eagle3_jax.runner import sampling
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """A tree's static shape. A chain of K proposals is TreeSpec(K, 1, K) (`chain`)."""
+
+    steps: int  # draft forwards per tree, and its depth
+    top_k: int  # children per expanded node, and beams per level
+    tokens: int  # nodes the target verifies besides the root
+
+    def __post_init__(self):
+        for name in ("steps", "top_k", "tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.tokens > self.candidates:
+            raise ValueError(f"tokens must be at most the {self.candidates} candidates of steps={self.steps}, "
+                             f"top_k={self.top_k}, got {self.tokens}")
+
+    @classmethod
+    def chain(cls, k: int) -> TreeSpec:
+        return cls(k, 1, k)
+
+    @property
+    def candidates(self) -> int:
+        """N: level 1's k, then k^2 at each of the steps - 1 further levels."""
+        return self.top_k + (self.steps - 1) * self.top_k ** 2
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per row in the target's verify: the root and the nodes."""
+        return self.tokens + 1
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest level's depth, and the most proposals a row can accept."""
+        return self.steps
+
+    @property
+    def draft_slots(self) -> int:
+        """W: draft KV positions one tree writes after the verified position (k per beam level)."""
+        return (self.steps - 1) * self.top_k
+
+
+# --------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------
+class Candidates(NamedTuple):
+    """The tree being built: N candidate slots, and the current level's k beams."""
+
+    tokens: Array  # [B, N] i32 target ids
+    scores: Array  # [B, N] f32 sum of log-probs from the root; -inf where not yet filled
+    parents: Array  # [B, N] i32 the parent's slot; -1 for the root's children
+    beams: Array  # [B, k] i32 slots of the current level's beams, best first
+    beam_parents: Array  # [B, k] i32 the previous level's beam each descends from (0 at level 1)
+    beam_masks: Array  # [B, k, W] bool each beam's ancestors and itself among the draft slots
+
+
+def _target_ids(ids: Array, d2t: Array | None) -> Array:
+    return ids if d2t is None else ids + d2t[ids]
+
+
+def first_level(spec: TreeSpec, logp: Array, d2t: Array | None = None) -> Candidates:
+    """The root's children from the draft's log-probs at the verified position.
+
+    logp [B, Vd] (log-softmax over the draft vocabulary); d2t [Vd] i32 offsets to target ids
+    (None: the same vocabulary) -> Candidates; the beams are the k children, best first."""
+    b, k, n = logp.shape[0], spec.top_k, spec.candidates
+    lp, ids = lax.top_k(logp, k)  # [B, k]
+    beams = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
+    return Candidates(
+        tokens=jnp.zeros((b, n), jnp.int32).at[:, :k].set(_target_ids(ids, d2t)),
+        scores=jnp.full((b, n), -jnp.inf, jnp.float32).at[:, :k].set(lp),
+        parents=jnp.full((b, n), -1, jnp.int32),
+        beams=beams, beam_parents=jnp.zeros((b, k), jnp.int32),
+        beam_masks=jnp.broadcast_to(jnp.eye(k, spec.draft_slots, dtype=bool), (b, k, spec.draft_slots)))
+
+
+def next_level(spec: TreeSpec, cand: Candidates, level: int, logp: Array,
+               d2t: Array | None = None) -> Candidates:
+    """Level `level` (static, 2..steps) from the draft's log-probs at level level-1's beams.
+
+    logp [B, k, Vd]: row j is the draft's log-softmax after beam j (`draft_attention`) ->
+    Candidates with level's k^2 candidates filled and its k best as the beams."""
+    b, k = logp.shape[0], spec.top_k
+    lp, ids = lax.top_k(logp, k)  # [B, k, k]: beam, rank
+    beam_scores = jnp.take_along_axis(cand.scores, cand.beams, axis=1)  # [B, k]
+    scores = (beam_scores[:, :, None] + lp).reshape(b, k * k)  # beam-major, as the slots
+    level_slots = slice(k + (level - 2) * k * k, k + (level - 1) * k * k)
+    _, best = lax.top_k(scores, k)  # [B, k] of the k^2
+    from_beam = best // k
+    # A new beam sees what its parent beam saw, and its own draft slot (none at the last level).
+    own = jnp.eye(k, spec.draft_slots, (level - 1) * k, dtype=bool)  # [k, W]
+    masks = jnp.take_along_axis(cand.beam_masks, from_beam[:, :, None], axis=1) | own
+    return Candidates(
+        tokens=cand.tokens.at[:, level_slots].set(_target_ids(ids, d2t).reshape(b, k * k)),
+        scores=cand.scores.at[:, level_slots].set(scores),
+        parents=cand.parents.at[:, level_slots].set(jnp.repeat(cand.beams, k, axis=1)),
+        beams=level_slots.start + best, beam_parents=from_beam, beam_masks=masks)
+
+
+def draft_attention(spec: TreeSpec, cand: Candidates, level: int,
+                    position: Array) -> tuple[Array, Array, TreeAttention]:
+    """The draft forward on the beams of depth `level` (static, 1..steps-1).
+
+    position [B]: where the draft ran at the root (the verified position t) -> (tokens [B, k],
+    positions [B, k] where their KV is stored, the forward's TreeAttention). Beam j of level l is
+    stored at t + 1 + (l-1) k + j, rotated at t + l (the chain's position for depth l), and sees
+    the context (positions <= t) and its ancestors' slots. Its hidden input is the draft's output
+    at beam cand.beam_parents[:, j] of the level before (at level 1, the root's)."""
+    k = spec.top_k
+    start = position + 1
+    stored = start[:, None] + (level - 1) * k + jnp.arange(k)
+    rope = jnp.broadcast_to((position + level)[:, None], stored.shape)
+    tokens = jnp.take_along_axis(cand.tokens, cand.beams, axis=1)
+    return tokens, stored, TreeAttention(rope, start, cand.beam_masks)
+
+
+# --------------------------------------------------------------------------
+# The tree
+# --------------------------------------------------------------------------
+class Tree(NamedTuple):
+    """A tree in the verify layout: index 0 is the root, nodes 1..T follow their parents."""
+
+    tokens: Array  # [B, T+1] i32; [:, 0] the root's (the row's last token)
+    parent: Array  # [B, T+1] i32 index of the parent; -1 for the root
+    depth: Array  # [B, T+1] i32; 0 for the root
+    mask: Array  # [B, T+1, T+1] bool: mask[b, i, j] iff j is i or one of its ancestors
+
+
+def tree_from_parents(tokens: Array, parent: Array, max_depth: int) -> Tree:
+    """tokens, parent [B, T+1] (parent[:, 0] = -1, else parent[:, i] < i) -> Tree."""
+    index = jnp.arange(parent.shape[1])
+    up = jnp.broadcast_to(index, parent.shape)
+    mask = up[:, :, None] == index
+    step = jnp.maximum(parent, 0)  # the root stays at the root
+    for _ in range(max_depth):
+        up = jnp.take_along_axis(step, up, axis=1)
+        mask = mask | (up[:, :, None] == index)
+    depth = jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1
+    return Tree(tokens=tokens, parent=parent, depth=depth, mask=mask)
+
+
+def select(spec: TreeSpec, cand: Candidates, root_token: Array) -> Tree:
+    """The `tokens` best candidates, in candidate order, under the root token [B] -> Tree."""
+    b, t = root_token.shape[0], spec.tokens
+    _, top = lax.top_k(cand.scores, t)
+    chosen = jnp.sort(top, axis=1)  # [B, T] candidate slots, parents first
+    rows = jnp.arange(b)[:, None]
+    index_of = jnp.zeros(cand.scores.shape, jnp.int32).at[rows, chosen].set(jnp.arange(1, t + 1))  # slot -> index
+    parent_slot = jnp.take_along_axis(cand.parents, chosen, axis=1)
+    parent = jnp.where(parent_slot < 0, 0, jnp.take_along_axis(index_of, jnp.maximum(parent_slot, 0), axis=1))
+    tokens = jnp.concatenate([root_token[:, None], jnp.take_along_axis(cand.tokens, chosen, axis=1)], axis=1)
+    parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1)
+    return tree_from_parents(tokens, parent, spec.max_depth)
+
+
+def verify_attention(tree: Tree, length: Array) -> tuple[Array, TreeAttention]:
+    """The target's forward over the tree: length [B] (the root's position) -> (positions
+    [B, T+1] where the tokens' KV is stored, TreeAttention: rotated at length + depth, each
+    seeing the context, the root and its ancestors)."""
+    stored = length[:, None] + jnp.arange(tree.tokens.shape[1])
+    return stored, TreeAttention(length[:, None] + tree.depth, length, tree.mask)
+
+
+# --------------------------------------------------------------------------
+# Acceptance
+# --------------------------------------------------------------------------
+def _earlier_siblings(tree: Tree) -> Array:
+    """[B, T+1, T+1] bool: j < i share a parent (the root has no siblings)."""
+    index = jnp.arange(tree.parent.shape[1])
+    same = (tree.parent[:, :, None] == tree.parent[:, None, :]) & (tree.parent[:, :, None] >= 0)
+    return same & (index[None, None, :] < index[None, :, None])
+
+
+def _walk(spec: TreeSpec, tree: Tree, accept: Array) -> tuple[Array, Array]:
+    """accept [B, T+1]: node i's verdict were it tried (entry 0 ignored) -> (num_accepted [B],
+    path [B, steps+1]: the accepted nodes by depth, path[:, 0] = 0, -1 past num_accepted).
+    A node is taken when accepted and no earlier sibling was; the path is the taken nodes whose
+    ancestors were all taken."""
+    first = accept & ~jnp.any(_earlier_siblings(tree) & accept[:, None, :], axis=-1)
+    taken = first.at[:, 0].set(True)
+    on_path = jnp.all(taken[:, None, :] | ~tree.mask, axis=-1)  # [B, T+1]
+    at_depth = on_path[:, None, :] & (tree.depth[:, None, :] == jnp.arange(spec.max_depth + 1)[:, None])
+    path = jnp.where(jnp.any(at_depth, axis=-1), jnp.argmax(at_depth, axis=-1), -1).astype(jnp.int32)
+    return jnp.sum(on_path, axis=-1, dtype=jnp.int32) - 1, path
+
+
+def _emitted(tree: Tree, path: Array, n: Array, last: Array) -> Array:
+    """The path's tokens after the root, then `last` [B] -> emitted [B, steps+1], PAD-padded."""
+    drafts = jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:], 0), axis=1)
+    return sampling._assemble(drafts, n, last)
+
+
+def greedy_accept(spec: TreeSpec, tree: Tree, target_ids: Array) -> tuple[Array, Array, Array]:
+    """target_ids [B, T+1]: the target's argmax after each node -> (num_accepted [B] in
+    0..steps, path [B, steps+1] (`_walk`), emitted [B, steps+1]: row b emits
+    emitted[b, :num_accepted[b] + 1])."""
+    rows = jnp.arange(target_ids.shape[0])
+    wanted = jnp.take_along_axis(target_ids, jnp.maximum(tree.parent, 0), axis=1)
+    n, path = _walk(spec, tree, tree.tokens == wanted)
+    return n, path, _emitted(tree, path, n, target_ids[rows, path[rows, n]])
+
+
+def _one_hot_verdicts(tree: Tree, p: Array, u: Array) -> Array:
+    """Point-mass q: after rejecting earlier siblings of mass m, p's residual is p / (1 - m) off
+    them, so child c is accepted iff u (1 - m) < p(c). p [B, T+1, V], u [B, T+1] -> [B, T+1]."""
+    rows = jnp.arange(p.shape[0])[:, None]
+    p_c = p[rows, jnp.maximum(tree.parent, 0), tree.tokens]  # [B, T+1] p(c) after c's parent
+    m = jnp.einsum("bij,bj->bi", _earlier_siblings(tree).astype(p.dtype), p_c)
+    return u * jnp.maximum(1.0 - m, 0.0) < p_c
+
+
+def _one_hot_residual(tree: Tree, stop: Array, p_stop: Array) -> Array:
+    """Where the walk stopped (stop [B], p there [B, V]) every child was rejected: p with their
+    tokens zeroed (p itself if that leaves less than RESIDUAL_EPS) -> [B, V], unnormalised."""
+    b, v = p_stop.shape
+    children = (tree.parent == stop[:, None]).astype(p_stop.dtype)  # [B, T+1]
+    zeroed = jnp.zeros((b, v), p_stop.dtype).at[jnp.arange(b)[:, None], tree.tokens].max(children)
+    resid = jnp.where(zeroed > 0, 0.0, p_stop)
+    return jnp.where(jnp.sum(resid, -1, keepdims=True) >= sampling.RESIDUAL_EPS, resid, p_stop)
+
+
+def _draft_q_verdicts(spec: TreeSpec, tree: Tree, p: Array, q: Array, u: Array) -> tuple[Array, Array]:
+    """Sibling by sibling, for all nodes at once: p, q [B, T+1, V] (q[:, i] node i's draft
+    distribution), u [B, T+1] -> (verdicts [B, T+1], residual [B, T+1, V] after each node's
+    children, unnormalised). Up to top_k children a node."""
+    b, t1, _ = p.shape
+    rows, index = jnp.arange(b)[:, None], jnp.arange(t1)
+    parent = jnp.maximum(tree.parent, 0)
+    rank = jnp.sum(_earlier_siblings(tree), axis=-1)  # [B, T+1] place among its siblings
+    q_c = q[rows, index, tree.tokens]  # [B, T+1] q_c(c)
+    resid, mass = p, jnp.ones((b, t1), p.dtype)  # residual after each node and its mass (1: p itself)
+    verdicts = jnp.zeros((b, t1), bool)
+    for r in range(spec.top_k):
+        # u < resid(c) / (mass q_c(c)): the chain's test u q < p when mass is 1.
+        ok = u * q_c * mass[rows, parent] < resid[rows, parent, tree.tokens]
+        child = (rank == r) & (tree.parent >= 0)
+        verdicts = jnp.where(child, ok, verdicts)
+        # Each node's rank-r child (if any) leaves (resid - mass q_child)^+.
+        is_rth = child[:, None, :] & (parent[:, None, :] == index[:, None])  # [B, node, child]
+        has = jnp.any(is_rth, axis=-1)
+        q_r = jnp.take_along_axis(q, jnp.argmax(is_rth, axis=-1)[:, :, None], axis=1)  # [B, T+1, V]
+        new = jnp.maximum(resid - mass[:, :, None] * q_r, 0.0)
+        new_mass = jnp.sum(new, axis=-1)
+        keep = has & (new_mass >= sampling.RESIDUAL_EPS * mass)
+        resid = jnp.where(keep[:, :, None], new, resid)
+        mass = jnp.where(keep, new_mass, mass)
+    return verdicts, resid
+
+
+def sample_accept(spec: TreeSpec, tree: Tree, target_logits: Array, params: sampling.RowSampling,
+                  keys: Array, node_q: Array | None = None) -> tuple[Array, Array, Array]:
+    """Lossless tree speculative sampling (module docstring), vectorised over the nodes.
+
+    target_logits [B, T+1, V] raw (filtered here, as sampling.verify_chain does); params [B];
+    keys [B, 2] u32, this step's (node i's uniform is the one verify_chain gives proposal i-1,
+    so a chain gives verify_chain's verdicts bit for bit); node_q [B, T+1, V] or None: node i's
+    q_c at node_q[:, i] (entry 0 ignored; rows with params.one_hot use the point mass). None:
+    every row uses the point mass, the rule for the deterministic tree `select` builds.
+    -> (num_accepted [B], path [B, steps+1], emitted [B, steps+1]) as `greedy_accept`'s; greedy
+    rows take `greedy_accept`'s verdict exactly."""
+    target_logits = jnp.asarray(target_logits, jnp.float32)
+    b, t1, v = target_logits.shape
+    col = lambda a: jnp.asarray(a)[:, None]
+    p = sampling.filtered_probs(target_logits, col(params.temperature), col(params.top_k), col(params.top_p),
+                                col(params.min_p))  # [B, T+1, V]
+    u_acc, u_sample = sampling._row_uniforms(keys, t1 - 1)
+    u = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), u_acc], axis=1)  # [B, T+1]: node i's at i
+    rows = jnp.arange(b)
+    if node_q is None:
+        n, path = _walk(spec, tree, _one_hot_verdicts(tree, p, u))
+        stop = path[rows, n]
+        resid = _one_hot_residual(tree, stop, p[rows, stop])
+    else:
+        point = jax.nn.one_hot(tree.tokens, v, dtype=jnp.float32)
+        q = jnp.where(jnp.asarray(params.one_hot)[:, None, None], point, jnp.asarray(node_q, jnp.float32))
+        verdicts, resid_after = _draft_q_verdicts(spec, tree, p, q, u)
+        n, path = _walk(spec, tree, verdicts)
+        resid = resid_after[rows, path[rows, n]]
+    emitted = _emitted(tree, path, n, sampling.sample_from_uniform(resid, u_sample))
+    g_n, g_path, g_emitted = greedy_accept(spec, tree, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))
+    greedy = params.greedy
+    return (jnp.where(greedy, g_n, n), jnp.where(col(greedy), g_path, path),
+            jnp.where(col(greedy), g_emitted, emitted))
+
+
+def accepted_kv_moves(path: Array, length: Array) -> tuple[Array, Array]:
+    """Where the accepted path's KV goes: path [B, steps+1] (`_walk`), length [B] (the root's
+    position) -> (src, dst [B, steps+1] positions, for layers.move_kv): the node at depth d,
+    verified at length + path[d], belongs at length + d. Past the path, src = dst (no move)."""
+    depth = jnp.arange(path.shape[1])
+    dst = length[:, None] + depth
+    return length[:, None] + jnp.where(path >= 0, path, depth), dst
