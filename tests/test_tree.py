@@ -21,8 +21,8 @@ import pytest
 from scipy import stats
 from scipy.special import log_softmax
 
-from eagle3_jax.config import ModelConfig
-from eagle3_jax.model import layers, llama
+from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.model import eagle3, layers, llama
 from eagle3_jax.runner import sampling as S
 from eagle3_jax.runner import tree as T
 
@@ -513,6 +513,7 @@ TINY = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 64, "hidden_siz
                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                             "rms_norm_eps": 1e-5, "max_position_embeddings": 128, "tie_word_embeddings": False})
 forward = jax.jit(llama.forward, static_argnames="cfg")
+draft = jax.jit(eagle3.draft_forward, static_argnames="cfg")
 
 
 def test_tree_verify_equals_each_path_run_alone_and_the_moved_kv_serves_the_next_step():
@@ -559,3 +560,45 @@ def test_tree_verify_equals_each_path_run_alone_and_the_moved_kv_serves_the_next
     want, _ = causal(list(tokens[root_path(parent, deepest)]) + [nxt], context, cache)
     got, _ = causal([nxt], context + n + 1, moved)
     np.testing.assert_allclose(got[0], want[n + 1], rtol=2e-5, atol=2e-5)
+
+
+def test_draft_levels_equal_each_beam_drafted_alone():
+    """The draft's tree levels (draft_attention, hidden input from beam_parents) give every beam
+    the hidden state a chain drafted along the beam's root path gets, one token a step."""
+    spec = T.TreeSpec(3, 2, 4)
+    dcfg = DraftConfig.like_target(TINY, draft_vocab_size=48)
+    rng = np.random.default_rng(6)
+    shapes = jax.eval_shape(lambda: eagle3.init_draft_params(dcfg, jax.random.PRNGKey(0), jnp.float32))
+    dparams = jax.tree.map(lambda s: np.zeros(s.shape, np.int32) if s.dtype == jnp.int32 else (
+        np.ones(s.shape, np.float32) if s.ndim == 1 else (0.5 * rng.standard_normal(s.shape)).astype(np.float32)),
+        shapes)
+    embed = (0.5 * rng.standard_normal((TINY.vocab_size, dcfg.hidden_size))).astype(np.float32)
+    page, blocks, t = 4, 4, 5  # the context is positions 0..t, the root's hidden state at t
+    cache = llama.KVCache.zeros(1, blocks + 1, page, dcfg.num_kv_heads, dcfg.head_dim, jnp.float32)
+    table = jnp.arange(1, blocks + 1)[None]
+    for position in range(t + 1):  # one token a call: the chain's program serves the context too
+        token = jnp.asarray(rng.integers(0, TINY.vocab_size, (1, 1)), jnp.int32)
+        h_given = jnp.asarray(rng.standard_normal((1, 1, dcfg.hidden_size)), jnp.float32)
+        root_h, cache = draft(dparams, dcfg, embed, token, h_given, jnp.asarray([[position]]), cache, table)
+    logp = jax.jit(lambda h: jax.nn.log_softmax(eagle3.draft_logits(dparams, dcfg, h), -1))
+
+    cand, h, tree_cache = T.first_level(spec, logp(root_h[:, 0])), root_h, cache
+    beams_h = []  # per level: (beam slots [k], their hidden states [k, H])
+    for level in range(1, spec.steps):
+        beam_tokens, stored, attn = T.draft_attention(spec, cand, level, jnp.asarray([t]))
+        h_in = jnp.take_along_axis(h, cand.beam_parents[:, :, None], axis=1)  # [1, k, H]
+        h, tree_cache = draft(dparams, dcfg, embed, beam_tokens, h_in, stored, tree_cache, table, tree=attn)
+        beams_h.append((np.asarray(cand.beams)[0], np.asarray(h)[0]))
+        cand = T.next_level(spec, cand, level + 1, logp(h))
+
+    parents, cand_tokens = np.asarray(cand.parents)[0], np.asarray(cand.tokens)[0]
+    for slots, hs in beams_h:
+        for slot, got in zip(slots, hs):
+            path = [slot]
+            while parents[path[0]] >= 0:
+                path.insert(0, parents[path[0]])
+            h_step, chain_cache = root_h, cache
+            for depth, s in enumerate(path, start=1):  # the chain: token at depth d drafted at t + d
+                h_step, chain_cache = draft(dparams, dcfg, embed, jnp.asarray([[cand_tokens[s]]]), h_step,
+                                            jnp.asarray([[t + depth]]), chain_cache, table)
+            np.testing.assert_allclose(got, np.asarray(h_step)[0, 0], rtol=2e-5, atol=2e-5)
