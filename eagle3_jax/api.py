@@ -219,12 +219,7 @@ class LLM:
         try:
             if not isinstance(params, SamplingParams):
                 params = SamplingParams(**params)
-            ids = self.encode(prompt)
-            limit = self.engine.cfg.max_model_len
-            if len(ids) >= limit:
-                raise RequestError(f"prompt has {len(ids)} tokens; the context holds {limit} (prompt plus at least "
-                                   "one generated token): shorten the prompt or raise EngineConfig.max_model_len")
-            return self.engine.add_request(ids, params)
+            return self.engine.add_request(self.encode(prompt), params)
         except (RequestError, ValueError, TypeError) as e:
             return self._error_output(prompt, str(e))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -327,13 +326,6 @@ def read_json(path: str | Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
-
-
-def count_params(shapes: Any) -> int:
-    """Number of scalars in a pytree of arrays or ShapeDtypeStructs."""
-    import jax
-
-    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
 
 
 MAX_SPECULATIVE_TOKENS = 16

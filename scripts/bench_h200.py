@@ -69,7 +69,7 @@ def prepare_target(target: Path, gguf_parts: list[str]) -> None:
             raise SystemExit(f"the GGUF parts join to sha256 {digest}, not the pinned {assets.SMOLLM2_GGUF.sha256}")
         start = time.perf_counter()
         convert_gguf(whole, target, progress=False)
-        (target / "PREPARED").write_text(digest + "\n")
+        (target / "PREPARED").write_text(assets.prepared_stamp())
     print(f"converted the GGUF into {target} in {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle3_jax.config import ConfigError, ModelConfig, count_params
+from eagle3_jax.config import ConfigError, ModelConfig
 from eagle3_jax.model import llama
 from eagle3_jax.model.layers import rope_inv_freq
 from eagle3_jax.presets import LLAMA31_8B, LLAMA33_70B
@@ -217,7 +217,7 @@ def test_param_counts_from_eval_shape():
     for config, expected in ((LLAMA31_8B, 8_030_261_248), (LLAMA33_70B, 70_553_706_496)):
         cfg = ModelConfig.from_hf(config)
         shapes = jax.eval_shape(lambda k, c=cfg: llama.init_params(c, k), jax.random.PRNGKey(0))
-        assert count_params(shapes) == expected
+        assert llama.count_params(shapes) == expected
 
 
 def test_llama3_rope_matches_transformers():

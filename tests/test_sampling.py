@@ -373,13 +373,13 @@ def test_negative_control_unfiltered_target(monkeypatch):
 
 def test_negative_control_shared_uniforms(monkeypatch):
     """Bug: one acceptance uniform reused for every chain position."""
-    real = S._row_uniforms
+    real = S.row_uniforms
 
     def shared(keys, num):
         u_acc, u_samp = real(keys, num)
         return jnp.broadcast_to(u_acc[:, :1], u_acc.shape), u_samp
 
-    monkeypatch.setattr(S, "_row_uniforms", shared)
+    monkeypatch.setattr(S, "row_uniforms", shared)
     fn = jax.jit(lambda *a: S.verify_chain(*a))  # fresh trace
     n, emitted, p_ref, _ = _run_chain(STAT_CONFIGS["T1.0"], False, seed=80, fn=fn)
     pvals = _position_pvalues(n, emitted, p_ref)

@@ -28,7 +28,6 @@ from tqdm.auto import tqdm
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, smallest_bucket
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.scheduler import Request, Scheduler
-from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.runner.runner import PADDING_PARAMS, ModelRunner, PrefillInputs
 from eagle3_jax.runner.steps import StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
@@ -91,9 +90,10 @@ class PrefillChunk:
 class Engine:
     """Continuous-batching EAGLE-3 engine over the runner's fixed-shape compiled steps."""
 
-    def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params: DraftParams | None,
-                 cfg: EngineConfig, eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True,
-                 mesh: Mesh | None = None):
+    def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params, cfg: EngineConfig,
+                 eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None):
+        """`params` and `draft_params` are the target's and the drafter's weight pytrees (as
+        `weights/` loads them); the runner places and serves them."""
         self.runner = ModelRunner(target, params, draft, draft_params, cfg, mesh)
         self.cfg = cfg
         self.overlap = overlap  # False: read each step's results before returning (for measuring)

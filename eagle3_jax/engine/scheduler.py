@@ -141,11 +141,12 @@ class Scheduler:
         room = self.cfg.max_model_len - len(prompt)
         if room < 1:
             raise RequestError(f"prompt has {len(prompt)} tokens; the context holds {self.cfg.max_model_len} "
-                               "(prompt plus at least one generated token)")
+                               "(prompt plus at least one generated token): shorten the prompt or raise "
+                               "EngineConfig.max_model_len")
         max_tokens = min(params.max_tokens, room)
         if self.pages_needed(len(prompt), max_tokens) > self.pool.capacity:
             raise RequestError(f"prompt + max_tokens needs {self.pages_needed(len(prompt), max_tokens)} KV "
-                               f"pages; the pool has {self.pool.capacity}")
+                               f"pages; the pool has {self.pool.capacity} (EngineConfig.num_pages)")
         metrics = RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft,
                                  arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, max_tokens=max_tokens,

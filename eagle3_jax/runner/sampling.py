@@ -209,7 +209,7 @@ def fold_in_rows(keys: Array, data) -> Array:
     )
 
 
-def _row_uniforms(keys: Array, num: int) -> tuple[Array, Array]:
+def row_uniforms(keys: Array, num: int) -> tuple[Array, Array]:
     """keys [B, 2] u32 -> (u_accept [B, num] f32, u_sample [B] f32), per row."""
 
     def one(k):
@@ -356,7 +356,7 @@ def _leading_accepts(accept: Array) -> Array:
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
 
-def _assemble(draft_tokens: Array, num_accepted: Array, last_token: Array) -> Array:
+def assemble_emitted(draft_tokens: Array, num_accepted: Array, last_token: Array) -> Array:
     """draft [B, K], n [B], last [B] -> emitted [B, K+1] (drafts, last, PAD)."""
     B, K = draft_tokens.shape
     pos = lax.broadcasted_iota(jnp.int32, (B, K + 1), 1)
@@ -376,7 +376,7 @@ def greedy_verify(target_logits: Array, draft_tokens: Array) -> tuple[Array, Arr
     g = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
     n = _leading_accepts(draft_tokens == g[:, :K])
     last = jnp.take_along_axis(g, n[:, None], axis=1)[:, 0]
-    return n, _assemble(draft_tokens, n, last)
+    return n, assemble_emitted(draft_tokens, n, last)
 
 
 def verify_chain(
@@ -430,7 +430,7 @@ def verify_chain(
         target_logits, col(params.temperature), col(params.top_k), col(params.top_p), col(params.min_p)
     )  # [B, K+1, V]
 
-    u_acc, u_samp = _row_uniforms(keys, K)  # [B, K], [B]
+    u_acc, u_samp = row_uniforms(keys, K)  # [B, K], [B]
 
     # --- acceptance decisions for all K positions at once
     if K > 0:
@@ -467,5 +467,5 @@ def verify_chain(
     # --- greedy rows: exact argmax path
     g_n, g_emitted = greedy_verify(target_logits, draft_tokens)
     n = jnp.where(greedy, g_n, n)
-    emitted = jnp.where(col(greedy), g_emitted, _assemble(draft_tokens, n, tok))
+    emitted = jnp.where(col(greedy), g_emitted, assemble_emitted(draft_tokens, n, tok))
     return n, emitted

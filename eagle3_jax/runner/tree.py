@@ -244,7 +244,7 @@ def _walk(spec: TreeSpec, tree: Tree, accept: Array) -> tuple[Array, Array]:
 def _emitted(tree: Tree, path: Array, n: Array, last: Array) -> Array:
     """The path's tokens after the root, then `last` [B] -> emitted [B, steps+1], PAD-padded."""
     drafts = jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:], 0), axis=1)
-    return sampling._assemble(drafts, n, last)
+    return sampling.assemble_emitted(drafts, n, last)
 
 
 def greedy_accept(spec: TreeSpec, tree: Tree, target_ids: Array) -> tuple[Array, Array, Array]:
@@ -320,7 +320,7 @@ def sample_accept(spec: TreeSpec, tree: Tree, target_logits: Array, params: samp
     col = lambda a: jnp.asarray(a)[:, None]
     p = sampling.filtered_probs(target_logits, col(params.temperature), col(params.top_k), col(params.top_p),
                                 col(params.min_p))  # [B, T+1, V]
-    u_acc, u_sample = sampling._row_uniforms(keys, t1 - 1)
+    u_acc, u_sample = sampling.row_uniforms(keys, t1 - 1)
     u = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), u_acc], axis=1)  # [B, T+1]: node i's at i
     rows = jnp.arange(b)
     if node_q is None:

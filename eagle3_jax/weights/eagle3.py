@@ -142,17 +142,10 @@ def public_shapes(cfg: DraftConfig, own_embedding: bool = False) -> dict[str, tu
     return shapes
 
 
-def _write_readable(tensors: Mapping[str, np.ndarray], path: Path) -> None:
-    """safetensors writes through a private temporary file (mode 0600) renamed into place; a
-    checkpoint is for others to read too (0644)."""
-    write(tensors, path)
-    path.chmod(0o644)
-
-
 def save_drafter(params: DraftParams, cfg: DraftConfig, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_readable(drafter_tensors(params, cfg), directory / "model.safetensors")
+    write(drafter_tensors(params, cfg), directory / "model.safetensors")
     config = cfg.to_hf(has_own_embedding=params.embed is not None)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
@@ -171,7 +164,7 @@ def convert_bin_to_safetensors(directory: str | Path, out: str | Path | None = N
     tensors = read_drafter_tensors(directory)
     out.mkdir(parents=True, exist_ok=True)
     stored = {k: (v.astype(np.float16) if np.issubdtype(v.dtype, np.floating) else v) for k, v in tensors.items()}
-    _write_readable(stored, out / "model.safetensors")
+    write(stored, out / "model.safetensors")
     if out != directory:
         (out / "config.json").write_text((directory / "config.json").read_text())
     return out

@@ -127,8 +127,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         tensors[name] = w
     weights = out_dir / "model.safetensors"
     write(tensors, weights)
-    # safetensors writes a private temporary file (0600) and renames it into place.
-    weights.chmod(0o644)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gguf_tokenizer(reader).save_pretrained(str(out_dir))
     tokenizer_config = out_dir / "tokenizer_config.json"

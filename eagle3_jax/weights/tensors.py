@@ -92,5 +92,8 @@ def take(tensors: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...], w
 
 
 def write(tensors: Mapping[str, np.ndarray], path: str | Path, metadata: dict | None = None) -> None:
+    """Write a safetensors file readable by everyone (0644): safetensors writes a private
+    temporary file (0600) and renames it into place."""
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path),
               metadata=metadata or {"format": "pt"})
+    Path(path).chmod(0o644)

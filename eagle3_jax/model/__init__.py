@@ -1,0 +1,1 @@
+"""The math: pure functions over parameter pytrees, no I/O (layers, the Llama target, the EAGLE-3 draft head, Pallas kernels)."""

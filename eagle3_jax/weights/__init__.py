@@ -1,0 +1,1 @@
+"""Checkpoint I/O: safetensors, public tensor layouts, Hugging Face names, drafter formats, GGUF conversion."""
