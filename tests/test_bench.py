@@ -111,12 +111,14 @@ def _rows(data, phase):
     return [r for r in data["results"] if r["phase"] == phase]
 
 
+@pytest.mark.slow
 def test_files_written(report):
     out, _ = report
     for name in ("bench.md", "bench.json", "bench.png"):
         assert (out / name).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_engine_rows(report):
     out, data = report
     rows = _rows(data, "smollm2")
@@ -151,6 +153,7 @@ def test_engine_rows(report):
     assert all("PjitFunction(" in n and ("engine.py" in n or "runner.py" in n) for n in host_notes)
 
 
+@pytest.mark.slow
 def test_step_rows(report):
     out, data = report
     rows = _rows(data, "8b")
@@ -172,6 +175,7 @@ def test_step_rows(report):
         f"{r['mode']}, batch {r['batch']}" for r in rows}
 
 
+@pytest.mark.slow
 def test_peer_rows(report):
     _, data = report
     rows = _rows(data, "peer")
@@ -255,6 +259,7 @@ def test_floor_counts_weights_and_kv():
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_tp_tokens_identical(tp_report):
     data, markdown = tp_report
     rows = _rows(data, "tp")
@@ -275,6 +280,7 @@ def test_tp_tokens_identical(tp_report):
     assert "greedy tokens identical: yes" in markdown
 
 
+@pytest.mark.slow
 def test_tp_allreduce_measured(tp_report):
     data, _ = tp_report
     rows = _rows(data, "allreduce")
@@ -290,6 +296,7 @@ def test_tp_allreduce_measured(tp_report):
     assert meta["tp"] == 2 and meta["algbw"] > 0 and len(meta["seconds"]) == 1 + len(shapes)
 
 
+@pytest.mark.slow
 def test_tp_step_rows(tp_report):
     data, markdown = tp_report
     rows = _rows(data, "8b")

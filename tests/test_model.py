@@ -40,6 +40,7 @@ def smollm2_params(smollm2_dir):
     return load_llama(smollm2_dir, jnp.float32)
 
 
+@pytest.mark.slow
 def test_logits_parity_with_transformers(smollm2_params, hf_model, chat_ids):
     import torch
 
@@ -108,6 +109,7 @@ def test_fused_projections_match_transformers_tiny_gqa():
         np.testing.assert_array_equal(back[name], x, err_msg=name)
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_generate(target_llm, hf_model, chat_ids):
     import torch
 
@@ -312,6 +314,7 @@ def test_truncated_safetensors_names_the_file(tiny_checkpoint):
         load_llama(path, jnp.float32)
 
 
+@pytest.mark.slow
 def test_bad_prompts_get_clear_errors(target_llm, chat_ids):
     from eagle3_jax import SamplingParams
 

@@ -77,6 +77,7 @@ def _reap_workers():
 # (a) numerics: every tp computes what one device computes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kvh", [8, 2])
 def test_logits_and_greedy_tokens_match_tp1(kvh):
     res = worker("equivalence")[f"kvh{kvh}"]
@@ -96,6 +97,7 @@ def test_logits_and_greedy_tokens_match_tp1(kvh):
     assert min(r["min_top2_margin"] for r in res.values()) > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kvh", [8, 2])
 def test_speculative_engine_tokens_match_tp1(kvh):
     res = worker("engine")[f"kvh{kvh}"]
@@ -113,6 +115,7 @@ def _weight_like(shapes: list[list[int]], weights: list[list[int]]) -> list[list
     return [s for s in shapes if s[:2] != [8, 4] or s in weights]
 
 
+@pytest.mark.slow
 def test_verify_step_collectives_tp8_kv_split():
     res = worker("hlo")["kvh8"]
     ops = res["collectives"]
@@ -129,6 +132,7 @@ def test_verify_step_collectives_tp8_kv_split():
     assert am and all(s[-1] <= 8 for c in am for s in c["shapes"]), am
 
 
+@pytest.mark.slow
 def test_verify_step_collectives_tp8_kv_replicated():
     res = worker("hlo")["kvh2"]
     ops, layers = res["collectives"], res["num_layers"]
@@ -150,6 +154,7 @@ def test_verify_step_collectives_tp8_kv_replicated():
     assert {c["op"] for c in ops} <= {"all-reduce", "all-gather", "collective-permute"}, ops
 
 
+@pytest.mark.slow
 def test_draft_step_collectives_tp8():
     res = worker("hlo")["draft"]
     ops = res["collectives"]
@@ -160,6 +165,7 @@ def test_draft_step_collectives_tp8():
     assert all(c["op"] == "all-reduce" for c in ops), ops
 
 
+@pytest.mark.slow
 def test_fused_iteration_collectives_tp8():
     """verify + greedy pick + draft extend + one chain step in one executable, with
     sharding.replicate / vocab_logits pinning the layout: only the Megatron collectives."""
@@ -197,6 +203,7 @@ def _leaves(shapes, specs):
             for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(shapes), spec_leaves, strict=True)]
 
 
+@pytest.mark.slow
 def test_70b_every_weight_split_8_ways_except_norms():
     cfg, dcfg = llama70b(), drafter70b()
     target = _leaves(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), S.llama_param_specs(cfg, 8))
@@ -215,6 +222,7 @@ def test_70b_every_weight_split_8_ways_except_norms():
     assert layout["shard_shape_mismatches"] == []
 
 
+@pytest.mark.slow
 def test_params_from_hf_place_lands_sharded():
     placed = worker("layout")["place"]
     split = placed["kvh8_tie0"]

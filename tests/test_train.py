@@ -114,6 +114,7 @@ def test_drop_mtbench():
     assert dropped == 1 and kept == convs[1:]
 
 
+@pytest.mark.slow
 def test_regenerated_examples_are_the_targets_replies(target_llm):
     """Self-distillation data: each row is the chat prompt plus the target's own greedy reply,
     the loss mask covers exactly the reply; over-long prompts are skipped."""
@@ -387,6 +388,7 @@ def test_export_loads(tiny, tmp_path):
     np.testing.assert_allclose(lp.lm_head, trainable["lm_head"], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_training_continues_from_a_drafter(tmp_path):
     """--init DIR: training starts at that drafter's weights and keeps its vocabulary, shape and
     capture layers (here with lr 0, so the export must equal the input), whatever the data's most
