@@ -2,7 +2,7 @@
 
 from eagle3_jax.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from eagle3_jax.sampling_params import SamplingParams
 from eagle3_jax.weights.eagle3 import load_drafter
 from eagle3_jax.weights.llama import load_llama
 
-Prompt = Union[str, Sequence[dict], Sequence[int]]
+Prompt = str | Sequence[dict] | Sequence[int]
 
 
 @dataclasses.dataclass

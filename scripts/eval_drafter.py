@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3_jax import LLM, SamplingParams, assets  # noqa: E402
-from eagle3_jax.config import EngineConfig  # noqa: E402
+from eagle3_jax import LLM, SamplingParams, assets
+from eagle3_jax.config import EngineConfig
 
 
 def mean_acceptance(outputs) -> tuple[float, list[float]]:
@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     start = time.perf_counter()
     if a.questions:
-        questions = [json.loads(line)["turns"][0] for line in open(a.questions) if line.strip()]
+        with open(a.questions) as f:
+            questions = [json.loads(line)["turns"][0] for line in f if line.strip()]
     else:
         questions = [q["turns"][0] for q in assets.mtbench_questions()]
     questions = questions[:a.prompts]

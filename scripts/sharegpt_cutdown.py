@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3_jax import assets  # noqa: E402
-from eagle3_jax.train import data as D  # noqa: E402
-from eagle3_jax.train import regenerate  # noqa: E402
+from eagle3_jax import assets
+from eagle3_jax.train import data as D
+from eagle3_jax.train import regenerate
 
 
 def prompts(records: list[dict], turns: int, mtbench) -> list[list[dict]]:

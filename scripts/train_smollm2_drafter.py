@@ -131,7 +131,7 @@ def regenerate_in_processes(argv: list[str], gpus: int, per_gpu: int, log_dir: P
     for i, path in enumerate(files):
         if path.is_file():
             continue
-        log = open(log_dir / f"regenerate.shard{i}of{n}.log", "w")
+        log = open(log_dir / f"regenerate.shard{i}of{n}.log", "w")  # noqa: SIM115 (the shard's process writes it)
         # Later flags win in argparse: the shard's own settings override the caller's.
         cmd = [sys.executable, __file__, *argv, "--prepare-only", "--regen-gpus", "1", "--regen-processes-per-gpu",
                "1", "--regen-shard", f"{i}/{n}", "--data-cache", str(path)]

@@ -154,15 +154,15 @@ def run_hlo() -> dict:
         cfg = small_cfg(kvh)
         mesh = S.make_mesh(tp)
         pspecs = S.llama_param_specs(cfg, tp)
-        params = jax.eval_shape(lambda: random_params(cfg))
-        cache = jax.eval_shape(lambda: empty_cache(cfg, batch, blocks))
+        params = jax.eval_shape(lambda cfg=cfg: random_params(cfg))
+        cache = jax.eval_shape(lambda cfg=cfg: empty_cache(cfg, batch, blocks))
         ins, outs = S.forward_shardings(mesh, pspecs, S.llama_cache_specs(cfg, tp))
         lspec = jax.sharding.NamedSharding(mesh, S.logits_spec(cfg.vocab_size, tp))
         rep = jax.sharding.NamedSharding(mesh, S.REPLICATED)
 
         pin_kv = S.cache_pin(mesh, cfg.num_kv_heads)  # as the engine's steps
 
-        def verify(params, tokens, positions, cache, bt, pin_kv=pin_kv):
+        def verify(params, tokens, positions, cache, bt, pin_kv=pin_kv, cfg=cfg):
             hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt, pin_kv=pin_kv)
             return L.logits(params, hidden), captures, cache
 

@@ -45,22 +45,74 @@ def tp_run(tmp_path_factory):
     70B-layout drafter (narrower, own embedding), and the tp phase's small model, shrunk."""
     root = tmp_path_factory.mktemp("bench_tp")
     (root / "step").mkdir()
-    (root / "step" / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "eos_token_id": 2, **bench.hf_config_dict(TINY)}))
+    (root / "step" / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "eos_token_id": 2,
+                **bench.hf_config_dict(TINY),
+            }
+        )
+    )
     draft = DraftConfig.like_target(TINY, 128, hidden_size=32, intermediate_size=64, head_dim=8)
     (root / "draft.json").write_text(json.dumps(draft.to_hf()))
     out = root / "out"
-    argv = ["--only", "8b,tp", "--tp", "2", "--out-dir", str(out), "--step-model", str(root / "step"),
-            "--step-draft", str(root / "draft.json"), "--batches-8b", str(TP_BATCH), "--num-draft", str(TP_K),
-            "--context", "16", "--max-model-len-8b", "64", "--calls", "2", "--rounds", "2", "--bandwidth-gb", "0.01",
-            "--matmul-size", "128", "--allreduce-mb", "0.5", "--allreduce-chain", str(CHAIN),
-            "--tp-check-hidden", "64", "--tp-check-layers", "2", "--tp-check-vocab", "512",
-            "--tp-check-prompts", str(TP_PROMPTS), "--tp-check-tokens", str(TP_TOKENS)]
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=2"]))
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench_h200.py"), *argv], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    argv = [
+        "--only",
+        "8b,tp",
+        "--tp",
+        "2",
+        "--out-dir",
+        str(out),
+        "--step-model",
+        str(root / "step"),
+        "--step-draft",
+        str(root / "draft.json"),
+        "--batches-8b",
+        str(TP_BATCH),
+        "--num-draft",
+        str(TP_K),
+        "--context",
+        "16",
+        "--max-model-len-8b",
+        "64",
+        "--calls",
+        "2",
+        "--rounds",
+        "2",
+        "--bandwidth-gb",
+        "0.01",
+        "--matmul-size",
+        "128",
+        "--allreduce-mb",
+        "0.5",
+        "--allreduce-chain",
+        str(CHAIN),
+        "--tp-check-hidden",
+        "64",
+        "--tp-check-layers",
+        "2",
+        "--tp-check-vocab",
+        "512",
+        "--tp-check-prompts",
+        str(TP_PROMPTS),
+        "--tp-check-tokens",
+        str(TP_TOKENS),
+    ]
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=2"])
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "bench_h200.py"), *argv],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     yield proc, out
     if proc.poll() is None:
         proc.kill()
@@ -91,18 +143,62 @@ def report(tmp_path_factory):
     target, draft = root / "target", root / "draft"
     target.mkdir()
     save_llama(init_params(TINY, jax.random.PRNGKey(0), jnp.float32), target)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "eos_token_id": 2,
-              **bench.hf_config_dict(TINY)}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "eos_token_id": 2,
+        **bench.hf_config_dict(TINY),
+    }
     (target / "config.json").write_text(json.dumps(config))
     dcfg = bench.draft_config_like(TINY)
     save_drafter(init_draft_params(dcfg, jax.random.PRNGKey(1), jnp.float32), dcfg, draft)
     out = root / "out"
-    argv = ["--out-dir", str(out), "--target", str(target), "--draft", str(draft), "--step-model", str(target),
-            "--batches", ",".join(map(str, BATCHES)), "--num-draft", "1", "--per-step", "--prompts", "2", "--max-tokens", "6",
-            "--max-model-len", "64", "--max-model-len-8b", "64", "--prefill-buckets", "32", "--context", "16",
-            "--prefill-batch-buckets", "1,2",  # the 2 prompts of a round share a prefill call
-            "--calls", "2", "--rounds", "2", "--bandwidth-gb", "0.01", "--matmul-size", "128",
-            "--peer-batches", "1", "--peer-prompts", "1", "--no-peer-8b", "--dtype", "f32", "--profile", str(root / "prof")]
+    argv = [
+        "--out-dir",
+        str(out),
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--step-model",
+        str(target),
+        "--batches",
+        ",".join(map(str, BATCHES)),
+        "--num-draft",
+        "1",
+        "--per-step",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "6",
+        "--max-model-len",
+        "64",
+        "--max-model-len-8b",
+        "64",
+        "--prefill-buckets",
+        "32",
+        "--context",
+        "16",
+        "--prefill-batch-buckets",
+        "1,2",  # the 2 prompts of a round share a prefill call
+        "--calls",
+        "2",
+        "--rounds",
+        "2",
+        "--bandwidth-gb",
+        "0.01",
+        "--matmul-size",
+        "128",
+        "--peer-batches",
+        "1",
+        "--peer-prompts",
+        "1",
+        "--no-peer-8b",
+        "--dtype",
+        "f32",
+        "--profile",
+        str(root / "prof"),
+    ]
     assert bench.main(argv) == 0
     return out, json.loads((out / "bench.json").read_text())
 
@@ -172,7 +268,8 @@ def test_step_rows(report):
     assert len(traces) == len(rows) + len(_rows(data, "smollm2"))  # a round per smollm2 row too
     assert all(0 <= r["values"]["device_idle_pct"] <= 100 for r in rows)
     assert set(data["info"]["8b"]["device kernels per call (--profile: family, us, count)"]) == {
-        f"{r['mode']}, batch {r['batch']}" for r in rows}
+        f"{r['mode']}, batch {r['batch']}" for r in rows
+    }
 
 
 @pytest.mark.slow
@@ -195,11 +292,17 @@ def test_device_activity_from_a_trace():
     def x(pid, ts, dur, name, tid=0):
         return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
 
-    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
-              {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0 (NVIDIA H200)"}},
-              x(1, 100, 30, "probe-round"), x(1, 100, 30, "host work"),
-              x(2, 95, 7, "gemm_fusion_dot.1"), x(2, 100, 10, "gemm_fusion_dot.2"), x(2, 105, 10, "attention", tid=1),
-              x(2, 120, 5, "gemm_fusion_dot_3.1"), x(2, 140, 5, "after the window")]
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0 (NVIDIA H200)"}},
+        x(1, 100, 30, "probe-round"),
+        x(1, 100, 30, "host work"),
+        x(2, 95, 7, "gemm_fusion_dot.1"),
+        x(2, 100, 10, "gemm_fusion_dot.2"),
+        x(2, 105, 10, "attention", tid=1),
+        x(2, 120, 5, "gemm_fusion_dot_3.1"),
+        x(2, 140, 5, "after the window"),
+    ]
     start, end = profile.marker_span(events, "probe-round")
     act = profile.device_activity(events, start, end)
     assert (start, end) == (100.0, 130.0)
@@ -220,19 +323,28 @@ def test_host_activity_self_times():
     def x(ts, dur, name, tid=7):
         return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name}
 
-    events = [{"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "python"}},
-              x(0, 165, "profiled-region"),
-              x(0, 100, "$driver.py:1 step"),
-              x(5, 40, "PjitFunction(iterate)"), x(10, 20, "Execute"),  # nested twice
-              x(50, 30, "numpy asarray"),
-              x(110, 50, "$driver.py:1 step"), x(115, 10, "PjitFunction(iterate)"),
-              x(20, 60, "elsewhere", tid=8), x(170, 5, "after the window")]
+    events = [
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "python"}},
+        x(0, 165, "profiled-region"),
+        x(0, 100, "$driver.py:1 step"),
+        x(5, 40, "PjitFunction(iterate)"),
+        x(10, 20, "Execute"),  # nested twice
+        x(50, 30, "numpy asarray"),
+        x(110, 50, "$driver.py:1 step"),
+        x(115, 10, "PjitFunction(iterate)"),
+        x(20, 60, "elsewhere", tid=8),
+        x(170, 5, "after the window"),
+    ]
     thread = profile.marker_thread(events, "profiled-region")
     assert thread == (1, 7)
     rows = profile.host_activity(events, 0, 165, thread)
-    assert rows == (("$driver.py:1 step", 2, 150.0, 70.0),  # 100 - 40 - 30, plus 50 - 10
-                    ("PjitFunction(iterate)", 2, 50.0, 30.0), ("numpy asarray", 1, 30.0, 30.0),
-                    ("Execute", 1, 20.0, 20.0), ("profiled-region", 1, 165.0, 15.0))  # 165 - 100 - 50
+    assert rows == (
+        ("$driver.py:1 step", 2, 150.0, 70.0),  # 100 - 40 - 30, plus 50 - 10
+        ("PjitFunction(iterate)", 2, 50.0, 30.0),
+        ("numpy asarray", 1, 30.0, 30.0),
+        ("Execute", 1, 20.0, 20.0),
+        ("profiled-region", 1, 165.0, 15.0),
+    )  # 165 - 100 - 50
     assert sum(r[3] for r in rows) == 165.0  # self times add up to the top-level span
     with pytest.raises(KeyError, match="missing"):
         profile.marker_thread(events, "missing")
@@ -240,10 +352,19 @@ def test_host_activity_self_times():
 
 def test_table_formatter():
     rows = [bench.Result("x", "m", 4, {"a": 1.234, "b": [0.5, 0.25], "c": float("nan")})]
-    cols = [bench.Column("mode", "mode"), bench.Column("batch", "B", "{}"), bench.Column("a", "A"),
-            bench.Column("b", "rates"), bench.Column("c", "C"), bench.Column("missing", "M")]
+    cols = [
+        bench.Column("mode", "mode"),
+        bench.Column("batch", "B", "{}"),
+        bench.Column("a", "A"),
+        bench.Column("b", "rates"),
+        bench.Column("c", "C"),
+        bench.Column("missing", "M"),
+    ]
     assert bench.markdown_table(rows, cols).splitlines() == [
-        "| mode | B | A | rates | C | M |", "|---|---|---|---|---|---|", "| m | 4 | 1.23 | 0.50 0.25 | - | - |"]
+        "| mode | B | A | rates | C | M |",
+        "|---|---|---|---|---|---|",
+        "| m | 4 | 1.23 | 0.50 0.25 | - | - |",
+    ]
 
 
 def test_floor_counts_weights_and_kv():
@@ -255,7 +376,8 @@ def test_floor_counts_weights_and_kv():
     it = bench.iteration_cost(target, draft, 3, 1, 0, 2)
     per_pass = bench.draft_cost(draft, 1, 1, 0, 2, first=False).bytes
     assert it.bytes - bench.target_cost(target, 1, 4, 0, 2).bytes == pytest.approx(
-        3 * per_pass + 2 * 3 * 4096 * 4096)  # K passes of the midlayer + lm_head, fc once
+        3 * per_pass + 2 * 3 * 4096 * 4096
+    )  # K passes of the midlayer + lm_head, fc once
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------------
@@ -264,7 +386,11 @@ def test_tp_tokens_identical(tp_report):
     data, markdown = tp_report
     rows = _rows(data, "tp")
     assert [(r["mode"], r["values"]["tp"]) for r in rows] == [
-        ("target-only", 1), (f"EAGLE-3 K={TP_K}", 1), ("target-only", 2), (f"EAGLE-3 K={TP_K}", 2)]
+        ("target-only", 1),
+        (f"EAGLE-3 K={TP_K}", 1),
+        ("target-only", 2),
+        (f"EAGLE-3 K={TP_K}", 2),
+    ]
     for r in rows:
         v = r["values"]
         assert r["batch"] == TP_PROMPTS and v["tokens"] == TP_PROMPTS * TP_TOKENS
@@ -338,14 +464,15 @@ def test_tp_floor_70b():
         it.floor_s(c)
     assert bench.LinkCeilings(4, 1e11).busbw == pytest.approx(1.5e11)
     # kv heads (8) do not divide 16: wqkv and the KV cache stay whole on every device.
-    kv = [bench.target_cost(target, 1, 1, 1000, 2, tp=tp).bytes - bench.target_cost(target, 1, 1, 0, 2, tp=tp).bytes
-          for tp in (1, 8, 16)]
+    kv = [
+        bench.target_cost(target, 1, 1, 1000, 2, tp=tp).bytes - bench.target_cost(target, 1, 1, 0, 2, tp=tp).bytes
+        for tp in (1, 8, 16)
+    ]
     assert kv[1] == pytest.approx(kv[0] / 8) and kv[2] == pytest.approx(kv[0])
     # ... and so are wqkv's q columns (one fused weight): at tp 16 each device reads all of q/k/v.
     d, q, k_v, inter = 8192, 64 * 128, 2 * 8 * 128, 28672
     per_layer = (d * q + 3 * d * inter) / 16 + d * (q + k_v)  # wo + MLP split; wqkv whole
-    assert bench.target_cost(target, 1, 1, 0, 2, tp=16).bytes == pytest.approx(
-        2 * (80 * per_layer + 128256 * d / 16))
+    assert bench.target_cost(target, 1, 1, 0, 2, tp=16).bytes == pytest.approx(2 * (80 * per_layer + 128256 * d / 16))
 
 
 def test_hlo_collectives_parser():
@@ -358,7 +485,8 @@ def test_hlo_collectives_parser():
 """
     assert bench.hlo_collectives(hlo) == {
         "all-reduce": [((8, 4, 8192), 8 * 4 * 8192 * 2), ((8, 4, 64), 8 * 4 * 64 * 4), ((8, 4, 64), 8 * 4 * 64 * 4)],
-        "all-gather": [((8, 4, 256), 8 * 4 * 256 * 4)]}
+        "all-gather": [((8, 4, 256), 8 * 4 * 256 * 4)],
+    }
 
 
 def test_peer_process_group_is_reaped(tmp_path):
@@ -367,8 +495,10 @@ def test_peer_process_group_is_reaped(tmp_path):
     from eagle3_jax.bench.peer import run_isolated
 
     pid_file = tmp_path / "pid"
-    code = ("import subprocess, sys; p = subprocess.Popen(['sleep', '60']); "
-            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('out'); print('err', file=sys.stderr); sys.exit(3)")
+    code = (
+        "import subprocess, sys; p = subprocess.Popen(['sleep', '60']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    )
     done = run_isolated([sys.executable, "-c", code], dict(os.environ), timeout=30)
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
     stat = Path(f"/proc/{int(pid_file.read_text())}/stat")

@@ -74,7 +74,7 @@ def test_full_size_layouts_through_eval_shape():
                              "midlayer.post_attention_layernorm.weight": (h,), "norm.weight": (h,),
                              "lm_head.weight": (32000, h), "embed_tokens.weight": (128256, h)})
         assert public_shapes(cfg, own_embedding) == expected
-        shapes = jax.eval_shape(lambda k, c=cfg: eagle3.init_draft_params(c, k, own_embedding=own_embedding),
+        shapes = jax.eval_shape(lambda k, c=cfg, own=own_embedding: eagle3.init_draft_params(c, k, own_embedding=own),
                                 jax.random.PRNGKey(0))
         # Our [in, out] parameters are the transposes of the public [out, in] tensors; q/k/v fused
         # as [2H, kv groups, q heads per group + 2, hd], gate/up as [H, 2, I].
@@ -183,11 +183,13 @@ def test_draft_forward_matches_numpy_reference(tmp_path):
 
     # Logits over the draft vocabulary and the d2t offsets to target ids.
     logits = np.asarray(eagle3.draft_logits(params, cfg, h))[0]
-    ref_logits = _np_rms(ref_h, w["norm.weight"].astype(np.float64), cfg.rms_norm_eps) @ w["lm_head.weight"].astype(np.float64).T
+    ref_norm = _np_rms(ref_h, w["norm.weight"].astype(np.float64), cfg.rms_norm_eps)
+    ref_logits = ref_norm @ w["lm_head.weight"].astype(np.float64).T
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5 * np.abs(ref_logits).max())
     draft_ids = ref_logits.argmax(-1)
-    np.testing.assert_array_equal(np.asarray(eagle3.to_target_ids(params, jnp.asarray(draft_ids))),
-                                  draft_ids + w["d2t"][draft_ids])
+    np.testing.assert_array_equal(
+        np.asarray(eagle3.to_target_ids(params, jnp.asarray(draft_ids))), draft_ids + w["d2t"][draft_ids]
+    )
     assert np.all(w["t2d"][draft_ids + w["d2t"][draft_ids]])
 
     # Two chain steps: our own pre-norm hidden fed back, one position further each time.
@@ -199,12 +201,15 @@ def test_draft_forward_matches_numpy_reference(tmp_path):
         np.testing.assert_allclose(np.asarray(prev)[0], ref_prev, rtol=1e-5, atol=1e-5 * np.abs(ref_prev).max())
 
 
-@pytest.mark.parametrize("change, own_embedding, message", [
-    ({"vocab_size": 65}, False, "vocab_size 65"),
-    ({"target_hidden_size": 32}, False, "target_hidden_size 32"),
-    ({"hidden_size": 20, "head_dim": 5}, False, "no embed_tokens"),
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}}, False, "capture layer 9"),
-])
+@pytest.mark.parametrize(
+    "change, own_embedding, message",
+    [
+        ({"vocab_size": 65}, False, "vocab_size 65"),
+        ({"target_hidden_size": 32}, False, "target_hidden_size 32"),
+        ({"hidden_size": 20, "head_dim": 5}, False, "no embed_tokens"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}}, False, "capture layer 9"),
+    ],
+)
 def test_drafters_that_do_not_fit_the_target(tmp_path, change, own_embedding, message):
     config = {**tiny_draft_config(vocab=64), **change}
     write_public_drafter(tmp_path, config, own_embedding=own_embedding)
@@ -229,14 +234,15 @@ def test_bad_d2t_capture_count_and_missing_tensors(tmp_path):
         load_drafter(tmp_path, TINY_TARGET, jnp.float32)
     del tensors["midlayer.hidden_norm.weight"]
     write(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match="missing.*midlayer.hidden_norm.weight"):
+    with pytest.raises(CheckpointError, match=r"missing.*midlayer\.hidden_norm\.weight"):
         load_drafter(tmp_path, TINY_TARGET, jnp.float32)
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="no model.safetensors or pytorch_model.bin"):
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors or pytorch_model\.bin"):
         load_drafter(tmp_path, TINY_TARGET, jnp.float32)
 
 
 # ---- lossless greedy speculative decoding on the real SmolLM2 target ---------------------------
+
 
 @pytest.fixture(scope="module")
 def reference_outputs(target_llm, chat_ids):
@@ -272,7 +278,7 @@ def _run_forced(llm, ids, ref, max_tokens, choose_mismatch):
         if req.finished:
             break
         n = len(req.output)
-        truth = (ref[n:n + k] + [0] * k)[:k]
+        truth = (ref[n : n + k] + [0] * k)[:k]
         wrong = choose_mismatch(min(len(ref), max_tokens) - n)
         drafts = list(truth)
         if wrong is not None:
@@ -291,10 +297,14 @@ def forced_llm(smollm2_dir, random_drafter_dir):
 @pytest.fixture(scope="module")
 def eos_case(tokenizer, target_llm):
     """A prompt whose greedy answer ends with EOS within 64 tokens, and that answer."""
-    for question in ("Name the three primary colors and say one sentence about each.",
-                     "Give me two tips for sleeping better.", "What is the capital of France? Explain briefly."):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+    for question in (
+        "Name the three primary colors and say one sentence about each.",
+        "Give me two tips for sleeping better.",
+        "What is the capital of France? Explain briefly.",
+    ):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ref = target_llm.generate([ids], SamplingParams(max_tokens=64))[0]
         if ref.finish_reason == "stop" and len(ref.token_ids) >= 16:
             return ids, ref.token_ids

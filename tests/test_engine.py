@@ -220,7 +220,8 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     spec_llm.generate(chat_ids[:2], SamplingParams(max_tokens=6))
     assert ran and all(ran)
     ran.clear()
-    spec_llm.generate(chat_ids[:2], [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.8, seed=1)])
+    mixed = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.8, seed=1)]
+    spec_llm.generate(chat_ids[:2], mixed)
     assert ran and not ran[0]  # both rows run the first iteration: the sampling program
 
 
@@ -315,9 +316,12 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
 
     engine_cfg = EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256)
     shallow = dataclasses.replace(smollm2_cfg, num_layers=2, capture_layer_ids=(0, 1, 1))
-    states = {cfg.num_layers: jax.eval_shape(lambda c=cfg: init_state(c, DraftConfig.like_target(c, 64), engine_cfg,
-                                                                         jax.numpy.bfloat16))
-              for cfg in (smollm2_cfg, shallow)}
+    states = {
+        cfg.num_layers: jax.eval_shape(
+            lambda c=cfg: init_state(c, DraftConfig.like_target(c, 64), engine_cfg, jax.numpy.bfloat16)
+        )
+        for cfg in (smollm2_cfg, shallow)
+    }
     assert len(jax.tree.leaves(states[30])) == len(jax.tree.leaves(states[2]))
     k = states[30].target_kv.k
     assert k.shape == (30, engine_cfg.num_pages, engine_cfg.page_size, 3, 64)
@@ -385,12 +389,18 @@ def test_engine_config_speculation_fields():
 
 
 def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(smollm2_dir, drafter, target_llm, workload):
-    """"auto" with bucket 8's cost injected (speculation 10x dearer: never pays) and bucket 2's
+    """ "auto" with bucket 8's cost injected (speculation 10x dearer: never pays) and bucket 2's
     timed in warm-up, then replaced by one where speculation is cheaper than the target alone:
     bucket 8 runs target-only, bucket 2 speculates, the rows move between them as requests finish,
     nothing compiles after warm-up and every output equals the target alone."""
-    llm = make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(2, 8), speculation="auto",
-                   step_costs=((8, 0.010, 0.100), (16, 1.0, 1.0)))
+    llm = make_llm(
+        smollm2_dir,
+        drafter,
+        num_draft=3,
+        batch_buckets=(2, 8),
+        speculation="auto",
+        step_costs=((8, 0.010, 0.100), (16, 1.0, 1.0)),
+    )
     engine = llm.engine
     compiled = engine.num_compilations
     assert set(engine.step_costs) == {2, 8}  # 16 is no bucket: ignored
@@ -429,8 +439,9 @@ def test_auto_warmup_times_every_bucket(smollm2_dir, drafter):
     assert set(costs) == {2, 8}
     for cost in costs.values():
         assert cost.target_only_s > 0 and cost.speculative_s > 0
-    capped = make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(2, 8), speculation="auto",
-                      speculative_max_batch=2)
+    capped = make_llm(
+        smollm2_dir, drafter, num_draft=3, batch_buckets=(2, 8), speculation="auto", speculative_max_batch=2
+    )
     assert set(capped.engine.step_costs) == {2}  # past the cap nothing speculates: nothing to time
     assert capped.engine.speculation_table()[1] == policy.BucketChoice(8, None, False)
 
@@ -442,13 +453,32 @@ def test_greedy_only_warmup_builds_what_greedy_requests_use(tmp_path):
     from eagle3_jax.bench.phases import write_random_models
     from eagle3_jax.config import DraftConfig, ModelConfig
 
-    tiny = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                       max_position_embeddings=128, tie_word_embeddings=False, eos_token_ids=(2,))
+    tiny = ModelConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_ids=(2,),
+    )
     target, draft = write_random_models(tiny, DraftConfig.like_target(tiny, 64), tmp_path)
-    llm = LLM(target, draft, num_speculative_tokens=2, warmup=False, progress=False,
-              engine_config=EngineConfig(batch_buckets=(2,), prefill_buckets=(16,), max_model_len=64,
-                                         num_pages=32, speculation="always"))
+    llm = LLM(
+        target,
+        draft,
+        num_speculative_tokens=2,
+        warmup=False,
+        progress=False,
+        engine_config=EngineConfig(
+            batch_buckets=(2,), prefill_buckets=(16,), max_model_len=64, num_pages=32, speculation="always"
+        ),
+    )
     engine = llm.engine
     iterations, prefills = engine.programs(greedy=True)
     assert all(c.greedy for _, c in iterations) and all(greedy for _, _, greedy in prefills)

@@ -181,8 +181,11 @@ def test_pallas_attention_block_matches_the_xla_form(b, t, g, r, hd):
     positions = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
     inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
     h = layers.rms_norm(x, norm_w, 1e-5)
-    want = layers.attention_block(h, wqkv, wo, positions, k_pages, v_pages, 1, table, inv_freq=inv_freq, attention="xla")
-    got = layers.attention_block(h, wqkv, wo, positions, k_pages, v_pages, 1, table, inv_freq=inv_freq, attention="pallas")
+    want = layers.attention_block(h, wqkv, wo, positions, k_pages, v_pages, 1, table, inv_freq=inv_freq,
+                                  attention="xla")
+    got = layers.attention_block(
+        h, wqkv, wo, positions, k_pages, v_pages, 1, table, inv_freq=inv_freq, attention="pallas"
+    )
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5, rtol=2e-5)
     for pages_got, pages_want, before in zip(got[1:], want[1:], (k_pages, v_pages)):
         # page 0 is scratch: padded writes collide there
@@ -209,8 +212,9 @@ def test_pallas_add_rms_norm_matches_the_xla_form(shape, dtype):
                 assert g.shape == r.shape == shape and g.dtype == dtype
                 np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=1e-6, atol=1e-6)
     s, y = want
-    np.testing.assert_allclose(np.asarray(s, np.float32), np.asarray(x, np.float32) + np.asarray(delta, np.float32),
-                               rtol=1e-2)  # the sum, rounded to the stream's dtype
+    np.testing.assert_allclose(
+        np.asarray(s, np.float32), np.asarray(x, np.float32) + np.asarray(delta, np.float32), rtol=1e-2
+    )  # the sum, rounded to the stream's dtype
     ms = np.mean(np.asarray(y, np.float32) ** 2 / np.asarray(weight, np.float32) ** 2, axis=-1)
     np.testing.assert_allclose(ms, 1.0, rtol=3e-2)  # unit mean square before the gain
 
@@ -229,8 +233,7 @@ def test_llama3_rope_matches_transformers():
     hf_cfg = LlamaConfig(**{k: v for k, v in LLAMA31_8B.items() if k not in ("architectures", "model_type")})
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     cfg = ModelConfig.from_hf(LLAMA31_8B)
-    np.testing.assert_allclose(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), ref.numpy(),
-                               rtol=1e-6)
+    np.testing.assert_allclose(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), ref.numpy(), rtol=1e-6)
 
 
 def test_transformers5_rope_parameters_layout():
@@ -241,15 +244,18 @@ def test_transformers5_rope_parameters_layout():
     assert v4.head_dim == 128 and v4.num_kv_heads == 8 and v4.eos_token_ids == (128001, 128008, 128009)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model_type": "mistral"}, "model_type"),
-    ({"hidden_size": None}, "hidden_size"),
-    ({"num_attention_heads": 5}, "num_key_value_heads"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
-    ({"vocab_size": "many"}, "vocab_size"),
-    ({"attention_bias": True}, "attention_bias"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "mistral"}, "model_type"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"num_attention_heads": 5}, "num_key_value_heads"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"vocab_size": "many"}, "vocab_size"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
 def test_bad_configs_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**LLAMA31_8B, **change})
@@ -296,12 +302,12 @@ def test_wrong_shape_missing_and_extra_tensors_are_named(tiny_checkpoint):
         load_llama(path, jnp.float32)
     del good["model.norm.weight"]
     write(good, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match="missing.*model.norm.weight"):
+    with pytest.raises(CheckpointError, match=r"missing.*model\.norm\.weight"):
         load_llama(path, jnp.float32)
     good["model.norm.weight"] = np.ones(32, np.float32)
     good["model.layers.9.mlp.up_proj.weight"] = np.ones((2, 2), np.float32)
     write(good, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match="unexpected.*layers.9"):
+    with pytest.raises(CheckpointError, match=r"unexpected.*layers\.9"):
         load_llama(path, jnp.float32)
 
 
@@ -310,7 +316,7 @@ def test_truncated_safetensors_names_the_file(tiny_checkpoint):
     file = path / "model.safetensors"
     data = file.read_bytes()
     file.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         load_llama(path, jnp.float32)
 
 

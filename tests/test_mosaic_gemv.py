@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 
 from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig
-from eagle3_jax.runner.runner import gemv_kind
 from eagle3_jax.model import llama, mosaic_gemv
 from eagle3_jax.model.mosaic_gemv import Tiling
+from eagle3_jax.runner.runner import gemv_kind
 
 
 def test_tiles_of_the_8b_and_smollm2_projections():

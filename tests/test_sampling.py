@@ -528,7 +528,7 @@ def test_batch_independence():
         getattr(p2, f)[at] = getattr(p1, f)[r]
     f = VERIFY
     outs_r = []
-    for trial in range(2):
+    for _trial in range(2):
         n1, e1 = f(t1, d1, q1, p1)
         n2, e2 = f(t2, d2, q2, p2)
         assert int(n1[r]) == int(n2[at])

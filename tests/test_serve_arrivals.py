@@ -31,7 +31,9 @@ def test_poisson_arrivals(serve_arrivals):
     assert np.mean(np.diff(arrivals)) == pytest.approx(1 / 8, rel=0.03)  # mean gap 1 / rate
     np.testing.assert_array_equal(arrivals, serve_arrivals.poisson_arrivals(20_000, 8.0, seed=3))  # seeded
     # Every rate draws the same gaps, scaled: a slower rate is the same schedule stretched.
-    np.testing.assert_allclose(serve_arrivals.poisson_arrivals(5, 2.0, 0), 4 * serve_arrivals.poisson_arrivals(5, 8.0, 0))
+    np.testing.assert_allclose(
+        serve_arrivals.poisson_arrivals(5, 2.0, 0), 4 * serve_arrivals.poisson_arrivals(5, 8.0, 0)
+    )
     np.testing.assert_array_equal(serve_arrivals.poisson_arrivals(4, math.inf, 0), np.zeros(4))
     assert serve_arrivals.rate_label(math.inf) == "all at t=0" and serve_arrivals.rate_label(2.0) == "2/s"
 
@@ -39,8 +41,9 @@ def test_poisson_arrivals(serve_arrivals):
 def test_latencies_from_request_metrics(serve_arrivals):
     def request(arrival, first, last, tokens):
         metrics = RequestMetrics(arrival_time=arrival, first_token_time=first, last_token_time=last)
-        return Request(id=0, prompt=[1], params=SamplingParams(), max_tokens=8, metrics=metrics,
-                       output=list(range(tokens)))
+        return Request(
+            id=0, prompt=[1], params=SamplingParams(), max_tokens=8, metrics=metrics, output=list(range(tokens))
+        )
 
     # TTFT: arrival -> first token, none before it; TPOT: (last - first) / (tokens - 1), none for a
     # one-token reply.

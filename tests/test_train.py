@@ -350,7 +350,7 @@ def test_resume_is_exact(tiny, trainer, tmp_path):
     cfg, params, dcfg, vocab, dev_vocab, batch = tiny
     hp, step = trainer
     state = _fresh_state(tiny, hp)
-    batches = [jax.tree.map(lambda x: jnp.roll(x, s, axis=1), batch) for s in range(4)]
+    batches = [jax.tree.map(lambda x, s=s: jnp.roll(x, s, axis=1), batch) for s in range(4)]
     for s in range(2):
         state, _ = step(state, params, dev_vocab, batches[s], L.learning_rate(s, hp))
     manager = L.checkpoint_manager(tmp_path / "ckpt")

@@ -57,7 +57,9 @@ def allreduce_shapes(target: ModelConfig, draft: DraftConfig, batches: Sequence[
     return list(dict.fromkeys(shapes))
 
 
-def measure_links(opts: Options, mesh: Mesh, dtype, shapes: Sequence[tuple[int, ...]]) -> tuple[LinkCeilings, list[Result], dict]:
+def measure_links(
+    opts: Options, mesh: Mesh, dtype, shapes: Sequence[tuple[int, ...]]
+) -> tuple[LinkCeilings, list[Result], dict]:
     """All-reduce ceilings over the mesh: a large array (the bandwidth) and each decode-sized shape
     (latency-bound; what a step's all-reduces really cost). -> (ceilings, table rows, info)."""
     tp, itemsize = mesh.shape[sharding.TP], jnp.dtype(dtype).itemsize
@@ -67,21 +69,34 @@ def measure_links(opts: Options, mesh: Mesh, dtype, shapes: Sequence[tuple[int, 
         s, count = time_allreduce(mesh, shape, dtype, opts.allreduce_chain, opts.calls, opts.rounds)
         seconds[shape] = s
         size = math.prod(shape) * itemsize
-        rows.append(Result("allreduce", f"{list(shape)} {jnp.dtype(dtype).name}" + (" (bandwidth)" if shape == large else ""),
-                           shape[0] if shape != large else 0,
-                           {"mb": size / 1e6, "us": 1e6 * s, "algbw_gbs": size / s / 1e9,
-                            "busbw_gbs": size / s * 2 * (tp - 1) / tp / 1e9, "hlo_allreduces": count,
-                            "chain": opts.allreduce_chain}))
+        rows.append(
+            Result(
+                "allreduce",
+                f"{list(shape)} {jnp.dtype(dtype).name}" + (" (bandwidth)" if shape == large else ""),
+                shape[0] if shape != large else 0,
+                {
+                    "mb": size / 1e6,
+                    "us": 1e6 * s,
+                    "algbw_gbs": size / s / 1e9,
+                    "busbw_gbs": size / s * 2 * (tp - 1) / tp / 1e9,
+                    "hlo_allreduces": count,
+                    "chain": opts.allreduce_chain,
+                },
+            )
+        )
         log(f"all-reduce {list(shape)}: {1e6 * s:.1f} us, {size / s / 1e9:.1f} GB/s (algbw), HLO {count}")
     link = LinkCeilings(tp, math.prod(large) * itemsize / seconds[large], seconds)
-    info = {"mesh": f"{tp} devices: " + ", ".join(str(d) for d in mesh.devices.flat),
-            "method": f"jit(shard_map) of {opts.allreduce_chain} dependent psums of the array each device holds, "
-                      f"time per call (median of {opts.rounds} rounds of {opts.calls}) / the all-reduces in the "
-                      "compiled HLO",
-            "formula": "algbw = S / t (S = bytes each device contributes); busbw = algbw x 2(N-1)/N (NCCL's "
-                       "ring convention: the bytes each link carries); the floor adds sum(S) / algbw of the "
-                       "large array",
-            "algbw GB/s (floor)": round(link.algbw / 1e9, 1), "busbw GB/s": round(link.busbw / 1e9, 1)}
+    info = {
+        "mesh": f"{tp} devices: " + ", ".join(str(d) for d in mesh.devices.flat),
+        "method": f"jit(shard_map) of {opts.allreduce_chain} dependent psums of the array each device holds, "
+        f"time per call (median of {opts.rounds} rounds of {opts.calls}) / the all-reduces in the "
+        "compiled HLO",
+        "formula": "algbw = S / t (S = bytes each device contributes); busbw = algbw x 2(N-1)/N (NCCL's "
+        "ring convention: the bytes each link carries); the floor adds sum(S) / algbw of the "
+        "large array",
+        "algbw GB/s (floor)": round(link.algbw / 1e9, 1),
+        "busbw GB/s": round(link.busbw / 1e9, 1),
+    }
     return link, rows, info
 
 
@@ -103,13 +118,16 @@ def random_sharded(shapes: Any, shardings: Any, key: jax.Array, scale: float = 0
     """Random arrays shaped like `shapes` (ShapeDtypeStructs), each created on its `shardings`:
     float matrices and KV pages scale * N(0, 1) (init_params' 0.02 for weights), 1-D float leaves
     ones (norms), integer leaves zeros (d2t)."""
+
     def kind(x) -> str:
         return "zeros" if not jnp.issubdtype(x.dtype, jnp.floating) else "ones" if x.ndim == 1 else "normal"
 
     leaves, treedef = jax.tree.flatten(shapes)
     keys = jax.random.split(key, len(leaves))
-    makers = [_random_creator(tuple(x.shape), jnp.dtype(x.dtype), where, kind(x), scale)
-              for x, where in zip(leaves, treedef.flatten_up_to(shardings))]
+    makers = [
+        _random_creator(tuple(x.shape), jnp.dtype(x.dtype), where, kind(x), scale)
+        for x, where in zip(leaves, treedef.flatten_up_to(shardings))
+    ]
     precompile([(m, (keys[0],), {}) for m in dict.fromkeys(makers)])  # the distinct creators, at once
     return treedef.unflatten([m(k) for m, k in zip(makers, keys)])
 
@@ -122,26 +140,47 @@ def sharded_random_params(target: ModelConfig, draft: DraftConfig, own_embedding
     d_shapes = jax.eval_shape(lambda: init_draft_params(draft, jax.random.PRNGKey(1), dtype, own_embedding))
     t_specs = sharding.llama_param_specs(target, tp)
     d_specs = sharding.draft_param_specs(draft, tp, own_embedding)
-    return (random_sharded(t_shapes, sharding.named(mesh, t_specs), jax.random.PRNGKey(0)),
-            random_sharded(d_shapes, sharding.named(mesh, d_specs), jax.random.PRNGKey(1)))
+    return (
+        random_sharded(t_shapes, sharding.named(mesh, t_specs), jax.random.PRNGKey(0)),
+        random_sharded(d_shapes, sharding.named(mesh, d_specs), jax.random.PRNGKey(1)),
+    )
 
 
 def weight_bytes(params: Any, dparams: Any) -> dict[str, int]:
     """Bytes of the target's and the drafter's weights on the first device (what each device
     holds: the layout is symmetric), and whole."""
+
     def on_first(tree):
         return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
-    return {"target": on_first(params), "draft": on_first(dparams),
-            "target_whole": sum(x.nbytes for x in jax.tree.leaves(params)),
-            "draft_whole": sum(x.nbytes for x in jax.tree.leaves(dparams))}
+    return {
+        "target": on_first(params),
+        "draft": on_first(dparams),
+        "target_whole": sum(x.nbytes for x in jax.tree.leaves(params)),
+        "draft_whole": sum(x.nbytes for x in jax.tree.leaves(dparams)),
+    }
 
 
-_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                         r"(?:-start)?\(")
+_COLLECTIVE = re.compile(
+    r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-             "f64": 8, "s64": 8, "u64": 8}
+_ITEMSIZE = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
 
 
 def hlo_collectives(hlo: str) -> dict[str, list[tuple[tuple[int, ...], int]]]:
@@ -163,5 +202,3 @@ def device_memory_gb(devices: Sequence[jax.Device]) -> list[float] | None:
     if not all(stats) or not all("peak_bytes_in_use" in s for s in stats):
         return None
     return [round(s["peak_bytes_in_use"] / 1e9, 2) for s in stats]
-
-

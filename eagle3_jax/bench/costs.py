@@ -43,16 +43,20 @@ def copy_bandwidth(gib: float = 1.0) -> float:
     return 2 * x.nbytes / seconds_per_call(lambda: copy(x), calls=10, rounds=3)
 
 
-def measure_ceilings(copy_gb: float, matmul_n: int) -> Ceilings:
-    """Memory bandwidth: copies (x * 2, bytes read + written) of copy_gb of random bf16 and f32, and
-    a read-only row sum of the f32; the best is the ceiling. Compute: an n^3 bf16 matmul."""
+def _bandwidths(copy_gb: float) -> dict[str, float]:
+    """Bytes per second of each way of streaming copy_gb of random data."""
     x32 = jax.random.uniform(jax.random.PRNGKey(0), (max(1, int(copy_gb * 1e9) // 16384), 4096), jnp.float32)
     x16 = jax.random.uniform(jax.random.PRNGKey(1), (2 * x32.shape[0], 4096), jnp.bfloat16)
     double, row_sum = jax.jit(lambda v: v * 2), jax.jit(lambda v: v.sum(axis=1))
-    bandwidths = {"copy bf16": 2 * x16.nbytes / seconds_per_call(lambda: double(x16)),
-                  "copy f32": 2 * x32.nbytes / seconds_per_call(lambda: double(x32)),
-                  "read f32 (row sums)": x32.nbytes / seconds_per_call(lambda: row_sum(x32))}
-    del x16, x32
+    return {"copy bf16": 2 * x16.nbytes / seconds_per_call(lambda: double(x16)),
+            "copy f32": 2 * x32.nbytes / seconds_per_call(lambda: double(x32)),
+            "read f32 (row sums)": x32.nbytes / seconds_per_call(lambda: row_sum(x32))}
+
+
+def measure_ceilings(copy_gb: float, matmul_n: int) -> Ceilings:
+    """Memory bandwidth: copies (x * 2, bytes read + written) of copy_gb of random bf16 and f32, and
+    a read-only row sum of the f32; the best is the ceiling. Compute: an n^3 bf16 matmul."""
+    bandwidths = _bandwidths(copy_gb)  # its arrays are freed before the matmul's
     a, b = (jax.random.normal(jax.random.PRNGKey(i), (matmul_n, matmul_n), jnp.bfloat16) for i in (2, 3))
     matmul = jax.jit(jnp.dot)
     flops = 2 * matmul_n ** 3 / seconds_per_call(lambda: matmul(a, b))

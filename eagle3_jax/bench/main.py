@@ -57,7 +57,7 @@ def run(opts: Options, command: str) -> tuple[dict, list[Result], dict, list[str
     if "peer" in opts.phases:
         timed("peer", phase_peer, opts, notes)
     meta = {"device": device_name(), "jax": jax.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command}
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "command": command}
     ceilings = None
     if {"smollm2", "8b"} & set(opts.phases):
         t = time.perf_counter()

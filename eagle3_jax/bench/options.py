@@ -160,24 +160,51 @@ class Options:
             raise SystemExit(f"--tp must be at least 1, got {a.tp}")
         if "tp" in phases and a.tp < 2:
             raise SystemExit("--only tp compares TP=N with TP=1: give --tp N with N >= 2")
-        return cls(phases=phases, out_dir=Path(a.out_dir), batches=batches,
-                   batches_8b=sorted_ints(a.batches_8b) if a.batches_8b else batches, num_draft=sorted_ints(a.num_draft), per_step=a.per_step,
-                   auto=a.auto, min_bucket=a.min_bucket,
-                   prompts=a.prompts, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos, dtype_name=a.dtype,
-                   target=Path(a.target), draft=a.draft, questions=a.questions, max_model_len=a.max_model_len,
-                   prefill_buckets=sorted_ints(a.prefill_buckets),
-                   prefill_batch_buckets=sorted_ints(a.prefill_batch_buckets) if a.prefill_batch_buckets else None,
-                   step_model=a.step_model, step_draft=a.step_draft,
-                   tp=a.tp, context=a.context,
-                   max_model_len_8b=a.max_model_len_8b, assumed_acceptance=a.assumed_acceptance,
-                   peer_batches=sorted_ints(a.peer_batches), peer_prompts=a.peer_prompts or a.prompts,
-                   peer_8b=a.peer_8b, peer_timeout=a.peer_timeout, calls=a.calls, rounds=a.rounds,
-                   bandwidth_gb=a.bandwidth_gb, matmul_size=a.matmul_size, parallel_compile=a.parallel_compile,
-                   attention=a.attention, gemv=a.gemv,
-                   tp_check_hidden=a.tp_check_hidden, tp_check_layers=a.tp_check_layers,
-                   tp_check_vocab=a.tp_check_vocab, tp_check_prompts=a.tp_check_prompts,
-                   tp_check_tokens=a.tp_check_tokens, allreduce_mb=a.allreduce_mb,
-                   allreduce_chain=a.allreduce_chain, profile=Path(a.profile) if a.profile else None)
+        return cls(
+            phases=phases,
+            out_dir=Path(a.out_dir),
+            batches=batches,
+            batches_8b=sorted_ints(a.batches_8b) if a.batches_8b else batches,
+            num_draft=sorted_ints(a.num_draft),
+            per_step=a.per_step,
+            auto=a.auto,
+            min_bucket=a.min_bucket,
+            prompts=a.prompts,
+            max_tokens=a.max_tokens,
+            ignore_eos=a.ignore_eos,
+            dtype_name=a.dtype,
+            target=Path(a.target),
+            draft=a.draft,
+            questions=a.questions,
+            max_model_len=a.max_model_len,
+            prefill_buckets=sorted_ints(a.prefill_buckets),
+            prefill_batch_buckets=sorted_ints(a.prefill_batch_buckets) if a.prefill_batch_buckets else None,
+            step_model=a.step_model,
+            step_draft=a.step_draft,
+            tp=a.tp,
+            context=a.context,
+            max_model_len_8b=a.max_model_len_8b,
+            assumed_acceptance=a.assumed_acceptance,
+            peer_batches=sorted_ints(a.peer_batches),
+            peer_prompts=a.peer_prompts or a.prompts,
+            peer_8b=a.peer_8b,
+            peer_timeout=a.peer_timeout,
+            calls=a.calls,
+            rounds=a.rounds,
+            bandwidth_gb=a.bandwidth_gb,
+            matmul_size=a.matmul_size,
+            parallel_compile=a.parallel_compile,
+            attention=a.attention,
+            gemv=a.gemv,
+            tp_check_hidden=a.tp_check_hidden,
+            tp_check_layers=a.tp_check_layers,
+            tp_check_vocab=a.tp_check_vocab,
+            tp_check_prompts=a.tp_check_prompts,
+            tp_check_tokens=a.tp_check_tokens,
+            allreduce_mb=a.allreduce_mb,
+            allreduce_chain=a.allreduce_chain,
+            profile=Path(a.profile) if a.profile else None,
+        )
 
     @property
     def dtype(self):
@@ -185,5 +212,3 @@ class Options:
         if self.dtype_name is not None:
             return {"bf16": jnp.bfloat16, "f32": jnp.float32}[self.dtype_name]
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -38,12 +39,22 @@ def peer_spec(opts: Options) -> tuple[dict, str]:
         def encode(text):
             return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False)
-    prompts, source = load_prompts(opts.questions, encode, cfg.vocab_size, max(opts.peer_prompts, max(opts.peer_batches)))
+    prompts, source = load_prompts(
+        opts.questions, encode, cfg.vocab_size, max(opts.peer_prompts, max(opts.peer_batches))
+    )
     eos = set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok is not None and tok.eos_token_id is not None else set())
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else min(eos, default=0)
-    spec = {"target": str(opts.target), "prompts": [[int(t) for t in p] for p in prompts], "eos": sorted(eos),
-            "pad": int(pad), "max_tokens": opts.max_tokens, "ignore_eos": opts.ignore_eos,
-            "batches": list(opts.peer_batches), "prompts_at_1": opts.peer_prompts, "big": None}
+    spec = {
+        "target": str(opts.target),
+        "prompts": [[int(t) for t in p] for p in prompts],
+        "eos": sorted(eos),
+        "pad": int(pad),
+        "max_tokens": opts.max_tokens,
+        "ignore_eos": opts.ignore_eos,
+        "batches": list(opts.peer_batches),
+        "prompts_at_1": opts.peer_prompts,
+        "big": None,
+    }
     if opts.peer_8b and opts.tp == 1:  # the peer runs on one GPU: no big model meant for several
         spec["big"] = {"name": opts.step_model, "config": hf_config_dict(step_models(opts)[0]), "prompt_len": 128}
     return spec, source
@@ -55,8 +66,12 @@ def phase_peer(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false",
-                   PYTHONPATH=os.pathsep.join(p for p in (str(assets.REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONPATH=os.pathsep.join(p for p in (str(assets.REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+        )
         cmd = [sys.executable, "-m", "eagle3_jax.bench", "--peer-worker", str(spec_path), str(out_path)]
         try:
             proc = run_isolated(cmd, env, opts.peer_timeout)
@@ -84,10 +99,8 @@ def run_isolated(cmd: list[str], env: dict, timeout: float) -> subprocess.Comple
         try:
             proc.wait(timeout=timeout)
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
         out.seek(0)
         err.seek(0)
@@ -105,15 +118,20 @@ def peer_worker(spec: dict) -> dict:
     transformers.logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
-            "gpu": torch.cuda.get_device_name() if cuda else None, "recipe": PEER_RECIPE if cuda else "eager"}
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "recipe": PEER_RECIPE if cuda else "eager",
+    }
     notes = [] if cuda else ["peer ran on the CPU in f32, not compiled (no CUDA): not a GPU figure"]
     rows = []
 
     def attempt(mode, load, batch, groups, run_spec):
         try:
             rows.append(time_generate(load(), mode, batch, groups, run_spec, cuda))
-        except Exception as e:  # one model failing leaves the other's figures
+        except Exception as e:  # noqa: BLE001 (one model failing, however, leaves the other's figures)
             notes.append(f"peer {mode}, batch {batch} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
         finally:
             gc.collect()  # the compiled call holds the model in a cycle
@@ -123,27 +141,36 @@ def peer_worker(spec: dict) -> dict:
     target = spec["target"]
     for b in spec["batches"]:
         n = spec["prompts_at_1"] if b == 1 else b
-        groups = [spec["prompts"][i:i + b] for i in range(0, n, b)]
-        attempt(f"HF {Path(target).name}", lambda: AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device),
-                b, groups, spec)
+        groups = [spec["prompts"][i : i + b] for i in range(0, n, b)]
+        attempt(
+            f"HF {Path(target).name}",
+            lambda: AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device),
+            b,
+            groups,
+            spec,
+        )
     if big := spec["big"]:
+
         def load_big():
             with torch.device(device):
                 return AutoModelForCausalLM.from_config(LlamaConfig(**big["config"]), dtype=dtype)
 
-        ids = torch.randint(0, big["config"]["vocab_size"], (big["prompt_len"],),
-                            generator=torch.Generator().manual_seed(0)).tolist()
+        ids = torch.randint(
+            0, big["config"]["vocab_size"], (big["prompt_len"],), generator=torch.Generator().manual_seed(0)
+        ).tolist()
         attempt(f"HF {big['name']} (random weights)", load_big, 1, [[ids]], {**spec, "eos": [], "ignore_eos": True})
         if rows and rows[-1]["mode"].endswith("(random weights)"):
             rows[-1]["model"] = "8b"
     return {"rows": rows, "info": info, "notes": notes}
 
 
-PEER_RECIPE = ("generation_config.cache_implementation='static' and generation_config.compile_config="
-               "CompileConfig(fullgraph=True, mode='reduce-overhead', dynamic=False): generate() compiles the "
-               "decode step (CUDA graphs), prefill runs eager; greedy; prompts left-padded to one width. "
-               "(model.forward = torch.compile(...) instead failed on the H200: 'accessing tensor output of "
-               "CUDAGraphs that has been overwritten by a subsequent run', in StaticCache.update)")
+PEER_RECIPE = (
+    "generation_config.cache_implementation='static' and generation_config.compile_config="
+    "CompileConfig(fullgraph=True, mode='reduce-overhead', dynamic=False): generate() compiles the "
+    "decode step (CUDA graphs), prefill runs eager; greedy; prompts left-padded to one width. "
+    "(model.forward = torch.compile(...) instead failed on the H200: 'accessing tensor output of "
+    "CUDAGraphs that has been overwritten by a subsequent run', in StaticCache.update)"
+)
 
 
 def time_generate(model, mode: str, batch: int, groups: list[list[list[int]]], spec: dict, cuda: bool) -> dict:
@@ -164,8 +191,15 @@ def time_generate(model, mode: str, batch: int, groups: list[list[list[int]]], s
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
         extra = {"min_new_tokens": spec["max_tokens"]} if spec["ignore_eos"] else {}
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=spec["max_tokens"],
-                                 do_sample=False, pad_token_id=pad, eos_token_id=eos or None, **extra)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=spec["max_tokens"],
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=eos or None,
+                **extra,
+            )
         return out[:, width:].tolist()
 
     def generated(row: list[int]) -> int:  # tokens up to and including the first EOS
@@ -184,8 +218,14 @@ def time_generate(model, mode: str, batch: int, groups: list[list[list[int]]], s
         sync()
         wall += time.perf_counter() - start
         tokens += sum(generated(r) for r in out)
-    return {"mode": mode, "batch": batch, "model": "target", "tok_s": tokens / wall,
-            "ms_per_token": 1e3 * wall * batch / tokens, "tokens": tokens, "requests": sum(map(len, groups)),
-            "warmup_s": warmup_s, "prompt_width": width}
-
-
+    return {
+        "mode": mode,
+        "batch": batch,
+        "model": "target",
+        "tok_s": tokens / wall,
+        "ms_per_token": 1e3 * wall * batch / tokens,
+        "tokens": tokens,
+        "requests": sum(map(len, groups)),
+        "warmup_s": warmup_s,
+        "prompt_width": width,
+    }

@@ -45,6 +45,9 @@ from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
+from eagle3_jax.model import llama
+from eagle3_jax.model.eagle3 import init_draft_params
+from eagle3_jax.parallel import sharding
 from eagle3_jax.runner.runner import (
     CompileCounter,
     Job,
@@ -56,9 +59,6 @@ from eagle3_jax.runner.runner import (
 )
 from eagle3_jax.runner.state import DeviceState, init_state, state_shardings, with_lengths
 from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step
-from eagle3_jax.model import llama
-from eagle3_jax.model.eagle3 import init_draft_params
-from eagle3_jax.parallel import sharding
 from eagle3_jax.sampling_params import SamplingParams
 
 
@@ -349,7 +349,8 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
         tokens = rng.integers(0, scfg.target.vocab_size, (len(rows), new_tokens)).astype(np.int32)
         positions = np.broadcast_to(context + np.arange(new_tokens, dtype=np.int32), tokens.shape).copy()
         # On the device once: the same buffers every call, as the engine's pinned arguments.
-        tokens, positions, tables = jax.device_put((tokens, positions, tables), sharding.replicated_placement(scfg.mesh))
+        placement = sharding.replicated_placement(scfg.mesh)
+        tokens, positions, tables = jax.device_put((tokens, positions, tables), placement)
 
         kw = {"cfg": scfg.target, "mesh": scfg.mesh, "attention": scfg.attention, "gemv": scfg.gemv}
 
@@ -374,8 +375,9 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
     return call, job
 
 
-def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | None = None,
-             link: LinkCeilings | None = None) -> tuple[list[Result], dict]:
+def phase_8b(
+    opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | None = None, link: LinkCeilings | None = None
+) -> tuple[list[Result], dict]:
     """The step functions on synthetic state; with `mesh` (tp > 1) under tensor parallelism, with
     the all-reduce ceilings `link` in the floors."""
     target, draft = step_models(opts)
@@ -385,8 +387,10 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     own = own_embedding(target, draft)
     ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, attention=opts.attention, gemv=opts.gemv)
     if opts.context + opts.calls * (k + 1) > opts.max_model_len_8b:
-        raise SystemExit(f"--context {opts.context} + {opts.calls} calls x {k + 1} tokens exceed "
-                         f"--max-model-len-8b {opts.max_model_len_8b}")
+        raise SystemExit(
+            f"--context {opts.context} + {opts.calls} calls x {k + 1} tokens exceed "
+            f"--max-model-len-8b {opts.max_model_len_8b}"
+        )
     start = time.perf_counter()
     if mesh is None:
         # Eager: jitting the whole init took 51 s on the H200 (one huge program to compile).
@@ -400,17 +404,36 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     init_s = time.perf_counter() - start
     held = weight_bytes(params, dparams)
     log(f"8b: random weights in {init_s:.1f} s, {(held['target'] + held['draft']) / 1e9:.2f} GB per device")
-    kinds = [StepKind("decode, target-only (K=0)", 0), StepKind(f"EAGLE-3 iteration (K={k})", k),
-             StepKind(f"verify only (B x {k + 1} tokens)", 0, verify_only=True)]
+    kinds = [
+        StepKind("decode, target-only (K=0)", 0),
+        StepKind(f"EAGLE-3 iteration (K={k})", k),
+        StepKind(f"verify only (B x {k + 1} tokens)", 0, verify_only=True),
+    ]
     # Greedy programs: what a batch of greedy requests runs (StepConfig.greedy).
     attention, gemv = attention_kind(ecfg, mesh), gemv_kind(ecfg, mesh)
-    notes.append(f"8b: paged attention {attention} (--attention {opts.attention}); few-row projections {gemv} "
-                 f"(--gemv {opts.gemv})")
-    scfgs = {kind: StepConfig(target=target, draft=draft if kind.num_draft else None, num_draft=kind.num_draft,
-                              mesh=mesh, greedy=True, attention=attention, gemv=gemv) for kind in kinds}
-    calls = {(kind, b): step_call(kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b),
-                                  k + 1, opts.context)
-             for kind, scfg in scfgs.items() for b in batches}
+    notes.append(
+        f"8b: paged attention {attention} (--attention {opts.attention}); few-row projections {gemv} "
+        f"(--gemv {opts.gemv})"
+    )
+    scfgs = {
+        kind: StepConfig(
+            target=target,
+            draft=draft if kind.num_draft else None,
+            num_draft=kind.num_draft,
+            mesh=mesh,
+            greedy=True,
+            attention=attention,
+            gemv=gemv,
+        )
+        for kind in kinds
+    }
+    calls = {
+        (kind, b): step_call(
+            kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b), k + 1, opts.context
+        )
+        for kind, scfg in scfgs.items()
+        for b in batches
+    }
     results, compile_s, collectives = [], {}, {}  # collectives: (kind, batch) -> what the program all-reduces
     kernels: dict[str, profile.DeviceActivity] = {}  # --profile: "kind, batch b" -> the device's activity
     if opts.parallel_compile:
@@ -439,45 +462,75 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
             state, _ = calls[kind, b][0](state)
             state = with_lengths(state, rows, opts.context)
             compiles = CompileCounter.count
-            state, samples = time_calls(calls[kind, b][0], state, lambda s: with_lengths(s, rows, opts.context),
-                                        opts.calls, opts.rounds)
+            state, samples = time_calls(
+                calls[kind, b][0],
+                state,
+                lambda s, rows=rows: with_lengths(s, rows, opts.context),
+                opts.calls,
+                opts.rounds,
+            )
             activity = None
             if opts.profile:
                 state = with_lengths(state, rows, opts.context)
                 out = opts.profile / f"{kind.num_draft}-{'verify' if kind.verify_only else 'iter'}-b{b}"
                 state, activity = profile.profile_calls(calls[kind, b][0], state, opts.calls, out)
                 kernels[f"{kind.name}, batch {b}"] = activity
-                log(f"8b {kind.name}, batch {b}: device busy {activity.busy_us / 1e3 / opts.calls:.3f} ms/call, "
-                    f"idle {activity.idle_frac:.0%}; per call (us, count): " + "; ".join(
+                log(
+                    f"8b {kind.name}, batch {b}: device busy {activity.busy_us / 1e3 / opts.calls:.3f} ms/call, "
+                    f"idle {activity.idle_frac:.0%}; per call (us, count): "
+                    + "; ".join(
                         f"{name[:60]} {total / opts.calls:.0f} x{count / opts.calls:.0f}"
-                        for name, count, total in activity.by_name))
+                        for name, count, total in activity.by_name
+                    )
+                )
             if opts.parallel_compile and CompileCounter.count != compiles:
-                notes.append(f"8b {kind.name}, batch {b}: {CompileCounter.count - compiles} compile(s) "
-                             "after the precompile")
+                notes.append(
+                    f"8b {kind.name}, batch {b}: {CompileCounter.count - compiles} compile(s) after the precompile"
+                )
             if kind.verify_only:
                 cost = target_cost(target, b, k + 1, opts.context, itemsize, tp)
             else:
                 cost = iteration_cost(target, scfg.draft, kind.num_draft, b, opts.context, itemsize, tp)
             ms, floor_ms = 1e3 * statistics.median(samples), 1e3 * cost.floor_s(ceilings, link)
-            values = {"ms": ms, "ms_min": 1e3 * min(samples), "ms_max": 1e3 * max(samples), "floor_ms": floor_ms,
-                      "pct_of_floor": 100 * floor_ms / ms, "bound": cost.bound(ceilings), "gb": cost.bytes / 1e9,
-                      "tflop": cost.flops / 1e12}
+            values = {
+                "ms": ms,
+                "ms_min": 1e3 * min(samples),
+                "ms_max": 1e3 * max(samples),
+                "floor_ms": floor_ms,
+                "pct_of_floor": 100 * floor_ms / ms,
+                "bound": cost.bound(ceilings),
+                "gb": cost.bytes / 1e9,
+                "tflop": cost.flops / 1e12,
+            }
             if mesh is not None:
-                values.update(tp=tp, device_floor_ms=1e3 * cost.device_floor_s(ceilings),
-                              ar_floor_ms=1e3 * cost.allreduce_floor_s(link), ar_count=len(cost.allreduces),
-                              ar_mb=cost.allreduce_bytes / 1e6, ar_latency_ms=1e3 * link.latency_s(cost.allreduces))
+                values.update(
+                    tp=tp,
+                    device_floor_ms=1e3 * cost.device_floor_s(ceilings),
+                    ar_floor_ms=1e3 * cost.allreduce_floor_s(link),
+                    ar_count=len(cost.allreduces),
+                    ar_mb=cost.allreduce_bytes / 1e6,
+                    ar_latency_ms=1e3 * link.latency_s(cost.allreduces),
+                )
                 if (kind, b) in collectives:
                     found = collectives[kind, b]
-                    values.update(ar_count_hlo=len(found.get("all-reduce", [])),
-                                  ar_mb_hlo=sum(n for _, n in found.get("all-reduce", [])) / 1e6,
-                                  other_collectives_hlo={op: len(v) for op, v in found.items() if op != "all-reduce"})
-                    if (values["ar_count_hlo"], round(values["ar_mb_hlo"], 3)) != (values["ar_count"], round(values["ar_mb"], 3)):
-                        notes.append(f"8b {kind.name}, batch {b}: the compiled program all-reduces "
-                                     f"{values['ar_count_hlo']} arrays, {values['ar_mb_hlo']:.3f} MB; the floor counts "
-                                     f"{values['ar_count']}, {values['ar_mb']:.3f} MB (the program's dtype may differ)")
+                    values.update(
+                        ar_count_hlo=len(found.get("all-reduce", [])),
+                        ar_mb_hlo=sum(n for _, n in found.get("all-reduce", [])) / 1e6,
+                        other_collectives_hlo={op: len(v) for op, v in found.items() if op != "all-reduce"},
+                    )
+                    if (values["ar_count_hlo"], round(values["ar_mb_hlo"], 3)) != (
+                        values["ar_count"],
+                        round(values["ar_mb"], 3),
+                    ):
+                        notes.append(
+                            f"8b {kind.name}, batch {b}: the compiled program all-reduces "
+                            f"{values['ar_count_hlo']} arrays, {values['ar_mb_hlo']:.3f} MB; the floor counts "
+                            f"{values['ar_count']}, {values['ar_mb']:.3f} MB (the program's dtype may differ)"
+                        )
             if activity is not None:
-                values.update(device_busy_ms=activity.busy_us / 1e3 / opts.calls,
-                              device_idle_pct=100 * activity.idle_frac)
+                values.update(
+                    device_busy_ms=activity.busy_us / 1e3 / opts.calls, device_idle_pct=100 * activity.idle_frac
+                )
             if not kind.verify_only:
                 accept = opts.assumed_acceptance if kind.num_draft else 1.0
                 values["tok_s_assumed"] = b * accept / (ms / 1e3)
@@ -488,26 +541,40 @@ def phase_8b(opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | N
     for r in results:
         if "tok_s_assumed" in r.values:
             r.values["speedup_assumed"] = r.values["tok_s_assumed"] / decode[r.batch]
-    info = {"model": opts.step_model, "K": k, "context (cached tokens per row)": opts.context,
-            "max_model_len (block tables)": opts.max_model_len_8b,
-            "assumed acceptance length L (NOT measured)": opts.assumed_acceptance, "dtype": jnp.dtype(dtype).name,
-            "random init s": round(init_s, 1), "parallel compile s": compile_s,
-            "target": dataclasses.asdict(target), "draft": dataclasses.asdict(draft)}
+    info = {
+        "model": opts.step_model,
+        "K": k,
+        "context (cached tokens per row)": opts.context,
+        "max_model_len (block tables)": opts.max_model_len_8b,
+        "assumed acceptance length L (NOT measured)": opts.assumed_acceptance,
+        "dtype": jnp.dtype(dtype).name,
+        "random init s": round(init_s, 1),
+        "parallel compile s": compile_s,
+        "target": dataclasses.asdict(target),
+        "draft": dataclasses.asdict(draft),
+    }
     if kernels:
         info["device kernels per call (--profile: family, us, count)"] = {
-            step: [(name, round(total / opts.calls, 1), round(count / opts.calls, 1))
-                   for name, count, total in activity.by_name] for step, activity in kernels.items()}
+            step: [
+                (name, round(total / opts.calls, 1), round(count / opts.calls, 1))
+                for name, count, total in activity.by_name
+            ]
+            for step, activity in kernels.items()
+        }
     if mesh is not None:
-        info.update({
-            "tensor parallel": f"TP={tp} over {', '.join(str(d) for d in mesh.devices.flat)} (parallel/sharding.py "
-                               "layout; steps pin it as the engine does)",
-            "drafter embedding": "its own (70B layout), vocab-parallel" if own else "the target's",
-            "random init": "one jitted creator per tensor shape with out_shardings: each device generates only "
-                           "its own slice",
-            "weights per device": f"{held['target'] / 1e9:.2f} GB target + {held['draft'] / 1e9:.2f} GB draft "
-                                  f"(whole: {held['target_whole'] / 1e9:.2f} + {held['draft_whole'] / 1e9:.2f} GB)",
-            "weight bytes": held,
-            "peak device memory GB (per device)": device_memory_gb(list(mesh.devices.flat))})
+        info.update(
+            {
+                "tensor parallel": f"TP={tp} over {', '.join(str(d) for d in mesh.devices.flat)} (parallel/sharding.py "
+                "layout; steps pin it as the engine does)",
+                "drafter embedding": "its own (70B layout), vocab-parallel" if own else "the target's",
+                "random init": "one jitted creator per tensor shape with out_shardings: each device generates only "
+                "its own slice",
+                "weights per device": f"{held['target'] / 1e9:.2f} GB target + {held['draft'] / 1e9:.2f} GB draft "
+                f"(whole: {held['target_whole'] / 1e9:.2f} + {held['draft_whole'] / 1e9:.2f} GB)",
+                "weight bytes": held,
+                "peak device memory GB (per device)": device_memory_gb(list(mesh.devices.flat)),
+            }
+        )
     return results, info
 
 
@@ -516,12 +583,24 @@ def tp_check_models(opts: Options) -> tuple[ModelConfig, DraftConfig]:
     """A small Llama (8 heads, 2 kv heads: the kv heads split at tp 2 and are replicated above, both
     layouts of sharding.py) and a drafter in the 70B layout: half as wide, its own embedding."""
     h = opts.tp_check_hidden
-    target = ModelConfig(vocab_size=opts.tp_check_vocab, hidden_size=h, intermediate_size=2 * h,
-                         num_layers=opts.tp_check_layers, num_heads=8, num_kv_heads=2, head_dim=h // 8,
-                         rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None, max_position_embeddings=4096,
-                         tie_word_embeddings=False, eos_token_ids=(2,))
-    draft = DraftConfig.like_target(target, opts.tp_check_vocab // 4, hidden_size=h // 2, intermediate_size=h,
-                                    head_dim=h // 16)
+    target = ModelConfig(
+        vocab_size=opts.tp_check_vocab,
+        hidden_size=h,
+        intermediate_size=2 * h,
+        num_layers=opts.tp_check_layers,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=h // 8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_ids=(2,),
+    )
+    draft = DraftConfig.like_target(
+        target, opts.tp_check_vocab // 4, hidden_size=h // 2, intermediate_size=h, head_dim=h // 16
+    )
     return target, draft
 
 
@@ -542,22 +621,36 @@ def write_random_models(target: ModelConfig, draft: DraftConfig, directory: Path
 
     target_dir = directory / "target"
     target_dir.mkdir(parents=True, exist_ok=True)
-    save_llama(host_random(jax.eval_shape(lambda: llama.init_params(target, jax.random.PRNGKey(0), jnp.float32)), 10),
-               target_dir)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "eos_token_id": list(target.eos_token_ids),
-              **hf_config_dict(target)}
+    save_llama(
+        host_random(jax.eval_shape(lambda: llama.init_params(target, jax.random.PRNGKey(0), jnp.float32)), 10),
+        target_dir,
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "eos_token_id": list(target.eos_token_ids),
+        **hf_config_dict(target),
+    }
     (target_dir / "config.json").write_text(json.dumps(config))
-    dshapes = jax.eval_shape(lambda: init_draft_params(draft, jax.random.PRNGKey(0), jnp.float32,
-                                                       own_embedding(target, draft)))
+    dshapes = jax.eval_shape(
+        lambda: init_draft_params(draft, jax.random.PRNGKey(0), jnp.float32, own_embedding(target, draft))
+    )
     return target_dir, save_drafter(host_random(dshapes, 11), draft, directory / "draft")
 
 
 def compare_tokens(got: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -> dict[str, Any]:
     """Token-by-token comparison of two runs over the same prompts."""
-    mismatched = [(i, j) for i, (a, b) in enumerate(zip(got, ref)) for j in range(max(len(a), len(b)))
-                  if j >= len(a) or j >= len(b) or a[j] != b[j]]
-    return {"identical": "yes" if not mismatched and len(got) == len(ref) else "no", "mismatched": len(mismatched),
-            "first_mismatch": f"prompt {mismatched[0][0]}, token {mismatched[0][1]}" if mismatched else None}
+    mismatched = [
+        (i, j)
+        for i, (a, b) in enumerate(zip(got, ref))
+        for j in range(max(len(a), len(b)))
+        if j >= len(a) or j >= len(b) or a[j] != b[j]
+    ]
+    return {
+        "identical": "yes" if not mismatched and len(got) == len(ref) else "no",
+        "mismatched": len(mismatched),
+        "first_mismatch": f"prompt {mismatched[0][0]}, token {mismatched[0][1]}" if mismatched else None,
+    }
 
 
 def phase_tp(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
@@ -568,14 +661,21 @@ def phase_tp(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
 
     n, k = opts.tp, max(opts.num_draft)
     target, draft = tp_check_models(opts)
-    prompts = [np.random.default_rng(i).integers(3, target.vocab_size, 7 + 11 * i).tolist()
-               for i in range(opts.tp_check_prompts)]
+    prompts = [
+        np.random.default_rng(i).integers(3, target.vocab_size, 7 + 11 * i).tolist()
+        for i in range(opts.tp_check_prompts)
+    ]
     longest = max(map(len, prompts)) + opts.tp_check_tokens
     # Speculate at every iteration, so the EAGLE-3 runs verify drafts throughout (an engine that
     # picks per bucket, EngineConfig.speculation, would run a random drafter's target alone).
     always = {"speculation": "always"} if "speculation" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
-    ecfg = EngineConfig(batch_buckets=(len(prompts),), prefill_buckets=(32,), num_speculative_tokens=k,
-                        max_model_len=16 * math.ceil(longest / 16), **always)
+    ecfg = EngineConfig(
+        batch_buckets=(len(prompts),),
+        prefill_buckets=(32,),
+        num_speculative_tokens=k,
+        max_model_len=16 * math.ceil(longest / 16),
+        **always,
+    )
     params = SamplingParams(max_tokens=opts.tp_check_tokens, ignore_eos=True)
     runs = [("target-only", 1, 0), (f"EAGLE-3 K={k}", 1, k), ("target-only", n, 0), (f"EAGLE-3 K={k}", n, k)]
     tokens, results = {}, []
@@ -585,39 +685,55 @@ def phase_tp(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
         target_dir, draft_dir = write_random_models(target, draft, Path(tmp))
         for mode, tp, kk in runs:
             start = time.perf_counter()
-            llm = LLM(target=target_dir, draft=draft_dir if kk else None, num_speculative_tokens=kk,
-                      dtype=jnp.float32, engine_config=ecfg, tensor_parallel_size=tp, warmup=False, progress=False)
+            llm = LLM(
+                target=target_dir,
+                draft=draft_dir if kk else None,
+                num_speculative_tokens=kk,
+                dtype=jnp.float32,
+                engine_config=ecfg,
+                tensor_parallel_size=tp,
+                warmup=False,
+                progress=False,
+            )
             outs = llm.generate(prompts, params)
             del llm
             tokens[mode, tp] = [o.token_ids for o in outs]
-            values = {"tp": tp, "tokens": sum(map(len, tokens[mode, tp])), "s": time.perf_counter() - start,
-                      "acceptance_length": statistics.mean(o.metrics.acceptance_length for o in outs),
-                      "iterations": sum(o.metrics.iterations for o in outs),
-                      "speculative_iterations": sum(getattr(o.metrics, "speculative_iterations", o.metrics.iterations)
-                                                    if kk else 0 for o in outs)}
+            values = {
+                "tp": tp,
+                "tokens": sum(map(len, tokens[mode, tp])),
+                "s": time.perf_counter() - start,
+                "acceptance_length": statistics.mean(o.metrics.acceptance_length for o in outs),
+                "iterations": sum(o.metrics.iterations for o in outs),
+                "speculative_iterations": sum(
+                    getattr(o.metrics, "speculative_iterations", o.metrics.iterations) if kk else 0 for o in outs
+                ),
+            }
             if tp > 1:
                 values.update(compare_tokens(tokens[mode, tp], tokens[mode, 1]))
             if (mode, tp) != ("target-only", 1):
                 values["identical_target_tp1"] = compare_tokens(tokens[mode, tp], tokens["target-only", 1])["identical"]
             results.append(Result("tp", mode, len(prompts), values))
-            log(f"tp {mode}, TP={tp}: {values['tokens']} tokens in {values['s']:.1f} s"
-                + (f", identical to TP=1: {values['identical']}" if tp > 1 else ""))
+            log(
+                f"tp {mode}, TP={tp}: {values['tokens']} tokens in {values['s']:.1f} s"
+                + (f", identical to TP=1: {values['identical']}" if tp > 1 else "")
+            )
     identical = all(r.values.get("identical", "yes") == "yes" for r in results)
     if not identical:
         notes.append(f"tp: TP={n} greedy tokens DIFFER from TP=1 (see the tp table)")
-    info = {"TP=N": n, "identical": "yes" if identical else "NO",
-            "target": f"random f32 Llama: hidden {target.hidden_size}, {target.num_layers} layers, "
-                      f"{target.num_heads} heads, {target.num_kv_heads} kv heads, intermediate "
-                      f"{target.intermediate_size}, vocab {target.vocab_size}",
-            "drafter": f"random, 70B layout: hidden {draft.hidden_size} (own embedding), draft vocab "
-                       f"{draft.draft_vocab_size}; K={k}",
-            "prompts": f"{len(prompts)} random-id prompts of {', '.join(str(len(p)) for p in prompts)} tokens, "
-                       f"submitted together (batch bucket {len(prompts)}; prefill chunks of 32)",
-            "generation": f"greedy, {opts.tp_check_tokens} tokens per prompt (ignore_eos), f32, "
-                          "jax.default_matmul_precision('highest')",
-            "path": "LLM(target, draft, tensor_parallel_size=TP): weights loaded onto their shards, Engine(mesh)",
-            "coverage": "a random drafter's proposals are (almost) all rejected: the EAGLE-3 runs check verify, "
-                        "rejection, the draft extend and chain under TP, not the bookkeeping of accepted drafts"}
+    info = {
+        "TP=N": n,
+        "identical": "yes" if identical else "NO",
+        "target": f"random f32 Llama: hidden {target.hidden_size}, {target.num_layers} layers, "
+        f"{target.num_heads} heads, {target.num_kv_heads} kv heads, intermediate "
+        f"{target.intermediate_size}, vocab {target.vocab_size}",
+        "drafter": f"random, 70B layout: hidden {draft.hidden_size} (own embedding), draft vocab "
+        f"{draft.draft_vocab_size}; K={k}",
+        "prompts": f"{len(prompts)} random-id prompts of {', '.join(str(len(p)) for p in prompts)} tokens, "
+        f"submitted together (batch bucket {len(prompts)}; prefill chunks of 32)",
+        "generation": f"greedy, {opts.tp_check_tokens} tokens per prompt (ignore_eos), f32, "
+        "jax.default_matmul_precision('highest')",
+        "path": "LLM(target, draft, tensor_parallel_size=TP): weights loaded onto their shards, Engine(mesh)",
+        "coverage": "a random drafter's proposals are (almost) all rejected: the EAGLE-3 runs check verify, "
+        "rejection, the draft extend and chain under TP, not the bookkeeping of accepted drafts",
+    }
     return results, info
-
-

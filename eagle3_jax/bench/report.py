@@ -17,57 +17,95 @@ from eagle3_jax.bench.common import (
 )
 
 SMOLLM2_COLUMNS = [
-    Column("mode", "mode"), Column("batch", "batch", "{}"), Column("bucket", "bucket", "{}"),
-    Column("tok_s", "tok/s", "{:.0f}"), Column("speedup", "speedup", "{:.2f}x"),
-    Column("speculative_iterations", "spec. iters", "{}"), Column("target_only_iterations", "target-only iters", "{}"),
+    Column("mode", "mode"),
+    Column("batch", "batch", "{}"),
+    Column("bucket", "bucket", "{}"),
+    Column("tok_s", "tok/s", "{:.0f}"),
+    Column("speedup", "speedup", "{:.2f}x"),
+    Column("speculative_iterations", "spec. iters", "{}"),
+    Column("target_only_iterations", "target-only iters", "{}"),
     Column("tpot_ms", "TPOT ms", "{:.2f}"),
-    Column("ttft_ms", "TTFT ms", "{:.1f}"), Column("tokens_per_request", "tok/req", "{:.0f}"),
-    Column("acceptance_length", "accept len", "{:.2f}"), Column("acceptance_rates", "accept rate by pos", "{:.2f}"),
-    Column("iter_ms", "wall/iter ms", "{:.2f}"), Column("step_ms", "steady step ms", "{:.2f}"),
+    Column("ttft_ms", "TTFT ms", "{:.1f}"),
+    Column("tokens_per_request", "tok/req", "{:.0f}"),
+    Column("acceptance_length", "accept len", "{:.2f}"),
+    Column("acceptance_rates", "accept rate by pos", "{:.2f}"),
+    Column("iter_ms", "wall/iter ms", "{:.2f}"),
+    Column("step_ms", "steady step ms", "{:.2f}"),
     Column("host_ms_per_step", "host ms/step", "{:.2f}"),
-    Column("dispatch_ms_per_step", "of which dispatch", "{:.2f}"), Column("device_wait_ms_per_step", "wait ms/step", "{:.2f}"),
-    Column("device_ms", "device ms/iter", "{:.2f}"), Column("floor_ms", "floor ms/iter", "{:.3f}"),
-    Column("idle_frac", "device idle", "{:.0%}"), Column("device_busy_ms", "busy ms/iter (profiler)", "{:.2f}"),
-    Column("idle_measured", "device idle (profiler)", "{:.0%}"), Column("compile_s", "compile s", "{:.0f}"),
+    Column("dispatch_ms_per_step", "of which dispatch", "{:.2f}"),
+    Column("device_wait_ms_per_step", "wait ms/step", "{:.2f}"),
+    Column("device_ms", "device ms/iter", "{:.2f}"),
+    Column("floor_ms", "floor ms/iter", "{:.3f}"),
+    Column("idle_frac", "device idle", "{:.0%}"),
+    Column("device_busy_ms", "busy ms/iter (profiler)", "{:.2f}"),
+    Column("idle_measured", "device idle (profiler)", "{:.0%}"),
+    Column("compile_s", "compile s", "{:.0f}"),
     Column("warmup_s", "warm-up s", "{:.1f}"),
 ]
 STEP_COLUMNS = [
-    Column("mode", "step"), Column("batch", "batch", "{}"), Column("ms", "ms/call", "{:.2f}"),
-    Column("floor_ms", "floor ms", "{:.2f}"), Column("pct_of_floor", "% of floor", "{:.0f}%"),
-    Column("bound", "floor set by"), Column("gb", "GB (floor)", "{:.1f}"),
+    Column("mode", "step"),
+    Column("batch", "batch", "{}"),
+    Column("ms", "ms/call", "{:.2f}"),
+    Column("floor_ms", "floor ms", "{:.2f}"),
+    Column("pct_of_floor", "% of floor", "{:.0f}%"),
+    Column("bound", "floor set by"),
+    Column("gb", "GB (floor)", "{:.1f}"),
     Column("device_busy_ms", "busy ms (profiler)", "{:.2f}"),
     Column("tok_s_assumed", "tok/s at ASSUMED L", "{:.0f}"),
     Column("speedup_assumed", "speedup at ASSUMED L", "{:.2f}x"),
 ]
 STEP_TP_COLUMNS = [
-    Column("device_floor_ms", "HBM/compute floor ms", "{:.2f}"), Column("ar_floor_ms", "all-reduce floor ms", "{:.3f}"),
-    Column("ar_count", "all-reduces/call", "{}"), Column("ar_count_hlo", "in HLO", "{}"),
-    Column("ar_mb", "all-reduced MB/GPU", "{:.2f}"), Column("ar_latency_ms", "all-reduces at measured latency ms", "{:.2f}"),
+    Column("device_floor_ms", "HBM/compute floor ms", "{:.2f}"),
+    Column("ar_floor_ms", "all-reduce floor ms", "{:.3f}"),
+    Column("ar_count", "all-reduces/call", "{}"),
+    Column("ar_count_hlo", "in HLO", "{}"),
+    Column("ar_mb", "all-reduced MB/GPU", "{:.2f}"),
+    Column("ar_latency_ms", "all-reduces at measured latency ms", "{:.2f}"),
 ]
 ALLREDUCE_COLUMNS = [
-    Column("mode", "array per device"), Column("mb", "MB", "{:.3f}"), Column("us", "us per all-reduce", "{:.1f}"),
-    Column("algbw_gbs", "algbw GB/s", "{:.2f}"), Column("busbw_gbs", "busbw GB/s", "{:.2f}"),
+    Column("mode", "array per device"),
+    Column("mb", "MB", "{:.3f}"),
+    Column("us", "us per all-reduce", "{:.1f}"),
+    Column("algbw_gbs", "algbw GB/s", "{:.2f}"),
+    Column("busbw_gbs", "busbw GB/s", "{:.2f}"),
     Column("hlo_allreduces", "all-reduces in HLO", "{}"),
 ]
 TP_COLUMNS = [
-    Column("mode", "run"), Column("tp", "TP", "{}"), Column("batch", "prompts", "{}"), Column("tokens", "tokens", "{}"),
-    Column("identical", "same tokens as TP=1 (same run)"), Column("mismatched", "mismatched tokens", "{}"),
-    Column("first_mismatch", "first mismatch"), Column("identical_target_tp1", "same tokens as target-only TP=1"),
-    Column("acceptance_length", "accept len", "{:.2f}"), Column("iterations", "iterations", "{}"),
-    Column("speculative_iterations", "of them speculative", "{}"), Column("s", "s (load + compile + generate)", "{:.1f}"),
+    Column("mode", "run"),
+    Column("tp", "TP", "{}"),
+    Column("batch", "prompts", "{}"),
+    Column("tokens", "tokens", "{}"),
+    Column("identical", "same tokens as TP=1 (same run)"),
+    Column("mismatched", "mismatched tokens", "{}"),
+    Column("first_mismatch", "first mismatch"),
+    Column("identical_target_tp1", "same tokens as target-only TP=1"),
+    Column("acceptance_length", "accept len", "{:.2f}"),
+    Column("iterations", "iterations", "{}"),
+    Column("speculative_iterations", "of them speculative", "{}"),
+    Column("s", "s (load + compile + generate)", "{:.1f}"),
 ]
 PEER_COLUMNS = [
-    Column("mode", "peer"), Column("batch", "batch", "{}"), Column("tok_s", "tok/s", "{:.0f}"),
-    Column("ms_per_token", "ms/token/seq", "{:.2f}"), Column("tokens", "tokens", "{}"),
-    Column("requests", "requests", "{}"), Column("warmup_s", "compile + warm-up s", "{:.1f}"),
+    Column("mode", "peer"),
+    Column("batch", "batch", "{}"),
+    Column("tok_s", "tok/s", "{:.0f}"),
+    Column("ms_per_token", "ms/token/seq", "{:.2f}"),
+    Column("tokens", "tokens", "{}"),
+    Column("requests", "requests", "{}"),
+    Column("warmup_s", "compile + warm-up s", "{:.1f}"),
 ]
-SECTIONS = (("smollm2", "Engine end to end: target-only vs EAGLE-3", SMOLLM2_COLUMNS),
-            ("allreduce", "All-reduce across the tensor-parallel devices", ALLREDUCE_COLUMNS),
-            ("8b", "Step functions: {shapes}, random weights, synthetic slot state", STEP_COLUMNS),
-            ("tp", "Tensor parallelism: greedy tokens at TP=N vs TP=1 through the engine", TP_COLUMNS),
-            ("peer", "Peer: Hugging Face transformers, static cache + torch.compile", PEER_COLUMNS))
-STEP_SHAPES = {LLAMA31_8B: "Llama-3.1-8B", "llama-3.1-8b": "Llama-3.1-8B", LLAMA33_70B: "Llama-3.3-70B",
-               "llama3.3-70b": "Llama-3.3-70B"}
+SECTIONS = (
+    ("smollm2", "Engine end to end: target-only vs EAGLE-3", SMOLLM2_COLUMNS),
+    ("allreduce", "All-reduce across the tensor-parallel devices", ALLREDUCE_COLUMNS),
+    ("8b", "Step functions: {shapes}, random weights, synthetic slot state", STEP_COLUMNS),
+    ("tp", "Tensor parallelism: greedy tokens at TP=N vs TP=1 through the engine", TP_COLUMNS),
+    ("peer", "Peer: Hugging Face transformers, static cache + torch.compile", PEER_COLUMNS),
+)
+STEP_SHAPES = {
+    LLAMA31_8B: "Llama-3.1-8B",
+    "llama-3.1-8b": "Llama-3.1-8B",
+    LLAMA33_70B: "Llama-3.3-70B",
+    "llama3.3-70b": "Llama-3.3-70B",
+}
 
 LEGEND = """\
 Measured vs derived:
@@ -107,35 +145,45 @@ def summary_ratios(results: Sequence[Result]) -> list[str]:
     for r in results:
         if r.phase == "smollm2" and r.mode != "target-only":
             base = by[("smollm2", "target-only", r.batch)]
-            lines.append(f"{r.mode} / target-only, batch {r.batch}: {r.values['speedup']:.2f}x tok/s at acceptance "
-                         f"length {r.values['acceptance_length']:.2f}; device ms/iter {r.values['device_ms']:.2f} "
-                         f"vs {base['device_ms']:.2f} (floors {r.values.get('floor_ms', float('nan')):.3f} vs "
-                         f"{base.get('floor_ms', float('nan')):.3f})")
+            lines.append(
+                f"{r.mode} / target-only, batch {r.batch}: {r.values['speedup']:.2f}x tok/s at acceptance "
+                f"length {r.values['acceptance_length']:.2f}; device ms/iter {r.values['device_ms']:.2f} "
+                f"vs {base['device_ms']:.2f} (floors {r.values.get('floor_ms', float('nan')):.3f} vs "
+                f"{base.get('floor_ms', float('nan')):.3f})"
+            )
     modes = list(dict.fromkeys(r.mode for r in results if r.phase == "smollm2"))
     for p in (r for r in results if r.phase == "peer" and r.values.get("model") == "target"):
         for mode in modes:
             if ours := by.get(("smollm2", mode, p.batch)):
-                lines.append(f"ours {mode} / {p.mode}, batch {p.batch}: {ours['tok_s'] / p.values['tok_s']:.2f}x "
-                             f"tok/s ({ours['tok_s']:.0f} vs {p.values['tok_s']:.0f})")
+                lines.append(
+                    f"ours {mode} / {p.mode}, batch {p.batch}: {ours['tok_s'] / p.values['tok_s']:.2f}x "
+                    f"tok/s ({ours['tok_s']:.0f} vs {p.values['tok_s']:.0f})"
+                )
     big = [r for r in results if r.phase == "peer" and r.values.get("model") == "8b"]
     decode = [r for r in results if r.phase == "8b" and r.mode.startswith("decode") and r.batch == 1]
     if big and decode:
         v = decode[0].values
-        lines.append(f"8B shapes, batch 1: our decode step {v['ms']:.2f} ms (step alone) vs {big[0].mode} "
-                     f"{big[0].values['ms_per_token']:.2f} ms/token (generate end to end); "
-                     f"floor {v['floor_ms']:.2f} ms")
+        lines.append(
+            f"8B shapes, batch 1: our decode step {v['ms']:.2f} ms (step alone) vs {big[0].mode} "
+            f"{big[0].values['ms_per_token']:.2f} ms/token (generate end to end); "
+            f"floor {v['floor_ms']:.2f} ms"
+        )
     for r in results:
         if r.phase == "8b" and "ar_floor_ms" in r.values and not r.mode.startswith("verify"):
             v = r.values
-            lines.append(f"TP={v['tp']} {r.mode}, batch {r.batch}: {v['ms']:.2f} ms vs floor {v['floor_ms']:.2f} ms "
-                         f"({v['pct_of_floor']:.0f}%; HBM/compute {v['device_floor_ms']:.2f} + all-reduce "
-                         f"{v['ar_floor_ms']:.3f}; {v['ar_count']} all-reduces of {v['ar_mb']:.2f} MB in all, "
-                         f"{v['ar_latency_ms']:.2f} ms at measured latency; compiled program: "
-                         f"{v.get('ar_count_hlo', '-')} all-reduces, {v.get('ar_mb_hlo', float('nan')):.2f} MB)")
+            lines.append(
+                f"TP={v['tp']} {r.mode}, batch {r.batch}: {v['ms']:.2f} ms vs floor {v['floor_ms']:.2f} ms "
+                f"({v['pct_of_floor']:.0f}%; HBM/compute {v['device_floor_ms']:.2f} + all-reduce "
+                f"{v['ar_floor_ms']:.3f}; {v['ar_count']} all-reduces of {v['ar_mb']:.2f} MB in all, "
+                f"{v['ar_latency_ms']:.2f} ms at measured latency; compiled program: "
+                f"{v.get('ar_count_hlo', '-')} all-reduces, {v.get('ar_mb_hlo', float('nan')):.2f} MB)"
+            )
     for r in results:
         if r.phase == "tp" and "identical" in r.values:
-            lines.append(f"TP={r.values['tp']} vs TP=1, {r.mode}: greedy tokens identical: {r.values['identical']} "
-                         f"({r.values['tokens']} tokens, {r.batch} prompts, {r.values['mismatched']} mismatched)")
+            lines.append(
+                f"TP={r.values['tp']} vs TP=1, {r.mode}: greedy tokens identical: {r.values['identical']} "
+                f"({r.values['tokens']} tokens, {r.batch} prompts, {r.values['mismatched']} mismatched)"
+            )
     return lines
 
 
@@ -144,15 +192,22 @@ def _describe(info: dict) -> list[str]:
 
 
 def report_markdown(meta: dict, results: Sequence[Result], info: dict, notes: Sequence[str]) -> str:
-    out = ["# eagle3-jax bench", "", f"- device: {meta['device']}", f"- jax {meta['jax']}, Python {meta['python']}",
-           f"- date: {meta['date']}", f"- command: `{meta['command']}`",
-           f"- run took {meta['total_s']:.0f} s ("
-           + ", ".join(f"{k} {v:.0f} s" for k, v in meta["phase_s"].items()) + ")"]
+    out = [
+        "# eagle3-jax bench",
+        "",
+        f"- device: {meta['device']}",
+        f"- jax {meta['jax']}, Python {meta['python']}",
+        f"- date: {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- run took {meta['total_s']:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in meta["phase_s"].items()) + ")",
+    ]
     if c := meta.get("ceilings"):
         kernels = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in c["bandwidths"].items())
-        out.append(f"- ceilings measured in this run: memory {c['bandwidth'] / 1e12:.2f} TB/s, the best of ({kernels}; "
-                   f"TB/s over {c['copy_gb']:g} GB of random data, bytes read + written); bf16 matmul "
-                   f"{c['flops'] / 1e12:.0f} TFLOP/s ({c['matmul_n']}^3, random data)")
+        out.append(
+            f"- ceilings measured in this run: memory {c['bandwidth'] / 1e12:.2f} TB/s, the best of ({kernels}; "
+            f"TB/s over {c['copy_gb']:g} GB of random data, bytes read + written); bf16 matmul "
+            f"{c['flops'] / 1e12:.0f} TFLOP/s ({c['matmul_n']}^3, random data)"
+        )
     for phase, title, columns in SECTIONS:
         rows = [r for r in results if r.phase == phase]
         if phase in info:
@@ -162,8 +217,14 @@ def report_markdown(meta: dict, results: Sequence[Result], info: dict, notes: Se
                 tp = rows[0].values.get("tp", 1) if rows else 1
                 title = title.format(shapes=f"{shapes} shapes" + (f" at TP={tp}" if tp > 1 else ""))
                 columns = columns + STEP_TP_COLUMNS if tp > 1 else columns
-            out += ["", f"## {title}", "", *_describe(info[phase]), "",
-                    markdown_table(rows, columns) if rows else "(no rows)"]
+            out += [
+                "",
+                f"## {title}",
+                "",
+                *_describe(info[phase]),
+                "",
+                markdown_table(rows, columns) if rows else "(no rows)",
+            ]
     if ratios := summary_ratios(results):
         out += ["", "## Ratios", "", *[f"- {line}" for line in ratios]]
     if notes:
@@ -185,16 +246,25 @@ def plot(results: Sequence[Result], path: Path) -> Path | None:
         rows = [r for r in results if r.phase == "smollm2" and r.mode == mode]
         ax1.plot([r.batch for r in rows], [r.values["tok_s"] for r in rows], "o-", label=f"ours, {mode}")
         if mode != "target-only":
-            ax2.plot([r.batch for r in rows], [r.values["speedup"] for r in rows], "o-",
-                     label=f"SmolLM2 {mode}, measured")
+            ax2.plot(
+                [r.batch for r in rows], [r.values["speedup"] for r in rows], "o-", label=f"SmolLM2 {mode}, measured"
+            )
     for r in results:
         if r.phase == "peer" and r.values.get("model") == "target":
-            ax1.plot([r.batch], [r.values["tok_s"]], "k^", label=r.mode if r.batch == min(
-                x.batch for x in results if x.phase == "peer") else None)
+            ax1.plot(
+                [r.batch],
+                [r.values["tok_s"]],
+                "k^",
+                label=r.mode if r.batch == min(x.batch for x in results if x.phase == "peer") else None,
+            )
     for mode in dict.fromkeys(r.mode for r in results if r.phase == "8b" and r.mode.startswith("EAGLE")):
         rows = [r for r in results if r.phase == "8b" and r.mode == mode]
-        ax2.plot([r.batch for r in rows], [r.values["speedup_assumed"] for r in rows], "s--",
-                 label=f"step phase {mode}, ASSUMED L (step times)")
+        ax2.plot(
+            [r.batch for r in rows],
+            [r.values["speedup_assumed"] for r in rows],
+            "s--",
+            label=f"step phase {mode}, ASSUMED L (step times)",
+        )
     for ax, ylabel in ((ax1, "output tok/s"), (ax2, "speedup over target-only")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
@@ -216,12 +286,14 @@ def device_name() -> str:
     d = jax.devices()[0]
     name = f"{d.platform}: {d.device_kind}" + (f" x {jax.device_count()}" if jax.device_count() > 1 else "")
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         if out.returncode == 0 and out.stdout.strip():
             name += f" (nvidia-smi: {out.stdout.strip().splitlines()[0]})"
     except (OSError, subprocess.TimeoutExpired):
         pass
     return name
-
-

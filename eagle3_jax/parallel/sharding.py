@@ -68,11 +68,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.config import DraftConfig, ModelConfig
-from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model import llama
+from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache, LayerParams, LlamaParams
 
 TP = "tp"

@@ -29,8 +29,16 @@ from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
 from eagle3_jax.runner import sampling
 from eagle3_jax.runner.state import DeviceState, init_state, state_shardings, with_lengths
-from eagle3_jax.runner.steps import (StepConfig, chain_step_jit, commit_step, iterate_head_step, iterate_in_place_step,
-                                     prefill_step, read_first_token_step, read_verdicts_step)
+from eagle3_jax.runner.steps import (
+    StepConfig,
+    chain_step_jit,
+    commit_step,
+    iterate_head_step,
+    iterate_in_place_step,
+    prefill_step,
+    read_first_token_step,
+    read_verdicts_step,
+)
 from eagle3_jax.runner.target import target_model_for
 from eagle3_jax.sampling_params import SamplingParams
 

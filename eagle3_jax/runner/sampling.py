@@ -71,7 +71,7 @@ Conventions
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -148,9 +148,9 @@ def seed_to_key_data(seed: int) -> np.ndarray:
 
 def row_sampling_from_params(
     params: Sequence[SamplingParams],
-    seeds: Optional[Sequence[Optional[int]]] = None,
+    seeds: Sequence[int | None] | None = None,
     *,
-    rng: Optional[np.random.Generator] = None,
+    rng: np.random.Generator | None = None,
 ) -> RowSampling:
     """Host helper: a list of `SamplingParams` -> `RowSampling` of numpy arrays.
 
@@ -335,7 +335,7 @@ def sample_rows(probs: Array, keys: Array) -> Array:
     return sample_from_uniform(probs, u)
 
 
-def sample_logits(logits: Array, params: RowSampling, keys: Optional[Array] = None) -> Array:
+def sample_logits(logits: Array, params: RowSampling, keys: Array | None = None) -> Array:
     """Target-only token choice (e.g. the first token after prefill).
 
     logits [B, V], params fields [B], keys [B, 2] u32 (default params.key)
@@ -382,9 +382,9 @@ def greedy_verify(target_logits: Array, draft_tokens: Array) -> tuple[Array, Arr
 def verify_chain(
     target_logits: Array,
     draft_tokens: Array,
-    draft_probs: Optional[Array],
+    draft_probs: Array | None,
     params: RowSampling,
-    keys: Optional[Array] = None,
+    keys: Array | None = None,
 ) -> tuple[Array, Array]:
     """Lossless chain speculative sampling step (vectorised over the chain).
 

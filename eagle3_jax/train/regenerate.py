@@ -87,13 +87,15 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
     (`LLM.generate_iter`): a finished row takes the next request at once. Prompts longer than
     `max_prompt_tokens` are skipped, as are replies shorter than `min_reply_tokens`. Requests go
     temperature by temperature; with `time_budget_s`, none is started after the budget is spent
-    (the admitted ones finish and are kept), so the budget cuts the later temperatures' replies. `prompt_numbers` [N] number the prompts for their sampling seeds (default 0..N-1; a
+    (the admitted ones finish and are kept), so the budget cuts the later temperatures' replies.
+    `prompt_numbers` [N] number the prompts for their sampling seeds (default 0..N-1; a
     shard passes the prompts' places in the whole list, so its replies do not depend on how many
     shards there are); `seed` offsets every sampling seed, for another draw of the same prompts.
     """
     if max_prompt_tokens + max_new_tokens > seq_len:
-        raise ValueError(f"max_prompt_tokens {max_prompt_tokens} + max_new_tokens {max_new_tokens} "
-                         f"exceed seq_len {seq_len}")
+        raise ValueError(
+            f"max_prompt_tokens {max_prompt_tokens} + max_new_tokens {max_new_tokens} exceed seq_len {seq_len}"
+        )
     start = time.perf_counter()
     numbers = range(len(prompts)) if prompt_numbers is None else prompt_numbers
     ids = [llm.encode(p) for p in prompts]
@@ -111,8 +113,14 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
                     return
                 # One seed per (prompt, temperature): sampled replies are reproducible and independent.
                 # Each `seed` owns a range of SEEDS_PER_DRAW, far above any prompt count times temperatures.
-                yield ids[i], SamplingParams(max_tokens=max_new_tokens, temperature=t,
-                                             seed=seed * SEEDS_PER_DRAW + numbers[i] * len(temperatures) + k)
+                yield (
+                    ids[i],
+                    SamplingParams(
+                        max_tokens=max_new_tokens,
+                        temperature=t,
+                        seed=seed * SEEDS_PER_DRAW + numbers[i] * len(temperatures) + k,
+                    ),
+                )
 
     replies, generated = {}, 0  # (prompt n, temperature k) -> reply ids
     for j, out in llm.generate_iter(requests()):
@@ -122,17 +130,29 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
         replies[divmod(j, len(keep))[::-1]] = out.token_ids
         bar.update(1)
     bar.close()
-    pairs = [reply_example(ids[keep[n]], replies[n, k]) for n, k in sorted(replies)
-             if len(replies[n, k]) >= min_reply_tokens]
+    pairs = [
+        reply_example(ids[keep[n]], replies[n, k]) for n, k in sorted(replies) if len(replies[n, k]) >= min_reply_tokens
+    ]
     seconds = time.perf_counter() - start
-    log(f"regenerate: {generated:,} tokens in {seconds:.0f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s), "
-        f"{len(pairs)} examples")
+    log(
+        f"regenerate: {generated:,} tokens in {seconds:.0f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s), "
+        f"{len(pairs)} examples"
+    )
     return D.pad_examples(pairs, seq_len, pad_id)
 
 
-def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: int, spec: RegenerateSpec, *,
-                        mtbench, max_conversations: int | None, expect_records: int | None,
-                        progress: bool = True, log=print) -> D.Examples:
+def regenerate_sharegpt(
+    target_dir: str | Path,
+    sharegpt: str | Path,
+    seq_len: int,
+    spec: RegenerateSpec,
+    *,
+    mtbench,
+    max_conversations: int | None,
+    expect_records: int | None,
+    progress: bool = True,
+    log=print,
+) -> D.Examples:
     """ShareGPT user turns (`spec.turns` per conversation, MT-bench overlaps removed) answered by the
     target in `target_dir`,
     this process's shard of them (`spec.shard`). `expect_records` checks the file's whole records
@@ -140,19 +160,34 @@ def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: i
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig
 
-    convs = D.sharegpt_conversations(sharegpt, mtbench=mtbench, max_conversations=max_conversations,
-                                     expect_records=expect_records, log=log)
-    engine = EngineConfig(batch_buckets=spec.batch_buckets, prefill_buckets=spec.prefill_buckets,
-                          num_speculative_tokens=0, max_model_len=spec.max_prompt_tokens + spec.max_new_tokens)
+    convs = D.sharegpt_conversations(
+        sharegpt, mtbench=mtbench, max_conversations=max_conversations, expect_records=expect_records, log=log
+    )
+    engine = EngineConfig(
+        batch_buckets=spec.batch_buckets,
+        prefill_buckets=spec.prefill_buckets,
+        num_speculative_tokens=0,
+        max_model_len=spec.max_prompt_tokens + spec.max_new_tokens,
+    )
     shard, shards = spec.shard
     prompts = user_turns(convs, spec.turns)[shard::shards]
     numbers = range(shard, shard + shards * len(prompts), shards)  # their places in the whole list
     log(f"regenerate: shard {shard} of {shards}: {len(prompts)} prompts, temperatures {spec.temperatures}")
     llm = LLM(target_dir, draft=None, num_speculative_tokens=0, engine_config=engine, progress=progress)
-    ex = regenerate_examples(llm, prompts, seq_len, max_prompt_tokens=spec.max_prompt_tokens,
-                             max_new_tokens=spec.max_new_tokens, temperatures=spec.temperatures,
-                             time_budget_s=spec.time_budget_s, pad_id=D.pad_id(llm.tokenizer),
-                             prompt_numbers=numbers, seed=spec.seed, progress=progress, log=log)
+    ex = regenerate_examples(
+        llm,
+        prompts,
+        seq_len,
+        max_prompt_tokens=spec.max_prompt_tokens,
+        max_new_tokens=spec.max_new_tokens,
+        temperatures=spec.temperatures,
+        time_budget_s=spec.time_budget_s,
+        pad_id=D.pad_id(llm.tokenizer),
+        prompt_numbers=numbers,
+        seed=spec.seed,
+        progress=progress,
+        log=log,
+    )
     D.describe(ex, "regenerated", log)
     return ex
 
@@ -160,19 +195,40 @@ def regenerate_sharegpt(target_dir: str | Path, sharegpt: str | Path, seq_len: i
 def add_arguments(ap) -> None:
     """The regeneration flags of `eagle3-jax train-draft` and scripts/train_smollm2_drafter.py."""
     g = ap.add_argument_group("self-distillation: train on the target's own replies to the ShareGPT prompts")
-    g.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=False,
-                   help="answer the ShareGPT user turns with the target and train on those replies")
+    g.add_argument(
+        "--regenerate",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="answer the ShareGPT user turns with the target and train on those replies",
+    )
     g.add_argument("--regen-max-prompt-tokens", type=int, default=RegenerateSpec.max_prompt_tokens)
     g.add_argument("--regen-max-new-tokens", type=int, default=RegenerateSpec.max_new_tokens)
-    g.add_argument("--regen-temperatures", type=_floats, default=RegenerateSpec.temperatures,
-                   help="answer each prompt once per temperature, comma-separated (0 = greedy; default 0)")
-    g.add_argument("--regen-turns", type=int, default=RegenerateSpec.turns,
-                   help="user turns of each conversation taken as prompts, each with the turns before it (default 1)")
+    g.add_argument(
+        "--regen-temperatures",
+        type=_floats,
+        default=RegenerateSpec.temperatures,
+        help="answer each prompt once per temperature, comma-separated (0 = greedy; default 0)",
+    )
+    g.add_argument(
+        "--regen-turns",
+        type=int,
+        default=RegenerateSpec.turns,
+        help="user turns of each conversation taken as prompts, each with the turns before it (default 1)",
+    )
     g.add_argument("--regen-time-budget-s", type=float, help="stop asking for replies after this long")
-    g.add_argument("--regen-seed", type=int, default=RegenerateSpec.seed,
-                   help="another value draws other sampled replies, e.g. to continue training (--init) on new data")
-    g.add_argument("--regen-shard", type=_shard, default=RegenerateSpec.shard, metavar="I/N",
-                   help="answer only shard I of N of the prompts (one process per GPU); default 0/1")
+    g.add_argument(
+        "--regen-seed",
+        type=int,
+        default=RegenerateSpec.seed,
+        help="another value draws other sampled replies, e.g. to continue training (--init) on new data",
+    )
+    g.add_argument(
+        "--regen-shard",
+        type=_shard,
+        default=RegenerateSpec.shard,
+        metavar="I/N",
+        help="answer only shard I of N of the prompts (one process per GPU); default 0/1",
+    )
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -198,6 +254,12 @@ def _shard(text: str) -> tuple[int, int]:
 def spec_from_args(a) -> RegenerateSpec | None:
     if not a.regenerate:
         return None
-    return RegenerateSpec(max_prompt_tokens=a.regen_max_prompt_tokens, max_new_tokens=a.regen_max_new_tokens,
-                          temperatures=a.regen_temperatures, time_budget_s=a.regen_time_budget_s,
-                          shard=a.regen_shard, turns=a.regen_turns, seed=a.regen_seed)
+    return RegenerateSpec(
+        max_prompt_tokens=a.regen_max_prompt_tokens,
+        max_new_tokens=a.regen_max_new_tokens,
+        temperatures=a.regen_temperatures,
+        time_budget_s=a.regen_time_budget_s,
+        shard=a.regen_shard,
+        turns=a.regen_turns,
+        seed=a.regen_seed,
+    )

@@ -81,7 +81,9 @@ def params_to_hf(params: LlamaParams) -> dict[str, np.ndarray]:
     return out
 
 
-def load_llama(directory: str | Path, dtype=jnp.bfloat16, place: Callable | None = None) -> tuple[ModelConfig, LlamaParams]:
+def load_llama(
+    directory: str | Path, dtype=jnp.bfloat16, place: Callable | None = None
+) -> tuple[ModelConfig, LlamaParams]:
     """(config, params) from a Hugging Face Llama directory (config.json + safetensors).
     `place(array, path)` puts each tensor on its devices as it is read (see params_from_hf)."""
     directory = Path(directory)
