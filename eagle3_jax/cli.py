@@ -96,6 +96,20 @@ def top_p(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]")
+    return value
+
+
 def mtbench_count(text: str) -> int:
     value = _int(text)
     if not 1 <= value <= MTBENCH_QUESTIONS:
@@ -183,11 +197,27 @@ def build_parser() -> ArgumentParser:
     p.add_argument("src", help="drafter directory holding pytorch_model.bin and config.json")
     p.add_argument("--out", default=None, help="directory to write (default: SRC itself)")
 
-    # Subcommands whose arguments live with their code (`eagle3-jax plan --help`, ...).
+    p = sub.add_parser("plan", help="per-device memory plan for tensor parallelism",
+                       description="Per-device memory for weights, KV cache and buffers under tensor "
+                                   "parallelism; nothing is loaded or allocated.")
+    p.add_argument("--target", required=True,
+                   help="target config.json, model directory or preset (llama3.1-8b, llama3.3-70b)")
+    p.add_argument("--draft", default=None,
+                   help="drafter config.json or directory, a preset, or none (default: a preset target's drafter)")
+    p.add_argument("--tp", type=positive_int, nargs="+", default=[1], help="tensor-parallel degree(s)")
+    p.add_argument("--max-batch", type=positive_int, default=8, help="rows served at once")
+    p.add_argument("--max-len", type=positive_int, default=8192, help="tokens per row (prompt + output)")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    p.add_argument("--num-draft-tokens", type=num_draft, default=4, help="K")
+    p.add_argument("--prefill-tokens", type=positive_int, default=512, help="largest prefill chunk")
+    p.add_argument("--dtype-bytes", type=positive_int, default=2, help="bytes per weight and KV entry (2 = bf16)")
+    p.add_argument("--gpu-gb", type=positive_float, default=141.0, help="memory per GPU in GB (1e9)")
+    p.add_argument("--mem-fraction", type=fraction, default=0.9,
+                   help="share of GPU memory jax may use (XLA_PYTHON_CLIENT_MEM_FRACTION)")
+
+    # Subcommands whose arguments live with their code (`eagle3-jax bench --help`, ...).
     for name, help_text in (("bench", "benchmark target-only vs EAGLE-3"),
-                            ("train-draft", "train an EAGLE-3 drafter for a target"),
-                            ("plan", "per-device memory plan for tensor parallelism; --target takes a "
-                                     "config or a preset (llama3.1-8b, llama3.3-70b)")):
+                            ("train-draft", "train an EAGLE-3 drafter for a target")):
         sub.add_parser(name, help=help_text, add_help=False)
     parser.commands = sub.choices  # name -> its parser, for errors found after parsing
     return parser
@@ -358,40 +388,47 @@ def cmd_convert_draft(args) -> int:
     return 0
 
 
-def plan_argv(argv: list[str]) -> list[str]:
-    """`plan`'s arguments with preset names resolved: `--target llama3.1-8b` is the shipped
-    config (and its drafter's, unless --draft is given); `--draft PRESET` a preset's drafter;
-    `--draft none` no drafter."""
+def plan_paths(target: str, draft: str | None) -> tuple[Path, Path | None]:
+    """`plan`'s config files with preset names resolved: a preset target is the shipped config,
+    with its drafter's unless --draft is given; `--draft PRESET` a preset's drafter; `--draft none`
+    no drafter. A directory stands for its config.json."""
     from eagle3_jax import presets
 
-    items: list[str] = []
-    for a in argv:  # --target=X -> --target X
-        items.extend(a.split("=", 1) if a.startswith(("--target=", "--draft=")) else [a])
-    out, preset_draft, draft_given = [], None, "--draft" in items
-    it = iter(items)
-    for a in it:
-        if a not in ("--target", "--draft"):
-            out.append(a)
-            continue
-        value = next(it, None)
-        if value is None:
-            out.append(a)  # plan's own parser reports the missing value
-            break
-        if a == "--draft" and value.lower() == "none":
-            continue
+    def config_path(value: str, flag: str) -> Path:
         if value.lower() in presets.PRESETS:
             target_dir, draft_dir = presets.preset_dirs(value)
-            value = str(target_dir if a == "--target" else draft_dir)
-            if a == "--target":
-                preset_draft = draft_dir
-        elif not Path(value).exists():
-            kind = "a config.json" if a == "--target" else "a drafter config.json"
-            raise UsageError(f"{a} {value}: neither a preset ({', '.join(presets.PRESETS)}) nor {kind} or a "
+            return (target_dir if flag == "--target" else draft_dir) / "config.json"
+        path = Path(value)
+        if not path.exists():
+            kind = "a config.json" if flag == "--target" else "a drafter config.json"
+            raise UsageError(f"{flag} {value}: neither a preset ({', '.join(presets.PRESETS)}) nor {kind} or a "
                              "directory holding one")
-        out += [a, value]
-    if preset_draft is not None and not draft_given:
-        out += ["--draft", str(preset_draft)]
-    return out
+        return path / "config.json" if path.is_dir() else path
+
+    target_path = config_path(target, "--target")
+    if draft is None:
+        preset = target.lower() in presets.PRESETS
+        return target_path, presets.preset_dirs(target)[1] / "config.json" if preset else None
+    return target_path, None if draft.lower() == "none" else config_path(draft, "--draft")
+
+
+def cmd_plan(a) -> int:
+    """Print the memory plan: nothing is loaded or allocated."""
+    from eagle3_jax.config import DraftConfig, ModelConfig
+    from eagle3_jax.parallel.plan import format_plan, plan_memory
+    from eagle3_jax.parallel.sharding import ShardingError
+
+    target_path, draft_path = plan_paths(a.target, a.draft)
+    target = ModelConfig.from_json(target_path)
+    draft = DraftConfig.from_json(draft_path) if draft_path else None
+    try:
+        plans = [plan_memory(target, draft, tp, dtype_bytes=a.dtype_bytes, max_batch=a.max_batch, max_len=a.max_len,
+                             page_size=a.page_size, gpu_bytes=a.gpu_gb * 1e9, mem_fraction=a.mem_fraction,
+                             num_draft_tokens=a.num_draft_tokens, prefill_tokens=a.prefill_tokens) for tp in a.tp]
+    except ShardingError as e:  # a degree that does not divide the model's heads, say
+        raise UsageError(_one_line(e)) from None
+    print(format_plan(plans))
+    return 0
 
 
 def _one_line(e: BaseException) -> str:
@@ -411,10 +448,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train-draft":
             from eagle3_jax.train.loop import main as train_main
             return train_main(rest)
-        if args.command == "plan":
-            plan_args = plan_argv(rest)
-            from eagle3_jax.parallel.plan import main as plan_main
-            return plan_main(plan_args)
         if rest:
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command in ("generate", "chat"):
@@ -434,7 +467,8 @@ def _run(args) -> int:
     from eagle3_jax.config import ConfigError
     from eagle3_jax.weights.tensors import CheckpointError
 
-    handlers = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "convert-draft": cmd_convert_draft}
+    handlers = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "convert-draft": cmd_convert_draft,
+                "plan": cmd_plan}
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:

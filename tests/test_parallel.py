@@ -299,14 +299,16 @@ def test_plan_scaling_and_table():
 
 
 def test_plan_cli(tmp_path, capsys):
+    from eagle3_jax import cli
+
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "config.json").write_text(json.dumps(dict(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0)))
     (tmp_path / "d.json").write_text(json.dumps(drafter70b().to_hf()))
-    assert plan_mod.main(["--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d.json"),
-                          "--tp", "4", "8", "--max-batch", "8", "--max-len", "4096"]) == 0
+    assert cli.main(["plan", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d.json"),
+                     "--tp", "4", "8", "--max-batch", "8", "--max-len", "4096"]) == 0
     out = capsys.readouterr().out
     assert "tp=4" in out and "tp=8" in out and "17.64 GB" in out
-    assert plan_mod.main(["--target", str(tmp_path / "t"), "--tp", "3"]) == 2
+    assert cli.main(["plan", "--target", str(tmp_path / "t"), "--tp", "3"]) == 2
     assert "not divisible by tp=3" in capsys.readouterr().err

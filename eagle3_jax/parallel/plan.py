@@ -11,17 +11,13 @@ Everything is bytes per device (every device holds the same amount: the layout i
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig, check_draft_fits
+from eagle3_jax.config import DraftConfig, ModelConfig, check_draft_fits
 from eagle3_jax.parallel.sharding import (
-    ShardingError,
     draft_param_specs,
     kv_heads_split,
     llama_param_specs,
@@ -187,43 +183,3 @@ def format_plan(plans: dict | list[dict]) -> str:
     lines.append(f"(max_batch {p['max_batch']}, max_len {p['max_len']}, page {p['page_size']}, "
                  f"{p['dtype_bytes']} bytes/elem, {p['gpu_bytes'] / GB:.0f} GB per GPU)")
     return "\n".join(lines)
-
-
-def _config_path(path: str) -> Path:
-    p = Path(path)
-    return p / "config.json" if p.is_dir() else p
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagle3-jax plan",
-                                 description="Per-device memory plan for tensor-parallel serving.")
-    ap.add_argument("--target", required=True, help="target config.json or model directory")
-    ap.add_argument("--draft", help="drafter config.json or directory (optional)")
-    ap.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel degree(s)")
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=8192, help="tokens per row (prompt + output)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-draft-tokens", type=int, default=4, help="K")
-    ap.add_argument("--prefill-tokens", type=int, default=512, help="largest prefill chunk")
-    ap.add_argument("--dtype-bytes", type=int, default=2, help="2 = bf16")
-    ap.add_argument("--gpu-gb", type=float, default=141.0, help="memory per GPU in GB (1e9)")
-    ap.add_argument("--mem-fraction", type=float, default=0.9,
-                    help="share of GPU memory jax may use (XLA_PYTHON_CLIENT_MEM_FRACTION)")
-    args = ap.parse_args(argv)
-    try:
-        target = ModelConfig.from_json(_config_path(args.target))
-        draft = DraftConfig.from_json(_config_path(args.draft)) if args.draft else None
-        plans = [plan_memory(target, draft, tp, dtype_bytes=args.dtype_bytes, max_batch=args.max_batch,
-                             max_len=args.max_len, page_size=args.page_size,
-                             gpu_bytes=args.gpu_gb * GB, mem_fraction=args.mem_fraction,
-                             num_draft_tokens=args.num_draft_tokens, prefill_tokens=args.prefill_tokens)
-                 for tp in args.tp]
-    except (ShardingError, ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(plans))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
