@@ -43,7 +43,7 @@ class TensorFiles(Mapping[str, np.ndarray]):
         for f in files:
             if not f.is_file():
                 raise CheckpointError(f"{f}: listed in {INDEX_NAME} but missing")
-            for name in _open(f):
+            for name in _open(f).keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 self._file_of[name] = f
 
     def __getitem__(self, name: str) -> np.ndarray:
