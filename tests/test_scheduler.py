@@ -181,7 +181,8 @@ def test_add_records_the_arrival_time():
     (["a"], "prompt token ids must be a flat list of integers"),
     ([1, 2, 100], r"prompt token id 100 at index 2 is outside the vocabulary 0\.\.99"),
     ([3, -1], r"prompt token id -1 at index 1 is outside the vocabulary 0\.\.99"),
-    ([1] * 64, r"prompt has 64 tokens; the context holds 64 \(prompt plus at least one generated token\)"),
+    ([1] * 64, r"prompt has 64 tokens; the context holds 64 \(prompt plus at least one generated token\): "
+               r"shorten the prompt or raise EngineConfig\.max_model_len"),
     ([1] * 70, "prompt has 70 tokens; the context holds 64"),
 ])
 def test_add_refuses_bad_prompts(prompt, message):
@@ -194,7 +195,8 @@ def test_add_refuses_bad_prompts(prompt, message):
 def test_add_refuses_a_request_the_whole_pool_cannot_hold():
     s = scheduler(num_pages=5)  # 4 allocatable pages: 16 tokens
     s.add([1] * 4, params(4))  # 4 + 4 + 8 = 16: fits exactly
-    with pytest.raises(RequestError, match="prompt \\+ max_tokens needs 5 KV pages; the pool has 4"):
+    message = r"prompt \+ max_tokens needs 5 KV pages; the pool has 4 \(EngineConfig\.num_pages\)"
+    with pytest.raises(RequestError, match=message):
         s.add([1] * 4, params(5))
     assert len(s.waiting) == 1
     assert isinstance(RequestError("x"), ValueError)
