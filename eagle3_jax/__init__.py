@@ -1,8 +1,9 @@
 """eagle3-jax: EAGLE-3 speculative decoding for Llama-3 targets in JAX/XLA."""
 
+from eagle3_jax.config import TreeSpec
 from eagle3_jax.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "TreeSpec"]
 
 
 def __getattr__(name):

@@ -334,6 +334,67 @@ ATTENTION_KINDS = ("auto", "xla", "pallas")  # EngineConfig.attention
 GEMV_KINDS = ("xla", "mosaic")  # EngineConfig.gemv
 
 
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """The static shape of an EAGLE-2 dynamic draft tree (runner/tree.py builds and verifies it).
+
+    steps: draft forwards per tree, and its depth: the most proposals one iteration can accept.
+    top_k: children per expanded node, and beams kept per level.
+    tokens: nodes the target verifies besides the root (the row's last token), chosen as the
+        best-scoring of the top_k + (steps - 1) top_k^2 candidates: the verify is tokens + 1 wide.
+    A chain of K proposals is TreeSpec(K, 1, K) (`chain`)."""
+
+    steps: int
+    top_k: int
+    tokens: int
+
+    def __post_init__(self):
+        for name in ("steps", "top_k", "tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.tokens > self.candidates:
+            raise ConfigError(f"tokens must be at most the {self.candidates} candidates of steps={self.steps}, "
+                              f"top_k={self.top_k}, got {self.tokens}")
+
+    @classmethod
+    def chain(cls, k: int) -> TreeSpec:
+        return cls(k, 1, k)
+
+    @property
+    def is_chain(self) -> bool:
+        """TreeSpec(K, 1, K): served as today's chain of K proposals."""
+        return self.top_k == 1 and self.tokens == self.steps
+
+    @property
+    def candidates(self) -> int:
+        """N: level 1's k, then k^2 at each of the steps - 1 further levels."""
+        return self.top_k + (self.steps - 1) * self.top_k ** 2
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per row in the target's verify: the root and the nodes."""
+        return self.tokens + 1
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest level's depth, and the most proposals a row can accept."""
+        return self.steps
+
+    @property
+    def draft_slots(self) -> int:
+        """W: draft KV positions one tree writes after the verified position (k per beam level)."""
+        return (self.steps - 1) * self.top_k
+
+    @property
+    def positions_per_iteration(self) -> int:
+        """KV positions past a row's length one iteration writes: the target's verify at
+        length..length+tokens, the draft's extend and tree up to length + n + draft_slots, n <= steps."""
+        if self.is_chain:  # the chain's own reservation (its later draft steps past it hit scratch)
+            return self.steps + 1
+        return max(self.tokens + 1, self.steps + 1 + self.draft_slots)
+
+
 # Row 0 of the per-slot state is the dummy slot padded batch rows read and write; page 0 of the
 # KV pool is the scratch page unused block-table entries point at. Neither belongs to a request.
 DUMMY_SLOT = 0
@@ -365,6 +426,11 @@ class EngineConfig:
         H200 a burst of 32 SmolLM2 requests then waited 86 ms for its first tokens, against 49 ms
         in 5 calls with (1, 8) (BENCHMARKS.md, eleventh session).
     num_speculative_tokens: K draft tokens per iteration (0 = target only).
+    tree: None drafts a chain of K proposals. A TreeSpec(steps, top_k, tokens) drafts EAGLE-2's
+        dynamic tree instead: the target verifies `tokens` nodes in one forward and a row accepts
+        up to `steps` of them. When set, the tree defines the proposal: num_speculative_tokens is
+        replaced by tree.steps, whatever was given (1..16). TreeSpec(K, 1, K) is the chain of K
+        and runs the chain's programs. Trees run as fused iterations only (fused_iteration True).
     speculation: "auto" speculates at a bucket only while it emits tokens faster than the target
         alone, from the measured cost of both iterations there (timed in warm-up, or
         `step_costs`) and the acceptance length measured while serving (engine/policy.py has the
@@ -401,6 +467,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     prefill_batch_buckets: tuple[int, ...] = (1, 8)
     num_speculative_tokens: int = 3
+    tree: TreeSpec | None = None
     speculation: str = "auto"
     speculative_max_batch: int | None = None
     step_costs: tuple[tuple[int, float, float], ...] | None = None
@@ -422,6 +489,17 @@ class EngineConfig:
             buckets = getattr(self, name)
             if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
                 raise ConfigError(f"{where}: {name} must be increasing positive sizes, got {buckets}")
+        if self.tree is not None:
+            if not isinstance(self.tree, TreeSpec):
+                raise ConfigError(f"{where}: tree must be a TreeSpec(steps, top_k, tokens) or None, got "
+                                  f"{self.tree!r}")
+            if self.tree.steps > MAX_SPECULATIVE_TOKENS:
+                raise ConfigError(f"{where}: tree.steps must be in 1..{MAX_SPECULATIVE_TOKENS}, got "
+                                  f"{self.tree.steps}")
+            if not self.fused_iteration and not self.tree.is_chain:
+                raise ConfigError(f"{where}: fused_iteration=False does not run a tree ({self.tree} runs as "
+                                  "fused iterations only): use fused_iteration=True, or a chain")
+            object.__setattr__(self, "num_speculative_tokens", self.tree.steps)  # the tree defines K
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
                               f"{self.num_speculative_tokens}")
@@ -452,7 +530,9 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         # Room for the committed tokens plus two iterations in flight (overlap) of up to K + 1
-        # each, for the largest K, so the pool's size does not depend on K; a multiple of 4 pages,
-        # so the attention kernel reads the table 4 pages at a time without running past it.
-        pages = -(-(self.max_model_len + 2 * (MAX_SPECULATIVE_TOKENS + 1)) // self.page_size)
+        # each, for the largest K, so the pool's size does not depend on K (a tree may write
+        # further: TreeSpec.positions_per_iteration); a multiple of 4 pages, so the attention
+        # kernel reads the table 4 pages at a time without running past it.
+        per_iteration = max(MAX_SPECULATIVE_TOKENS + 1, self.tree.positions_per_iteration if self.tree else 0)
+        pages = -(-(self.max_model_len + 2 * per_iteration) // self.page_size)
         return -(-pages // 4) * 4

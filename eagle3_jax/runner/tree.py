@@ -2,7 +2,7 @@ r"""EAGLE-2's dynamic draft tree as pure functions over arrays (device side, jit
 
 An iteration can draft a tree instead of a chain: the target verifies every node in one forward
 under an ancestor mask, and the row keeps the longest accepted path from the root. Everything is
-batched over rows [B], with shapes fixed by a static `TreeSpec(steps, top_k, tokens)`; nothing
+batched over rows [B], with shapes fixed by a static `TreeSpec(steps, top_k, tokens)` (config.py); nothing
 branches on data.
 
 Building (k = top_k), as the EAGLE reference's `topK_genrate` builds it
@@ -42,59 +42,17 @@ have q_c = q with the earlier siblings zeroed, renormalised (`sample_accept`'s n
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from eagle3_jax.config import TreeSpec
 from eagle3_jax.model.layers import TreeAttention
 from eagle3_jax.runner import sampling
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSpec:
-    """A tree's static shape. A chain of K proposals is TreeSpec(K, 1, K) (`chain`)."""
-
-    steps: int  # draft forwards per tree, and its depth
-    top_k: int  # children per expanded node, and beams per level
-    tokens: int  # nodes the target verifies besides the root
-
-    def __post_init__(self):
-        for name in ("steps", "top_k", "tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.tokens > self.candidates:
-            raise ValueError(f"tokens must be at most the {self.candidates} candidates of steps={self.steps}, "
-                             f"top_k={self.top_k}, got {self.tokens}")
-
-    @classmethod
-    def chain(cls, k: int) -> TreeSpec:
-        return cls(k, 1, k)
-
-    @property
-    def candidates(self) -> int:
-        """N: level 1's k, then k^2 at each of the steps - 1 further levels."""
-        return self.top_k + (self.steps - 1) * self.top_k ** 2
-
-    @property
-    def verify_width(self) -> int:
-        """Tokens per row in the target's verify: the root and the nodes."""
-        return self.tokens + 1
-
-    @property
-    def max_depth(self) -> int:
-        """The deepest level's depth, and the most proposals a row can accept."""
-        return self.steps
-
-    @property
-    def draft_slots(self) -> int:
-        """W: draft KV positions one tree writes after the verified position (k per beam level)."""
-        return (self.steps - 1) * self.top_k
 
 
 # --------------------------------------------------------------------------
