@@ -223,9 +223,12 @@ class ModelRunner:
         self.cfg = cfg
         k = cfg.num_speculative_tokens if draft is not None else 0
         model = target_model_for(target)
+        # A chain TreeSpec(K, 1, K) is served as the chain of K: the same programs.
+        tree = cfg.tree if k and cfg.tree is not None and not cfg.tree.is_chain else None
         self.step_cfg = StepConfig(target=target, draft=draft if k else None, num_draft=k, mesh=mesh,
-                                   attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), model=model)
-        state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype)
+                                   attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), model=model,
+                                   tree=tree)
+        state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype, self.step_cfg.speculator.slot_layout)
         if mesh is not None:  # weights already placed by their loader stay where they are
             tp = mesh.shape[sharding.TP]
             params = sharding.shard_params(params, mesh, model.param_specs(target, tp))
@@ -241,7 +244,8 @@ class ModelRunner:
     # ---- what runs ---------------------------------------------------------------------------
     @property
     def speculator(self):
-        """The widest proposal this runner verifies (a chain of K; of 0 without a drafter)."""
+        """The widest proposal this runner verifies: a chain of K (of 0 without a drafter), or
+        the tree of EngineConfig.tree."""
         return self.step_cfg.speculator
 
     def config(self, num_draft: int, greedy: bool) -> StepConfig:
@@ -355,7 +359,26 @@ class ModelRunner:
         (overwritten in place when they change)."""
         return self._pinned.get(slots, tables)
 
-    def set_proposals(self, slot: int, drafts: Sequence[int]) -> None:
-        """Overwrite one slot's pending proposals (target ids [K]): the next iteration verifies them."""
+    def set_proposals(self, slot: int, drafts: Sequence[int], parents: Sequence[int] | None = None) -> None:
+        """Overwrite one slot's pending proposals: the next iteration verifies them. A chain's
+        drafts are K target ids; a tree's are its T nodes' target ids, with `parents` [T]: node
+        i+1's parent in the verify layout (0 the root, else an earlier node)."""
         s = self._state.slots
-        self._state = self._state.replace(slots=s.replace(drafts=s.drafts.at[slot].set(np.asarray(drafts, np.int32))))
+        if (parents is None) != (s.parents is None):
+            raise ValueError("parents are given for a tree's proposals, and only for those")
+        s = s.replace(drafts=s.drafts.at[slot].set(np.asarray(drafts, np.int32)))
+        if parents is not None:
+            parents = np.asarray(parents, np.int32)
+            if not all(0 <= p <= i for i, p in enumerate(parents)):
+                raise ValueError(f"parents {parents.tolist()}: node i+1's parent must be 0 (the root) .. i")
+            s = s.replace(parents=s.parents.at[slot].set(parents))
+        self._state = self._state.replace(slots=s)
+
+    def read_target_kv(self, block_table: np.ndarray, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The target's cached keys and values of one row at `positions` [M], through its block
+        table [nb] (the scheduler's row of the slot): -> (k, v) [L, M, kvh, hd], on the host."""
+        positions = np.asarray(positions)
+        pages = np.asarray(block_table)[positions // self.cfg.page_size]
+        offsets = positions % self.cfg.page_size
+        kv = self._state.target_kv
+        return np.asarray(kv.k[:, pages, offsets]), np.asarray(kv.v[:, pages, offsets])

@@ -1,16 +1,28 @@
 """The speculator seam: the shape of a proposal and how the target verifies it.
 
 A speculator answers four questions for the step functions (`steps.py`), which call nothing
-chain-specific themselves:
-  layout:  which tokens the target verifies, at which positions, under which attention mask;
-  accept:  which of them the target's logits accept, and the tokens the row emits;
-  draft:   the draft steps that build the next proposal from the verified position;
-  commit:  what the accepted proposal leaves in the KV caches and slots.
+chain- or tree-specific themselves:
+  layout:  which tokens the target verifies, at which positions, under which attention mask
+           (`verify_layout`);
+  accept:  which of them the target's logits accept, the tokens the row emits, and the accepted
+           path (`accept`), and what the draft extend reads of the verify (`extend_inputs`);
+  draft:   the draft steps that build the next proposal from the verified position (`start`,
+           `draft_step`, `propose`);
+  commit:  what the accepted proposal leaves in the target's KV (`commit_kv`) and the new one in
+           the slots (`commit`).
 
 `Chain(K)` is K proposals in a line, proposal j continuing proposal j-1: verified at positions
 n..n+K under the causal mask, accepted by the longest matching prefix (greedy) or by rejection
-sampling on the draft's own q, its KV already where the accepted tokens belong. A tree (EAGLE-2's
-dynamic tree) implements the same four with an ancestor mask and a KV move of the accepted path.
+sampling on the draft's own q, its KV already where the accepted tokens belong.
+
+`Tree(spec)` is EAGLE-2's dynamic tree (runner/tree.py, `TreeSpec(steps, top_k, tokens)`): the
+draft expands the top_k best beams a level, `steps` levels deep, and the `tokens` best-scoring
+candidates become the tree; the target verifies the root (the last token) and those nodes in one
+forward under the ancestor mask, stored at length..length+tokens and rotated at length + depth;
+a row accepts the longest root path the target agrees with (greedy), or by the multi-draft
+rejection rule with point-mass q (sampling: lossless for the deterministic top-k tree, so no q is
+kept); the path's KV then moves to the contiguous positions it belongs at, and the draft extend
+reads the verify's captures along the path. Slots keep the nodes' tokens and parents.
 
 Draft positions: the draft pairs the target capture at position t with the embedding of token
 t+1 and runs at RoPE position t; chain step j runs at position t+j (docs/EAGLE3.md, "The draft
@@ -25,12 +37,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from eagle3_jax.config import DraftConfig
-from eagle3_jax.model import eagle3
+from eagle3_jax.config import DraftConfig, TreeSpec
+from eagle3_jax.model import eagle3, layers
 from eagle3_jax.model.eagle3 import DraftParams
+from eagle3_jax.model.llama import KVCache
 from eagle3_jax.parallel.sharding import vocab_logits
 from eagle3_jax.runner import sampling
-from eagle3_jax.runner.state import Slots
+from eagle3_jax.runner import tree as T
+from eagle3_jax.runner.state import SlotLayout, Slots
 
 
 @struct.dataclass
@@ -96,6 +110,21 @@ class Chain:
         """Tokens the target verifies per row: the last token and the K proposals."""
         return self.k + 1
 
+    @property
+    def emitted_width(self) -> int:
+        """The most tokens one iteration emits: the K proposals and the target's next token."""
+        return self.k + 1
+
+    @property
+    def positions_per_iteration(self) -> int:
+        """KV positions past a row's length the scheduler reserves per iteration in flight."""
+        return self.k + 1
+
+    @property
+    def slot_layout(self) -> SlotLayout:
+        """The proposals and their q, per slot (`state.init_state`)."""
+        return SlotLayout(proposals=self.k, q_rows=self.k, parents=False, emitted=self.k + 1)
+
     # ---- layout ---------------------------------------------------------------------------
     def verify_layout(self, s: Slots) -> tuple[jax.Array, jax.Array, None]:
         """-> (tokens [B, K+1], positions [B, K+1], attention mask: None, the causal one)."""
@@ -104,14 +133,20 @@ class Chain:
 
     # ---- accept ---------------------------------------------------------------------------
     def accept(self, greedy: bool, dparams: DraftParams, logits: jax.Array, s: Slots, keys: jax.Array,
-               vocab_size: int) -> tuple[jax.Array, jax.Array]:
-        """Target logits [B, K+1, V] -> (num_accepted [B], emitted [B, K+1]): row b emits
-        emitted[b, :num_accepted[b] + 1]."""
+               vocab_size: int) -> tuple[jax.Array, jax.Array, None]:
+        """Target logits [B, K+1, V] -> (num_accepted [B], emitted [B, K+1], path: None, the
+        accepted proposals are the first ones): row b emits emitted[b, :num_accepted[b] + 1]."""
         drafts = s.drafts[:, :self.k]
         if greedy:
-            return sampling.greedy_verify(logits, drafts)
+            return (*sampling.greedy_verify(logits, drafts), None)
         q = _target_probs(dparams, s.draft_probs, vocab_size) if self.k else None
-        return sampling.verify_chain(logits, drafts, q, s.sampling, keys)
+        return (*sampling.verify_chain(logits, drafts, q, s.sampling, keys), None)
+
+    def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: None,
+                      length: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """What the draft extend reads: the verify's captures [B, K+1, C] and positions [B, K+1]
+        as they are (the accepted tokens were verified where they stay)."""
+        return captures, positions
 
     # ---- draft ----------------------------------------------------------------------------
     def start(self, h: jax.Array, token: jax.Array, position: jax.Array, row: sampling.RowSampling,
@@ -146,6 +181,10 @@ class Chain:
         return carry, draft_kv
 
     # ---- commit ---------------------------------------------------------------------------
+    def commit_kv(self, target_kv: KVCache, path: None, length: jax.Array, block_tables: jax.Array) -> KVCache:
+        """The chain's KV needs no move: proposal j was verified at the position it drafted for."""
+        return target_kv
+
     def commit(self, slots: Slots, rows: jax.Array, carry: DraftCarry, greedy: bool) -> Slots:
         """Store the proposals and their q in the slots for the next iteration to verify. A
         greedy program keeps the slots' q as they are: its rows are verified greedily, which never
@@ -155,3 +194,138 @@ class Chain:
         if not greedy:
             slots = slots.replace(draft_probs=slots.draft_probs.at[rows].set(carry.q))  # [S, K, Vd] f32
         return slots
+
+
+@struct.dataclass
+class TreeCarry:
+    """What one tree level hands the next."""
+
+    h: jax.Array  # [B, k, H] pre-norm draft hidden at the level's beams ([B, 1, H]: the root's)
+    token: jax.Array  # [B] the tree's root token (target id): the token after `position`
+    position: jax.Array  # [B] the verified position t the tree grows from
+    cand: T.Candidates | None  # the candidates so far (None before the first level)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """EAGLE-2's dynamic tree of `spec` (module docstring): T = spec.tokens nodes verified, up to
+    spec.steps accepted."""
+
+    spec: TreeSpec
+
+    @property
+    def num_proposals(self) -> int:
+        """Nodes a slot holds between iterations (`Slots.drafts`, `Slots.parents` [S, T])."""
+        return self.spec.tokens
+
+    @property
+    def num_draft_steps(self) -> int:
+        """Draft steps after the extend: the first level (from the extend's hidden state), then a
+        forward over each level's beams."""
+        return self.spec.steps
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens the target verifies per row: the root and the T nodes."""
+        return self.spec.verify_width
+
+    @property
+    def emitted_width(self) -> int:
+        """The most tokens one iteration emits: a path of `steps` nodes and the target's next token."""
+        return self.spec.steps + 1
+
+    @property
+    def positions_per_iteration(self) -> int:
+        """KV positions past a row's length one iteration writes (TreeSpec.positions_per_iteration)."""
+        return self.spec.positions_per_iteration
+
+    @property
+    def slot_layout(self) -> SlotLayout:
+        """The nodes' tokens and parents per slot; no q (the point-mass rule needs none)."""
+        return SlotLayout(proposals=self.spec.tokens, q_rows=0, parents=True, emitted=self.spec.steps + 1)
+
+    def tree(self, s: Slots) -> T.Tree:
+        """The slots' tree in the verify layout, the last token at the root: [B, T+1] each."""
+        tokens = jnp.concatenate([s.last_token[:, None], s.drafts], axis=1)
+        parent = jnp.concatenate([jnp.full_like(s.last_token[:, None], -1), s.parents], axis=1)
+        return T.tree_from_parents(tokens, parent, self.spec.max_depth)
+
+    # ---- layout ---------------------------------------------------------------------------
+    def verify_layout(self, s: Slots) -> tuple[jax.Array, jax.Array, layers.TreeAttention]:
+        """-> (tokens [B, T+1], positions [B, T+1] where their KV is stored (length + i), the
+        tree's attention: rotated at length + depth, each node seeing the context and its ancestors)."""
+        tree = self.tree(s)
+        stored, attention = T.verify_attention(tree, s.length)
+        return tree.tokens, stored, attention
+
+    # ---- accept ---------------------------------------------------------------------------
+    def accept(self, greedy: bool, dparams: DraftParams, logits: jax.Array, s: Slots, keys: jax.Array,
+               vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Target logits [B, T+1, V] -> (num_accepted [B] in 0..steps, emitted [B, steps+1],
+        path [B, steps+1]: the accepted nodes by depth, -1 past num_accepted)."""
+        tree = self.tree(s)
+        if greedy:
+            n, path, emitted = T.greedy_accept(self.spec, tree, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        else:
+            n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys)
+        return n, emitted, path
+
+    def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: jax.Array,
+                      length: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The verify's captures [B, T+1, C] along the accepted path -> (captures [B, steps+1, C],
+        positions length..length+steps), where the path's tokens now are (past the path, whatever:
+        the extend's entries there are rewritten before they are read)."""
+        depth = jnp.arange(path.shape[1])
+        index = jnp.minimum(jnp.where(path >= 0, path, depth), captures.shape[1] - 1)
+        return jnp.take_along_axis(captures, index[:, :, None], axis=1), length[:, None] + depth
+
+    # ---- draft ----------------------------------------------------------------------------
+    def start(self, h: jax.Array, token: jax.Array, position: jax.Array, row: sampling.RowSampling,
+              keys: jax.Array, draft_vocab: int) -> TreeCarry:
+        """The carry at the verified position: h [B, H] there, `token` [B] the root. The tree is
+        the draft's top-k, deterministic: no sampling parameters or keys enter it."""
+        return TreeCarry(h=h[:, None], token=token, position=position, cand=None)
+
+    def _log_probs(self, ctx: DraftContext, dparams: DraftParams, h: jax.Array) -> jax.Array:
+        """h [..., H] -> the draft's raw log-softmax [..., Vd] over the whole draft vocabulary
+        (gathered under tensor parallelism), as the EAGLE reference builds its tree."""
+        logits = vocab_logits(eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv), ctx.mesh, gather=True)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    def draft_step(self, ctx: DraftContext, dparams: DraftParams, target_embed: jax.Array, carry: TreeCarry,
+                   draft_kv, block_table: jax.Array, j: int) -> tuple[TreeCarry, object]:
+        """Level j+1 (j static): step 0 takes the root's top-k children; step j > 0 first runs the
+        draft on level j's k beams (each seeing the context and its ancestors, stored at
+        t + 1 + (j-1) k + beam, rotated at t + j), fed its parent beam's hidden state."""
+        if j == 0:
+            cand = T.first_level(self.spec, self._log_probs(ctx, dparams, carry.h[:, 0]), dparams.d2t)
+            return carry.replace(cand=cand), draft_kv
+        tokens, stored, attention = T.draft_attention(self.spec, carry.cand, j, carry.position)  # [B, k] each
+        h_in = jnp.take_along_axis(carry.h, carry.cand.beam_parents[:, :, None], axis=1)  # [B, k, H]
+        h, draft_kv = eagle3.draft_forward(dparams, ctx.draft, target_embed, tokens, h_in, stored, draft_kv,
+                                           block_table, ctx.attention, ctx.pin_kv, ctx.gemv, tree=attention)
+        cand = T.next_level(self.spec, carry.cand, j + 1, self._log_probs(ctx, dparams, h), dparams.d2t)
+        return carry.replace(h=h, cand=cand), draft_kv
+
+    def propose(self, ctx: DraftContext, dparams: DraftParams, target_embed: jax.Array, carry: TreeCarry,
+                draft_kv, block_table: jax.Array, start: int = 0) -> tuple[TreeCarry, object]:
+        """Draft steps start..steps-1 inside one program."""
+        for j in range(start, self.num_draft_steps):
+            carry, draft_kv = self.draft_step(ctx, dparams, target_embed, carry, draft_kv, block_table, j)
+        return carry, draft_kv
+
+    # ---- commit ---------------------------------------------------------------------------
+    def commit_kv(self, target_kv: KVCache, path: jax.Array, length: jax.Array,
+                  block_tables: jax.Array) -> KVCache:
+        """The accepted path's target KV, verified at length + path[d], moved to length + d (every
+        layer's k and v; path [B, steps+1], length [B] the root's position)."""
+        src, dst = T.accepted_kv_moves(path, length)
+        return KVCache(k=layers.move_kv(target_kv.k, src, dst, block_tables),
+                       v=layers.move_kv(target_kv.v, src, dst, block_tables))
+
+    def commit(self, slots: Slots, rows: jax.Array, carry: TreeCarry, greedy: bool) -> Slots:
+        """The `tokens` best candidates become the rows' next tree: nodes [B, T] and their
+        parents (0: the root) in the verify layout."""
+        tree = T.select(self.spec, carry.cand, carry.token)  # [B, T+1] each
+        return slots.replace(drafts=slots.drafts.at[rows].set(tree.tokens[:, 1:]),
+                             parents=slots.parents.at[rows].set(tree.parent[:, 1:]))

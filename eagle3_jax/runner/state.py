@@ -12,16 +12,18 @@ scratch pages, so padding never touches a real request.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from eagle3_jax.config import DUMMY_SLOT, DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import DUMMY_SLOT, ConfigError, DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner.sampling import RowSampling
 
-__all__ = ["DUMMY_SLOT", "DeviceState", "Slots", "init_state", "state_shardings", "with_lengths"]
+__all__ = ["DUMMY_SLOT", "DeviceState", "SlotLayout", "Slots", "init_state", "state_shardings", "with_lengths"]
 
 
 @struct.dataclass
@@ -30,14 +32,26 @@ class Slots:
 
     last_token: jax.Array  # [S] i32, the token at position `length`, not yet in the target cache
     length: jax.Array  # [S] i32, tokens in the target cache
-    drafts: jax.Array  # [S, K] i32, proposals in target ids
-    draft_probs: jax.Array  # [S, K, V_draft] f32, q the proposals were drawn from
+    drafts: jax.Array  # [S, P] i32, proposals in target ids: a chain's K, a tree's T nodes
+    draft_probs: jax.Array  # [S, K, V_draft] f32, q a chain's proposals were drawn from ([S, 0, Vd]: a tree)
     sampling: RowSampling  # [S] per-row parameters and base PRNG keys
     num_generated: jax.Array  # [S] i32, tokens emitted so far (keys fold it in)
     # The last iteration's verdict per slot, left here for the host to copy out (`read_verdicts`)
     # rather than returned: a returned array is a new buffer every call (see steps.iterate_in_place).
     num_accepted: jax.Array  # [S] i32, proposals accepted
-    emitted: jax.Array  # [S, K+1] i32, emitted[:num_accepted + 1] are the tokens it emitted
+    emitted: jax.Array  # [S, K+1] i32, emitted[:num_accepted + 1] are the tokens it emitted (K: a tree's steps)
+    # A tree's shape: node i+1's parent in the verify layout (0: the root, the last token; parents
+    # before children). None for a chain, whose proposal j follows j-1.
+    parents: jax.Array | None = None  # [S, T] i32
+
+
+class SlotLayout(NamedTuple):
+    """What a speculator keeps per slot between iterations (`Chain.slot_layout`, `Tree.slot_layout`)."""
+
+    proposals: int  # Slots.drafts columns
+    q_rows: int  # Slots.draft_probs rows per slot (a chain's q; a tree keeps none)
+    parents: bool  # whether Slots.parents is kept (a tree)
+    emitted: int  # Slots.emitted columns: the most tokens one iteration emits
 
 
 @struct.dataclass
@@ -48,8 +62,15 @@ class DeviceState:
 
 
 def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineConfig,
-               dtype) -> DeviceState:
+               dtype, layout: SlotLayout | None = None) -> DeviceState:
+    """The zeroed state; `layout` is the served speculator's (`ModelRunner` passes it). None: a
+    chain of the engine's K (of 0 without a drafter)."""
     s, k = engine.max_num_seqs + 1, engine.num_speculative_tokens if draft else 0
+    if layout is None:
+        if draft is not None and engine.tree is not None and not engine.tree.is_chain:
+            raise ConfigError(f"init_state: engine config tree {engine.tree} needs the tree's slot layout "
+                              "(pass layout=Tree(spec).slot_layout)")
+        layout = SlotLayout(proposals=k, q_rows=k, parents=False, emitted=k + 1)
     vd = draft.draft_vocab_size if draft else 1
     pages = (engine.num_pages, engine.page_size)
     target_kv = KVCache.zeros(target.num_layers, *pages, target.num_kv_heads, target.head_dim, dtype)
@@ -60,9 +81,12 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
     sampling = RowSampling(temperature=jnp.zeros((s,), jnp.float32), top_k=zeros_i(),
                            top_p=jnp.ones((s,), jnp.float32), min_p=jnp.zeros((s,), jnp.float32),
                            key=jnp.zeros((s, 2), jnp.uint32), one_hot=jnp.zeros((s,), bool))
-    slots = Slots(last_token=zeros_i(), length=zeros_i(), drafts=jnp.zeros((s, k), jnp.int32),
-                  draft_probs=jnp.zeros((s, k, vd), jnp.float32), sampling=sampling,
-                  num_generated=zeros_i(), num_accepted=zeros_i(), emitted=jnp.zeros((s, k + 1), jnp.int32))
+    # A fresh slot's tree (parents 0) is every node under the root: a valid tree to verify.
+    parents = jnp.zeros((s, layout.proposals), jnp.int32) if layout.parents else None
+    slots = Slots(last_token=zeros_i(), length=zeros_i(), drafts=jnp.zeros((s, layout.proposals), jnp.int32),
+                  draft_probs=jnp.zeros((s, layout.q_rows, vd), jnp.float32), sampling=sampling,
+                  num_generated=zeros_i(), num_accepted=zeros_i(),
+                  emitted=jnp.zeros((s, layout.emitted), jnp.int32), parents=parents)
     return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
 
 

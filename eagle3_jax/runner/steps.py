@@ -7,11 +7,11 @@ state (the KV pool is updated in place):
                             over the same chunks (ids shifted left by one, the target's captures);
                             on a prompt's last chunk it also samples the first token (left in the
                             slot's last_token, `read_first_token` copies it out) and drafts the
-                            first K proposals.
-  iterate(rows [B])         one whole speculative iteration: target verify of K+1 tokens, lossless
-                            acceptance, draft extend over the verified positions (overwriting the
-                            draft KV its own chain wrote, with the target's captures), K-1 chain
-                            steps for the next proposals. No host round trip inside.
+                            first proposal (K tokens, or a tree).
+  iterate(rows [B])         one whole speculative iteration: target verify of K+1 tokens (a tree's
+                            T+1), lossless acceptance, draft extend over the accepted positions
+                            (overwriting the draft KV its own proposal wrote, with the target's
+                            captures), the draft steps of the next proposal. No host round trip inside.
 
 What is verified, how it is accepted and drafted, is the speculator's (`StepConfig.speculator`,
 runner/speculator.py); the target is called through `StepConfig.model` (runner/target.py).
@@ -29,13 +29,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig, TreeSpec
 from eagle3_jax.model import eagle3
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.parallel.sharding import cache_pin, replicate, vocab_logits
 from eagle3_jax.runner import sampling
-from eagle3_jax.runner.speculator import Chain, DraftCarry, DraftContext
+from eagle3_jax.runner.speculator import Chain, DraftCarry, DraftContext, Tree
 from eagle3_jax.runner.state import DUMMY_SLOT, DeviceState, Slots, state_shardings
 from eagle3_jax.runner.target import LLAMA3, TargetModel
 
@@ -61,14 +61,25 @@ class StepConfig:
     attention: str = "xla"  # paged attention of these steps: "xla" or "pallas" (EngineConfig.attention)
     gemv: str = "xla"  # few-row weight projections: "xla" or "mosaic" (EngineConfig.gemv)
     model: TargetModel = LLAMA3  # the target's functions
+    # A dynamic tree drafted instead of the chain (never a chain TreeSpec: the runner serves those
+    # as Chain); num_draft is then its steps, or 0 in the target-only program.
+    tree: TreeSpec | None = None
+
+    def __post_init__(self):
+        if self.tree is not None and (self.tree.is_chain or self.num_draft not in (0, self.tree.steps)):
+            raise ConfigError(f"step config: tree {self.tree} needs num_draft {self.tree.steps} (or 0) and a "
+                              f"non-chain tree, got num_draft {self.num_draft}")
 
     @property
     def speculative(self) -> bool:
         return self.draft is not None and self.num_draft > 0
 
     @property
-    def speculator(self) -> Chain:
-        """The proposal's shape: a chain of K (of 0 when this program runs the target alone)."""
+    def speculator(self) -> Chain | Tree:
+        """The proposal's shape: the tree when this program speculates with one, else a chain of K
+        (of 0 when this program runs the target alone)."""
+        if self.speculative and self.tree is not None:
+            return Tree(self.tree)
         return Chain(self.num_draft if self.speculative else 0)
 
     @property
@@ -84,10 +95,12 @@ class StepConfig:
         return cache_pin(self.mesh, self.draft.num_kv_heads)
 
 
-def _target(params, cfg: StepConfig, tokens, positions, kv, block_tables):
-    """Target forward with the residual stream replicated across tensor-parallel devices."""
+def _target(params, cfg: StepConfig, tokens, positions, kv, block_tables, tree=None):
+    """Target forward with the residual stream replicated across tensor-parallel devices; `tree`
+    (a layers.TreeAttention, or None for the causal mask) as the speculator's layout gives it."""
+    extra = {} if tree is None else {"tree": tree}
     hidden, captures, kv = cfg.model.forward(params, cfg.target, tokens, positions, kv, block_tables, cfg.attention,
-                                             cfg.pin_target_kv(), cfg.gemv)
+                                             cfg.pin_target_kv(), cfg.gemv, **extra)
     return (*replicate((hidden, captures), cfg.mesh), kv)
 
 
@@ -142,11 +155,15 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     """
     spec = cfg.speculator
     s = _gather(state.slots, rows)
-    tokens, positions, _ = spec.verify_layout(s)  # [B, W] each; a chain's mask is the causal one
-    hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables)
+    # [B, W] each; the mask: None (a chain's causal one) or a tree's TreeAttention
+    tokens, positions, mask = spec.verify_layout(s)
+    hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
     logits = _logits(params, cfg, hidden)  # [B, W, V]
-    n, emitted = spec.accept(cfg.greedy, dparams, logits, s, _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY),
-                             cfg.target.vocab_size)
+    # emitted, path [B, E] (E = spec.emitted_width); path None where the accepted tokens were
+    # verified where they stay (a chain)
+    n, emitted, path = spec.accept(cfg.greedy, dparams, logits, s,
+                                   _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
+    target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)  # the accepted KV at length..length+n
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
     draft_kv, carry = state.draft_kv, None
@@ -154,9 +171,10 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
         # Draft extend: position t pairs capture t with the token at t+1, for t = length..length+n.
         # It runs in target-only programs too (one position), so the draft's KV has no holes when
         # speculation resumes.
-        ext_tokens = jnp.where(jnp.arange(spec.verify_width) <= n[:, None], emitted, 0)
-        h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, ext_tokens, captures, positions, draft_kv,
-                                         block_tables, n)  # h at length + n
+        ext_captures, ext_positions = spec.extend_inputs(captures, positions, path, s.length)  # [B, E, C], [B, E]
+        ext_tokens = jnp.where(jnp.arange(spec.emitted_width) <= n[:, None], emitted, 0)
+        h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, ext_tokens, ext_captures, ext_positions,
+                                         draft_kv, block_tables, n)  # h at length + n
     if cfg.speculative:
         carry = spec.start(h_last, last, s.length + n, s.sampling, _keys(s.sampling.key, num_generated, _STREAM_DRAFT),
                            s.draft_probs.shape[-1])
@@ -177,7 +195,8 @@ def chain_step(dparams: DraftParams, target_embed: jax.Array, state: DeviceState
 
 
 def commit_proposals(state: DeviceState, rows: jax.Array, carry: DraftCarry, cfg: StepConfig) -> DeviceState:
-    """Store the proposals (and, in a sampling program, their q) for the next iteration to verify."""
+    """Store the proposals (a chain's with, in a sampling program, their q; a tree's nodes and
+    parents) for the next iteration to verify."""
     slots = cfg.speculator.commit(state.slots, rows, carry, cfg.greedy)
     return _finish(state.replace(slots=slots), cfg)
 
@@ -263,9 +282,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     first = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
              else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST)))  # [P]
     length = start + num_valid
-    k = cfg.speculator.num_proposals
-    drafts = jnp.zeros((p, k), jnp.int32)
-    draft_probs = jnp.zeros((p, k, state.slots.draft_probs.shape[-1]), jnp.float32)
+    spec = cfg.speculator
     draft_kv = state.draft_kv
     if cfg.speculative:
         # next_tokens holds -1 where the token the target just produced belongs (last chunk).
@@ -273,14 +290,20 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, shifted, captures, positions, draft_kv,
                                          block_table, last_idx)
         # One token generated so far (`first`): the same key schedule as every later iteration.
-        spec = cfg.speculator
-        carry = spec.start(h_last, first, length - 1, row, _keys(row.key, 1, _STREAM_DRAFT), draft_probs.shape[-1])
+        carry = spec.start(h_last, first, length - 1, row, _keys(row.key, 1, _STREAM_DRAFT),
+                           state.slots.draft_probs.shape[-1])
         carry, draft_kv = spec.propose(cfg.draft_context, dparams, params.embed, carry, draft_kv, block_table)
-        drafts, draft_probs = carry.drafts, carry.q
-    new = Slots(last_token=first, length=length, drafts=drafts, draft_probs=draft_probs, sampling=row,
-                num_generated=jnp.ones_like(length), num_accepted=jnp.zeros_like(length),
-                emitted=jnp.zeros((p, state.slots.emitted.shape[1]), jnp.int32))
+
+    def zeros(x):  # the rows' share of a per-slot buffer, zeroed
+        return None if x is None else jnp.zeros((p, *x.shape[1:]), x.dtype)
+
+    new = Slots(last_token=first, length=length, drafts=zeros(state.slots.drafts),
+                draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=jnp.ones_like(length),
+                num_accepted=jnp.zeros_like(length), emitted=zeros(state.slots.emitted),
+                parents=zeros(state.slots.parents))
     slots = _write_slots(state.slots, slot, new)
+    if cfg.speculative:
+        slots = spec.commit(slots, slot, carry, cfg.greedy)  # the first proposal, as an iteration leaves it
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg)
 
 
