@@ -99,8 +99,8 @@ class Engine:
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
-        k = self.runner.step_cfg.num_draft
-        self.scheduler = Scheduler(cfg, target.vocab_size, k)
+        k = self.runner.step_cfg.num_draft  # a chain's K, a tree's steps: the most proposals accepted
+        self.scheduler = Scheduler(cfg, target.vocab_size, k, self.runner.speculator.positions_per_iteration)
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._seed_rng = np.random.default_rng()

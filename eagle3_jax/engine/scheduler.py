@@ -26,7 +26,9 @@ class RequestError(ValueError):
 class RequestMetrics:
     iterations: int = 0  # target verify forwards this request took part in
     emitted: int = 0  # tokens those forwards produced (before truncation at a stop)
-    accepted_at: list[int] = dataclasses.field(default_factory=list)  # [K] drafts accepted at position j
+    # [K] iterations that accepted a proposal at depth j + 1: a chain's proposal j, a tree's node
+    # at depth j + 1 (K is then the tree's steps)
+    accepted_at: list[int] = dataclasses.field(default_factory=list)
     num_draft: int = 0  # K
     speculative_iterations: int = 0  # those forwards that verified K drafts (the rest ran the target alone)
     # time.perf_counter() seconds: when the request arrived (Scheduler.add), and when the host
@@ -110,10 +112,15 @@ class PagePool:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, vocab_size: int, num_draft: int):
+    """num_draft: the most proposals an iteration accepts (a chain's K, a tree's steps), the length
+    of each request's RequestMetrics.accepted_at. positions_per_iteration: the KV positions past a
+    request's length one iteration writes (the speculator's; None: a chain's num_draft + 1)."""
+
+    def __init__(self, cfg: EngineConfig, vocab_size: int, num_draft: int, positions_per_iteration: int | None = None):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.num_draft = num_draft
+        self.positions_per_iteration = num_draft + 1 if positions_per_iteration is None else positions_per_iteration
         self.pool = PagePool(cfg.num_pages)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
@@ -123,7 +130,7 @@ class Scheduler:
         self.block_tables = np.full((cfg.max_num_seqs + 1, cfg.max_blocks_per_seq), SCRATCH_PAGE, np.int32)
 
     def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
-        in_flight = 2 * (self.num_draft + 1)  # this iteration and the one dispatched ahead
+        in_flight = 2 * self.positions_per_iteration  # this iteration and the one dispatched ahead
         return -(-(prompt_len + max_tokens + in_flight) // self.cfg.page_size)
 
     def add(self, prompt: list[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
