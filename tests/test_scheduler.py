@@ -52,6 +52,11 @@ def test_pages_needed_covers_prompt_output_and_two_iterations_in_flight():
     assert s.pages_needed(5, 4) == 5  # 17 tokens: a fifth page
     assert s.pages_needed(1, 1) == -(-(2 + in_flight) // PAGE)
     assert scheduler(k=0).pages_needed(5, 3) == 3  # 5 + 3 + 2 = 10 tokens
+    # A tree writes more positions per iteration than it accepts: 2 x 8 in flight here.
+    cfg = EngineConfig(batch_buckets=(2,), page_size=PAGE, num_pages=64, max_model_len=64)
+    tree = Scheduler(cfg, VOCAB, 3, positions_per_iteration=8)
+    assert tree.pages_needed(5, 3) == 6  # 5 + 3 + 16 = 24 tokens
+    assert tree.add([1] * 5, params(3)).metrics.accepted_at == [0, 0, 0]  # one count per depth, K = 3
 
 
 def test_admission_is_first_come_first_served_into_the_lowest_free_slots():
