@@ -250,6 +250,7 @@ def reference_outputs(target_llm, chat_ids):
     return target_llm.generate(chat_ids[:8], SamplingParams(max_tokens=40))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_random_drafter_is_lossless(smollm2_dir, random_drafter_dir, chat_ids, reference_outputs, k):
     llm = make_llm(smollm2_dir, random_drafter_dir, num_draft=k, batch_buckets=(8,))
@@ -311,6 +312,7 @@ def eos_case(tokenizer, target_llm):
     pytest.fail("no prompt with a short EOS-terminated answer")
 
 
+@pytest.mark.slow
 def test_forced_proposals_none_some_all_accepted(forced_llm, eos_case):
     ids, ref = eos_case
     plan = iter([0, 1, 2, None] * 16)  # none, some, some, all K plus the bonus, ...
@@ -319,6 +321,7 @@ def test_forced_proposals_none_some_all_accepted(forced_llm, eos_case):
     assert history[:4] == [(1, 0), (2, 1), (3, 2), (4, 3)]  # (emitted, accepted) per iteration
 
 
+@pytest.mark.slow
 def test_forced_proposals_eos_inside_an_accepted_run(forced_llm, eos_case):
     ids, ref = eos_case
     k = 3
@@ -329,6 +332,7 @@ def test_forced_proposals_eos_inside_an_accepted_run(forced_llm, eos_case):
     assert emitted <= k and accepted >= emitted  # EOS was an accepted draft; the rest discarded
 
 
+@pytest.mark.slow
 def test_forced_proposals_max_tokens_inside_an_accepted_run(forced_llm, eos_case):
     ids, ref = eos_case
     req, history = _run_forced(forced_llm, ids, ref, 5, lambda remaining: None)

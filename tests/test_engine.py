@@ -38,6 +38,7 @@ def workload(chat_ids):
     return prompts, lengths
 
 
+@pytest.mark.slow
 def test_mixed_workload_matches_target_alone(spec_llm, target_llm, workload):
     prompts, lengths = workload
     assert len(prompts) == 32
@@ -75,6 +76,7 @@ def test_mixed_workload_matches_target_alone(spec_llm, target_llm, workload):
     assert (sched.block_tables == 0).all()
 
 
+@pytest.mark.slow
 def test_workload_larger_than_the_pool_completes(smollm2_dir, drafter, chat_ids):
     # 20 pages: room for two requests at a time; the others wait their turn, first come first served.
     llm = make_llm(smollm2_dir, drafter, num_draft=3, batch_buckets=(1, 8), num_pages=20)
@@ -86,6 +88,7 @@ def test_workload_larger_than_the_pool_completes(smollm2_dir, drafter, chat_ids)
     assert pool.num_free == pool.capacity
 
 
+@pytest.mark.slow
 def test_streaming_yields_the_batch_tokens(spec_llm, chat_ids):
     params = SamplingParams(max_tokens=24)
     batch = spec_llm.generate([chat_ids[3]], params)[0]
@@ -96,6 +99,7 @@ def test_streaming_yields_the_batch_tokens(spec_llm, chat_ids):
     assert "".join(d.text for d in deltas).strip()  # text arrives with the tokens
 
 
+@pytest.mark.slow
 def test_generate_iter_streams_requests_through_the_batch(spec_llm, workload):
     """Requests pulled lazily (at most one waiting), refilled as rows finish: every output equals
     the batch API's, a bad request comes back as its error, and an iterable that stops early
@@ -122,6 +126,7 @@ def test_generate_iter_streams_requests_through_the_batch(spec_llm, workload):
     assert spec_llm.engine.scheduler.pool.num_free == spec_llm.engine.scheduler.pool.capacity
 
 
+@pytest.mark.slow
 def test_stop_token_ids_and_stop_strings(spec_llm, chat_ids):
     ref = spec_llm.generate([chat_ids[1]], SamplingParams(max_tokens=30))[0]
     stop_id = ref.token_ids[10]
@@ -132,6 +137,7 @@ def test_stop_token_ids_and_stop_strings(spec_llm, chat_ids):
     assert cut.finish_reason == "stop" and word not in cut.text and ref.text.startswith(cut.text)
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_whatever_the_batch(spec_llm, chat_ids):
     """The same seed gives the same sampled tokens alone and in a batch of other requests."""
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=1234)
@@ -144,6 +150,7 @@ def test_sampling_is_reproducible_whatever_the_batch(spec_llm, chat_ids):
     assert other_seed.token_ids != alone.token_ids  # the seed matters
 
 
+@pytest.mark.slow
 def test_prompts_admitted_together_share_prefill_calls(spec_llm, target_llm, chat_ids):
     """Six prompts admitted in one step: each long one's leading chunks run alone, then all six
     last chunks run as one call of the 8-row prefill (two padding rows). The greedy tokens equal
@@ -164,6 +171,7 @@ def test_prompts_admitted_together_share_prefill_calls(spec_llm, target_llm, cha
     assert outputs[5].token_ids == spec_llm.generate([prompts[5]], params[5])[0].token_ids
 
 
+@pytest.mark.slow
 def test_speculation_switched_off_past_a_batch_size_stays_lossless(smollm2_dir, drafter, target_llm, workload):
     """Bucket 8 runs the target alone, bucket 2 speculates: as requests finish, the same rows move
     between the two and every output still equals the target alone."""
@@ -180,6 +188,7 @@ def test_speculation_switched_off_past_a_batch_size_stays_lossless(smollm2_dir, 
     assert set(stats.speculative_iterations) == {2} and set(stats.target_only_iterations) == {8}
 
 
+@pytest.mark.slow
 def test_per_step_dispatch_equals_the_fused_iteration(smollm2_dir, drafter, spec_llm, chat_ids):
     """The iteration as K + 1 programs with the draft carry threaded by the driver gives the
     fused program's tokens, greedy and sampled, and compiles nothing after warm-up."""
@@ -196,6 +205,7 @@ def test_per_step_dispatch_equals_the_fused_iteration(smollm2_dir, drafter, spec
 
 
 # ---- the speculation policy -------------------------------------------------------------------
+@pytest.mark.slow
 def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids, monkeypatch):
     """A lax.cond is a host-device synchronization on the GPU (XLA's ConditionalThunk copies the
     predicate to the host and blocks), so the iteration a batch of greedy requests runs has none,
@@ -225,6 +235,7 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     assert ran and not ran[0]  # both rows run the first iteration: the sampling program
 
 
+@pytest.mark.slow
 def test_pallas_attention_engine_is_token_identical(smollm2_dir, drafter, target_llm, chat_ids):
     """EAGLE-3 with the Pallas attention kernel in every decode, verify and draft step (the GPU's
     default; interpreted here) emits exactly the target-alone tokens (XLA attention)."""
@@ -246,6 +257,7 @@ def test_pallas_attention_engine_is_token_identical(smollm2_dir, drafter, target
     assert sum(o.metrics.acceptance_length for o in got) / len(got) > 1.2  # the drafter still works
 
 
+@pytest.mark.slow
 def test_iteration_buffers_keep_their_addresses(spec_llm):
     """XLA launches the iteration as a CUDA graph that records every buffer address, and rewrites
     the nodes of a moved buffer before the next launch (on the H200 this cost about 1 ms of host
@@ -280,6 +292,7 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     assert a != b and verdict_addresses == [a, b, a, b]
 
 
+@pytest.mark.slow
 def test_first_tokens_are_read_into_buffers_held_per_slot(spec_llm, chat_ids, monkeypatch):
     """Nor does an admission leave a new buffer on the device: the prefill's only output is the
     donated state, and its first token is copied out of the slots into a buffer held per slot.
@@ -388,6 +401,7 @@ def test_engine_config_speculation_fields():
         EngineConfig(step_costs=((2, 0.01, 0.02), (2, 0.01, 0.03)))
 
 
+@pytest.mark.slow
 def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(smollm2_dir, drafter, target_llm, workload):
     """ "auto" with bucket 8's cost injected (speculation 10x dearer: never pays) and bucket 2's
     timed in warm-up, then replaced by one where speculation is cheaper than the target alone:
@@ -431,6 +445,7 @@ def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(smollm2_dir, 
         assert all(0.0 <= r <= 1.0 for r in o.metrics.acceptance_rates)
 
 
+@pytest.mark.slow
 def test_auto_warmup_times_every_bucket(smollm2_dir, drafter):
     """Plain "auto": warm-up compiles and times both iterations at every bucket (programs shared
     with the test above, so this costs weight loading and the timing)."""
