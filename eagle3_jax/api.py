@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import assets
-from eagle3_jax.config import EngineConfig, ModelConfig
+from eagle3_jax.config import EngineConfig, ModelConfig, TreeSpec
 from eagle3_jax.engine.engine import Engine
 from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
 from eagle3_jax.parallel import sharding
@@ -74,12 +74,19 @@ class LLM:
         persistent compilation cache (False). None, the default, warms up on accelerators, where
         steady latency matters and "auto" speculation times each bucket, and not on the CPU, where
         compiling every shape takes minutes and a short run needs only a few.
+    tree: draft EAGLE-2's dynamic tree TreeSpec(steps, top_k, tokens) instead of a chain of
+        num_speculative_tokens (sets EngineConfig.tree, whose steps then replace
+        num_speculative_tokens); None keeps engine_config's tree (none by default).
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
-                 tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True):
-        dataclasses.replace(engine_config or EngineConfig(), num_speculative_tokens=num_speculative_tokens)  # K, now
+                 tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
+                 tree: TreeSpec | None = None):
+        engine_config = engine_config or EngineConfig()
+        # K and the tree checked now, before anything loads.
+        engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens,
+                                            tree=engine_config.tree if tree is None else tree)
         enable_compilation_cache()
         if target is None:
             target = assets.prepare_default_target(progress=progress)
@@ -104,8 +111,6 @@ class LLM:
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        engine_config = engine_config or EngineConfig()
-        engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens)
         self.engine = Engine(cfg, params, draft_cfg, draft_params, engine_config, eos_token_ids=sorted(eos),
                              detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh)
         if warmup or (warmup is None and jax.default_backend() != "cpu"):

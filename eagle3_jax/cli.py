@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_jax.config import MAX_SPECULATIVE_TOKENS
+from eagle3_jax.config import MAX_SPECULATIVE_TOKENS, ConfigError, TreeSpec
 
 PROG = "eagle3-jax"
 # transformers advises on every import that PyTorch is missing; torch is optional here.
@@ -82,6 +82,20 @@ def num_draft(text: str) -> int:
     return value
 
 
+def tree_spec(text: str) -> TreeSpec:
+    """"4,4,8" -> TreeSpec(steps=4, top_k=4, tokens=8)."""
+    try:
+        steps, top_k, tokens = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not STEPS,TOPK,TOKENS (three integers, e.g. 4,4,8)") from None
+    if not 1 <= steps <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"steps {steps} is outside 1..{MAX_SPECULATIVE_TOKENS}")
+    try:
+        return TreeSpec(steps, top_k, tokens)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def temperature(text: str) -> float:
     value = _float(text)
     if value < 0:
@@ -146,6 +160,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "shipped drafter when the target is the default, else none)")
     p.add_argument("--num-draft", type=num_draft, default=3,
                    help=f"K, draft tokens per iteration, 0..{MAX_SPECULATIVE_TOKENS}")
+    p.add_argument("--tree", type=tree_spec, default=None, metavar="STEPS,TOPK,TOKENS",
+                   help="draft EAGLE-2's dynamic tree instead of a chain: STEPS draft levels (the most proposals "
+                        "an iteration accepts; it replaces --num-draft), TOPK beams per level, TOKENS nodes "
+                        "the target verifies, e.g. 4,4,8 (default: a chain of --num-draft)")
     p.add_argument("--max-model-len", type=positive_int, default=2048,
                    help="longest prompt + reply a request may have, in tokens")
     p.add_argument("--speculation", choices=("auto", "always"), default="auto",
@@ -287,7 +305,8 @@ def _llm(args, num_prompts: int = 1):
     rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
                        speculation=args.speculation, speculative_max_batch=args.speculative_max_batch)
-    return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg)
+    return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
+               tree=args.tree)
 
 
 def _sampling(args):

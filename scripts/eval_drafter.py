@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Acceptance length of a drafter on the 80 MT-bench prompts (chat template, greedy, 256 new
-tokens) for K = 1..6, and single-request speed of target-only vs EAGLE-3, in one run.
+tokens) for chains of K = 1..6 and any dynamic trees asked for, and single-request speed of
+target-only vs EAGLE-3, in one run.
 
     python3 scripts/eval_drafter.py --draft checkpoints/smollm2-135m-eagle3 --out runs/eval.json
+    python3 scripts/eval_drafter.py --ks 3,4 --tree 4,4,8 --tree 6,8,31 --speed-prompts 0
 
 Acceptance runs all 80 prompts together in one batch bucket (acceptance does not depend on the
-batch); speed runs prompts one at a time. Stops adding K values when --time-budget-s is spent.
+batch); speed runs prompts one at a time. A tree is reported as "tree STEPS,TOPK,TOKENS" beside
+the chains' K, with its acceptance rates by depth; it accepts by the point-mass rule whatever
+--draft-acceptance says, so it runs once. Stops adding proposals when --time-budget-s is spent.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3_jax import LLM, SamplingParams, assets
+from eagle3_jax.cli import tree_spec
 from eagle3_jax.config import EngineConfig
 
 
@@ -36,7 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(assets.DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(assets.DEFAULT_DRAFT))
     ap.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the PyPI asset)")
-    ap.add_argument("--ks", default="1,2,3,4,5,6")
+    ap.add_argument("--ks", default="1,2,3,4,5,6", help="chains of K proposals to measure ('' for none)")
+    ap.add_argument("--tree", action="append", type=tree_spec, default=[], metavar="STEPS,TOPK,TOKENS",
+                    help="a dynamic tree to measure too (repeatable)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=80, help="the first N MT-bench questions")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -63,22 +70,28 @@ def main(argv=None) -> int:
 
     all_at_once = EngineConfig(batch_buckets=(len(questions),), prefill_buckets=(512,), max_model_len=1024,
                                speculation="always")  # measuring the drafter: never switch it off
-    for k in [int(x) for x in a.ks.split(",")]:
+    # (result key, label, LLM arguments, acceptance modes): the chains, then the trees.
+    runs = [(str(k), f"K={k}", {"num_speculative_tokens": k}, modes)
+            for k in (int(x) for x in a.ks.split(",") if x.strip())]
+    for t in a.tree:  # a tree accepts by the point-mass rule whatever the mode: one run
+        name = f"tree {t.steps},{t.top_k},{t.tokens}"
+        runs.append((name, name, {"tree": t}, modes[:1]))
+    for name, label, proposal, run_modes in runs:
         if time.perf_counter() - start > a.time_budget_s:
-            print(f"time budget spent: stopping before K={k}", flush=True)
+            print(f"time budget spent: stopping before {label}", flush=True)
             break
-        llm = LLM(a.target, a.draft, num_speculative_tokens=k, engine_config=all_at_once, warmup=False, progress=False)
+        llm = LLM(a.target, a.draft, engine_config=all_at_once, warmup=False, progress=False, **proposal)
         llm.engine.warmup(progress=False, greedy=a.temperature == 0)  # only the programs this run uses
-        for mode in modes:
+        for mode in run_modes:
             # Seeded per prompt, so the two acceptance rules see the same requests.
             sampled = [SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=i,
                                       draft_acceptance=mode) for i in range(len(questions))]
             outputs = llm.generate(questions, sampled)
             length, rates = mean_acceptance(outputs)
-            key = str(k) if len(modes) == 1 else f"{k} {mode}"
+            key, shown = (name, label) if len(run_modes) == 1 else (f"{name} {mode}", f"{label} {mode}")
             result["acceptance"][key] = {"acceptance_length": length, "rates": rates,
                                          "tokens": sum(len(o.token_ids) for o in outputs)}
-            print(f"K={key}: acceptance length {length:.3f}, rates {' '.join(f'{r:.3f}' for r in rates)}",
+            print(f"{shown}: acceptance length {length:.3f}, rates {' '.join(f'{r:.3f}' for r in rates)}",
                   flush=True)
             save()
 
