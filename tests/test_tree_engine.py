@@ -1,0 +1,304 @@
+"""Dynamic draft trees served by the engine (EngineConfig.tree): greedy output token-identical to
+the target alone, the accepted path's target KV as a plain prefill of the accepted sequence leaves
+it, no compiles after warm-up (with target-only iterations between speculative ones), sampled rows,
+and the errors of bad trees. A tiny random target and drafters written by the tests; one slow test
+on SmolLM2 with the shipped drafter.
+
+The vocabulary is small (12 tokens), so the random drafter's top-k often holds the target's next
+token and trees are accepted past their first level; the forced-tree test chooses each tree itself,
+its true path on a random branch, to reach every depth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eagle3_jax import SamplingParams, TreeSpec
+from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.engine.scheduler import Scheduler
+from eagle3_jax.runner.speculator import Chain, Tree
+
+VOCAB = 12
+TINY = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
+                   tie_word_embeddings=False, eos_token_ids=(2,))
+# Mixed lengths in one batch: one prompt of 19 tokens is prefilled in two chunks of the 16-token bucket.
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6, 7, 0], [4], [3, 3, 3, 3, 3]]
+MAX_TOKENS = 40
+ENGINE = dict(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(4,), max_model_len=64, num_pages=64,
+              speculation="always")
+SPECS = [TreeSpec(2, 2, 3), TreeSpec(3, 2, 5), TreeSpec(4, 4, 8), TreeSpec.chain(3)]
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def make(target, draft, tree: TreeSpec | None, warmup: bool = False, **engine):
+    from eagle3_jax.api import LLM
+
+    return LLM(target, draft, tree=tree, warmup=warmup, progress=False,
+               engine_config=EngineConfig(**{**ENGINE, **engine}))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The target, and two drafters: one reading the target's embedding, and one of the 70B
+    layout (narrower, its own embedding, a draft vocabulary of 8 of the 12 tokens)."""
+    from eagle3_jax.bench.phases import write_random_models
+
+    root = tmp_path_factory.mktemp("tree_models")
+    target, shared = write_random_models(TINY, DraftConfig.like_target(TINY, VOCAB), root / "shared")
+    narrow = DraftConfig.like_target(TINY, 8, hidden_size=24, intermediate_size=48, head_dim=6)
+    _, own = write_random_models(TINY, narrow, root / "own")
+    return target, {"shared": shared, "own": own}
+
+
+@pytest.fixture(scope="module")
+def alone(models):
+    return make(models[0], None, None)
+
+
+@pytest.fixture(scope="module")
+def reference(alone):
+    """The target alone, greedy, MAX_TOKENS per prompt."""
+    return [o.token_ids for o in alone.generate(PROMPTS, greedy())]
+
+
+@pytest.fixture(scope="module")
+def tree_llm(models):
+    """TreeSpec(3, 2, 5) with the shared drafter, built once for the tests that step it by hand."""
+    return make(models[0], models[1]["shared"], TreeSpec(3, 2, 5))
+
+
+# ---- greedy: token-identical -------------------------------------------------------------------
+@pytest.mark.parametrize("drafter", ["shared", "own"])
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_greedy_tree_is_token_identical_to_the_target_alone(models, reference, spec, drafter):
+    target, drafters = models
+    llm = make(target, drafters[drafter], spec)
+    runner = llm.engine.runner
+    if spec.is_chain:  # served as the chain: the same programs as num_speculative_tokens=3
+        assert runner.speculator == Chain(3) and runner.step_cfg.tree is None
+    else:
+        assert runner.speculator == Tree(spec) and runner.step_cfg.num_draft == spec.steps
+    outputs = llm.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in outputs] == reference
+    for o in outputs:
+        assert len(o.metrics.accepted_at) == spec.steps  # counted by depth
+        # The prefill gave the first token; each iteration one more than it accepted.
+        assert o.metrics.emitted + 1 >= len(o.token_ids) and o.metrics.iterations < MAX_TOKENS
+        assert o.metrics.emitted == o.metrics.iterations + sum(o.metrics.accepted_at)
+    accepted = np.sum([o.metrics.accepted_at for o in outputs], axis=0)
+    assert accepted[0] > 0  # proposals were accepted: the path's KV moved, the extend read the path
+    assert all(np.diff(accepted) <= 0)  # a depth is reached only through the ones above it
+
+
+# ---- forced trees: every depth, on any branch; the KV a plain prefill leaves ------------------
+def forced_tree(spec: TreeSpec, truth: list[int], rng) -> tuple[list[int], list[int]]:
+    """T nodes (tokens, parents in the verify layout) holding `truth` as a root path on a random
+    branch; every other child of a path node differs from the path's next token (so the row
+    accepts exactly len(truth)), the rest random. truth[d] is the target's token after depth d."""
+    t, depth = spec.tokens, len(truth) - 1
+    on_path = sorted(rng.choice(np.arange(1, t + 1), depth, replace=False).tolist())
+    tokens, parents, depths, path = [], [], [0], [0]  # path: the nodes of the true path so far, by depth
+    for i in range(1, t + 1):
+        if on_path and i == on_path[0]:
+            on_path.pop(0)
+            parent, token = path[-1], truth[len(path) - 1]
+            path.append(i)
+        else:
+            parent = int(rng.choice([j for j in range(i) if depths[j] < spec.steps]))
+            token = int(rng.integers(VOCAB))
+            if parent in path and token == truth[path.index(parent)]:
+                token = (token + 1) % VOCAB  # a wrong child: rejected
+        tokens.append(token)
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return tokens, parents
+
+
+def prefill_kv(llm, sequence: list[int]):
+    """The target's KV [L, len, kvh, hd] after a plain prefill of `sequence` (target alone)."""
+    engine = llm.engine
+    engine.overlap = False
+    req = engine.add_request(sequence, greedy(4))
+    engine.step()  # the prefill (and one iteration, writing position len(sequence))
+    kv = engine.runner.read_target_kv(engine.scheduler.block_tables[req.slot], range(len(sequence)))
+    while engine.has_unfinished():
+        engine.step()
+    engine.overlap = True
+    return kv
+
+
+def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_llm, alone, reference):
+    """Each iteration verifies a tree set by hand, whose true path (the target's own tokens) is
+    0..steps deep on a random branch among wrong nodes: the row accepts exactly that path, emits
+    the target alone's tokens, and the target KV of everything accepted equals a plain prefill
+    of the accepted sequence, read from the runner (`read_target_kv`)."""
+    engine, spec = tree_llm.engine, TreeSpec(3, 2, 5)
+    rng = np.random.default_rng(0)
+    prompt, ref = PROMPTS[1], reference[1]
+    engine.overlap = False  # read each iteration before forcing the next tree
+    req = engine.add_request(prompt, greedy())
+    engine.step()  # the prefill and one iteration on the drafter's own tree
+    depths = []
+    while len(req.output) + spec.steps + 2 < MAX_TOKENS:
+        n = len(req.output)
+        depth = int(rng.integers(spec.steps + 1))
+        tokens, parents = forced_tree(spec, ref[n:n + depth + 1], rng)
+        engine.runner.set_proposals(req.slot, tokens, parents)
+        accepted = req.metrics.accepted
+        engine.step()
+        assert req.metrics.accepted - accepted == depth
+        assert req.output == ref[:n + depth + 1]
+        depths.append(depth)
+    assert set(depths) == set(range(spec.steps + 1))
+    cached = prompt + req.output[:-1]  # the last token is not in the cache yet
+    k, v = engine.runner.read_target_kv(engine.scheduler.block_tables[req.slot], range(len(cached)))
+    want_k, want_v = prefill_kv(alone, cached)
+    np.testing.assert_allclose(k, want_k, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(v, want_v, rtol=1e-5, atol=1e-6)
+    while engine.has_unfinished():
+        engine.step()
+    engine.overlap = True
+    assert req.output == ref
+
+
+def test_set_proposals_checks_the_tree(tree_llm):
+    runner = tree_llm.engine.runner
+    with pytest.raises(ValueError, match="parents are given for a tree's proposals"):
+        runner.set_proposals(1, [1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match=r"parents \[0, 0, 3, 1, 2\]: node i\+1's parent"):
+        runner.set_proposals(1, [1, 2, 3, 4, 5], [0, 0, 3, 1, 2])
+
+
+# ---- compiles, target-only iterations, sampled rows ---------------------------------------------
+def test_no_compiles_after_warmup_with_target_only_iterations_between(models, reference):
+    """"auto" with bucket 4 never speculating (its cost table says so) and bucket 2 always: the
+    batch starts target-only, leaving the drafted trees unverified, and speculates once requests
+    finish (verifying stale trees first). Warm-up built every program: serving greedy and
+    sampled tree requests compiles nothing, and the greedy output is the target alone's."""
+    spec = TreeSpec(3, 2, 5)
+    llm = make(models[0], models[1]["shared"], spec, warmup=True, batch_buckets=(2, 4), speculation="auto",
+               step_costs=((2, 1.0, 0.5), (4, 0.5, 100.0)))
+    engine = llm.engine
+    built = engine.num_compilations
+    lengths = [8, 16, 24, 40]
+    outputs = llm.generate(PROMPTS, [greedy(n) for n in lengths])
+    assert [o.token_ids for o in outputs] == [ref[:n] for ref, n in zip(reference, lengths)]
+    stats = engine.stats
+    assert stats.target_only_iterations.get(4, 0) > 0 and stats.speculative_iterations.get(2, 0) > 0
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True) for i in range(2)]
+    llm.generate(PROMPTS[:2], sampled)
+    llm.generate(PROMPTS, [greedy(12), sampled[0], greedy(12), sampled[1]])
+    assert engine.num_compilations == built, "serving tree requests compiled after warm-up"
+
+
+def test_sampled_rows_with_a_tree(tree_llm, reference):
+    """Sampled rows beside greedy ones run the sampling program over the tree (point-mass
+    acceptance): the greedy rows still give the target alone's tokens, a sampled row gives
+    MAX_TOKENS tokens of the vocabulary, the same ones for its seed whatever else is in the
+    batch, other ones for another seed, and its metrics add up."""
+    def sampled(seed):
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, ignore_eos=True)
+
+    batch = tree_llm.generate(PROMPTS, [greedy(), sampled(1), greedy(), sampled(2)])
+    assert batch[0].token_ids == reference[0] and batch[2].token_ids == reference[2]
+    for o in (batch[1], batch[3]):
+        assert len(o.token_ids) == MAX_TOKENS and all(0 <= t < VOCAB for t in o.token_ids)
+        assert o.metrics.emitted + 1 >= MAX_TOKENS
+        assert o.metrics.emitted == o.metrics.iterations + sum(o.metrics.accepted_at)
+    alone = tree_llm.generate([PROMPTS[1]], sampled(1))[0]
+    assert alone.token_ids == batch[1].token_ids  # a row's randomness is its own
+    other = tree_llm.generate([PROMPTS[1]], sampled(3))[0]
+    assert other.token_ids != batch[1].token_ids
+    assert sum(o.metrics.accepted for o in batch) > 0
+
+
+# ---- configuration ------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    ((0, 2, 2), "steps must be a positive int, got 0"),
+    ((2, True, 2), "top_k must be a positive int, got True"),
+    ((2, 2, 2.5), "tokens must be a positive int, got 2.5"),
+    ((2, 2, 7), "tokens must be at most the 6 candidates of steps=2, top_k=2, got 7"),
+])
+def test_bad_tree_specs_name_the_field(args, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        TreeSpec(*args)
+
+
+def test_engine_config_tree():
+    cfg = EngineConfig(tree=TreeSpec(4, 4, 8), num_speculative_tokens=2)
+    assert cfg.num_speculative_tokens == 4  # the tree defines the proposal
+    assert EngineConfig(tree=TreeSpec.chain(3), fused_iteration=False).num_speculative_tokens == 3
+    # Two iterations of a tree's footprint fit the block tables: (6, 8, 31) writes 47 positions past the length.
+    wide = EngineConfig(tree=TreeSpec(6, 8, 31), page_size=16, max_model_len=2048)
+    assert TreeSpec(6, 8, 31).positions_per_iteration == 47
+    assert wide.max_blocks_per_seq * 16 >= 2048 + 2 * 47 > EngineConfig(max_model_len=2048).max_blocks_per_seq * 16
+    with pytest.raises(ConfigError, match=r"engine config: tree must be a TreeSpec\(steps, top_k, tokens\)"):
+        EngineConfig(tree=(2, 2, 3))
+    with pytest.raises(ConfigError, match=r"engine config: tree.steps must be in 1\.\.16, got 17"):
+        EngineConfig(tree=TreeSpec(17, 1, 1))
+    with pytest.raises(ConfigError, match=r"engine config: fused_iteration=False does not run a tree"):
+        EngineConfig(tree=TreeSpec(2, 2, 3), fused_iteration=False)
+
+
+def test_llm_checks_its_tree_before_loading(tmp_path):
+    from eagle3_jax.api import LLM
+
+    with pytest.raises(ConfigError, match="engine config: tree must be a TreeSpec"):
+        LLM(tmp_path / "missing", tree=[3, 2, 5], progress=False)
+
+
+def test_scheduler_reserves_two_tree_iterations():
+    cfg = EngineConfig(batch_buckets=(2,), page_size=4, num_pages=64, max_model_len=64, tree=TreeSpec(3, 2, 5))
+    s = Scheduler(cfg, VOCAB, 3, Tree(TreeSpec(3, 2, 5)).positions_per_iteration)
+    assert Tree(TreeSpec(3, 2, 5)).positions_per_iteration == 8  # max(5 + 1, 3 + 1 + 2 * 2)
+    assert s.pages_needed(4, 4) == 6  # 4 + 4 + 2 * 8 = 24 tokens
+    assert s.add([1], greedy(1)).metrics.accepted_at == [0, 0, 0]  # by depth
+    assert Scheduler(cfg, VOCAB, 3).pages_needed(4, 4) == 4  # a chain of 3: 4 + 4 + 2 * 4 = 16 tokens
+
+
+def test_cli_tree_flag():
+    from eagle3_jax import cli
+
+    args = cli.build_parser().parse_args(["generate", "--tree", "3,2,5"])
+    assert args.tree == TreeSpec(3, 2, 5)
+    assert cli.build_parser().parse_args(["generate"]).tree is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("3,2", "'3,2' is not STEPS,TOPK,TOKENS"),
+    ("3,x,5", "'3,x,5' is not STEPS,TOPK,TOKENS"),
+    ("2,2,7", "tokens must be at most the 6 candidates of steps=2, top_k=2, got 7"),
+    ("17,1,17", "steps 17 is outside 1..16"),
+])
+def test_cli_bad_tree_is_one_line(capsys, value, message):
+    from eagle3_jax import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--tree", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --tree" in err and message in err
+
+
+# ---- the real model ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_tree_is_token_identical_and_accepts_deeper(smollm2_dir, target_llm, chat_ids):
+    """SmolLM2 with the shipped drafter: the tree (4, 4, 8) gives the target alone's greedy tokens
+    and accepts more per iteration than the chain of 4 it contains."""
+    from conftest import make_llm
+
+    from eagle3_jax import assets
+
+    prompts, params = chat_ids[:4], SamplingParams(max_tokens=32)
+    want = [o.token_ids for o in target_llm.generate(prompts, params)]
+    lengths = {}
+    for name, tree in (("tree", TreeSpec(4, 4, 8)), ("chain", TreeSpec.chain(4))):
+        llm = make_llm(smollm2_dir, assets.DEFAULT_DRAFT, warmup=False, batch_buckets=(4,), tree=tree)
+        outputs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outputs] == want
+        lengths[name] = sum(o.metrics.emitted for o in outputs) / sum(o.metrics.iterations for o in outputs)
+    assert lengths["tree"] > lengths["chain"] > 1.5
