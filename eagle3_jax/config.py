@@ -444,7 +444,8 @@ class EngineConfig:
         `eagle3-jax bench`, for "auto"; buckets it lacks are timed in warm-up, entries for other
         batch sizes are ignored. None times every bucket.
     fused_iteration: one program per iteration (True), or the driver dispatching the verify and
-        each draft step as programs of their own, threading the draft's hidden state (False).
+        each draft step as programs of their own, threading the draft's hidden state (False; a
+        chain only).
     page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable);
         num_pages None sizes it for every slot at min(max_model_len, 1024) tokens plus one
         request at max_model_len. Requests that do not fit wait; none is refused for it.

@@ -18,7 +18,8 @@ runner/speculator.py); the target is called through `StepConfig.model` (runner/t
 
 The same iteration also exists as K + 1 programs (`iterate_head`, `chain_step` per proposal,
 `commit_proposals`), dispatched back to back by the runner with the `DraftCarry` pytree threaded
-between them, for `EngineConfig(fused_iteration=False)`: both paths run the same functions.
+between them, for `EngineConfig(fused_iteration=False)`: both paths run the same functions. A
+chain only: a tree's levels change the carry's shape, so a tree runs fused (EngineConfig says so).
 """
 
 from __future__ import annotations
