@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Acceptance length of a drafter on the 80 MT-bench prompts (chat template, greedy, 256 new
 tokens) for chains of K = 1..6 and any dynamic trees asked for, and single-request speed of
-target-only vs EAGLE-3, in one run.
+target-only, the chain of --speed-k and each tree, in one run.
 
     python3 scripts/eval_drafter.py --draft checkpoints/smollm2-135m-eagle3 --out runs/eval.json
     python3 scripts/eval_drafter.py --ks 3,4 --tree 4,4,8 --tree 6,8,31 --speed-prompts 0
@@ -96,10 +96,12 @@ def main(argv=None) -> int:
             save()
 
     one = EngineConfig(batch_buckets=(2,), prefill_buckets=(512,), max_model_len=1024, speculation="always")
-    speed_runs = (("target-only", None, 0), (f"EAGLE-3 K={a.speed_k}", a.draft, a.speed_k))
-    speed_runs = speed_runs if a.speed_prompts > 0 else ()
-    for mode, draft, k in speed_runs:
-        llm = LLM(a.target, draft, num_speculative_tokens=k, engine_config=one, progress=False)
+    # (label, drafter, LLM arguments): the target alone, the chain of --speed-k, each --tree.
+    speed_runs = [("target-only", None, {"num_speculative_tokens": 0}),
+                  (f"EAGLE-3 K={a.speed_k}", a.draft, {"num_speculative_tokens": a.speed_k})]
+    speed_runs += [(f"EAGLE-3 tree {t.steps},{t.top_k},{t.tokens}", a.draft, {"tree": t}) for t in a.tree]
+    for mode, draft, proposal in speed_runs if a.speed_prompts > 0 else ():
+        llm = LLM(a.target, draft, engine_config=one, progress=False, **proposal)
         llm.generate(questions[:1], SamplingParams(max_tokens=16))  # first-call effects out of the timing
         tokens, seconds = 0, 0.0
         for q in questions[:a.speed_prompts]:
