@@ -103,24 +103,21 @@ def temperature(text: str) -> float:
     return value
 
 
-def top_p(text: str) -> float:
+def fraction(text: str, hint: str = "") -> float:
     value = _float(text)
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]; 1 turns nucleus sampling off")
+        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]{hint}")
     return value
+
+
+def top_p(text: str) -> float:
+    return fraction(text, "; 1 turns nucleus sampling off")
 
 
 def positive_float(text: str) -> float:
     value = _float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return value
-
-
-def fraction(text: str) -> float:
-    value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]")
     return value
 
 

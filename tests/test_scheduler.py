@@ -32,6 +32,7 @@ def params(max_tokens: int) -> SamplingParams:
 def test_page_pool_allocates_lowest_pages_first_and_never_scratch():
     pool = PagePool(6)
     assert (pool.capacity, pool.num_free) == (5, 5)
+    assert pool.allocate(0) == [] and pool.num_free == 5  # asking for none takes none
     assert pool.allocate(2) == [1, 2]
     assert pool.allocate(4) is None  # 3 free: nothing taken
     assert pool.num_free == 3

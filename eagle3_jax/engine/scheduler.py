@@ -102,8 +102,11 @@ class PagePool:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int] | None:
+        """n free pages (none for n = 0), or None when fewer are free."""
         if n > len(self._free):
             return None
+        if n <= 0:
+            return []
         taken, self._free = self._free[-n:], self._free[:-n]
         return taken[::-1]
 
