@@ -414,9 +414,9 @@ class EngineConfig:
     """Shapes of the compiled step functions and of the KV pool.
 
     batch_buckets: decode batch sizes compiled; a running set of n requests runs in the smallest
-        bucket >= n, its padded rows pointing at the dummy slot 0. The default starts at 2: on the
-        H200 a 1-row step ran 2x slower than a 2-row one (8B decode 10.6 vs 5.3 ms; XLA's
-        matrix-vector path for M=1 bf16 dots), so one request runs padded to two rows.
+        bucket >= n, its padded rows pointing at the dummy slot 0. The default starts at 2, so one
+        request runs padded to two rows: one-row steps have run far slower than two-row ones
+        (XLA's matrix-vector path for one-row bf16 dots; BENCHMARKS.md, "Host overhead").
     prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
         largest bucket.
     prefill_batch_buckets: prompts per prefill call compiled (each with every chunk bucket). The
@@ -424,7 +424,7 @@ class EngineConfig:
         same chunk bucket sharing a call, up to the largest bucket per call; a call of fewer pads
         to the smallest bucket that holds them. With (1,) every prompt is a call of its own: on the
         H200 a burst of 32 SmolLM2 requests then waited 86 ms for its first tokens, against 49 ms
-        in 5 calls with (1, 8) (BENCHMARKS.md, eleventh session).
+        in 5 calls with (1, 8) (BENCHMARKS.md, "Serving with arrivals").
     num_speculative_tokens: K draft tokens per iteration (0 = target only).
     tree: None drafts a chain of K proposals. A TreeSpec(steps, top_k, tokens) drafts EAGLE-2's
         dynamic tree instead: the target verifies `tokens` nodes in one forward and a row accepts
@@ -459,7 +459,7 @@ class EngineConfig:
     gemv: the weight projections of decode, verify and draft steps of up to 64 rows. "xla": XLA's
         dots. "mosaic": a Pallas Mosaic GPU kernel per projection (model/mosaic_gemv.py), on one
         Hopper GPU; on the H200 it made every Llama-3.1-8B step 4-5% slower than XLA's dots
-        (BENCHMARKS.md, thirteenth session), so it is not the default: it is the start of
+        (BENCHMARKS.md, "Tried and rejected"), so it is not the default: it is the start of
         projections that take in the kernels around them. Prefills and larger steps use XLA's dots
         either way.
     """

@@ -1,6 +1,6 @@
 """EAGLE-3 drafter checkpoints in the public layout <-> DraftParams.
 
-Layout (../shared/EAGLE3.md, section 1): `config.json` plus `pytorch_model.bin` or
+Layout (docs/EAGLE3.md, "Drafter checkpoints"): `config.json` plus `pytorch_model.bin` or
 `model.safetensors` with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
 and, in the 70B layout, `embed_tokens.weight`. Loaders elsewhere call the midlayer `layers.0.`
 and d2t `draft_id_to_target_id`; both spellings load. We write the public names, fp16. In memory
