@@ -291,8 +291,10 @@ class ModelRunner:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
         return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
 
-    def _padding_prefill(self, rows: int, size: int) -> tuple[PrefillInputs, list[SamplingParams], list[int]]:
-        return PrefillInputs.padding(rows, size, self.cfg.max_blocks_per_seq), [PADDING_PARAMS] * rows, [0] * rows
+    def _padding_prefill(self, rows: int, size: int) -> tuple:
+        """`prefill_step`'s arguments after the state for `rows` padding rows of `size` tokens."""
+        inputs = PrefillInputs.padding(rows, size, self.cfg.max_blocks_per_seq)
+        return (*inputs.arrays(), sampling.row_sampling_from_params([PADDING_PARAMS] * rows, [0] * rows))
 
     def compile_iteration(self, bucket: int, cfg: StepConfig) -> None:
         """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows."""
@@ -300,10 +302,9 @@ class ModelRunner:
 
     def compile_prefill(self, rows: int, size: int, greedy: bool) -> None:
         """Build the prefill program of `rows` x `size` tokens by running it on padding rows."""
-        inputs, params, seeds = self._padding_prefill(rows, size)
-        row = sampling.row_sampling_from_params(params, seeds)
         cfg = self.config(self.step_cfg.num_draft, greedy)
-        self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
+        self._state = prefill_step(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
+                                   cfg=cfg)
         self.first_token(DUMMY_SLOT).block_until_ready()  # as serving reads it
 
     def compile_jobs(self, iterations: Sequence[tuple[int, StepConfig]],
@@ -312,10 +313,8 @@ class ModelRunner:
         elsewhere (on a thread pool, say); jitted calls with the same shapes then find them built."""
         p, dp, st = self._params, self._draft_params, self._state
         jobs = [(iterate_in_place_step, (p, dp, st, *self.padding_rows(b)), {"cfg": c}) for b, c in iterations]
-        for rows, size, greedy in prefills:
-            inputs, params, seeds = self._padding_prefill(rows, size)
-            jobs.append((prefill_step, (p, dp, st, *inputs.arrays(), sampling.row_sampling_from_params(params, seeds)),
-                         {"cfg": self.config(self.step_cfg.num_draft, greedy)}))
+        jobs += [(prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
+                  {"cfg": self.config(self.step_cfg.num_draft, greedy)}) for rows, size, greedy in prefills]
         return jobs
 
     def time_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig, context: int | None = None,
@@ -326,16 +325,16 @@ class ModelRunner:
         slot's state anyway); the state's buffers keep their addresses either way."""
         rows = np.unique(slots)
 
-        def reset(state, length):
-            return state if length is None else _set_lengths(state, rows, length)
-
         def call(state):
             self._state = state
             verdicts = self.iterate(slots, tables, cfg)  # donates `state`: read self._state after
             return self._state, verdicts
 
-        state, samples = time_calls(call, self._state, lambda s: reset(s, context), calls, rounds)
-        self._state = reset(state, None if context is None else 0)
+        def reset(state):
+            return state if context is None else _set_lengths(state, rows, context)
+
+        state, samples = time_calls(call, self._state, reset, calls, rounds)
+        self._state = state if context is None else _set_lengths(state, rows, 0)
         return samples
 
     # ---- inspection (tests, benchmarks) --------------------------------------------------------
@@ -346,9 +345,8 @@ class ModelRunner:
 
     def trace_prefill(self, rows: int, size: int, cfg: StepConfig):
         """The prefill program of `rows` x `size` tokens under `cfg`, traced."""
-        inputs, params, seeds = self._padding_prefill(rows, size)
-        return prefill_step.trace(self._params, self._draft_params, self._state, *inputs.arrays(),
-                                  sampling.row_sampling_from_params(params, seeds), cfg=cfg)
+        return prefill_step.trace(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
+                                  cfg=cfg)
 
     def buffer_addresses(self) -> list[int]:
         """The device address of every state buffer (they never move while serving)."""
