@@ -12,7 +12,7 @@ import dataclasses
 import math
 import numbers
 
-DRAFT_ACCEPTANCE_MODES = ("draft_q", "one_hot")
+DRAFT_ACCEPTANCE_MODES = ("auto", "draft_q", "one_hot", "coupled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +29,16 @@ class SamplingParams:
       stop_token_ids: token ids that end generation (in addition to EOS).
       stop: stop strings.
       ignore_eos: keep generating after EOS.
-      draft_acceptance: "draft_q" = lossless rejection sampling with the draft's
-        real distribution q (accepts the most); "one_hot" = the vLLM/SGLang
-        shortcut treating q as one-hot on the drafted token (also lossless,
-        accepts less, does not need q).
+      draft_acceptance: how a sampled row accepts proposals; every rule is
+        lossless (the output has the target's distribution). "draft_q" =
+        rejection sampling with the draft's real distribution q (accepts the
+        most); "one_hot" = the vLLM/SGLang shortcut treating q as one-hot on the
+        drafted token (accepts less, does not need q); "coupled" = Gumbel
+        coupling keyed by (seed, position): the tokens are a function of the
+        prompt and the seed alone, the same alone or in any batch, with
+        speculation on or off, a chain or a tree (runner/sampling.py); "auto"
+        (default) = "coupled" when a seed is given, else "draft_q"
+        (`acceptance_rule`; BENCHMARKS.md, "Sampled acceptance", measures both).
     """
 
     max_tokens: int = 256
@@ -44,7 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    draft_acceptance: str = "draft_q"
+    draft_acceptance: str = "auto"
 
     def __post_init__(self) -> None:
         def _set(name, value):
@@ -118,6 +124,14 @@ class SamplingParams:
                 f"draft_acceptance must be one of {DRAFT_ACCEPTANCE_MODES}, "
                 f"got {self.draft_acceptance!r}"
             )
+
+    @property
+    def acceptance_rule(self) -> str:
+        """draft_acceptance resolved: "auto" is "coupled" for a seeded request (a seed must
+        reproduce its tokens whatever speculation does) and "draft_q" otherwise (it accepts more)."""
+        if self.draft_acceptance != "auto":
+            return self.draft_acceptance
+        return "coupled" if self.seed is not None else "draft_q"
 
     @property
     def greedy(self) -> bool:

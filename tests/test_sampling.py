@@ -238,6 +238,7 @@ def _params(B, temperature, top_k=0, top_p=1.0, min_p=0.0, one_hot=False, seed=0
         min_p=full(min_p, np.float32),
         key=keys,
         one_hot=full(one_hot, bool),
+        coupled=full(False, bool),
     )
 
 
@@ -574,20 +575,25 @@ def test_row_sampling_from_params_and_seed_keys():
         SamplingParams(),
         SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=123, draft_acceptance="one_hot"),
         SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, seed=5),  # seeded: coupled by default
+        SamplingParams(seed=5),  # greedy: no rule applies
+        SamplingParams(temperature=0.7, seed=5, draft_acceptance="draft_q"),
     ]
-    rs = S.row_sampling_from_params(sps, seeds=[7, 8, None], rng=np.random.default_rng(0))
-    np.testing.assert_allclose(rs.temperature, [0.0, 0.8, 1.0])
-    np.testing.assert_array_equal(rs.top_k, [0, 50, 0])
-    np.testing.assert_allclose(rs.top_p, [1.0, 0.9, 1.0])
-    np.testing.assert_allclose(rs.min_p, [0.0, 0.05, 0.0])
-    np.testing.assert_array_equal(rs.one_hot, [False, True, False])
-    assert rs.key.shape == (3, 2) and rs.key.dtype == np.uint32
+    rs = S.row_sampling_from_params(sps, seeds=[7, 8, None, None, None, None], rng=np.random.default_rng(0))
+    np.testing.assert_allclose(rs.temperature, [0.0, 0.8, 1.0, 0.7, 0.0, 0.7])
+    np.testing.assert_array_equal(rs.top_k, [0, 50, 0, 0, 0, 0])
+    np.testing.assert_allclose(rs.top_p, [1.0, 0.9, 1.0, 1.0, 1.0, 1.0])
+    np.testing.assert_allclose(rs.min_p, [0.0, 0.05, 0.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(rs.one_hot, [False, True, False, False, False, False])
+    np.testing.assert_array_equal(rs.coupled, [False, False, False, True, False, False])
+    assert [sp.acceptance_rule for sp in sps] == ["draft_q", "one_hot", "draft_q", "coupled", "coupled", "draft_q"]
+    assert rs.key.shape == (6, 2) and rs.key.dtype == np.uint32
     np.testing.assert_array_equal(rs.key[0], jax.random.key_data(jax.random.key(7)))  # seeds[0]
     np.testing.assert_array_equal(rs.key[1], jax.random.key_data(jax.random.key(123)))  # params seed wins
-    np.testing.assert_array_equal(np.asarray(rs.greedy), [True, False, False])
+    np.testing.assert_array_equal(np.asarray(rs.greedy), [True, False, False, False, True, False])
     # pytree round trip
     leaves, tree = jax.tree.flatten(rs)
-    assert len(leaves) == 6
+    assert len(leaves) == 7
     assert isinstance(jax.tree.unflatten(tree, leaves), S.RowSampling)
 
 

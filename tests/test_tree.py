@@ -312,7 +312,7 @@ def test_chain_is_todays_chain():
     params = S.RowSampling(temperature=np.where(np.arange(b) % 3 == 0, 0.0, 0.8).astype(np.float32),
                            top_k=np.full(b, 6, np.int32), top_p=np.full(b, 0.95, np.float32),
                            min_p=np.zeros(b, np.float32), key=rng.integers(0, 2**32, (b, 2), dtype=np.uint32),
-                           one_hot=np.arange(b) % 3 == 1)
+                           one_hot=np.arange(b) % 3 == 1, coupled=np.zeros(b, bool))
     node_q = np.concatenate([np.zeros((b, 1, v), np.float32), q], 1)
     all_one_hot = dataclasses.replace(params, one_hot=np.ones(b, bool))  # verify_chain's rule for q None
     for got_q, rows in [(node_q, params), (None, all_one_hot)]:
@@ -344,7 +344,7 @@ def _stat_params(n, seed):
     keys = np.random.default_rng(seed).integers(0, 2**32, (n, 2), dtype=np.uint32)
     return S.RowSampling(temperature=np.full(n, TEMPERATURE, np.float32), top_k=np.zeros(n, np.int32),
                          top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32), key=keys,
-                         one_hot=np.zeros(n, bool))
+                         one_hot=np.zeros(n, bool), coupled=np.zeros(n, bool))
 
 
 def _sequences(tree, n, emitted, markov, seed):

@@ -10,6 +10,8 @@ its true path on a random branch, to reach every depth."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -197,11 +199,12 @@ def test_no_compiles_after_warmup_with_target_only_iterations_between(models, re
 
 def test_sampled_rows_with_a_tree(tree_llm, reference):
     """Sampled rows beside greedy ones run the sampling program over the tree (point-mass
-    acceptance): the greedy rows still give the target alone's tokens, a sampled row gives
-    MAX_TOKENS tokens of the vocabulary, the same ones for its seed whatever else is in the
-    batch, other ones for another seed, and its metrics add up."""
+    acceptance, asked for by the draft-q rule): the greedy rows still give the target alone's
+    tokens, a sampled row gives MAX_TOKENS tokens of the vocabulary, the same ones for its seed
+    whatever else is in the batch, other ones for another seed, and its metrics add up."""
     def sampled(seed):
-        return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, ignore_eos=True)
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, ignore_eos=True,
+                              draft_acceptance="draft_q")
 
     batch = tree_llm.generate(PROMPTS, [greedy(), sampled(1), greedy(), sampled(2)])
     assert batch[0].token_ids == reference[0] and batch[2].token_ids == reference[2]
@@ -214,6 +217,38 @@ def test_sampled_rows_with_a_tree(tree_llm, reference):
     other = tree_llm.generate([PROMPTS[1]], sampled(3))[0]
     assert other.token_ids != batch[1].token_ids
     assert sum(o.metrics.accepted for o in batch) > 0
+
+
+# ---- a seed fixes the output ----------------------------------------------------------------------
+def test_a_seed_gives_the_same_tokens_whatever_speculation_does(models):
+    """A seeded request (the coupled rule, its default) gives the same tokens alone and in a
+    batch of 8 (beside greedy, unseeded and other seeded rows), with speculation off, with a
+    chain of 3, with a tree, and under "auto" switching between speculation (the
+    bucket of 1) and the target alone (the bucket of 8). Its proposals are accepted: the tokens
+    come through acceptance, not around it."""
+    target, drafters = models
+    seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+    others = [SamplingParams(max_tokens=MAX_TOKENS - i, temperature=0.0 if i % 3 == 0 else 1.0, ignore_eos=True,
+                             seed=None if i % 3 == 1 else 50 + i) for i in range(7)]
+    batch = [PROMPTS[1]] + [PROMPTS[i % len(PROMPTS)] for i in range(7)]
+    setups = [("target alone", None, None, {}), ("chain of 3", "shared", TreeSpec.chain(3), {}),
+              ("tree (3, 2, 5)", "shared", TreeSpec(3, 2, 5), {}),
+              ("tree auto", "shared", TreeSpec(3, 2, 5),
+               dict(speculation="auto", step_costs=((1, 1.0, 0.5), (8, 0.5, 100.0))))]
+    tokens = {}
+    for name, drafter, spec, engine in setups:
+        llm = make(target, drafters[drafter] if drafter else None, spec,
+                   **{**dict(batch_buckets=(1, 8), num_pages=160), **engine})
+        alone = llm.generate([PROMPTS[1]], seeded)[0]
+        together = llm.generate(batch, [seeded] + others)[0]
+        tokens[name, "alone"], tokens[name, "batch of 8"] = alone.token_ids, together.token_ids
+        if drafter:
+            assert alone.metrics.accepted > 0, name
+    want = tokens["target alone", "alone"]
+    assert len(want) == MAX_TOKENS
+    assert {key: got for key, got in tokens.items() if got != want} == {}
+    other_seed = dataclasses.replace(seeded, seed=1235)
+    assert make(target, None, None).generate([PROMPTS[1]], other_seed)[0].token_ids != want
 
 
 # ---- configuration ------------------------------------------------------------------------------

@@ -48,6 +48,25 @@ ab <= min(a, b) for a, b in [0, 1], one-hot never accepts more (e.g. p = q =
 uniform over V: real q accepts always, one-hot with probability 1/V).  If the
 draft picks tokens greedily (q is one-hot) the two rules coincide.
 
+Coupled acceptance: a seed fixes the output, whatever speculation does
+---------------------------------------------------------------------
+Drafter-invariant coupling (Daliri et al. 2024, "Coupling without communication
+and drafter-invariant speculative decoding"): the token at absolute position n
+of a row is ``argmax_x log p(x) + G_n(x)``, with G_n i.i.d. Gumbel noise over
+the target vocabulary, a function of the row's key and n alone
+(`coupling_noise`).  By the Gumbel-max trick that token is an exact draw from
+p, so target-only decoding under this rule samples the target's distribution.
+The draft proposes with the same noise (``argmax log q + G_n``; a tree's
+children are the Gumbel-top-k), and the target accepts a proposal iff it
+equals its own perturbed argmax after the proposal's parent, emitting that
+argmax at the first mismatch: exactly greedy verification of the perturbed
+logits.  Every emitted token is then the target's own coupled draw at its
+position: the output is a function of (prompt, seed) alone, the same alone or
+in a batch, speculating or not, with a chain or a tree.  It accepts less than
+the draft-q rule (P(accept) >= (1 - TV) / (1 + TV) against 1 - TV, TV the
+total variation between p and q), so unseeded requests keep the draft-q rule
+(`SamplingParams.draft_acceptance`).
+
 Greedy rows (temperature == 0)
 ------------------------------
 Never go through probabilities: accept while d_i == argmax(target_logits[i])
@@ -88,6 +107,10 @@ PAD_TOKEN = -1
 KEY_IMPL = "threefry2x32"
 """PRNG implementation of the raw per-row keys (key data shape [2] uint32)."""
 
+COUPLING_TAG = 0x636F7570
+"""Folded into a row's key before the position for the coupling noise: its stream
+is apart from every (tokens generated, stream) pair the other keys fold in."""
+
 RESIDUAL_EPS = 1e-6
 """If the residual mass sum((p - q)^+) is below this, p == q up to float error
 and the (then ~impossible) rejection falls back to sampling from p."""
@@ -107,6 +130,7 @@ class RowSampling:
       min_p       [B] f32   0 => off
       key         [B, 2] u32 raw threefry2x32 key data (the row's base key)
       one_hot     [B] bool  True => one-hot ("vLLM") acceptance
+      coupled     [B] bool  True => coupled acceptance (a seed fixes the output)
     """
 
     temperature: Array
@@ -115,6 +139,7 @@ class RowSampling:
     min_p: Array
     key: Array
     one_hot: Array
+    coupled: Array
 
     @property
     def greedy(self) -> Array:  # [B] bool
@@ -127,7 +152,7 @@ class RowSampling:
 
 jax.tree_util.register_dataclass(
     RowSampling,
-    data_fields=["temperature", "top_k", "top_p", "min_p", "key", "one_hot"],
+    data_fields=["temperature", "top_k", "top_p", "min_p", "key", "one_hot", "coupled"],
     meta_fields=[],
 )
 
@@ -177,7 +202,8 @@ def row_sampling_from_params(
         top_p=np.array([sp.top_p for sp in params], np.float32).reshape(n),
         min_p=np.array([sp.min_p for sp in params], np.float32).reshape(n),
         key=keys,
-        one_hot=np.array([sp.draft_acceptance == "one_hot" for sp in params], bool).reshape(n),
+        one_hot=np.array([sp.acceptance_rule == "one_hot" for sp in params], bool).reshape(n),
+        coupled=np.array([sp.acceptance_rule == "coupled" and not sp.greedy for sp in params], bool).reshape(n),
     )
 
 
@@ -217,6 +243,33 @@ def row_uniforms(keys: Array, num: int) -> tuple[Array, Array]:
         return jax.random.uniform(ka, (num,), jnp.float32), jax.random.uniform(ks, (), jnp.float32)
 
     return jax.vmap(one)(jnp.asarray(keys, jnp.uint32))
+
+
+def coupling_noise(keys: Array, index: Array, vocab_size: int) -> Array:
+    """The Gumbel noise of the coupled rule: keys [B, 2] u32 (the rows' base keys), index [B, ...]
+    i32 absolute token positions -> [B, ..., V] f32, noise of the token at index[b, ...] of row b:
+    a function of the row's key and the position alone, so a draft step and the verify that
+    checks its proposal (and a target-only step at the same position) draw the same noise."""
+    keys = fold_in_rows(keys, COUPLING_TAG)
+    index = jnp.asarray(index, jnp.int32)
+    flat = index.reshape(index.shape[0], -1)  # [B, N]
+
+    def one(key, i):
+        return jax.random.gumbel(jax.random.fold_in(_as_key(key), i), (vocab_size,), jnp.float32)
+
+    noise = jax.vmap(lambda k, row: jax.vmap(lambda i: one(k, i))(row))(keys, flat)  # [B, N, V]
+    return noise.reshape(*index.shape, vocab_size)
+
+
+def perturbed_log_probs(probs: Array, noise: Array) -> Array:
+    """log probs + noise [..., V], -inf where probs is 0: its argmax is the coupled draw from probs
+    (Gumbel-max), and its top-k are k draws without replacement (Gumbel-top-k)."""
+    return jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + noise, -jnp.inf)
+
+
+def coupled_ids(probs: Array, noise: Array) -> Array:
+    """The coupled draw: probs, noise [..., V] -> argmax of `perturbed_log_probs` [...] i32."""
+    return jnp.argmax(perturbed_log_probs(probs, noise), axis=-1).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------
@@ -335,15 +388,19 @@ def sample_rows(probs: Array, keys: Array) -> Array:
     return sample_from_uniform(probs, u)
 
 
-def sample_logits(logits: Array, params: RowSampling, keys: Array | None = None) -> Array:
+def sample_logits(logits: Array, params: RowSampling, keys: Array | None = None,
+                  noise: Array | None = None) -> Array:
     """Target-only token choice (e.g. the first token after prefill).
 
-    logits [B, V], params fields [B], keys [B, 2] u32 (default params.key)
-    -> token [B] i32.  Greedy rows: exactly ``argmax(logits)``.
+    logits [B, V], params fields [B], keys [B, 2] u32 (default params.key), noise [B, V]: the
+    coupling noise at the token's position (`coupling_noise`; None: no row is coupled)
+    -> token [B] i32.  Greedy rows: exactly ``argmax(logits)``; coupled rows: the coupled draw.
     """
     keys = params.key if keys is None else keys
     probs = filtered_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     tok = sample_rows(probs, keys)
+    if noise is not None:
+        tok = jnp.where(params.coupled, coupled_ids(probs, noise), tok)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jnp.where(params.greedy, greedy_tok, tok)
 
@@ -385,6 +442,7 @@ def verify_chain(
     draft_probs: Array | None,
     params: RowSampling,
     keys: Array | None = None,
+    noise: Array | None = None,
 ) -> tuple[Array, Array]:
     """Lossless chain speculative sampling step (vectorised over the chain).
 
@@ -401,6 +459,8 @@ def verify_chain(
       keys:          [B, 2] u32 per-row keys for THIS step (default
         params.key -- the caller must pass fresh keys each step, e.g.
         ``fold_in_rows(params.key, step)``, independent of the draft's keys).
+      noise:         [B, K+1, V] the coupling noise at the positions the K+1
+        logits choose tokens for (`coupling_noise`), or None: no row is coupled.
     Returns:
       num_accepted [B] i32 in 0..K,
       emitted [B, K+1] i32: emitted[:, :n] = accepted drafts, emitted[:, n] =
@@ -408,7 +468,8 @@ def verify_chain(
     Rows: greedy (temperature 0) -> exact argmax matching; one_hot -> accept
     with prob p_i(d_i), reject -> norm(p_i with d_i zeroed); otherwise accept
     with prob min(1, p_i(d_i)/q_i(d_i)), reject -> norm((p_i - q_i)^+)
-    (falls back to p_i if that mass < RESIDUAL_EPS).  Bonus ~ p_K.
+    (falls back to p_i if that mass < RESIDUAL_EPS).  Bonus ~ p_K.  Coupled
+    rows -> greedy verification of the perturbed logits (module docstring).
     """
     target_logits = jnp.asarray(target_logits, jnp.float32)
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
@@ -464,8 +525,12 @@ def verify_chain(
         resid = p_n
     tok = sample_from_uniform(resid, u_samp)  # [B]
 
+    emitted = assemble_emitted(draft_tokens, n, tok)
+    if noise is not None:  # coupled rows: accept what equals the target's own coupled draw
+        c_n, c_emitted = greedy_verify(perturbed_log_probs(p, noise), draft_tokens)
+        coupled = jnp.asarray(params.coupled, bool)
+        n, emitted = jnp.where(coupled, c_n, n), jnp.where(col(coupled), c_emitted, emitted)
+
     # --- greedy rows: exact argmax path
     g_n, g_emitted = greedy_verify(target_logits, draft_tokens)
-    n = jnp.where(greedy, g_n, n)
-    emitted = jnp.where(col(greedy), g_emitted, assemble_emitted(draft_tokens, n, tok))
-    return n, emitted
+    return jnp.where(greedy, g_n, n), jnp.where(col(greedy), g_emitted, emitted)

@@ -73,14 +73,27 @@ class DraftContext:
     pin_kv: object  # the draft forward's `pin_kv` (None on one device)
 
 
-def _draft_token(logits: jax.Array, row: sampling.RowSampling, keys: jax.Array, greedy: bool):
-    """Draft logits [B, Vd] -> (draft ids [B], q [B, Vd]). Greedy rows take the argmax; a greedy
+def _draft_noise(dparams: DraftParams, keys: jax.Array, index: jax.Array, vocab_size: int) -> jax.Array:
+    """The coupling noise of the token at `index` [B] (or [B, ...]) over the draft vocabulary
+    [B, (...,) Vd]: the target vocabulary's noise (`sampling.coupling_noise`) at the draft tokens'
+    target ids, so the draft perturbs each token exactly as the target's verify will."""
+    ids = jnp.arange(dparams.d2t.shape[0]) + dparams.d2t  # [Vd] target ids
+    return jnp.take(sampling.coupling_noise(keys, index, vocab_size), ids, axis=-1)
+
+
+def _draft_token(logits: jax.Array, row: sampling.RowSampling, keys: jax.Array, greedy: bool,
+                 noise: jax.Array | None = None):
+    """Draft logits [B, Vd] -> (draft ids [B], q [B, Vd]). Greedy rows take the argmax, coupled
+    rows the coupled draw under `noise` [B, Vd] (`_draft_noise`), the others a sample of q; a greedy
     program has no q (None: greedy verification never reads it)."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
         return greedy_ids, None
     q = sampling.filtered_probs(logits, row.temperature, row.top_k, row.top_p, row.min_p)
-    return jnp.where(row.greedy, greedy_ids, sampling.sample_rows(q, keys)), q
+    ids = sampling.sample_rows(q, keys)
+    if noise is not None:
+        ids = jnp.where(row.coupled, sampling.coupled_ids(q, noise), ids)
+    return jnp.where(row.greedy, greedy_ids, ids), q
 
 
 def _target_probs(dparams: DraftParams, q: jax.Array, vocab_size: int) -> jax.Array:
@@ -139,8 +152,10 @@ class Chain:
         drafts = s.drafts[:, :self.k]
         if greedy:
             return (*sampling.greedy_verify(logits, drafts), None)
-        q = _target_probs(dparams, s.draft_probs, vocab_size) if self.k else None
-        return (*sampling.verify_chain(logits, drafts, q, s.sampling, keys), None)
+        q = _target_probs(dparams, s.draft_probs[:, :self.k], vocab_size) if self.k else None
+        # Logits row i chooses the token at position length + 1 + i.
+        noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + 1 + jnp.arange(self.k + 1), vocab_size)
+        return (*sampling.verify_chain(logits, drafts, q, s.sampling, keys, noise), None)
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: None,
                       length: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -168,7 +183,9 @@ class Chain:
             h, position = out[:, 0], position + 1
         # An argmax needs no all-gather of the logits: only per-shard (max, index) pairs move.
         logits = vocab_logits(eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv), ctx.mesh, gather=not ctx.greedy)
-        ids, q = _draft_token(logits, carry.row, sampling.fold_in_rows(carry.keys, j), ctx.greedy)
+        # The proposal is the token at position + 2 (the draft pairs capture t with token t + 1).
+        noise = None if ctx.greedy else _draft_noise(dparams, carry.row.key, position + 2, ctx.draft.vocab_size)
+        ids, q = _draft_token(logits, carry.row, sampling.fold_in_rows(carry.keys, j), ctx.greedy, noise)
         token = eagle3.to_target_ids(dparams, ids)
         carry = carry.replace(h=h, token=token, position=position, drafts=carry.drafts.at[:, j].set(token))
         return (carry if q is None else carry.replace(q=carry.q.at[:, j].set(q))), draft_kv
@@ -203,6 +220,7 @@ class TreeCarry:
     h: jax.Array  # [B, k, H] pre-norm draft hidden at the level's beams ([B, 1, H]: the root's)
     token: jax.Array  # [B] the tree's root token (target id): the token after `position`
     position: jax.Array  # [B] the verified position t the tree grows from
+    row: sampling.RowSampling  # [B] the rows' sampling parameters (coupled rows perturb the tree)
     cand: T.Candidates | None  # the candidates so far (None before the first level)
 
 
@@ -267,7 +285,9 @@ class Tree:
         if greedy:
             n, path, emitted = T.greedy_accept(self.spec, tree, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         else:
-            n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys)
+            # Logits row i chooses the token after node i: at position length + depth[i] + 1.
+            noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + tree.depth + 1, vocab_size)
+            n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys, noise=noise)
         return n, emitted, path
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: jax.Array,
@@ -283,28 +303,42 @@ class Tree:
     def start(self, h: jax.Array, token: jax.Array, position: jax.Array, row: sampling.RowSampling,
               keys: jax.Array, draft_vocab: int) -> TreeCarry:
         """The carry at the verified position: h [B, H] there, `token` [B] the root. The tree is
-        the draft's top-k, deterministic: no sampling parameters or keys enter it."""
-        return TreeCarry(h=h[:, None], token=token, position=position, cand=None)
+        the draft's top-k, deterministic: no keys enter it; coupled rows perturb it (`_log_probs`)."""
+        return TreeCarry(h=h[:, None], token=token, position=position, row=row, cand=None)
 
-    def _log_probs(self, ctx: DraftContext, dparams: DraftParams, h: jax.Array) -> jax.Array:
-        """h [..., H] -> the draft's raw log-softmax [..., Vd] over the whole draft vocabulary
-        (gathered under tensor parallelism), as the EAGLE reference builds its tree."""
+    def _log_probs(self, ctx: DraftContext, dparams: DraftParams, h: jax.Array, row: sampling.RowSampling,
+                   index: jax.Array) -> jax.Array:
+        """h [B, H] or [B, k, H] -> the draft's log-softmax [B, (k,) Vd] over the whole draft
+        vocabulary (gathered under tensor parallelism), as the EAGLE reference builds its tree.
+        Coupled rows (a sampling program) take the log-softmax of the perturbed log-probs at the
+        children's position `index` [B] instead: their top-k is the Gumbel-top-k, holding the
+        draft's guess of the target's coupled draw first."""
         logits = vocab_logits(eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv), ctx.mesh, gather=True)
-        return jax.nn.log_softmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        if ctx.greedy:
+            return logp
+        lead = (slice(None),) + (None,) * (logits.ndim - 2)  # [B] -> broadcast over the beams
+        q = sampling.filtered_probs(logits, row.temperature[lead], row.top_k[lead], row.top_p[lead], row.min_p[lead])
+        noise = _draft_noise(dparams, row.key, index, ctx.draft.vocab_size)[lead]  # [B, (1,) Vd]
+        coupled = jax.nn.log_softmax(sampling.perturbed_log_probs(q, noise), axis=-1)
+        return jnp.where(row.coupled[lead][..., None], coupled, logp)
 
     def draft_step(self, ctx: DraftContext, dparams: DraftParams, target_embed: jax.Array, carry: TreeCarry,
                    draft_kv, block_table: jax.Array, j: int) -> tuple[TreeCarry, object]:
         """Level j+1 (j static): step 0 takes the root's top-k children; step j > 0 first runs the
         draft on level j's k beams (each seeing the context and its ancestors, stored at
         t + 1 + (j-1) k + beam, rotated at t + j), fed its parent beam's hidden state."""
+        # Level j+1's children are the tokens at position t + 2 + j.
+        index = carry.position + 2 + j
         if j == 0:
-            cand = T.first_level(self.spec, self._log_probs(ctx, dparams, carry.h[:, 0]), dparams.d2t)
-            return carry.replace(cand=cand), draft_kv
+            logp = self._log_probs(ctx, dparams, carry.h[:, 0], carry.row, index)
+            return carry.replace(cand=T.first_level(self.spec, logp, dparams.d2t)), draft_kv
         tokens, stored, attention = T.draft_attention(self.spec, carry.cand, j, carry.position)  # [B, k] each
         h_in = jnp.take_along_axis(carry.h, carry.cand.beam_parents[:, :, None], axis=1)  # [B, k, H]
         h, draft_kv = eagle3.draft_forward(dparams, ctx.draft, target_embed, tokens, h_in, stored, draft_kv,
                                            block_table, ctx.attention, ctx.pin_kv, ctx.gemv, tree=attention)
-        cand = T.next_level(self.spec, carry.cand, j + 1, self._log_probs(ctx, dparams, h), dparams.d2t)
+        cand = T.next_level(self.spec, carry.cand, j + 1, self._log_probs(ctx, dparams, h, carry.row, index),
+                            dparams.d2t)
         return carry.replace(h=h, cand=cand), draft_kv
 
     def propose(self, ctx: DraftContext, dparams: DraftParams, target_embed: jax.Array, carry: TreeCarry,

@@ -80,7 +80,8 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
 
     sampling = RowSampling(temperature=jnp.zeros((s,), jnp.float32), top_k=zeros_i(),
                            top_p=jnp.ones((s,), jnp.float32), min_p=jnp.zeros((s,), jnp.float32),
-                           key=jnp.zeros((s, 2), jnp.uint32), one_hot=jnp.zeros((s,), bool))
+                           key=jnp.zeros((s, 2), jnp.uint32), one_hot=jnp.zeros((s,), bool),
+                           coupled=jnp.zeros((s,), bool))
     # A fresh slot's tree (parents 0) is every node under the root: a valid tree to verify.
     parents = jnp.zeros((s, layout.proposals), jnp.int32) if layout.parents else None
     slots = Slots(last_token=zeros_i(), length=zeros_i(), drafts=jnp.zeros((s, layout.proposals), jnp.int32),

@@ -280,9 +280,10 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     last_idx = num_valid - 1
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
     logits = _logits(params, cfg, last_hidden)  # [P, V]
+    length = start + num_valid  # the first generated token's position
     first = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
-             else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST)))  # [P]
-    length = start + num_valid
+             else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
+                                         sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))  # [P]
     spec = cfg.speculator
     draft_kv = state.draft_kv
     if cfg.speculative:

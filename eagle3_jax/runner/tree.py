@@ -263,14 +263,17 @@ def _draft_q_verdicts(spec: TreeSpec, tree: Tree, p: Array, q: Array, u: Array) 
 
 
 def sample_accept(spec: TreeSpec, tree: Tree, target_logits: Array, params: sampling.RowSampling,
-                  keys: Array, node_q: Array | None = None) -> tuple[Array, Array, Array]:
+                  keys: Array, node_q: Array | None = None, noise: Array | None = None) -> tuple[Array, Array, Array]:
     """Lossless tree speculative sampling (module docstring), vectorised over the nodes.
 
     target_logits [B, T+1, V] raw (filtered here, as sampling.verify_chain does); params [B];
     keys [B, 2] u32, this step's (node i's uniform is the one verify_chain gives proposal i-1,
     so a chain gives verify_chain's verdicts bit for bit); node_q [B, T+1, V] or None: node i's
     q_c at node_q[:, i] (entry 0 ignored; rows with params.one_hot use the point mass). None:
-    every row uses the point mass, the rule for the deterministic tree `select` builds.
+    every row uses the point mass, the rule for the deterministic tree `select` builds. noise
+    [B, T+1, V]: the coupling noise of the token after each node (sampling.coupling_noise, at
+    length + depth + 1), or None: no row is coupled; coupled rows accept greedily on the perturbed
+    log-probs (sampling.py's coupled rule).
     -> (num_accepted [B], path [B, steps+1], emitted [B, steps+1]) as `greedy_accept`'s; greedy
     rows take `greedy_accept`'s verdict exactly."""
     target_logits = jnp.asarray(target_logits, jnp.float32)
@@ -292,10 +295,13 @@ def sample_accept(spec: TreeSpec, tree: Tree, target_logits: Array, params: samp
         n, path = _walk(spec, tree, verdicts)
         resid = resid_after[rows, path[rows, n]]
     emitted = _emitted(tree, path, n, sampling.sample_from_uniform(resid, u_sample))
-    g_n, g_path, g_emitted = greedy_accept(spec, tree, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))
-    greedy = params.greedy
-    return (jnp.where(greedy, g_n, n), jnp.where(col(greedy), g_path, path),
-            jnp.where(col(greedy), g_emitted, emitted))
+    verdicts = [] if noise is None else [(jnp.asarray(params.coupled, bool),
+                                          greedy_accept(spec, tree, sampling.coupled_ids(p, noise)))]
+    verdicts.append((params.greedy, greedy_accept(spec, tree, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))))
+    for rule, (r_n, r_path, r_emitted) in verdicts:  # greedy last: it wins
+        n, path, emitted = (jnp.where(rule, r_n, n), jnp.where(col(rule), r_path, path),
+                            jnp.where(col(rule), r_emitted, emitted))
+    return n, path, emitted
 
 
 def accepted_kv_moves(path: Array, length: Array) -> tuple[Array, Array]:
