@@ -38,7 +38,9 @@ class TreeAttention(NamedTuple):
     """Where a call's T tokens sit in a token tree (a draft level, or the target's verify of a
     tree): token t of row b is stored at its `positions` entry, rotated at rope_positions[b, t],
     and sees every cached position before window_start[b] and, of the W positions window_start[b]
-    .. window_start[b] + W - 1, those window_mask[b, t] marks (its ancestors and itself)."""
+    .. window_start[b] + W - 1, those window_mask[b, t] marks (its ancestors and itself). The
+    Pallas kernels also bound each query by its stored position, as a chain's: the mask marks
+    nothing stored after its token (ancestors are stored before their descendants)."""
 
     rope_positions: jax.Array  # [B, T]
     window_start: jax.Array  # [B]
@@ -223,19 +225,24 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
     (attn out [B, T, D], k, v pages with this step's keys and values written).
 
     Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs). Head
-    counts come from wqkv's shape. attention "pallas" runs the Pallas kernel where the step fits
-    it (few new tokens per row), else the XLA form, which "xla" always runs. gemv: `project`'s.
-    tree: the tokens' RoPE positions and window mask when they form a token tree (XLA form only);
-    `positions` then only say where their keys and values are stored.
+    counts come from wqkv's shape. attention "pallas" runs the Pallas kernels where the step fits
+    them (few new tokens per row, a tree's window not too wide: `pallas_attention.supports`),
+    else the XLA form, which "xla" always runs. gemv: `project`'s.
+    tree: the tokens' RoPE positions and window mask when they form a token tree; `positions`
+    then only say where their keys and values are stored.
     """
     b, t, _ = h.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
-    if tree is None and attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2]):
-        # Two kernels after the projection: RoPE + KV write + q tiles, then attention.
+    window = 0 if tree is None else tree.window_mask.shape[2]
+    if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2], window):
+        # Two kernels after the projection: RoPE + KV write + q tiles, then attention. A tree's
+        # window is packed to bits outside them: the same expression every layer, computed once (CSE).
         qkv = fused_qkv(h, wqkv, gemv)  # [B, T, G, R + 2, hd]
+        rope_positions, window_start, window_mask = (None, None, None) if tree is None else tree
         q_tiles, k_pages, v_pages = pallas_attention.rope_and_write(
-            qkv, positions, block_table, inv_freq, k_pages, v_pages, layer, SCRATCH_PAGE)
-        out = pallas_attention.attend_tiles(q_tiles, k_pages, v_pages, layer, positions, block_table, r)
+            qkv, positions, block_table, inv_freq, k_pages, v_pages, layer, SCRATCH_PAGE, rope_positions)
+        out = pallas_attention.attend_tiles(q_tiles, k_pages, v_pages, layer, positions, block_table, r,
+                                            window_start=window_start, window_mask=window_mask)
     else:
         rope_positions = positions if tree is None else tree.rope_positions
         q, k, v = project_qkv(h, wqkv, rope_positions, inv_freq=inv_freq, gemv=gemv)

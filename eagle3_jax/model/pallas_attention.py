@@ -19,8 +19,15 @@ the row's key blocks between programs, so that a batch of one row still
 keeps the GPU's SMs reading; each writes its normalized output and log-sum-exp, and a second
 small kernel combines them.
 
-Only for steps with few new tokens per row (T*R <= MAX_QUERY_ROWS): decode, verify, draft steps
-and the smallest prefill chunks; larger chunks keep the XLA form. Off the GPU the kernels run in
+A token tree (a draft level, or the target's verify of a tree; `layers.TreeAttention`) rotates
+its tokens at RoPE positions apart from where they are stored, and gives each query a window:
+of the positions from the window's start on, it sees only those its mask marks (its ancestors
+and itself), as bits packed outside the kernel (`window_rows`). Ancestors are stored before
+their descendants, so the causal bound still holds and still decides which key blocks a row reads.
+
+Only for steps with few new tokens per row (T*R <= MAX_QUERY_ROWS) and tree windows of up to
+MAX_WINDOW positions: decode, verify (a tree's of 32 tokens at R = 4), draft steps and the
+smallest prefill chunks; larger chunks keep the XLA form. Off the GPU the kernels run in
 Pallas' interpreter (tests).
 """
 
@@ -33,7 +40,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-MAX_QUERY_ROWS = 64  # T*R per (row, kv head) tile; larger steps use the XLA form
+# T*R per (row, kv head) tile; larger steps use the XLA form. 128: a tree verify of 32 tokens
+# (96 rows for SmolLM2's R = 3, 128 for the 8B's R = 4).
+MAX_QUERY_ROWS = 128
+# Tree window positions a query row's mask covers: a verify's T (up to 33) or a draft level's
+# (steps - 1) * top_k. Each 32 of them is one more word tested per key (unrolled).
+MAX_WINDOW = 64
 # About two per SM of an H200 (132 SMs); the 8B verify of 8 x 4 ran faster at 256 than at 64
 # (BENCHMARKS.md, "Llama-3.1-8B step functions").
 TARGET_PROGRAMS = 256
@@ -41,17 +53,20 @@ COMBINE_CHUNK = 32  # head-dim lanes per program of the combine: 4 programs per 
 _MASKED = -1e30  # finite: a padded query row sees nothing and must not produce NaN
 
 
-def supports(num_tokens: int, heads: int, kv_heads: int, page_size: int) -> bool:
-    """Whether a step of `num_tokens` new tokens per row fits the kernel."""
+def supports(num_tokens: int, heads: int, kv_heads: int, page_size: int, window: int = 0) -> bool:
+    """Whether a step of `num_tokens` new tokens per row fits the kernels; window: a token tree's
+    W (0: no tree)."""
     rows = num_tokens * (heads // kv_heads)
-    return rows <= MAX_QUERY_ROWS and page_size >= 16 and page_size & (page_size - 1) == 0
+    return (rows <= MAX_QUERY_ROWS and window <= MAX_WINDOW and page_size >= 16
+            and page_size & (page_size - 1) == 0)
 
 
-def _kernel(q_ref, qpos_ref, table_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_per_block: int, scale: float):
-    # q_ref [M, hd]; qpos_ref [M] i32 (-1: padding row); table_ref [nb] i32;
-    # k_ref, v_ref [P, page, hd] (this program's kv head);
+def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed: bool):
+    # q_ref [M, hd]; qpos_ref [M] i32 (-1: padding row); windowed: win_ref [1 + nw, M] i32
+    # (`window_rows`); table_ref [nb] i32; k_ref, v_ref [P, page, hd] (this program's kv head);
     # o_ref [M, hd], this split's normalized output (f32 when there are splits to combine);
     # lse_ref [M] f32, its log-sum-exp.
+    win_ref, (table_ref, k_ref, v_ref, o_ref, lse_ref) = (refs[0], refs[1:]) if windowed else (None, refs)
     m, hd = q_ref.shape
     block_k = pages_per_block * k_ref.shape[1]
     q = q_ref[...]
@@ -71,7 +86,10 @@ def _kernel(q_ref, qpos_ref, table_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_p
         v = v_ref[pages].reshape(block_k, hd)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         key_pos = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (m, block_k), 1)
-        s = jnp.where(key_pos <= qpos[:, None], s, _MASKED)  # [M, block_k]
+        visible = key_pos <= qpos[:, None]  # [M, block_k]
+        if windowed:
+            visible = visible & _in_window(win_ref, key_pos)
+        s = jnp.where(visible, s, _MASKED)
         new_max = jnp.maximum(row_max, s.max(axis=1))
         correction = jnp.exp(row_max - new_max)
         p = jnp.exp(s - new_max[:, None])
@@ -86,6 +104,33 @@ def _kernel(q_ref, qpos_ref, table_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_p
     # _MASKED) gets a log-sum-exp near _MASKED: it weighs nothing when the splits are combined.
     o_ref[...] = (o / jnp.maximum(row_sum, 1e-30)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
+
+
+def _in_window(win_ref, key_pos: jax.Array) -> jax.Array:
+    """win_ref [1 + nw, M] (`window_rows`), key_pos [M, block_k] -> [M, block_k] bool: the key is
+    before the row's window, or its bit in the row's mask words is set (none past them)."""
+    rel = key_pos - win_ref[0][:, None]  # offset in the window
+    word, bit = jnp.right_shift(rel, 5), jnp.bitwise_and(rel, 31)
+    seen = rel < 0
+    for w in range(win_ref.shape[0] - 1):  # word by word (static): no gather from the row's words
+        bits = jnp.right_shift(win_ref[1 + w][:, None], bit)  # [M, block_k]
+        seen = seen | ((word == w) & (jnp.bitwise_and(bits, 1) == 1))
+    return seen
+
+
+def window_rows(window_start: jax.Array, window_mask: jax.Array, heads_per_kv: int, m: int) -> jax.Array:
+    """A tree's window as the attention kernel reads it: window_start [B], window_mask [B, T, W]
+    bool -> [B, 1 + nw, M] i32, nw = ceil(W / 32): [:, 0, m] the window start, [:, 1 + w, m] bits
+    32w .. 32w + 31 of query row m's mask (token m // R's; padding rows all clear). Packed words:
+    the kernel tests a key against nw registers of its row rather than gathering W bools."""
+    b, t, w = window_mask.shape
+    nw = -(-w // 32)
+    bits = jnp.pad(window_mask, ((0, 0), (0, 0), (0, 32 * nw - w))).reshape(b, t, nw, 32).astype(jnp.uint32)
+    words = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)  # [B, T, nw]: OR of bits
+    rows = jnp.concatenate([jnp.broadcast_to(window_start.astype(jnp.int32)[:, None, None], (b, t, 1)),
+                            jax.lax.bitcast_convert_type(words, jnp.int32)], axis=2)  # [B, T, 1 + nw]
+    rows = jnp.pad(jnp.repeat(rows, heads_per_kv, axis=1), ((0, 0), (0, m - t * heads_per_kv), (0, 0)))
+    return rows.transpose(0, 2, 1)
 
 
 def pages_per_block(num_blocks: int, page_size: int, block_keys: int = 64) -> int:
@@ -121,19 +166,21 @@ def _combine_kernel(o_ref, lse_ref, out_ref):
     out_ref[...] = (acc / den[:, None]).astype(out_ref.dtype)
 
 
-def _rope_write_kernel(qkv_ref, pos_ref, table_ref, inv_freq_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
-                       r: int, scratch_page: int):
+def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree: bool):
     # Program (row b, kv head g, token i). qkv_ref [T, R + 2, hd] (R q heads, k, v; not yet
-    # rotated); pos_ref [T]; table_ref [nb]; inv_freq_ref [hd/2] f32. Out: q_ref [M, hd], the
+    # rotated); pos_ref [T] where the tokens are stored; tree: rope_ref [T] where they are rotated
+    # (else at pos_ref's); table_ref [nb]; inv_freq_ref [hd/2] f32. Out: q_ref [M, hd], the
     # rotated queries as the attention tile (row i*R + r; rows past T*R zero); k_ref, v_ref
     # [P, page, hd], kv head g's pages (aliased to _k_in, _v_in: written in place at the token's slot).
+    rope_ref, (table_ref, inv_freq_ref, _k_in, _v_in, q_ref, k_ref, v_ref) = (
+        (refs[0], refs[1:]) if tree else (pos_ref, refs))
     i = pl.program_id(2)
     t, _, hd = qkv_ref.shape
     half, page_size, nb = hd // 2, k_ref.shape[1], table_ref.shape[0]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     position = pos_ref[i]
     # RoPE as layers.apply_rope: angles in f32, cos and sin rounded to the model's dtype.
-    angle = position.astype(jnp.float32) * inv_freq_ref[...]
+    angle = rope_ref[i].astype(jnp.float32) * inv_freq_ref[...]
     cos, sin = jnp.cos(angle).astype(qkv_ref.dtype), jnp.sin(angle).astype(qkv_ref.dtype)
     block = position // page_size  # as layers.write_kv: past the table's end -> scratch page
     page = jnp.where(block < nb, table_ref[jnp.minimum(block, nb - 1)], scratch_page)
@@ -166,27 +213,34 @@ def _layer_pages_spec(pages_shape: tuple[int, ...], layer: int) -> pl.BlockSpec:
 
 
 def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
-                   v_pages: jax.Array, layer: int, scratch_page: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   v_pages: jax.Array, layer: int, scratch_page: int,
+                   rope_positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One kernel for what comes between the qkv projection and attention: rotate q and k, write
     k and v into their pages (in place), lay q out as attention tiles. The XLA form of the same is
     four to six small kernels a layer (RoPE, the KV scatters, q's transpose and padding), each
     a launch in a step bound by its launches.
 
-    qkv [B, T, G, R + 2, hd] (layers.project_qkv's layout, before RoPE); positions [B, T];
-    block_table [B, nb]; inv_freq [hd/2]; k/v_pages [L, P, page, G, hd], of which layer `layer`
-    is written -> (q tiles [B, G, M, hd], k_pages, v_pages)."""
+    qkv [B, T, G, R + 2, hd] (layers.project_qkv's layout, before RoPE); positions [B, T] where
+    k and v are stored; block_table [B, nb]; inv_freq [hd/2]; k/v_pages [L, P, page, G, hd], of
+    which layer `layer` is written; rope_positions [B, T] where q and k are rotated (a token tree:
+    a node is stored at length + i but rotated at length + depth; None: at `positions`)
+    -> (q tiles [B, G, M, hd], k_pages, v_pages)."""
     b, t, g, r2, hd = qkv.shape
     r, nb = r2 - 2, block_table.shape[1]
     m = query_tile_rows(t, r)
+    tree = rope_positions is not None
     # One program per (row, kv head, token): a token's work is a short chain of dependent loads
     # (position, table entry, then the stores); a program per row serialized T of them (8 us a
     # layer for the 8B verify of 8 x 4 on the H200).
     pages_spec = _layer_pages_spec(k_pages.shape, layer)
+    positions_spec = pl.BlockSpec((None, t), lambda i, j, n: (i, 0))
+    rope = [rope_positions.astype(jnp.int32)] if tree else []  # [B, T]; the chain's one array serves both
     return pl.pallas_call(
-        functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page),
+        functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page, tree=tree),
         grid=(b, g, t),
         in_specs=[pl.BlockSpec((None, t, None, r2, hd), lambda i, j, n: (i, 0, j, 0, 0)),
-                  pl.BlockSpec((None, t), lambda i, j, n: (i, 0)),
+                  positions_spec,
+                  *[positions_spec] * len(rope),
                   pl.BlockSpec((None, nb), lambda i, j, n: (i, 0)),
                   pl.BlockSpec((hd // 2,), lambda i, j, n: (0,)),
                   pages_spec, pages_spec],
@@ -194,36 +248,47 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
         out_shape=[jax.ShapeDtypeStruct((b, g, m, hd), qkv.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={4: 1, 5: 2},
-        interpret=jax.default_backend() != "gpu",
+        input_output_aliases={4 + len(rope): 1, 5 + len(rope): 2},
+        interpret=_interpret(),
         compiler_params=_compiler_params(1),
         name="eagle3_rope_write_kv",
-    )(qkv, positions.astype(jnp.int32), block_table.astype(jnp.int32), jnp.asarray(inv_freq, jnp.float32),
+    )(qkv, positions.astype(jnp.int32), *rope, block_table.astype(jnp.int32), jnp.asarray(inv_freq, jnp.float32),
       k_pages, v_pages)
 
 
 def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: int, positions: jax.Array,
                  block_table: jax.Array, heads_per_kv: int, splits: int | None = None, block_keys: int = 64,
-                 num_warps: int = 4, num_stages: int = 1) -> jax.Array:
+                 num_warps: int | None = None, num_stages: int = 1, window_start: jax.Array | None = None,
+                 window_mask: jax.Array | None = None) -> jax.Array:
     """Attention of query tiles [B, G, M, hd] (row t*R + r: q head g*R + r of token t) over layer
     `layer` of the pages [L, P, page, G, hd] (already holding this step's keys); positions [B, T]; block_table
     [B, nb] -> [B, T, G*R, hd]. `splits`: programs per (row, kv head), each over its share of the
     row's key blocks (default: `num_splits`; rounded down to a power of two); `block_keys`: keys
-    per loop step; `num_stages`: Triton's software pipelining of the key-block loop. A split walks
+    per loop step; `num_warps`: Triton's warps a program (default 4, 8 past 64 query rows);
+    `num_stages`: Triton's software pipelining of the key-block loop. A split walks
     only a few blocks, and one stage (no pipelining) ran the 8B verify of 8 x 4 at 11.5-11.7 us a
     layer against 14.6-15.0 with two, decode at one row 10.0-10.2 against 10.7-11.0 (two sweeps
-    on the H200, BENCHMARKS.md, "Llama-3.1-8B step functions")."""
+    on the H200, BENCHMARKS.md, "Llama-3.1-8B step functions").
+
+    A token tree: window_start [B] and window_mask [B, T, W] bool as `layers.TreeAttention`'s; a
+    query then sees a key at or before its position that is before the window or that its mask
+    row marks. The mask must mark nothing stored after the query (ancestors are stored first)."""
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r
     page_size = k_pages.shape[2]
     qpos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), r, axis=1), ((0, 0), (0, m - rows)), constant_values=-1)
+    windowed = window_mask is not None
+    window = [window_rows(window_start, window_mask, r, m)] if windowed else []  # [B, 1 + nw, M]
     nb = block_table.shape[1]
     ppb = pages_per_block(nb, page_size, block_keys)
     key_blocks = nb // ppb
     splits = num_splits(b, g, key_blocks) if splits is None else num_splits(1, 1, key_blocks, splits)
-    kernel = functools.partial(_kernel, pages_per_block=ppb, scale=1.0 / math.sqrt(hd))
-    interpret = jax.default_backend() != "gpu"
+    # 128 rows: the [M, hd] f32 accumulator alone is 128 registers a thread over 4 warps at hd 128
+    # (Triton's flash attention runs 128 query rows with 8).
+    num_warps = (4 if m <= 64 else 8) if num_warps is None else num_warps
+    kernel = functools.partial(_kernel, pages_per_block=ppb, scale=1.0 / math.sqrt(hd), windowed=windowed)
+    interpret = _interpret()
     if interpret:  # the interpreter reads inputs whole per program (50x slower at 30 layers): one layer only
         k_pages, v_pages, layer = k_pages[layer][None], v_pages[layer][None], 0
     pages_spec = _layer_pages_spec(k_pages.shape, layer)
@@ -233,6 +298,7 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
         in_specs=[
             pl.BlockSpec((None, None, m, hd), lambda i, j, s: (i, j, 0, 0)),  # q
             pl.BlockSpec((None, m), lambda i, j, s: (i, 0)),  # query positions
+            *[pl.BlockSpec((None, w.shape[1], m), lambda i, j, s: (i, 0, 0)) for w in window],  # tree window
             pl.BlockSpec((None, nb), lambda i, j, s: (i, 0)),  # block table row
             pages_spec,  # k pages of kv head j
             pages_spec,  # v pages of kv head j
@@ -244,7 +310,7 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
         interpret=interpret,
         compiler_params=_compiler_params(num_warps, num_stages),
         name="eagle3_paged_attention",
-    )(q_tiles, qpos, block_table.astype(jnp.int32), k_pages, v_pages)
+    )(q_tiles, qpos, *window, block_table.astype(jnp.int32), k_pages, v_pages)
     if splits == 1:
         out = out[:, :, 0]
     else:  # one more launch: each split weighted by its share of the softmax mass -> [B, G, M, hd]
@@ -268,11 +334,13 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
 @functools.partial(jax.jit, static_argnames=("splits", "block_keys", "num_warps", "num_stages"))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
                     block_table: jax.Array, splits: int | None = None, block_keys: int = 64,
-                    num_warps: int = 4, num_stages: int = 1) -> jax.Array:
+                    num_warps: int | None = None, num_stages: int = 1, window_start: jax.Array | None = None,
+                    window_mask: jax.Array | None = None) -> jax.Array:
     """Same contract as `layers.paged_attention`: q [B, T, H, hd] (rotated), k/v_pages
     [P, page, G, hd] (already holding this step's keys), positions [B, T], block_table [B, nb]
-    -> [B, T, H, hd]. The steps call `rope_and_write` then `attend_tiles` instead; this form
-    takes q as the XLA form does (tests, experiments/attention_check.py)."""
+    -> [B, T, H, hd]; a token tree's window_start [B] and window_mask [B, T, W] as `attend_tiles`
+    takes them. The steps call `rope_and_write` then `attend_tiles` instead; this form takes q as
+    the XLA form does (tests, experiments/attention_check.py)."""
     b, t, h, hd = q.shape
     g = k_pages.shape[2]
     r = h // g
@@ -281,7 +349,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     tiles = q.reshape(b, t, g, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, g, t * r, hd)
     tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, m - t * r), (0, 0)))
     return attend_tiles(tiles, k_pages[None], v_pages[None], 0, positions, block_table, r, splits, block_keys,
-                        num_warps, num_stages)
+                        num_warps, num_stages, window_start, window_mask)
+
+
+def _interpret() -> bool:
+    """Pallas' interpreter off the GPU. (Tests that lower the Triton kernels for CUDA on a CPU
+    machine replace this with False.)"""
+    return jax.default_backend() != "gpu"
 
 
 def _compiler_params(num_warps: int, num_stages: int = 2):
