@@ -47,6 +47,13 @@ def llama33_70b() -> tuple[ModelConfig, DraftConfig]:
     return ModelConfig.from_hf(LLAMA33_70B), DraftConfig.from_hf(EAGLE3_70B)
 
 
+def smollm2_135m() -> tuple[ModelConfig, DraftConfig]:
+    """SmolLM2-135M-Instruct and a drafter of the shipped one's shapes (the target's layer, a draft
+    vocabulary of 16,384)."""
+    target = ModelConfig.from_hf(SMOLLM2_135M)
+    return target, DraftConfig.like_target(target, 16384)
+
+
 # Preset name (spelled either way) -> (target directory, drafter directory) under CONFIGS.
 PRESETS: dict[str, tuple[str, str]] = {
     "llama3.1-8b": ("Llama-3.1-8B-Instruct", "EAGLE3-LLaMA3.1-Instruct-8B"),

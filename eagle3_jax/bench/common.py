@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from eagle3_jax.presets import llama31_8b, llama33_70b
+from eagle3_jax.presets import llama31_8b, llama33_70b, smollm2_135m
 
 PHASES = ("smollm2", "8b", "peer", "tp")
 DEFAULT_PHASES = ("smollm2", "8b", "peer")
@@ -18,7 +18,7 @@ LLAMA31_8B = "llama3.1-8b"
 LLAMA33_70B = "llama-3.3-70b"
 # --step-model names of the presets (eagle3_jax/presets.py), spelled either way.
 STEP_PRESETS = {LLAMA31_8B: llama31_8b, "llama-3.1-8b": llama31_8b, LLAMA33_70B: llama33_70b,
-                "llama3.3-70b": llama33_70b}
+                "llama3.3-70b": llama33_70b, "smollm2-135m": smollm2_135m}
 _START = time.perf_counter()
 
 

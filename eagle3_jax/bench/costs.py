@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.config import DraftConfig, ModelConfig
+from eagle3_jax.config import DraftConfig, ModelConfig, TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,3 +191,14 @@ def iteration_cost(target: ModelConfig, draft: DraftConfig | None, k: int, batch
     return cost
 
 
+
+
+def tree_iteration_cost(target: ModelConfig, draft: DraftConfig, spec: TreeSpec, batch: int, context: int,
+                        itemsize: int, tp: int = 1) -> Cost:
+    """One tree iteration: verify the root and spec.tokens nodes; the draft extend over the
+    accepted path (up to spec.steps + 1 positions), then spec.steps - 1 levels of top_k beams."""
+    cost = target_cost(target, batch, spec.tokens + 1, context, itemsize, tp)
+    cost += draft_cost(draft, batch, spec.steps + 1, context, itemsize, first=True, tp=tp)
+    for _ in range(spec.steps - 1):
+        cost += draft_cost(draft, batch, spec.top_k, context, itemsize, first=False, tp=tp)
+    return cost

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from eagle3_jax import assets
 from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHASES
-from eagle3_jax.config import ATTENTION_KINDS, GEMV_KINDS
+from eagle3_jax.cli import tree_spec
+from eagle3_jax.config import ATTENTION_KINDS, GEMV_KINDS, TreeSpec
 
 
 def sorted_ints(text: str) -> tuple[int, ...]:
@@ -29,6 +30,9 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                    help="where bench.md, bench.json and bench.png go (default: $OUT_DIR, else ./bench-results)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes, each one a compiled bucket")
     p.add_argument("--num-draft", default="3", help="K, or a comma-separated list of K to compare")
+    p.add_argument("--tree", type=tree_spec, action="append", default=[], metavar="STEPS,TOPK,TOKENS",
+                   help="also run EAGLE-2's dynamic tree TreeSpec(STEPS, TOPK, TOKENS) (repeatable): end to end "
+                        "beside the chains, and in the 8b phase its iteration and a verify of TOKENS + 1 per row")
     p.add_argument("--per-step", action="store_true",
                    help="also run each EAGLE-3 mode with the iteration dispatched as K + 1 programs")
     p.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
@@ -147,6 +151,7 @@ class Options:
     allreduce_mb: float = 256.0
     allreduce_chain: int = 8
     profile: Path | None = None
+    trees: tuple[TreeSpec, ...] = ()
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> Options:
@@ -204,6 +209,7 @@ class Options:
             allreduce_mb=a.allreduce_mb,
             allreduce_chain=a.allreduce_chain,
             profile=Path(a.profile) if a.profile else None,
+            trees=tuple(dict.fromkeys(a.tree)),
         )
 
     @property

@@ -28,7 +28,7 @@ from eagle3_jax.bench.collectives import (
     weight_bytes,
 )
 from eagle3_jax.bench.common import Result, log
-from eagle3_jax.bench.costs import Ceilings, LinkCeilings, iteration_cost, target_cost
+from eagle3_jax.bench.costs import Ceilings, LinkCeilings, iteration_cost, target_cost, tree_iteration_cost
 from eagle3_jax.bench.harness import (
     bucket_for,
     compile_lowered,
@@ -41,7 +41,7 @@ from eagle3_jax.bench.harness import (
     synthetic_rows,
 )
 from eagle3_jax.bench.options import Options
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, TreeSpec
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
@@ -57,7 +57,7 @@ from eagle3_jax.runner.runner import (
     iterate_pinned,
     time_calls,
 )
-from eagle3_jax.runner.state import DeviceState, init_state, state_shardings, with_lengths
+from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
 from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step
 from eagle3_jax.sampling_params import SamplingParams
 
@@ -298,12 +298,13 @@ verify_only = jax.jit(_verify_only, static_argnames=("cfg", "mesh", "attention",
 
 
 def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
-                    mesh: Mesh | None = None) -> DeviceState:
-    """init_state with random KV (never time on zeros), random last tokens and proposals. Under a
-    mesh, in the layout the engine keeps (state_shardings), each KV page array created on its shards."""
+                    mesh: Mesh | None = None, layout: SlotLayout | None = None) -> DeviceState:
+    """init_state with random KV (never time on zeros), random last tokens and proposals (a tree's
+    nodes all under the root: its parents stay 0). Under a mesh, in the layout the engine keeps
+    (state_shardings), each KV page array created on its shards. layout: the slots' (init_state's)."""
     if mesh is not None:
-        return _sharded_synthetic_state(target, draft, ecfg, dtype, mesh)
-    state = init_state(target, draft, ecfg, dtype)
+        return _sharded_synthetic_state(target, draft, ecfg, dtype, mesh, layout)
+    state = init_state(target, draft, ecfg, dtype, layout)
     keys = iter(jax.random.split(jax.random.PRNGKey(2), 4 * target.num_layers + 8))
 
     def fill(kv):
@@ -318,13 +319,13 @@ def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: Engine
 
 
 def _sharded_synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
-                             mesh: Mesh) -> DeviceState:
-    shapes = jax.eval_shape(lambda: init_state(target, draft, ecfg, dtype))
+                             mesh: Mesh, layout: SlotLayout | None) -> DeviceState:
+    shapes = jax.eval_shape(lambda: init_state(target, draft, ecfg, dtype, layout))
     where = state_shardings(shapes, target, draft, mesh)
     k_target, k_draft, k_slots = jax.random.split(jax.random.PRNGKey(2), 3)
 
     def make_slots(key):  # jit drops init_state's KV pool: only the (replicated) slots are made
-        s = init_state(target, draft, ecfg, dtype).slots
+        s = init_state(target, draft, ecfg, dtype, layout).slots
         k1, k2 = jax.random.split(key)
         return s.replace(last_token=jax.random.randint(k1, s.last_token.shape, 0, target.vocab_size),
                          drafts=jax.random.randint(k2, s.drafts.shape, 0, target.vocab_size))
@@ -337,8 +338,10 @@ def _sharded_synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecf
 @dataclasses.dataclass(frozen=True)
 class StepKind:  # hashable: keys the phase's programs
     name: str
-    num_draft: int  # K of the StepConfig; 0 is target-only
+    num_draft: int  # K of the StepConfig (a tree's steps); 0 is target-only
     verify_only: bool = False
+    tree: TreeSpec | None = None  # the iteration drafts this tree
+    tokens: int | None = None  # a verify's tokens per row (None: K + 1)
 
 
 def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarray, tables: np.ndarray,
@@ -386,9 +389,12 @@ def phase_8b(
     itemsize = jnp.dtype(dtype).itemsize
     own = own_embedding(target, draft)
     ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, attention=opts.attention, gemv=opts.gemv)
-    if opts.context + opts.calls * (k + 1) > opts.max_model_len_8b:
+    # A round's calls each emit up to the most proposals + 1; the last writes its whole footprint.
+    most = max([k] + [spec.steps for spec in opts.trees]) + 1
+    footprint = max([k + 1] + [spec.positions_per_iteration for spec in opts.trees])
+    if opts.context + opts.calls * most + footprint > opts.max_model_len_8b:
         raise SystemExit(
-            f"--context {opts.context} + {opts.calls} calls x {k + 1} tokens exceed "
+            f"--context {opts.context} + {opts.calls} calls x {most} tokens + {footprint} exceed "
             f"--max-model-len-8b {opts.max_model_len_8b}"
         )
     start = time.perf_counter()
@@ -409,6 +415,11 @@ def phase_8b(
         StepKind(f"EAGLE-3 iteration (K={k})", k),
         StepKind(f"verify only (B x {k + 1} tokens)", 0, verify_only=True),
     ]
+    for spec in opts.trees:
+        kinds += [StepKind(f"EAGLE-3 iteration, tree {spec.steps},{spec.top_k},{spec.tokens}", spec.steps, tree=spec),
+                  StepKind(f"verify only (B x {spec.verify_width} tokens)", 0, verify_only=True,
+                           tokens=spec.verify_width)]
+    kinds = list(dict.fromkeys(kinds))  # a tree's verify width may equal the chain's
     # Greedy programs: what a batch of greedy requests runs (StepConfig.greedy).
     attention, gemv = attention_kind(ecfg, mesh), gemv_kind(ecfg, mesh)
     notes.append(
@@ -424,12 +435,14 @@ def phase_8b(
             greedy=True,
             attention=attention,
             gemv=gemv,
+            tree=kind.tree,
         )
         for kind in kinds
     }
     calls = {
         (kind, b): step_call(
-            kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b), k + 1, opts.context
+            kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b), kind.tokens or k + 1,
+            opts.context,
         )
         for kind, scfg in scfgs.items()
         for b in batches
@@ -441,7 +454,7 @@ def phase_8b(
         # first, one kind's state at a time (lowering keeps only shapes and shardings).
         lower_start, lowered = time.perf_counter(), {}
         for kind, scfg in scfgs.items():
-            state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh)
+            state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh, scfg.speculator.slot_layout)
             for b in batches:
                 fn, args, kw = calls[kind, b][1](state)
                 lowered[kind, b] = fn.lower(*args, **kw)
@@ -454,7 +467,7 @@ def phase_8b(
         del lowered, compiled
         log(f"8b: compiled {len(calls)} programs in {seconds:.1f} s")
     for kind, scfg in scfgs.items():
-        state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh)
+        state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh, scfg.speculator.slot_layout)
         for b in batches:
             rows, _ = synthetic_rows(ecfg, b)
             # One call first: it builds the small programs around the step (the pinned arguments'
@@ -488,7 +501,9 @@ def phase_8b(
                     f"8b {kind.name}, batch {b}: {CompileCounter.count - compiles} compile(s) after the precompile"
                 )
             if kind.verify_only:
-                cost = target_cost(target, b, k + 1, opts.context, itemsize, tp)
+                cost = target_cost(target, b, kind.tokens or k + 1, opts.context, itemsize, tp)
+            elif kind.tree is not None:
+                cost = tree_iteration_cost(target, scfg.draft, kind.tree, b, opts.context, itemsize, tp)
             else:
                 cost = iteration_cost(target, scfg.draft, kind.num_draft, b, opts.context, itemsize, tp)
             ms, floor_ms = 1e3 * statistics.median(samples), 1e3 * cost.floor_s(ceilings, link)
