@@ -74,9 +74,11 @@ class LLM:
         persistent compilation cache (False). None, the default, warms up on accelerators, where
         steady latency matters and "auto" speculation times each bucket, and not on the CPU, where
         compiling every shape takes minutes and a short run needs only a few.
-    tree: draft EAGLE-2's dynamic tree TreeSpec(steps, top_k, tokens) instead of a chain of
-        num_speculative_tokens (sets EngineConfig.tree, whose steps then replace
-        num_speculative_tokens); None keeps engine_config's tree (none by default).
+    num_speculative_tokens: K, the chain's proposals (0: the target alone).
+    tree: draft EAGLE-2's dynamic tree TreeSpec(steps, top_k, tokens) (sets EngineConfig.tree):
+        under speculation "auto" (the default) each batch bucket runs the tree, the chain of
+        num_speculative_tokens or the target alone, whichever emits tokens fastest there; under
+        "always", the tree. None keeps engine_config's tree (none by default).
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",

@@ -158,14 +158,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft", type=num_draft, default=3,
                    help=f"K, draft tokens per iteration, 0..{MAX_SPECULATIVE_TOKENS}")
     p.add_argument("--tree", type=tree_spec, default=None, metavar="STEPS,TOPK,TOKENS",
-                   help="draft EAGLE-2's dynamic tree instead of a chain: STEPS draft levels (the most proposals "
-                        "an iteration accepts; it replaces --num-draft), TOPK beams per level, TOKENS nodes "
-                        "the target verifies, e.g. 4,4,8 (default: a chain of --num-draft)")
+                   help="draft EAGLE-2's dynamic tree: STEPS draft levels (the most proposals an iteration "
+                        "accepts), TOPK beams per level, TOKENS nodes the target verifies, e.g. 4,4,8; with "
+                        "--speculation auto each batch size runs the tree, the chain of --num-draft or the "
+                        "target alone, whichever is fastest there (default: the chain of --num-draft)")
     p.add_argument("--max-model-len", type=positive_int, default=2048,
                    help="longest prompt + reply a request may have, in tokens")
     p.add_argument("--speculation", choices=("auto", "always"), default="auto",
-                   help="auto: speculate at a batch size only while it beats the target alone, from costs "
-                        "timed in warm-up and the measured acceptance; always: at every batch size")
+                   help="auto: per batch size run whatever emits tokens fastest there (the tree, the chain, "
+                        "the target alone), from costs timed in warm-up and the measured acceptance; always: "
+                        "speculate with the tree, else the chain, at every batch size")
     p.add_argument("--speculative-max-batch", type=positive_int, default=None,
                    help="batch buckets above this run the target alone, in either mode (default: no cap)")
     p.add_argument("--batch-buckets", type=sizes, default=None,

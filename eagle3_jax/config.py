@@ -363,8 +363,13 @@ class TreeSpec:
 
     @property
     def is_chain(self) -> bool:
-        """TreeSpec(K, 1, K): served as today's chain of K proposals."""
+        """TreeSpec(K, 1, K): served as the chain of K proposals."""
         return self.top_k == 1 and self.tokens == self.steps
+
+    @property
+    def label(self) -> str:
+        """How tables and logs name the proposal: "chain K=4", "tree 5,4,15"."""
+        return f"chain K={self.steps}" if self.is_chain else f"tree {self.steps},{self.top_k},{self.tokens}"
 
     @property
     def candidates(self) -> int:
@@ -425,24 +430,28 @@ class EngineConfig:
         to the smallest bucket that holds them. With (1,) every prompt is a call of its own: on the
         H200 a burst of 32 SmolLM2 requests then waited 86 ms for its first tokens, against 49 ms
         in 5 calls with (1, 8) (BENCHMARKS.md, "Serving with arrivals").
-    num_speculative_tokens: K draft tokens per iteration (0 = target only).
-    tree: None drafts a chain of K proposals. A TreeSpec(steps, top_k, tokens) drafts EAGLE-2's
-        dynamic tree instead: the target verifies `tokens` nodes in one forward and a row accepts
-        up to `steps` of them. When set, the tree defines the proposal: num_speculative_tokens is
-        replaced by tree.steps, whatever was given (1..16). TreeSpec(K, 1, K) is the chain of K
-        and runs the chain's programs. Trees run as fused iterations only (fused_iteration True).
-    speculation: "auto" speculates at a bucket only while it emits tokens faster than the target
-        alone, from the measured cost of both iterations there (timed in warm-up, or
-        `step_costs`) and the acceptance length measured while serving (engine/policy.py has the
-        rule); warm-up then compiles both iterations for every bucket, so switching never
-        compiles. "always" speculates at every bucket (up to `speculative_max_batch`): for
-        measuring a drafter, and for seeded sampling that must repeat token for token (which
-        iteration a row runs changes which tokens a seed draws, never their distribution).
+    num_speculative_tokens: K, the proposals of the chain (0 = the target alone).
+    tree: None drafts the chain of K. A TreeSpec(steps, top_k, tokens) drafts EAGLE-2's dynamic
+        tree: the target verifies `tokens` nodes in one forward and a row accepts up to `steps` of
+        them. It is the engine's proposal ("always" runs it at every bucket), and "auto" chooses
+        per bucket among the tree, the chain of K (when K > 0) and the target alone
+        (`speculative_proposals`). TreeSpec(K, 1, K) is the chain of K: it replaces
+        num_speculative_tokens and runs the chain's programs. Trees run as fused iterations only
+        (fused_iteration True).
+    speculation: "auto" chooses per bucket, and per iteration, what emits tokens fastest there:
+        the target alone or one of `speculative_proposals`, from the measured cost of each
+        iteration at the bucket (timed in warm-up, or `step_costs`) and each proposal's
+        acceptance length measured while serving (engine/policy.py has the rule); warm-up then
+        compiles every candidate at every bucket, so switching never compiles. "always" runs the
+        engine's proposal (the tree, else the chain) at every bucket (up to
+        `speculative_max_batch`): for measuring a drafter. A seeded request gives the same tokens
+        either way (SamplingParams.draft_acceptance "coupled", its default).
     speculative_max_batch: batch buckets larger than this run the target alone, in either mode:
         a manual cap. None caps nothing.
-    step_costs: (bucket, target-only seconds, speculative seconds) per batch bucket, e.g. from
-        `eagle3-jax bench`, for "auto"; buckets it lacks are timed in warm-up, entries for other
-        batch sizes are ignored. None times every bucket.
+    step_costs: (bucket, target-only seconds, then seconds of each speculative proposal in the
+        order of `speculative_proposals`) per batch bucket, e.g. from `eagle3-jax bench`, for
+        "auto"; buckets it lacks are timed in warm-up, entries for other batch sizes are
+        ignored. None times every bucket.
     fused_iteration: one program per iteration (True), or the driver dispatching the verify and
         each draft step as programs of their own, threading the draft's hidden state (False; a
         chain only).
@@ -471,7 +480,7 @@ class EngineConfig:
     tree: TreeSpec | None = None
     speculation: str = "auto"
     speculative_max_batch: int | None = None
-    step_costs: tuple[tuple[int, float, float], ...] | None = None
+    step_costs: tuple[tuple[float, ...], ...] | None = None
     fused_iteration: bool = True
     page_size: int = 16
     num_pages: int | None = None
@@ -500,7 +509,9 @@ class EngineConfig:
             if not self.fused_iteration and not self.tree.is_chain:
                 raise ConfigError(f"{where}: fused_iteration=False does not run a tree ({self.tree} runs as "
                                   "fused iterations only): use fused_iteration=True, or a chain")
-            object.__setattr__(self, "num_speculative_tokens", self.tree.steps)  # the tree defines K
+            if self.tree.is_chain:  # the chain of K, served as one
+                object.__setattr__(self, "num_speculative_tokens", self.tree.steps)
+                object.__setattr__(self, "tree", None)
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
                               f"{self.num_speculative_tokens}")
@@ -511,8 +522,13 @@ class EngineConfig:
                               f"{self.speculation!r}")
         if self.step_costs is not None:
             # A tuple of tuples, so the config stays hashable whatever sequence it was given as.
-            costs = tuple((int(b), float(t0), float(tk)) for b, t0, tk in self.step_costs)
-            bad = [c for c in costs if not (c[1] > 0 and c[2] > 0)]
+            width = 2 + len(self.speculative_proposals)
+            costs = tuple((int(c[0]), *(float(t) for t in c[1:])) for c in self.step_costs)
+            if wrong := [c for c in costs if len(c) != width]:
+                names = ", ".join(p.label for p in self.speculative_proposals)
+                raise ConfigError(f"{where}: step_costs entries are (bucket, target-only seconds, then seconds of "
+                                  f"{names}): {width} numbers, got {wrong[0]}")
+            bad = [c for c in costs if not all(t > 0 for t in c[1:])]
             if bad:
                 raise ConfigError(f"{where}: step_costs must be positive seconds, got {bad[0]}")
             if len({c[0] for c in costs}) != len(costs):
@@ -527,6 +543,21 @@ class EngineConfig:
     @property
     def max_num_seqs(self) -> int:
         return self.batch_buckets[-1]
+
+    @property
+    def speculative_proposals(self) -> tuple[TreeSpec, ...]:
+        """What a bucket may draft with a drafter, the engine's proposal first (a chain as
+        TreeSpec.chain(K)): the tree, and in "auto" the chain of K beside it; else the chain of K
+        (none when K is 0). "auto" also has the target alone."""
+        chain = (TreeSpec.chain(self.num_speculative_tokens),) if self.num_speculative_tokens else ()
+        if self.tree is None:
+            return chain
+        return (self.tree, *chain) if self.speculation == "auto" else (self.tree,)
+
+    @property
+    def max_proposals(self) -> int:
+        """The most proposals one iteration can accept, over `speculative_proposals` (0: none)."""
+        return max((p.steps for p in self.speculative_proposals), default=0)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -8,8 +8,9 @@ target-only, the chain of --speed-k and each tree, in one run.
 
 Acceptance runs all 80 prompts together in one batch bucket (acceptance does not depend on the
 batch); speed runs prompts one at a time. A tree is reported as "tree STEPS,TOPK,TOKENS" beside
-the chains' K, with its acceptance rates by depth; it accepts by the point-mass rule whatever
---draft-acceptance says, so it runs once. Stops adding proposals when --time-budget-s is spent.
+the chains' K, with its acceptance rates by depth; on a tree draft_q and one_hot are the same
+rule (the point mass), run once, and coupled is its own. Stops adding proposals when
+--time-budget-s is spent.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=80, help="the first N MT-bench questions")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--draft-acceptance", default="draft_q", help="draft_q, one_hot, or both: draft_q,one_hot")
+    ap.add_argument("--draft-acceptance", default="draft_q",
+                    help="the sampled rows' rule (SamplingParams.draft_acceptance: draft_q, one_hot, coupled), or "
+                         "several to compare on the same requests: draft_q,coupled")
     ap.add_argument("--speed-k", type=int, default=4, help="K for the single-request speed comparison")
     ap.add_argument("--speed-prompts", type=int, default=8)
     ap.add_argument("--time-budget-s", type=float, default=1e9)
@@ -73,9 +76,12 @@ def main(argv=None) -> int:
     # (result key, label, LLM arguments, acceptance modes): the chains, then the trees.
     runs = [(str(k), f"K={k}", {"num_speculative_tokens": k}, modes)
             for k in (int(x) for x in a.ks.split(",") if x.strip())]
-    for t in a.tree:  # a tree accepts by the point-mass rule whatever the mode: one run
+    # On a tree, draft_q and one_hot are the same rule (the point mass: its children are not drawn
+    # from q): one run for both.
+    tree_modes = list(dict.fromkeys("draft_q" if m == "one_hot" else m for m in modes))
+    for t in a.tree:
         name = f"tree {t.steps},{t.top_k},{t.tokens}"
-        runs.append((name, name, {"tree": t}, modes[:1]))
+        runs.append((name, name, {"tree": t}, tree_modes))
     for name, label, proposal, run_modes in runs:
         if time.perf_counter() - start > a.time_budget_s:
             print(f"time budget spent: stopping before {label}", flush=True)

@@ -56,7 +56,6 @@ from eagle3_jax.bench.harness import sized_engine_config
 from eagle3_jax.bench.options import sorted_ints
 from eagle3_jax.bench.phases import load_prompts, request_latencies
 from eagle3_jax.config import ATTENTION_KINDS, EngineConfig
-from eagle3_jax.engine import policy
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
 from eagle3_jax.sampling_params import SamplingParams
@@ -155,7 +154,7 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
         values = figures(requests, wall_s, engine.stats, engine.num_compilations - compiled)
         rows.append(Result("serve", mode, len(requests), {"rate": rate_label(rate), **values}))
         log(f"{mode}, {rate_label(rate)}: {values['tok_s']:.1f} tok/s, TTFT p50 {values['ttft_p50_ms']:.0f} ms")
-    table = policy.format_table(engine.speculation_table(), engine.acceptance) if speculation == "auto" else None
+    table = engine.policy_report() if speculation == "auto" else None
     return rows, source, table
 
 

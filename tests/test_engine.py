@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_llm
+from test_policy import speculate
 
-from eagle3_jax import SamplingParams, assets
+from eagle3_jax import SamplingParams, TreeSpec, assets
 from eagle3_jax.config import ConfigError, EngineConfig
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.policy import AcceptanceEstimate, BucketCost, SpeculationPolicy
@@ -341,26 +342,15 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     assert states[30].draft_kv.k.shape[0] == 1  # the drafter's one layer
 
 
-def test_rule_speculates_only_past_break_even():
-    cost = BucketCost(target_only_s=0.010, speculative_s=0.025)  # break-even L = 2.5
-    assert cost.break_even == pytest.approx(2.5)
-    assert policy.pays(cost, 2.6) and not policy.pays(cost, 2.4)
-    assert not policy.pays(cost, 2.5)  # a tie is no gain
-    # 5% margin: L must exceed 2.625.
-    assert not policy.pays(cost, 2.6, margin=0.05) and policy.pays(cost, 2.65, margin=0.05)
-    with pytest.raises(ValueError, match="positive"):
-        BucketCost(target_only_s=0.0, speculative_s=0.01)
-
-
 def test_prior_is_optimistic_then_measurements_take_over():
     pol = SpeculationPolicy(margin=0.05, prior_weight=2, window=4, probe_every=10)
     est = AcceptanceEstimate.prior(3)
     assert (est.mean, est.rows, est.unmeasured) == (4.0, 0, 0)
     cheap, dear, hopeless = BucketCost(0.01, 0.02), BucketCost(0.01, 0.03), BucketCost(0.01, 0.05)
     # Before any measurement: wherever K+1 = 4 tokens would pay, speculation is tried.
-    assert policy.speculate(cheap, est, 3, pol) and policy.speculate(dear, est, 3, pol)
-    assert not policy.speculate(hopeless, est, 3, pol)  # break-even 5 > K+1: never worth trying
-    assert policy.speculate(None, est, 3, pol)  # unmeasured bucket: speculate, as without a policy
+    assert speculate(cheap, est, 3, pol) and speculate(dear, est, 3, pol)
+    assert not speculate(hopeless, est, 3, pol)  # break-even 5 > K+1: never worth trying
+    assert speculate(None, est, 3, pol)  # unmeasured bucket: speculate, as without a policy
     # Rows 0, 1, 3 measured (lengths 1, 3, 2); row 2 (finished, stale or padded) is not. The prior
     # counts as 2 rows: 4 -> 4 + (1 - 4)/3 = 3 -> 3 + (3 - 3)/4 = 3 -> (window 4) 3 + (2 - 3)/4.
     est = policy.observe(est, [0, 2, 3, 1], [True, True, False, True], pol)
@@ -369,9 +359,9 @@ def test_prior_is_optimistic_then_measurements_take_over():
         est = policy.observe(est, [1, 1], [True, True], pol)
     assert est.mean == pytest.approx(2.0, abs=1e-3) and est.rows == 83
     # L = 2 against (1 + margin) * break-even: 2.1 and 3.15 lose, 1.575 wins.
-    assert not policy.speculate(cheap, est, 3, pol)
-    assert policy.speculate(BucketCost(0.02, 0.03), est, 3, pol)
-    assert not policy.speculate(dear, est, 3, pol)
+    assert not speculate(cheap, est, 3, pol)
+    assert speculate(BucketCost(0.02, 0.03), est, 3, pol)
+    assert not speculate(dear, est, 3, pol)
 
 
 def test_probe_after_a_stretch_without_measurements():
@@ -379,18 +369,26 @@ def test_probe_after_a_stretch_without_measurements():
     est = AcceptanceEstimate(mean=1.5, rows=100)
     cost = BucketCost(0.01, 0.02)  # break-even 2: off at L = 1.5, on at K+1 = 4
     for unmeasured in range(3):
-        assert not policy.speculate(cost, est, 3, pol) and est.unmeasured == unmeasured
+        assert not speculate(cost, est, 3, pol) and est.unmeasured == unmeasured
         est = policy.observe(est, [0, 0], [False, False], pol)  # a target-only iteration
-    assert est.mean == 1.5 and policy.speculate(cost, est, 3, pol)  # probe
-    assert not policy.speculate(BucketCost(0.01, 0.05), est, 3, pol)  # could never pay: no probe
+    assert est.mean == 1.5 and speculate(cost, est, 3, pol)  # probe
+    assert not speculate(BucketCost(0.01, 0.05), est, 3, pol)  # could never pay: no probe
     est = policy.observe(est, [0], [True], pol)  # the probe measured L = 1: back off
-    assert est.unmeasured == 0 and est.mean < 1.5 and not policy.speculate(cost, est, 3, pol)
+    assert est.unmeasured == 0 and est.mean < 1.5 and not speculate(cost, est, 3, pol)
 
 
 def test_engine_config_speculation_fields():
     cfg = EngineConfig(step_costs=[[2, 0.01, 0.02], (8, 1, 3)])
     assert cfg.speculation == "auto" and cfg.step_costs == ((2, 0.01, 0.02), (8, 1.0, 3.0))
     hash(cfg)  # still a static, hashable config
+    # With a tree, "auto" chooses among the tree, the chain of K and the target alone: one figure each.
+    tree = EngineConfig(tree=TreeSpec(4, 4, 8), num_speculative_tokens=3, step_costs=((2, 0.01, 0.03, 0.02),))
+    assert tree.speculative_proposals == (TreeSpec(4, 4, 8), TreeSpec.chain(3)) and tree.max_proposals == 4
+    with pytest.raises(ConfigError, match=r"\(bucket, target-only seconds, then seconds of tree 4,4,8, chain K=3\): "
+                                          r"4 numbers, got \(2, 0.01, 0.02\)"):
+        EngineConfig(tree=TreeSpec(4, 4, 8), step_costs=((2, 0.01, 0.02),))
+    assert EngineConfig(tree=TreeSpec(4, 4, 8), speculation="always").speculative_proposals == (TreeSpec(4, 4, 8),)
+    assert EngineConfig(tree=TreeSpec(4, 4, 8), num_speculative_tokens=0).speculative_proposals == (TreeSpec(4, 4, 8),)
     with pytest.raises(ConfigError, match="speculation"):
         EngineConfig(speculation="sometimes")
     with pytest.raises(ConfigError, match="attention must be one of"):
@@ -420,11 +418,11 @@ def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(smollm2_dir, 
     assert set(engine.step_costs) == {2, 8}  # 16 is no bucket: ignored
     assert engine.step_costs[8] == BucketCost(0.010, 0.100)  # injected, not timed
     timed = engine.step_costs[2]
-    assert 0 < timed.target_only_s < timed.speculative_s < 1.0  # K+1 tokens and K draft steps cost more
+    assert 0 < timed.target_only_s < timed.speculative_s[0] < 1.0  # K+1 tokens and K draft steps cost more
     engine.step_costs[2] = BucketCost(target_only_s=0.010, speculative_s=0.008)
     table = engine.speculation_table()
-    assert [(c.bucket, c.speculate) for c in table] == [(2, True), (8, False)]
-    assert "target-only" in policy.format_table(table, engine.acceptance)
+    assert [(c.bucket, c.choice) for c in table] == [(2, "chain K=3"), (8, "target-only")]
+    assert "target-only" in engine.policy_report()
 
     prompts, _ = workload
     lengths = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
@@ -440,7 +438,8 @@ def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(smollm2_dir, 
     # Requests' metrics tell the two apart; the estimator saw only speculative, fresh rows.
     spec_iters = sum(o.metrics.speculative_iterations for o in outputs)
     assert 0 < spec_iters < sum(o.metrics.iterations for o in outputs)
-    assert 0 < engine.acceptance.rows <= spec_iters and 1.0 <= engine.acceptance.mean <= 4.0
+    (est,) = engine.acceptance  # one proposal: the chain
+    assert 0 < est.rows <= spec_iters and 1.0 <= est.mean <= 4.0
     for o in outputs:
         assert all(0.0 <= r <= 1.0 for r in o.metrics.acceptance_rates)
 
@@ -453,12 +452,12 @@ def test_auto_warmup_times_every_bucket(smollm2_dir, drafter):
     costs = llm.engine.step_costs
     assert set(costs) == {2, 8}
     for cost in costs.values():
-        assert cost.target_only_s > 0 and cost.speculative_s > 0
+        assert cost.target_only_s > 0 and len(cost.speculative_s) == 1 and cost.speculative_s[0] > 0
     capped = make_llm(
         smollm2_dir, drafter, num_draft=3, batch_buckets=(2, 8), speculation="auto", speculative_max_batch=2
     )
     assert set(capped.engine.step_costs) == {2}  # past the cap nothing speculates: nothing to time
-    assert capped.engine.speculation_table()[1] == policy.BucketChoice(8, None, False)
+    assert capped.engine.speculation_table()[1] == policy.BucketChoice(8, None, "target-only")
 
 
 def test_greedy_only_warmup_builds_what_greedy_requests_use(tmp_path):

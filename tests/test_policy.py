@@ -1,5 +1,6 @@
-"""engine/policy.py: the speculate-or-not rule per batch bucket, the acceptance estimate it reads,
-probing, and the printed table. Pure Python: no device, no compile."""
+"""engine/policy.py: the rule choosing per batch bucket among the target alone and the drafter's
+proposals, the acceptance estimates it reads, probing, and the printed table. Pure Python: no
+device, no compile."""
 
 from __future__ import annotations
 
@@ -12,36 +13,59 @@ from eagle3_jax.engine.policy import (
     BucketChoice,
     BucketCost,
     SpeculationPolicy,
+    choose,
     format_table,
     observe,
-    pays,
-    speculate,
 )
 
 # Binary-exact seconds, so ties are ties: break-even L = 0.375 / 0.25 = 1.5.
 COST = BucketCost(target_only_s=0.25, speculative_s=0.375)
 
 
+def speculate(cost, est, steps, policy) -> bool:
+    """One proposal of `steps`: whether the bucket runs it."""
+    return choose(cost, [est], [steps + 1], policy) == 0
+
+
 def test_bucket_cost_break_even_and_validation():
-    assert COST.break_even == 1.5
-    assert BucketCost(0.002, 0.005).break_even == pytest.approx(2.5)
-    for t0, tk in [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (1.0, -2.0)]:
+    assert COST.break_even == (1.5,)
+    assert BucketCost(0.25, (0.375,)) == COST  # one proposal's seconds, given bare or as a tuple
+    assert BucketCost(0.002, (0.005, 0.003)).break_even == pytest.approx((2.5, 1.5))
+    for t0, tk in [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (1.0, -2.0), (1.0, (0.5, 0.0)), (1.0, ())]:
         with pytest.raises(ValueError, match="step costs must be positive seconds"):
             BucketCost(t0, tk)
     with pytest.raises(dataclasses.FrozenInstanceError):
         COST.target_only_s = 1.0
 
 
-def test_pays_is_strict_at_break_even_and_applies_the_margin():
-    assert pays(COST, 1.6)
-    assert not pays(COST, 1.5)  # a tie runs the target alone
-    assert not pays(COST, 1.4)
+def test_one_proposal_is_strict_at_break_even_and_applies_the_margin():
+    def runs(length, margin=0.0):
+        return speculate(COST, AcceptanceEstimate(mean=length, rows=100), 3, SpeculationPolicy(margin=margin))
+
+    assert runs(1.6)
+    assert not runs(1.5)  # a tie runs the target alone
+    assert not runs(1.4)
     # margin 0.25: L must beat 1.25 x 1.5 = 1.875
-    assert not pays(COST, 1.8, margin=0.25)
-    assert not pays(COST, 1.875, margin=0.25)
-    assert pays(COST, 1.9, margin=0.25)
+    assert not runs(1.8, margin=0.25)
+    assert not runs(1.875, margin=0.25)
+    assert runs(1.9, margin=0.25)
     # A bucket where speculation costs less than the target alone pays even at L = 1.
-    assert pays(BucketCost(0.5, 0.25), 1.0)
+    assert speculate(BucketCost(0.5, 0.25), AcceptanceEstimate(mean=1.0, rows=100), 3, SpeculationPolicy(margin=0.0))
+
+
+def test_the_fastest_proposal_runs():
+    """A tree and a chain: tokens per second L_i / t_i decide, the target alone winning below the margin."""
+    cost = BucketCost(0.25, (0.5, 0.375))  # the tree costs 2 decodes, the chain 1.5
+    policy = SpeculationPolicy(margin=0.0)
+    tree, chain = AcceptanceEstimate(mean=3.2, rows=100), AcceptanceEstimate(mean=2.5, rows=100)
+    # Rates: tree 3.2 / 0.5 = 6.4, chain 2.5 / 0.375 = 6.67, the target alone 4: the chain.
+    assert choose(cost, [tree, chain], [5, 5], policy) == 1
+    tree = AcceptanceEstimate(mean=3.6, rows=100)  # 7.2 beats 6.67: the tree
+    assert choose(cost, [tree, chain], [5, 5], policy) == 0
+    weak = [AcceptanceEstimate(mean=1.9, rows=100), AcceptanceEstimate(mean=1.4, rows=100)]  # 3.8, 3.73 < 4
+    assert choose(cost, weak, [5, 5], policy) is None
+    assert choose(cost, [], [], policy) is None  # no drafter: the target alone
+    assert choose(None, weak, [5, 5], policy) == 0  # an unmeasured bucket runs the engine's proposal
 
 
 def test_prior_is_every_proposal_accepted():
@@ -98,7 +122,7 @@ def test_observe_becomes_a_moving_average_past_the_window():
     assert est.rows == 203
 
 
-def test_speculate_measured_bucket_follows_pays_with_the_policy_margin():
+def test_speculate_measured_bucket_follows_the_policy_margin():
     est = AcceptanceEstimate(mean=1.55, rows=100)
     assert not speculate(COST, est, 3, SpeculationPolicy(margin=0.05))  # 1.55 < 1.05 x 1.5
     assert speculate(COST, est, 3, SpeculationPolicy(margin=0.0))
@@ -123,17 +147,29 @@ def test_speculate_probes_after_probe_every_unmeasured_iterations():
     assert speculate(hopeless, AcceptanceEstimate(mean=1.0, rows=50, unmeasured=16), 5, policy)
 
 
+def test_a_proposal_left_unmeasured_is_probed_when_it_could_beat_the_choice():
+    cost = BucketCost(0.25, (0.5, 0.375))
+    policy = SpeculationPolicy(margin=0.0, probe_every=16)
+    chain = AcceptanceEstimate(mean=2.5, rows=500)  # rate 6.67: the choice
+    stale_tree = AcceptanceEstimate(mean=3.0, rows=50, unmeasured=16)  # 6.0 now, at most 7 / 0.5 = 14
+    assert choose(cost, [stale_tree, chain], [7, 5], policy) == 0
+    assert choose(cost, [dataclasses.replace(stale_tree, unmeasured=15), chain], [7, 5], policy) == 1
+    # A tree whose every token accepted (3 tokens) could not beat the chain never probes.
+    assert choose(cost, [stale_tree, chain], [3, 5], policy) == 1
+
+
 def test_format_table():
-    table = [BucketChoice(2, BucketCost(0.004, 0.005), True), BucketChoice(4, BucketCost(0.0045, 0.009), False),
-             BucketChoice(8, None, True)]
-    text = format_table(table, AcceptanceEstimate(mean=1.875, rows=42))
+    table = [BucketChoice(2, BucketCost(0.004, (0.005, 0.0045)), "tree 4,4,8"),
+             BucketChoice(4, BucketCost(0.0045, (0.009, 0.0054)), "target-only"), BucketChoice(8, None, "tree 4,4,8")]
+    text = format_table(table, [("tree 4,4,8", AcceptanceEstimate(mean=1.875, rows=42)),
+                                ("chain K=3", AcceptanceEstimate.prior(3))])
     assert text.splitlines() == [
-        "bucket  target-only ms  speculative ms  break-even L  choice",
-        "     2           4.000           5.000          1.25  speculate",
-        "     4           4.500           9.000          2.00  target-only",
-        "     8               -               -             -  speculate",
-        "acceptance length L = 1.88 (42 row-iterations measured)",
+        "bucket  target-only ms  tree 4,4,8 ms / break-even L  chain K=3 ms / break-even L  choice",
+        "     2           4.000                  5.000 / 1.25                 4.500 / 1.12  tree 4,4,8",
+        "     4           4.500                  9.000 / 2.00                 5.400 / 1.20  target-only",
+        "     8               -                             -                            -  tree 4,4,8",
+        "tree 4,4,8: acceptance length L = 1.88 (42 row-iterations measured)",
+        "chain K=3: acceptance length L = 4.00 (prior, nothing measured yet)",
     ]
-    prior = format_table([], AcceptanceEstimate.prior(3))
-    assert prior.splitlines()[-1] == "acceptance length L = 4.00 (prior, nothing measured yet)"
-    assert len(prior.splitlines()) == 2  # header and L
+    alone = format_table([BucketChoice(2, None, "target-only")], [])
+    assert alone.splitlines() == ["bucket  target-only ms  choice", "     2               -  target-only"]

@@ -205,6 +205,21 @@ def test_tree_matches_the_reference(spec, ties):
     assert tree.depth.max() <= spec.max_depth
 
 
+@pytest.mark.parametrize("shape, k", [((2, 16384), 8), ((2, 4, 16384), 4), ((3, 1000), 5), ((1, 49152), 1)])
+def test_vocab_top_k_is_lax_top_k(shape, k):
+    """The two-stage top-k over a vocabulary gives lax.top_k's values and indices, ties (many, on a
+    coarse grid) and rows with fewer finite entries than k included."""
+    rng = np.random.default_rng(0)
+    x = np.round(rng.standard_normal(shape) * 4).astype(np.float32) / 4
+    x[..., 7] = -np.inf
+    few = np.full(shape, -np.inf, np.float32)
+    few[..., 3] = 0.0
+    for values in (x, few):
+        got, want = T.vocab_top_k(jnp.asarray(values), k), jax.lax.top_k(jnp.asarray(values), k)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_mask_and_layouts_from_first_principles():
     """The mask marks exactly the nodes met walking up the parents; the verify stores node i at
     length + i and rotates it at length + depth; draft beams of level l sit at t + 1 + (l-1) k + j,

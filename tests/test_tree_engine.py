@@ -39,8 +39,8 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def make(target, draft, tree: TreeSpec | None, warmup: bool = False, **engine):
     from eagle3_jax.api import LLM
 
-    return LLM(target, draft, tree=tree, warmup=warmup, progress=False,
-               engine_config=EngineConfig(**{**ENGINE, **engine}))
+    return LLM(target, draft, warmup=warmup, progress=False,
+               engine_config=EngineConfig(**{**ENGINE, "tree": tree, **engine}))
 
 
 @pytest.fixture(scope="module")
@@ -176,25 +176,31 @@ def test_set_proposals_checks_the_tree(tree_llm):
 
 
 # ---- compiles, target-only iterations, sampled rows ---------------------------------------------
-def test_no_compiles_after_warmup_with_target_only_iterations_between(models, reference):
-    """"auto" with bucket 4 never speculating (its cost table says so) and bucket 2 always: the
-    batch starts target-only, leaving the drafted trees unverified, and speculates once requests
-    finish (verifying stale trees first). Warm-up built every program: serving greedy and
-    sampled tree requests compiles nothing, and the greedy output is the target alone's."""
+def test_auto_switches_between_the_tree_and_the_chain_without_compiles(models, reference):
+    """"auto" over the tree (3, 2, 5), the chain of 3 and the target alone, its cost table making
+    bucket 4 run the tree and bucket 2 the chain: the batch starts on the tree and moves to the
+    chain as requests finish, each verifying a row whose pending proposal the other drafted as
+    having none. Warm-up built every program: serving greedy and sampled requests compiles
+    nothing, the greedy output is the target alone's, and both proposals' acceptance was measured."""
     spec = TreeSpec(3, 2, 5)
     llm = make(models[0], models[1]["shared"], spec, warmup=True, batch_buckets=(2, 4), speculation="auto",
-               step_costs=((2, 1.0, 0.5), (4, 0.5, 100.0)))
+               step_costs=((2, 1.0, 100.0, 0.5), (4, 1.0, 0.5, 100.0)))
     engine = llm.engine
+    assert [p.spec for p in engine.proposals] == [spec, TreeSpec.chain(3)]
+    assert [c.choice for c in engine.speculation_table()] == ["chain K=3", "tree 3,2,5"]
     built = engine.num_compilations
     lengths = [8, 16, 24, 40]
     outputs = llm.generate(PROMPTS, [greedy(n) for n in lengths])
     assert [o.token_ids for o in outputs] == [ref[:n] for ref, n in zip(reference, lengths)]
-    stats = engine.stats
-    assert stats.target_only_iterations.get(4, 0) > 0 and stats.speculative_iterations.get(2, 0) > 0
+    by_proposal = engine.stats.proposal_iterations
+    assert set(by_proposal) == {"tree 3,2,5", "chain K=3"}
+    assert set(by_proposal["tree 3,2,5"]) == {4} and set(by_proposal["chain K=3"]) == {2}
+    assert all(est.rows > 0 for est in engine.acceptance)
     sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True) for i in range(2)]
     llm.generate(PROMPTS[:2], sampled)
     llm.generate(PROMPTS, [greedy(12), sampled[0], greedy(12), sampled[1]])
     assert engine.num_compilations == built, "serving tree requests compiled after warm-up"
+    assert "tree 3,2,5: acceptance length L" in engine.policy_report()
 
 
 def test_sampled_rows_with_a_tree(tree_llm, reference):
@@ -223,18 +229,17 @@ def test_sampled_rows_with_a_tree(tree_llm, reference):
 def test_a_seed_gives_the_same_tokens_whatever_speculation_does(models):
     """A seeded request (the coupled rule, its default) gives the same tokens alone and in a
     batch of 8 (beside greedy, unseeded and other seeded rows), with speculation off, with a
-    chain of 3, with a tree, and under "auto" switching between speculation (the
-    bucket of 1) and the target alone (the bucket of 8). Its proposals are accepted: the tokens
-    come through acceptance, not around it."""
+    chain of 3 (alone and in the batch), and with a tree under "auto", whose cost table runs the
+    tree in the bucket of 1 and the target alone in the bucket of 8. Its proposals are accepted:
+    the tokens come through acceptance, not around it."""
     target, drafters = models
     seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
     others = [SamplingParams(max_tokens=MAX_TOKENS - i, temperature=0.0 if i % 3 == 0 else 1.0, ignore_eos=True,
                              seed=None if i % 3 == 1 else 50 + i) for i in range(7)]
     batch = [PROMPTS[1]] + [PROMPTS[i % len(PROMPTS)] for i in range(7)]
     setups = [("target alone", None, None, {}), ("chain of 3", "shared", TreeSpec.chain(3), {}),
-              ("tree (3, 2, 5)", "shared", TreeSpec(3, 2, 5), {}),
-              ("tree auto", "shared", TreeSpec(3, 2, 5),
-               dict(speculation="auto", step_costs=((1, 1.0, 0.5), (8, 0.5, 100.0))))]
+              ("tree, auto", "shared", TreeSpec(3, 2, 5),
+               dict(speculation="auto", step_costs=((1, 1.0, 0.5, 100.0), (8, 0.5, 100.0, 100.0))))]
     tokens = {}
     for name, drafter, spec, engine in setups:
         llm = make(target, drafters[drafter] if drafter else None, spec,
@@ -244,6 +249,8 @@ def test_a_seed_gives_the_same_tokens_whatever_speculation_does(models):
         tokens[name, "alone"], tokens[name, "batch of 8"] = alone.token_ids, together.token_ids
         if drafter:
             assert alone.metrics.accepted > 0, name
+        if engine:  # the tree ran alone, the target alone in the batch
+            assert set(llm.engine.stats.proposal_iterations) == {"tree 3,2,5", "target-only"}
     want = tokens["target alone", "alone"]
     assert len(want) == MAX_TOKENS
     assert {key: got for key, got in tokens.items() if got != want} == {}
@@ -265,8 +272,9 @@ def test_bad_tree_specs_name_the_field(args, message):
 
 def test_engine_config_tree():
     cfg = EngineConfig(tree=TreeSpec(4, 4, 8), num_speculative_tokens=2)
-    assert cfg.num_speculative_tokens == 4  # the tree defines the proposal
-    assert EngineConfig(tree=TreeSpec.chain(3), fused_iteration=False).num_speculative_tokens == 3
+    assert cfg.num_speculative_tokens == 2 and cfg.max_proposals == 4  # K: the chain "auto" may choose
+    chain = EngineConfig(tree=TreeSpec.chain(3), fused_iteration=False)  # the chain of 3: it replaces K
+    assert chain.num_speculative_tokens == 3 and chain.tree is None
     # Two iterations of a tree's footprint fit the block tables: (6, 8, 31) writes 47 positions past the length.
     wide = EngineConfig(tree=TreeSpec(6, 8, 31), page_size=16, max_model_len=2048)
     assert TreeSpec(6, 8, 31).positions_per_iteration == 47

@@ -42,7 +42,6 @@ from eagle3_jax.bench.harness import (
 )
 from eagle3_jax.bench.options import Options
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, TreeSpec
-from eagle3_jax.engine import policy
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
 from eagle3_jax.model import llama
@@ -173,14 +172,16 @@ def engine_figures(rounds: Sequence[Round], stats: EngineStats, k: int) -> dict[
 
 
 def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings: Ceilings | None,
-             notes: list[str], fused: bool = True, speculation: str = "always") -> tuple[list[Result], str]:
-    """Every batch size of one mode (target-only, or EAGLE-3 with K = k, fused or per-step,
-    speculating always or by the engine's policy) on one engine. -> (rows, where the prompts came from)."""
+             notes: list[str], fused: bool = True, speculation: str = "always",
+             tree: TreeSpec | None = None) -> tuple[list[Result], str]:
+    """Every batch size of one mode (target-only, or EAGLE-3 with K = k, fused or per-step, or
+    with `tree` (its chain of K beside it in "auto"), speculating always or by the engine's policy)
+    on one engine. -> (rows, where the prompts came from)."""
     from eagle3_jax.api import LLM
 
     engine_config = dataclasses.replace(
         sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets, opts.min_bucket, speculation,
-                            opts.attention, opts.prefill_batch_buckets, opts.gemv),
+                            opts.attention, opts.prefill_batch_buckets, opts.gemv, tree),
         fused_iteration=fused)
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
               engine_config=engine_config, warmup=False, progress=False)
@@ -204,13 +205,15 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         rounds = [run_round(engine, prompts[i * b:(i + 1) * b], params) for i in range(num_rounds)]
         if engine.num_compilations != compiles:
             notes.append(f"{mode}, batch {b}: {engine.num_compilations - compiles} compile(s) inside the timed rounds")
-        values = engine_figures(rounds, engine.stats, k)
+        values = engine_figures(rounds, engine.stats, engine_config.max_proposals)
         # Device time per iteration: the iterate step alone, at the rounds' mean context.
         context = int(np.mean([len(p) for p in prompts[:num_rounds * b]])) + opts.max_tokens // 2
         bucket = bucket_for(engine.cfg, b)
         values.update(rounds=num_rounds, context=context, compile_s=compile_s, warmup_s=warmup_s, bucket=bucket,
                       speculative_iterations=engine.stats.speculative_iterations.get(bucket, 0),
                       target_only_iterations=engine.stats.target_only_iterations.get(bucket, 0),
+                      iterations_by_proposal={label: counts[bucket] for label, counts
+                                              in engine.stats.proposal_iterations.items() if bucket in counts},
                       device_ms=1e3 * isolated_iteration_s(engine, b, context, opts))
         steady = values["iter_ms"] if math.isnan(values["step_ms"]) else values["step_ms"]
         values["idle_frac"] = max(0.0, 1.0 - values["device_ms"] / steady)
@@ -221,15 +224,17 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
             notes.append(f"{mode}, batch {b}: the host thread's self time per iteration in the profiled round "
                          "(us; the profiler slows the host): " + ", ".join(f"{n} {t:.0f}" for n, t in host))
         if ceilings is not None:
-            cost = iteration_cost(target, draft, engine.iterate_config(bucket).num_draft, bucket, context,
-                                  jnp.dtype(opts.dtype).itemsize)
+            ran = engine.iterate_config(bucket)
+            itemsize = jnp.dtype(opts.dtype).itemsize
+            cost = (iteration_cost(target, draft, ran.num_draft, bucket, context, itemsize) if ran.tree is None
+                    else tree_iteration_cost(target, draft, ran.tree, bucket, context, itemsize))
             values["floor_ms"] = 1e3 * cost.floor_s(ceilings)
         results.append(Result("smollm2", mode, b, values))
         log(f"{mode}, batch {b}: {values['tok_s']:.0f} tok/s, acceptance length {values['acceptance_length']:.2f}, "
             f"device {values['device_ms']:.2f} ms/iter")
     if speculation == "auto":
         notes.append(f"{mode}: speculation policy after the run (engine/policy.py):\n"
-                     + policy.format_table(engine.speculation_table(), engine.acceptance))
+                     + engine.policy_report())
     return results, source
 
 
@@ -266,6 +271,12 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
             if opts.auto:
                 results += run_mode(opts, f"EAGLE-3 K={k} auto", draft_dir, k, ceilings, notes,
                                     speculation="auto")[0]
+        chain = max(opts.num_draft)  # the chain "auto" weighs against each tree
+        for spec in opts.trees:
+            results += run_mode(opts, f"EAGLE-3 {spec.label}", draft_dir, chain, ceilings, notes, tree=spec)[0]
+            if opts.auto:
+                results += run_mode(opts, f"EAGLE-3 {spec.label} auto (chain K={chain})", draft_dir, chain, ceilings,
+                                    notes, speculation="auto", tree=spec)[0]
     base = {r.batch: r.values["tok_s"] for r in results if r.mode == "target-only"}
     for r in results:
         r.values["speedup"] = r.values["tok_s"] / base[r.batch]

@@ -8,9 +8,10 @@ dispatch threads the runner's donated state, so the device runs them in order; a
 finished in the results being read was already dispatched once more, and that surplus iteration
 is discarded (its pages reserve room for it).
 
-Speculation per bucket: with `EngineConfig.speculation == "auto"` each iteration speculates or runs
-the target alone by engine/policy.py's rule, from the step costs timed in warm-up and the
-acceptance length measured from the iterations collected here.
+Speculation per bucket: with `EngineConfig.speculation == "auto"` each iteration runs the target
+alone or one of the drafter's proposals (the tree, the chain) by engine/policy.py's rule, from the
+step costs timed in warm-up and each proposal's acceptance length measured from the iterations
+collected here.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, smallest_b
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.runner.runner import PADDING_PARAMS, ModelRunner, PrefillInputs
+from eagle3_jax.runner.speculator import Chain
 from eagle3_jax.runner.steps import StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
+
+TARGET_ALONE = Chain(0)  # the iteration that verifies the last token alone
 
 
 @dataclasses.dataclass
@@ -38,7 +42,8 @@ class EngineStats:
     """Per-step timings: host time is Python work, device wait is time blocked on results.
     Dispatch time is the part of host time spent inside the calls that enqueue compiled programs
     (JAX's argument handling and the runtime's launch), the rest is the engine's own Python.
-    Iterations dispatched per batch bucket, speculative and target-only, show what the policy did."""
+    Iterations dispatched per batch bucket, speculative and target-only, and per proposal, show
+    what the policy did."""
 
     steps: int = 0
     iterations: int = 0
@@ -49,6 +54,7 @@ class EngineStats:
     warmup_s: float = 0.0
     speculative_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
     target_only_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
+    proposal_iterations: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # label -> bucket -> count
 
     @property
     def host_ms_per_step(self) -> float:
@@ -70,8 +76,8 @@ class _Pending:
     reqs: list[Request]
     result: object  # device array: prefill's first token [1]; an iteration's verdicts [B, 1 + K+1]
     iteration: bool = False
-    speculative: bool = False  # iterate: K drafts verified (else the target alone)
-    fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, proposals drafted at the row's position
+    proposal: int | None = None  # iterate: the index of the proposal verified (None: the target alone)
+    fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, that proposal drafted at the row's position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,20 +105,22 @@ class Engine:
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
-        k = self.runner.step_cfg.num_draft  # a chain's K, a tree's steps: the most proposals accepted
-        self.scheduler = Scheduler(cfg, target.vocab_size, k, self.runner.speculator.positions_per_iteration)
+        self.proposals = self.runner.proposals  # what an iteration may draft, the engine's proposal first
+        most = max((p.num_draft_steps for p in self.proposals), default=0)  # the most proposals accepted
+        self.scheduler = Scheduler(cfg, target.vocab_size, most, self.runner.positions_per_iteration)
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._seed_rng = np.random.default_rng()
-        # The speculation policy's inputs: costs per bucket (injected, or timed in warm-up), the
-        # acceptance estimate (updated as iterations are collected), and per slot whether its
-        # proposals were drafted at its current position (false after a target-only iteration:
-        # the next verify checks stale proposals, no measure of the drafter).
+        # The speculation policy's inputs: costs per bucket (injected, or timed in warm-up), one
+        # acceptance estimate per proposal (updated as iterations are collected), and per slot the
+        # proposal whose proposals it holds fresh, drafted at its current position (-1 after a
+        # target-only iteration: the next verify checks stale proposals, no measure of the drafter).
         self.policy = policy.SpeculationPolicy()
-        self.acceptance = policy.AcceptanceEstimate.prior(k)
+        self.acceptance = tuple(policy.AcceptanceEstimate.prior(p.num_draft_steps) for p in self.proposals)
         self.step_costs: dict[int, policy.BucketCost] = {
-            b: policy.BucketCost(t0, tk) for b, t0, tk in cfg.step_costs or () if b in cfg.batch_buckets}
-        self._fresh = np.zeros(cfg.max_num_seqs + 1, bool)  # [S]
+            int(c[0]): policy.BucketCost(c[1], tuple(c[2:])) for c in cfg.step_costs or ()
+            if c[0] in cfg.batch_buckets and self.proposals}
+        self._drafted = np.full(cfg.max_num_seqs + 1, -1)  # [S] proposal index, or -1
 
     @property
     def step_cfg(self) -> StepConfig:
@@ -185,7 +193,7 @@ class Engine:
                 self._run_prefill_call(chunks[i:i + most])
         t = time.perf_counter()
         for req in reqs:
-            self._fresh[req.slot] = self.step_cfg.speculative  # its last chunk drafted K proposals
+            self._drafted[req.slot] = 0 if self.proposals else -1  # its last chunk drafted the first proposal
             first = self.runner.first_token(req.slot)  # [1], the last chunk's sample
             first.copy_to_host_async()
             self._pending.append(_Pending([req], first))
@@ -220,19 +228,22 @@ class Engine:
 
     def _run_iteration(self, reqs: list[Request], slots: np.ndarray, tables: np.ndarray) -> None:
         bucket = len(slots)
-        cfg = self.iterate_config(bucket, greedy=all(r.params.greedy for r in reqs))
+        choice = self.choice(bucket)
+        cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs))
         # Device order is dispatch order, so freshness at dispatch is what this iteration verifies.
         rows = slots[:len(reqs)]
-        fresh = self._fresh[rows].copy()
-        self._fresh[rows] = cfg.speculative
+        fresh = self._drafted[rows] == (-1 if choice is None else choice)
+        self._drafted[rows] = -1 if choice is None else choice
         t = time.perf_counter()
         verdicts = self.runner.iterate(slots, tables, cfg)
         verdicts.copy_to_host_async()
         self.stats.dispatch_s += time.perf_counter() - t
         self.stats.iterations += 1
-        counts = self.stats.speculative_iterations if cfg.speculative else self.stats.target_only_iterations
+        counts = self.stats.target_only_iterations if choice is None else self.stats.speculative_iterations
         counts[bucket] = counts.get(bucket, 0) + 1
-        self._pending.append(_Pending(reqs, verdicts, True, cfg.speculative, fresh))
+        by_bucket = self.stats.proposal_iterations.setdefault(self._label(choice), {})
+        by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
+        self._pending.append(_Pending(reqs, verdicts, True, choice, fresh))
 
     def _postprocess(self, pending: _Pending) -> list[Request]:
         """Read one dispatched program's results and apply them to its requests."""
@@ -243,10 +254,13 @@ class Engine:
         accepted, tokens = split_verdicts(result) if pending.iteration else (None, result)
         if accepted is not None:
             # Measured: running rows (not the surplus iteration of a finished one) of a speculative
-            # iteration whose proposals were fresh. Read before _append finishes any request.
-            measured = [pending.speculative and bool(fresh) and not req.finished
-                        for req, fresh in zip(pending.reqs, pending.fresh)]
-            self.acceptance = policy.observe(self.acceptance, accepted[:len(pending.reqs)], measured, self.policy)
+            # iteration whose proposals it drafted fresh. Read before _append finishes any request.
+            # The other proposals' estimates see an iteration without a measurement.
+            n = len(pending.reqs)
+            measured = [bool(fresh) and not req.finished for req, fresh in zip(pending.reqs, pending.fresh)]
+            self.acceptance = tuple(
+                policy.observe(est, accepted[:n], measured if i == pending.proposal else [False] * n, self.policy)
+                for i, est in enumerate(self.acceptance))
         changed = []
         for i, req in enumerate(pending.reqs):
             if req.finished:
@@ -254,7 +268,7 @@ class Engine:
             if accepted is None:
                 new = tokens[:1].tolist()
             else:
-                req.metrics.record(int(accepted[i]), speculative=pending.speculative)
+                req.metrics.record(int(accepted[i]), speculative=pending.proposal is not None)
                 new = tokens[i, :accepted[i] + 1].tolist()
             self._append(req, new)
             req.metrics.collected(collected)
@@ -298,39 +312,63 @@ class Engine:
 
     # ---- speculation per bucket --------------------------------------------------------------
     def may_speculate(self, bucket: int) -> bool:
-        """Whether a bucket can speculate at all: a drafter, K > 0, within speculative_max_batch."""
+        """Whether a bucket can speculate at all: a drafter, a proposal, within speculative_max_batch."""
         limit = self.cfg.speculative_max_batch
-        return self.step_cfg.speculative and (limit is None or bucket <= limit)
+        return bool(self.proposals) and (limit is None or bucket <= limit)
+
+    def choice(self, bucket: int) -> int | None:
+        """This bucket's choice now: the index of a proposal in `proposals`, or None for the target
+        alone. "always" runs the engine's proposal wherever it may speculate; "auto" asks the policy."""
+        if not self.may_speculate(bucket):
+            return None
+        if self.cfg.speculation == "always":
+            return 0
+        return policy.choose(self.step_costs.get(bucket), self.acceptance,
+                             [p.num_draft_steps + 1 for p in self.proposals], self.policy)
 
     def speculates(self, bucket: int) -> bool:
-        """This bucket's choice now: "always" speculates wherever it may; "auto" asks the policy."""
-        if not self.may_speculate(bucket):
-            return False
-        if self.cfg.speculation == "always":
-            return True
-        return policy.speculate(self.step_costs.get(bucket), self.acceptance, self.step_cfg.num_draft, self.policy)
+        """Whether the bucket's choice now is a proposal rather than the target alone."""
+        return self.choice(bucket) is not None
+
+    def _config(self, choice: int | None, greedy: bool) -> StepConfig:
+        return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy)
+
+    def _label(self, choice: int | None) -> str:
+        return "target-only" if choice is None else self.proposals[choice].spec.label
 
     def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
-        """The iteration's config for a batch bucket: K drafts, or none when it runs the target
-        alone (the proposals in the slots then wait unverified; any proposal is safe to verify
-        later, since each was drawn from the q stored with it); the greedy program when every
+        """The iteration's config for a batch bucket: its choice's proposal, or none when it runs
+        the target alone (the proposals in the slots then wait unverified; any proposal is safe to
+        verify later, since each was drawn as its rule requires); the greedy program when every
         request of the batch is greedy (`StepConfig.greedy`)."""
-        return self.runner.config(self.step_cfg.num_draft if self.speculates(bucket) else 0, greedy)
+        return self._config(self.choice(bucket), greedy)
 
     def speculation_table(self) -> tuple[policy.BucketChoice, ...]:
-        """Every bucket's cost and current choice; `policy.format_table(table, engine.acceptance)`
-        prints it."""
-        return tuple(policy.BucketChoice(b, self.step_costs.get(b), self.speculates(b)) for b in self.cfg.batch_buckets)
+        """Every bucket's cost and current choice (`policy_report` prints it)."""
+        return tuple(policy.BucketChoice(b, self.step_costs.get(b), self._label(self.choice(b)))
+                     for b in self.cfg.batch_buckets)
+
+    def policy_report(self) -> str:
+        """The speculation table and each proposal's acceptance estimate, as plain text."""
+        labels = [p.spec.label for p in self.proposals]
+        return policy.format_table(self.speculation_table(), list(zip(labels, self.acceptance)))
 
     # ---- compilation -------------------------------------------------------------------------
+    def _choices(self, bucket: int) -> list[int | None]:
+        """What a bucket may run: the engine's proposal ("always"), every proposal and the target
+        alone ("auto"), or the target alone where it may not speculate."""
+        choices: list[int | None] = []
+        if self.may_speculate(bucket):
+            choices = [0] if self.cfg.speculation == "always" else list(range(len(self.proposals)))
+        if not choices or self.cfg.speculation == "auto":
+            choices.append(None)
+        return choices
+
     def iteration_configs(self, bucket: int, greedy: bool | None = None) -> list[StepConfig]:
-        """The iterations a bucket may run: speculative, target-only, or (in "auto") both; each as
-        the greedy program and the sampling one (`greedy` picks one of the two)."""
-        ks = [self.step_cfg.num_draft] if self.may_speculate(bucket) else []
-        if not ks or self.cfg.speculation == "auto":
-            ks.append(0)
+        """The iterations a bucket may run (`_choices`: its proposals, then the target alone), each
+        as the greedy program and the sampling one (`greedy` picks one of the two)."""
         kinds = (True, False) if greedy is None else (greedy,)
-        return [self.runner.config(k, g) for k in ks for g in kinds]
+        return [self._config(c, g) for c in self._choices(bucket) for g in kinds]
 
     def programs(self, greedy: bool | None = None) -> tuple[list[tuple[int, StepConfig]], list[tuple[int, int, bool]]]:
         """Every program serving may run: (iterations as (bucket, config), prefills as (rows,
@@ -352,12 +390,13 @@ class Engine:
         for kind, *job in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             (self.runner.compile_iteration if kind == "iterate" else self.runner.compile_prefill)(*job)
         for b in self.cfg.batch_buckets:
-            # The policy's costs come from the greedy programs (the sampling ones add the same
-            # sampling work to both iterations).
-            configs = self.iteration_configs(b, greedy=True)
-            if len(configs) == 2 and b not in self.step_costs:
-                spec, target_only = (statistics.median(self.runner.time_iteration(*self.runner.padding_rows(b), c))
-                                     for c in configs)
-                self.step_costs[b] = policy.BucketCost(target_only_s=target_only, speculative_s=spec)
+            # The policy's costs come from the greedy programs (the sampling ones add about the
+            # same sampling work to every iteration).
+            choices = self._choices(b)
+            if len(choices) > 1 and b not in self.step_costs:
+                seconds = [statistics.median(self.runner.time_iteration(*self.runner.padding_rows(b),
+                                                                        self._config(c, greedy=True)))
+                           for c in choices]  # the proposals', then the target alone's
+                self.step_costs[b] = policy.BucketCost(target_only_s=seconds[-1], speculative_s=tuple(seconds[:-1]))
         self.stats.warmup_s = time.perf_counter() - start
         return self.stats.warmup_s

@@ -1,38 +1,45 @@
-"""When to speculate: per batch bucket, from measured step costs and the measured acceptance.
+"""What to run per batch bucket: the target alone or one of the drafter's proposals (a chain, a
+tree), from measured step costs and each proposal's measured acceptance.
 
 The rule. At a batch bucket b, one target-only iteration emits one token per row in t0[b]
-seconds; one speculative iteration emits L tokens per row (the acceptance length, 1..K+1) in
-tK[b] seconds. Both run the same rows, so the row count cancels and speculation pays iff
+seconds; an iteration of proposal i emits L_i tokens per row (its acceptance length, 1..steps+1)
+in t_i[b] seconds. All run the same rows, so the row count cancels: each emits tokens at the rate
+L_i / t_i[b] per row, the target alone at 1 / t0[b]. The fastest runs, the target alone unless a
+proposal beats it by the margin:
 
-    L / tK[b] > (1 + margin) / t0[b],   i.e.   L > (1 + margin) * tK[b] / t0[b].
+    run argmax_i L_i / t_i[b]   if that rate > (1 + margin) / t0[b],   else the target alone.
 
-tK[b] / t0[b] is the bucket's break-even acceptance length. It grows with the batch (a step
-stops being memory-bound, so verifying K+1 tokens per row stops being nearly free), while L is a
-property of the drafter and the traffic, the same at every bucket: one estimate serves them all.
-The engine times t0 and tK in warm-up at context 0 with greedy rows; a long context adds the same
-KV reads to both (the ratio moves toward speculation), sampled rows add more to tK (their draft
+t_i[b] / t0[b] is proposal i's break-even acceptance length at the bucket. It grows with the batch
+(a step stops being memory-bound, so verifying more tokens per row stops being nearly free), and
+faster for a wide tree than for a chain, while L_i is a property of the drafter, the proposal and
+the traffic, the same at every bucket: one estimate per proposal serves them all. So a tree may
+win at small batches and a chain or the target alone at large ones. The engine times every
+iteration in warm-up at context 0 with greedy rows; a long context adds the same KV reads to all
+(the ratios move toward speculation), sampled rows add more to the speculative ones (their draft
 steps and verify sort the vocabulary): for sampled traffic, inject costs measured on it.
 
 The margin (default 5%) keeps the choice on the target's side near break-even: the costs are
-measured medians, the estimate lags the traffic, and every switch from target-only back to
-speculation costs one iteration whose proposals are stale (drafted before the target-only
-stretch; see `steps.iterate_head`), so a near-tie is not worth flipping for.
+measured medians, the estimates lag the traffic, and every switch costs one iteration whose
+proposals are stale or the other speculator's (see `steps.iterate_head`), so a near-tie is not
+worth flipping for.
 
-The estimate. Tokens emitted per speculative row-iteration, averaged: it starts at the prior
-K+1 (the most optimistic value), so before anything is measured every bucket where speculation
-could pay at all speculates and the drafter gets measured rather than assumed. The prior counts
-as `prior_weight` row-iterations, so the first measurements outweigh it quickly (a weak drafter
-costs a few iterations, not dozens, before its buckets switch off); past `window` row-iterations
-the mean becomes an exponential moving average with weight 1/window, so it follows drifting
-traffic. Only rows whose proposals were fresh count (a row's first speculative iteration after
-target-only ones verifies stale proposals and says nothing about the drafter), and only rows
-still running (the surplus iteration of a finished request and padded rows are no measurement).
+The estimate. Tokens emitted per row-iteration of a proposal, averaged: it starts at the prior
+steps+1 (the most optimistic value), so before anything is measured every proposal that could pay
+at all gets run and measured rather than assumed. The prior counts as `prior_weight`
+row-iterations, so the first measurements outweigh it quickly (a weak drafter costs a few
+iterations, not dozens); past `window` row-iterations the mean becomes an exponential moving
+average with weight 1/window, so it follows drifting traffic. Only rows whose proposals were fresh
+count (drafted at the row's position by the same proposal: a row's first iteration after a
+target-only one, or after the other proposal, verifies stale or foreign proposals and says nothing
+about the drafter), and only rows still running (the surplus iteration of a finished request and
+padded rows are no measurement).
 
-Probing. The estimate only moves while some bucket speculates. When none has for `probe_every`
-collected iterations, buckets where speculation could pay at L = K+1 speculate again until a
-fresh measurement arrives (about three iterations: the first verifies stale proposals), so a
-drafter whose acceptance rose with the traffic is noticed; buckets where even K+1 tokens cannot
-pay never probe. The cost is bounded by a few iterations in `probe_every`.
+Probing. An estimate only moves while its proposal runs. When a proposal has gone unmeasured for
+`probe_every` collected iterations and its most optimistic rate (every proposal accepted) beats
+the bucket's choice, the bucket runs it until a fresh measurement arrives (about three iterations:
+the first verifies stale proposals), so a drafter whose acceptance rose with the traffic is
+noticed; a proposal that cannot pay even then never probes. The cost is bounded by a few
+iterations in `probe_every`.
 
 Everything here is pure: frozen dataclasses in, values out; the engine owns the state.
 """
@@ -49,16 +56,18 @@ class BucketCost:
     measurement, replaced whole (warm-up, an injected table), never edited in place."""
 
     target_only_s: float  # t0: verify 1 token per row (+ the one-position draft extend)
-    speculative_s: float  # tK: verify K+1, the draft extend, K draft steps
+    speculative_s: tuple[float, ...]  # t_i of each proposal, in the engine's order (one float: one proposal)
 
     def __post_init__(self):
-        if not (self.target_only_s > 0 and self.speculative_s > 0):
+        if not isinstance(self.speculative_s, tuple):
+            object.__setattr__(self, "speculative_s", (self.speculative_s,))
+        if not (self.target_only_s > 0 and self.speculative_s and all(t > 0 for t in self.speculative_s)):
             raise ValueError(f"step costs must be positive seconds, got {self}")
 
     @property
-    def break_even(self) -> float:
-        """The acceptance length at which speculation and target-only emit tokens equally fast."""
-        return self.speculative_s / self.target_only_s
+    def break_even(self) -> tuple[float, ...]:
+        """Per proposal, the acceptance length at which it emits tokens as fast as the target alone."""
+        return tuple(t / self.target_only_s for t in self.speculative_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +76,7 @@ class SpeculationPolicy:
     swaps whole (`dataclasses.replace`), never a knob edited behind the engine's back."""
 
     margin: float = 0.05  # speculation must beat target-only by this fraction
-    prior_weight: int = 8  # row-iterations the prior K+1 counts as
+    prior_weight: int = 8  # row-iterations the prior steps+1 counts as
     # Row-iterations the moving average spans (weight 1/window each). Long: L belongs to the
     # drafter and the traffic, while one request's acceptance swings widely; a window of 64 kept
     # bucket 2 target-only although speculating paid there (BENCHMARKS.md, "Tried and rejected").
@@ -77,25 +86,27 @@ class SpeculationPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class AcceptanceEstimate:
-    """L, tokens emitted per speculative row-iteration. Frozen: every update returns a new
+    """L, tokens emitted per row-iteration of one proposal. Frozen: every update returns a new
     value, so the engine's state is one assignment and a decision never sees half an update."""
 
-    mean: float  # 1..K+1; the prior until measurements arrive
+    mean: float  # 1..steps+1; the prior until measurements arrive
     rows: int = 0  # row-iterations measured so far
     unmeasured: int = 0  # collected iterations since the last measurement (for probing)
 
     @staticmethod
-    def prior(num_draft: int) -> AcceptanceEstimate:
-        """Optimistic: every proposal accepted, so speculation gets tried (and measured)."""
-        return AcceptanceEstimate(mean=float(num_draft + 1))
+    def prior(steps: int) -> AcceptanceEstimate:
+        """Optimistic: every drafted token accepted (steps + 1 emitted), so the proposal gets
+        tried (and measured)."""
+        return AcceptanceEstimate(mean=float(steps + 1))
 
 
 def observe(est: AcceptanceEstimate, num_accepted: Sequence[int], measured: Sequence[bool],
             policy: SpeculationPolicy) -> AcceptanceEstimate:
     """One collected iteration: num_accepted [B] per row, measured [B] whether the row counts
-    (running, fresh proposals, speculative iteration). With no row measured only `unmeasured`
-    advances. Each measured row moves the mean by 1/n of its error, n the row-iterations in it
-    so far counting the prior's, capped at the window: a running mean, then a moving average."""
+    (an iteration of this proposal, over proposals it drafted fresh, the request still running).
+    With no row measured only `unmeasured` advances. Each measured row moves the mean by 1/n of
+    its error, n the row-iterations in it so far counting the prior's, capped at the window: a
+    running mean, then a moving average."""
     lengths = [int(a) + 1 for a, m in zip(num_accepted, measured, strict=True) if m]
     if not lengths:
         return dataclasses.replace(est, unmeasured=est.unmeasured + 1)
@@ -105,18 +116,24 @@ def observe(est: AcceptanceEstimate, num_accepted: Sequence[int], measured: Sequ
     return AcceptanceEstimate(mean=mean, rows=est.rows + len(lengths))
 
 
-def pays(cost: BucketCost, acceptance_length: float, margin: float = 0.0) -> bool:
-    """The rule: L / tK > (1 + margin) / t0."""
-    return acceptance_length * cost.target_only_s > (1.0 + margin) * cost.speculative_s
-
-
-def speculate(cost: BucketCost | None, est: AcceptanceEstimate, num_draft: int,
-              policy: SpeculationPolicy) -> bool:
-    """Whether a bucket with this measured cost speculates now. An unmeasured bucket (no warm-up
-    ran) speculates, as an engine without a policy would."""
-    if cost is None or pays(cost, est.mean, policy.margin):
-        return True
-    return est.unmeasured >= policy.probe_every and pays(cost, num_draft + 1, policy.margin)
+def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], longest: Sequence[int],
+           policy: SpeculationPolicy) -> int | None:
+    """What a bucket with this measured cost runs now: the index of a proposal, or None for the
+    target alone (module docstring). estimates[i] is proposal i's acceptance estimate, longest[i]
+    the most tokens one of its iterations emits (steps + 1). An unmeasured bucket (no warm-up ran)
+    runs the first proposal, as an engine without a policy would."""
+    if not estimates:
+        return None
+    if cost is None:
+        return 0
+    best, best_rate = None, (1.0 + policy.margin) / cost.target_only_s
+    for i, (est, t) in enumerate(zip(estimates, cost.speculative_s, strict=True)):
+        if est.mean / t > best_rate:
+            best, best_rate = i, est.mean / t
+    for i, (est, t, most) in enumerate(zip(estimates, cost.speculative_s, longest, strict=True)):
+        if i != best and est.unmeasured >= policy.probe_every and most / t > best_rate:
+            return i  # probe: a proposal unmeasured for long that could beat the choice
+    return best
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +142,26 @@ class BucketChoice:
 
     bucket: int
     cost: BucketCost | None
-    speculate: bool
+    choice: str  # "target-only", or the proposal's label ("chain K=3", "tree 5,4,15")
 
 
-def format_table(table: Sequence[BucketChoice], est: AcceptanceEstimate) -> str:
-    """Plain text: per bucket t0 and tK in ms, the break-even L and the choice; then L itself."""
-    lines = [f"{'bucket':>6}  {'target-only ms':>14}  {'speculative ms':>14}  {'break-even L':>12}  choice"]
-    for c in table:
-        cells = (("-", "-", "-") if c.cost is None else
-                 (f"{1e3 * c.cost.target_only_s:.3f}", f"{1e3 * c.cost.speculative_s:.3f}", f"{c.cost.break_even:.2f}"))
-        lines.append(f"{c.bucket:>6}  {cells[0]:>14}  {cells[1]:>14}  {cells[2]:>12}  "
-                     f"{'speculate' if c.speculate else 'target-only'}")
-    source = f"{est.rows} row-iterations measured" if est.rows else "prior, nothing measured yet"
-    lines.append(f"acceptance length L = {est.mean:.2f} ({source})")
+def format_table(table: Sequence[BucketChoice], estimates: Sequence[tuple[str, AcceptanceEstimate]]) -> str:
+    """Plain text: per bucket the target alone's ms, each proposal's ms and break-even L, and the
+    choice; then each proposal's L. estimates: (label, estimate) per proposal, in the costs' order."""
+    labels = [label for label, _ in estimates]
+    cells = [f"{label} ms / break-even L" for label in labels]
+    widths = [max(len(c), 16) for c in cells]
+    lines = ["  ".join([f"{'bucket':>6}", f"{'target-only ms':>14}", *(f"{c:>{w}}" for c, w in zip(cells, widths)),
+                        "choice"])]
+    for row in table:
+        if row.cost is None:
+            t0, per = "-", ["-"] * len(labels)
+        else:
+            t0 = f"{1e3 * row.cost.target_only_s:.3f}"
+            per = [f"{1e3 * t:.3f} / {be:.2f}" for t, be in zip(row.cost.speculative_s, row.cost.break_even)]
+        lines.append("  ".join([f"{row.bucket:>6}", f"{t0:>14}", *(f"{c:>{w}}" for c, w in zip(per, widths)),
+                                row.choice]))
+    for label, est in estimates:
+        source = f"{est.rows} row-iterations measured" if est.rows else "prior, nothing measured yet"
+        lines.append(f"{label}: acceptance length L = {est.mean:.2f} ({source})")
     return "\n".join(lines)

@@ -50,6 +50,7 @@ MAX_WINDOW = 64
 # (BENCHMARKS.md, "Llama-3.1-8B step functions").
 TARGET_PROGRAMS = 256
 COMBINE_CHUNK = 32  # head-dim lanes per program of the combine: 4 programs per (row, kv head) at hd 128
+COMBINE_ROWS = 16  # query rows per program of the combine (a tile holds 16 to 128)
 _MASKED = -1e30  # finite: a padded query row sees nothing and must not produce NaN
 
 
@@ -151,8 +152,8 @@ def num_splits(batch: int, kv_heads: int, key_blocks: int, programs: int = TARGE
 
 
 def _combine_kernel(o_ref, lse_ref, out_ref):
-    # o_ref [S, M, chunk] f32, each split's normalized output (a chunk of the head dim); lse_ref
-    # [S, M] f32; out_ref [M, chunk].
+    # o_ref [S, rows, chunk] f32, each split's normalized output (a chunk of the rows and of the
+    # head dim); lse_ref [S, rows] f32; out_ref [rows, chunk].
     # Online over the splits (unrolled: S independent loads), as the softmax over key blocks.
     acc, row_max = o_ref[0], lse_ref[0]
     den = jnp.ones_like(row_max)
@@ -315,16 +316,19 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
         out = out[:, :, 0]
     else:  # one more launch: each split weighted by its share of the softmax mass -> [B, G, M, hd]
         # Over head-dim chunks too: (row, kv head) programs alone are too few to hide the loads.
-        chunk = min(COMBINE_CHUNK, hd)
+        # Over query-row chunks too: one program walking every split of 64 or 128 rows took 8 us
+        # a layer (a SmolLM2 verify of 16 tokens on the H200), more than the attention itself.
+        # Rows past T*R (the tile's padding) are never combined: they are dropped below.
+        chunk, row_chunk = min(COMBINE_CHUNK, hd), min(COMBINE_ROWS, m)
         out = pl.pallas_call(
             _combine_kernel,
-            grid=(b, g, hd // chunk),
-            in_specs=[pl.BlockSpec((None, None, splits, m, chunk), lambda i, j, c: (i, j, 0, 0, c)),
-                      pl.BlockSpec((None, None, splits, m), lambda i, j, c: (i, j, 0, 0))],
-            out_specs=pl.BlockSpec((None, None, m, chunk), lambda i, j, c: (i, j, 0, c)),
+            grid=(b, g, -(-rows // row_chunk), hd // chunk),
+            in_specs=[pl.BlockSpec((None, None, splits, row_chunk, chunk), lambda i, j, q, c: (i, j, 0, q, c)),
+                      pl.BlockSpec((None, None, splits, row_chunk), lambda i, j, q, c: (i, j, 0, q))],
+            out_specs=pl.BlockSpec((None, None, row_chunk, chunk), lambda i, j, q, c: (i, j, q, c)),
             out_shape=jax.ShapeDtypeStruct((b, g, m, hd), q_tiles.dtype),
             interpret=interpret,
-            compiler_params=_compiler_params(num_warps, num_stages),
+            compiler_params=_compiler_params(4, num_stages),
             name="eagle3_attention_combine",
         )(out, lse)
     # [B, G, M, hd] -> [B, T, G*R, hd]

@@ -24,11 +24,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from eagle3_jax.config import DUMMY_SLOT, ConfigError, DraftConfig, EngineConfig, ModelConfig, check_draft_fits
+from eagle3_jax.config import (
+    DUMMY_SLOT,
+    ConfigError,
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    TreeSpec,
+    check_draft_fits,
+)
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
 from eagle3_jax.runner import sampling
-from eagle3_jax.runner.state import DeviceState, init_state, state_shardings, with_lengths
+from eagle3_jax.runner.speculator import Chain, Tree
+from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
 from eagle3_jax.runner.steps import (
     StepConfig,
     chain_step_jit,
@@ -213,6 +222,12 @@ def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: De
     return state, samples
 
 
+def speculator_for(spec: TreeSpec) -> Chain | Tree:
+    """The speculator of a proposal: TreeSpec(K, 1, K) is the chain of K (its programs), any other
+    the dynamic tree."""
+    return Chain(spec.steps) if spec.is_chain else Tree(spec)
+
+
 class ModelRunner:
     """The target and drafter on the device, their state, and the programs that step it."""
 
@@ -221,14 +236,18 @@ class ModelRunner:
         if draft is not None:
             check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
         self.cfg = cfg
-        k = cfg.num_speculative_tokens if draft is not None else 0
+        # What an iteration may draft, the engine's proposal first; none without a drafter.
+        self.proposals: tuple[Chain | Tree, ...] = tuple(
+            speculator_for(spec) for spec in (cfg.speculative_proposals if draft is not None else ()))
         model = target_model_for(target)
-        # A chain TreeSpec(K, 1, K) is served as the chain of K: the same programs.
-        tree = cfg.tree if k and cfg.tree is not None and not cfg.tree.is_chain else None
-        self.step_cfg = StepConfig(target=target, draft=draft if k else None, num_draft=k, mesh=mesh,
-                                   attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), model=model,
-                                   tree=tree)
-        state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype, self.step_cfg.speculator.slot_layout)
+        main = self.proposals[0] if self.proposals else Chain(0)
+        self.step_cfg = StepConfig(target=target, draft=draft if self.proposals else None,
+                                   num_draft=main.num_draft_steps, mesh=mesh, attention=attention_kind(cfg, mesh),
+                                   gemv=gemv_kind(cfg, mesh), model=model,
+                                   tree=main.spec if isinstance(main, Tree) else None)
+        # Room in the slots for each proposal's pending state.
+        layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
+        state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
         if mesh is not None:  # weights already placed by their loader stay where they are
             tp = mesh.shape[sharding.TP]
             params = sharding.shard_params(params, mesh, model.param_specs(target, tp))
@@ -243,15 +262,21 @@ class ModelRunner:
 
     # ---- what runs ---------------------------------------------------------------------------
     @property
-    def speculator(self):
-        """The widest proposal this runner verifies: a chain of K (of 0 without a drafter), or
-        the tree of EngineConfig.tree."""
+    def speculator(self) -> Chain | Tree:
+        """The engine's proposal: the tree of EngineConfig.tree, else the chain of K (of 0, the
+        target alone, without a drafter). Prefills draft it."""
         return self.step_cfg.speculator
 
-    def config(self, num_draft: int, greedy: bool) -> StepConfig:
-        """The step config of one program: `num_draft` proposals verified (0: the target alone),
-        and the greedy program or the sampling one."""
-        return dataclasses.replace(self.step_cfg, num_draft=num_draft, greedy=greedy)
+    @property
+    def positions_per_iteration(self) -> int:
+        """KV positions past a row's length the widest of the proposals writes per iteration."""
+        return max(p.positions_per_iteration for p in self.proposals or (self.speculator,))
+
+    def config(self, proposal: Chain | Tree, greedy: bool) -> StepConfig:
+        """The step config of one program: the iteration verifying and drafting `proposal` (one of
+        `proposals`, or Chain(0): the target alone), greedy or sampling."""
+        tree = proposal.spec if isinstance(proposal, Tree) else None
+        return dataclasses.replace(self.step_cfg, num_draft=proposal.num_draft_steps, tree=tree, greedy=greedy)
 
     @property
     def num_compilations(self) -> int:
@@ -263,7 +288,7 @@ class ModelRunner:
         """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
         (None: its params carry a seed); the greedy program when every row is greedy."""
         row = sampling.row_sampling_from_params(params, seeds)
-        cfg = self.config(self.step_cfg.num_draft, greedy=all(p.greedy for p in params))
+        cfg = self.config(self.speculator, greedy=all(p.greedy for p in params))
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
 
     def first_token(self, slot: int) -> jax.Array:
@@ -302,7 +327,7 @@ class ModelRunner:
 
     def compile_prefill(self, rows: int, size: int, greedy: bool) -> None:
         """Build the prefill program of `rows` x `size` tokens by running it on padding rows."""
-        cfg = self.config(self.step_cfg.num_draft, greedy)
+        cfg = self.config(self.speculator, greedy)
         self._state = prefill_step(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
                                    cfg=cfg)
         self.first_token(DUMMY_SLOT).block_until_ready()  # as serving reads it
@@ -314,7 +339,7 @@ class ModelRunner:
         p, dp, st = self._params, self._draft_params, self._state
         jobs = [(iterate_in_place_step, (p, dp, st, *self.padding_rows(b)), {"cfg": c}) for b, c in iterations]
         jobs += [(prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
-                  {"cfg": self.config(self.step_cfg.num_draft, greedy)}) for rows, size, greedy in prefills]
+                  {"cfg": self.config(self.speculator, greedy)}) for rows, size, greedy in prefills]
         return jobs
 
     def time_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig, context: int | None = None,

@@ -422,16 +422,18 @@ def assemble_emitted(draft_tokens: Array, num_accepted: Array, last_token: Array
     return jnp.where(pos < n, drafts, jnp.where(pos == n, last_token[:, None], PAD_TOKEN))
 
 
-def greedy_verify(target_logits: Array, draft_tokens: Array) -> tuple[Array, Array]:
+def greedy_verify(target_logits: Array, draft_tokens: Array, valid: Array | None = None) -> tuple[Array, Array]:
     """Exact greedy chain verification.
 
-    target_logits [B, K+1, V], draft_tokens [B, K] i32
+    target_logits [B, K+1, V], draft_tokens [B, K] i32, valid [B] bool (None: all): rows whose
+    proposals are not to be verified accept none
     -> (num_accepted [B] i32 in 0..K, emitted [B, K+1] i32, PAD_TOKEN-padded).
     """
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
     K = draft_tokens.shape[1]
     g = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
-    n = _leading_accepts(draft_tokens == g[:, :K])
+    match = draft_tokens == g[:, :K]
+    n = _leading_accepts(match if valid is None else match & jnp.asarray(valid)[:, None])
     last = jnp.take_along_axis(g, n[:, None], axis=1)[:, 0]
     return n, assemble_emitted(draft_tokens, n, last)
 
@@ -443,6 +445,7 @@ def verify_chain(
     params: RowSampling,
     keys: Array | None = None,
     noise: Array | None = None,
+    valid: Array | None = None,
 ) -> tuple[Array, Array]:
     """Lossless chain speculative sampling step (vectorised over the chain).
 
@@ -461,6 +464,9 @@ def verify_chain(
         ``fold_in_rows(params.key, step)``, independent of the draft's keys).
       noise:         [B, K+1, V] the coupling noise at the positions the K+1
         logits choose tokens for (`coupling_noise`), or None: no row is coupled.
+      valid:         [B] bool, or None (all): a row whose proposals are not to be
+        verified (drafted by another speculator) accepts none and draws its
+        token from p itself, as the target alone does.
     Returns:
       num_accepted [B] i32 in 0..K,
       emitted [B, K+1] i32: emitted[:, :n] = accepted drafts, emitted[:, n] =
@@ -503,6 +509,8 @@ def verify_chain(
             q_d = jnp.where(col(one_hot), 1.0, q_d)
         # u < p/q  <=>  u*q < p  (q == 0: accept iff p > 0; p == 0: never)
         accept = u_acc * q_d < p_d  # [B, K]
+        if valid is not None:
+            accept = accept & jnp.asarray(valid)[:, None]
         n = _leading_accepts(accept)  # [B]
     else:
         n = jnp.zeros((B,), jnp.int32)
@@ -519,6 +527,8 @@ def verify_chain(
             q_n = jnp.take_along_axis(draft_probs, n_c[:, None, None], axis=1)[:, 0]  # [B, V]
             q_n = jnp.where(col(one_hot), q_onehot, q_n)
         q_n = jnp.where(col(n == K), 0.0, q_n)  # bonus: sample from p_K
+        if valid is not None:  # nothing was tried: sample from p itself
+            q_n = jnp.where(col(jnp.asarray(valid)), q_n, 0.0)
         resid = jnp.maximum(p_n - q_n, 0.0)
         resid = jnp.where(jnp.sum(resid, -1, keepdims=True) >= RESIDUAL_EPS, resid, p_n)
     else:
@@ -527,10 +537,10 @@ def verify_chain(
 
     emitted = assemble_emitted(draft_tokens, n, tok)
     if noise is not None:  # coupled rows: accept what equals the target's own coupled draw
-        c_n, c_emitted = greedy_verify(perturbed_log_probs(p, noise), draft_tokens)
+        c_n, c_emitted = greedy_verify(perturbed_log_probs(p, noise), draft_tokens, valid)
         coupled = jnp.asarray(params.coupled, bool)
         n, emitted = jnp.where(coupled, c_n, n), jnp.where(col(coupled), c_emitted, emitted)
 
     # --- greedy rows: exact argmax path
-    g_n, g_emitted = greedy_verify(target_logits, draft_tokens)
+    g_n, g_emitted = greedy_verify(target_logits, draft_tokens, valid)
     return jnp.where(greedy, g_n, n), jnp.where(col(greedy), g_emitted, emitted)

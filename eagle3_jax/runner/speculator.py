@@ -24,6 +24,14 @@ rejection rule with point-mass q (sampling: lossless for the deterministic top-k
 kept); the path's KV then moves to the contiguous positions it belongs at, and the draft extend
 reads the verify's captures along the path. Slots keep the nodes' tokens and parents.
 
+An engine may serve a tree and a chain side by side ("auto" picks per bucket): the slots then
+hold room for either proposal (`SlotLayout.union`), each commit records its speculator's `kind`
+in `Slots.drafted_by`, and a verify treats a row whose pending proposal the other speculator
+drafted as having none (it accepts nothing and samples as the target alone): the two lay their
+proposals out differently. A proposal of the verify's own kind is verified even when stale
+(drafted before some target-only iterations): each was drawn as its rule requires, so any is
+lossless to verify.
+
 Draft positions: the draft pairs the target capture at position t with the embedding of token
 t+1 and runs at RoPE position t; chain step j runs at position t+j (docs/EAGLE3.md, "The draft
 forward pass").
@@ -107,6 +115,12 @@ class Chain:
     """K proposals in a line; a chain of 0 is the target alone (it verifies the last token)."""
 
     k: int
+    kind = 1  # Slots.drafted_by of a chain's proposals
+
+    @property
+    def spec(self) -> TreeSpec:
+        """The chain as a TreeSpec(K, 1, K) (EngineConfig.speculative_proposals' form)."""
+        return TreeSpec.chain(self.k)
 
     @property
     def num_proposals(self) -> int:
@@ -150,12 +164,13 @@ class Chain:
         """Target logits [B, K+1, V] -> (num_accepted [B], emitted [B, K+1], path: None, the
         accepted proposals are the first ones): row b emits emitted[b, :num_accepted[b] + 1]."""
         drafts = s.drafts[:, :self.k]
+        valid = s.drafted_by == self.kind  # [B]: the row's pending proposals are a chain's
         if greedy:
-            return (*sampling.greedy_verify(logits, drafts), None)
+            return (*sampling.greedy_verify(logits, drafts, valid), None)
         q = _target_probs(dparams, s.draft_probs[:, :self.k], vocab_size) if self.k else None
         # Logits row i chooses the token at position length + 1 + i.
         noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + 1 + jnp.arange(self.k + 1), vocab_size)
-        return (*sampling.verify_chain(logits, drafts, q, s.sampling, keys, noise), None)
+        return (*sampling.verify_chain(logits, drafts, q, s.sampling, keys, noise, valid), None)
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: None,
                       length: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -207,7 +222,8 @@ class Chain:
         greedy program keeps the slots' q as they are: its rows are verified greedily, which never
         reads q, and a sampled row only ever runs in sampling programs, which write its q. The
         chain's KV needs no move: proposal j was verified at the position it drafted for."""
-        slots = slots.replace(drafts=slots.drafts.at[rows].set(carry.drafts))
+        slots = slots.replace(drafts=slots.drafts.at[rows, :self.k].set(carry.drafts),
+                              drafted_by=slots.drafted_by.at[rows].set(self.kind))
         if not greedy:
             slots = slots.replace(draft_probs=slots.draft_probs.at[rows].set(carry.q))  # [S, K, Vd] f32
         return slots
@@ -230,6 +246,7 @@ class Tree:
     spec.steps accepted."""
 
     spec: TreeSpec
+    kind = 2  # Slots.drafted_by of a tree's proposals
 
     @property
     def num_proposals(self) -> int:
@@ -264,8 +281,8 @@ class Tree:
 
     def tree(self, s: Slots) -> T.Tree:
         """The slots' tree in the verify layout, the last token at the root: [B, T+1] each."""
-        tokens = jnp.concatenate([s.last_token[:, None], s.drafts], axis=1)
-        parent = jnp.concatenate([jnp.full_like(s.last_token[:, None], -1), s.parents], axis=1)
+        tokens = jnp.concatenate([s.last_token[:, None], s.drafts[:, :self.spec.tokens]], axis=1)
+        parent = jnp.concatenate([jnp.full_like(s.last_token[:, None], -1), s.parents[:, :self.spec.tokens]], axis=1)
         return T.tree_from_parents(tokens, parent, self.spec.max_depth)
 
     # ---- layout ---------------------------------------------------------------------------
@@ -282,12 +299,13 @@ class Tree:
         """Target logits [B, T+1, V] -> (num_accepted [B] in 0..steps, emitted [B, steps+1],
         path [B, steps+1]: the accepted nodes by depth, -1 past num_accepted)."""
         tree = self.tree(s)
+        valid = s.drafted_by == self.kind  # [B]: the row's pending proposals are a tree's
         if greedy:
-            n, path, emitted = T.greedy_accept(self.spec, tree, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            n, path, emitted = T.greedy_accept(self.spec, tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), valid)
         else:
             # Logits row i chooses the token after node i: at position length + depth[i] + 1.
             noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + tree.depth + 1, vocab_size)
-            n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys, noise=noise)
+            n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys, noise=noise, valid=valid)
         return n, emitted, path
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: jax.Array,
@@ -361,5 +379,6 @@ class Tree:
         """The `tokens` best candidates become the rows' next tree: nodes [B, T] and their
         parents (0: the root) in the verify layout."""
         tree = T.select(self.spec, carry.cand, carry.token)  # [B, T+1] each
-        return slots.replace(drafts=slots.drafts.at[rows].set(tree.tokens[:, 1:]),
-                             parents=slots.parents.at[rows].set(tree.parent[:, 1:]))
+        return slots.replace(drafts=slots.drafts.at[rows, :self.spec.tokens].set(tree.tokens[:, 1:]),
+                             parents=slots.parents.at[rows, :self.spec.tokens].set(tree.parent[:, 1:]),
+                             drafted_by=slots.drafted_by.at[rows].set(self.kind))

@@ -43,6 +43,10 @@ class Slots:
     # A tree's shape: node i+1's parent in the verify layout (0: the root, the last token; parents
     # before children). None for a chain, whose proposal j follows j-1.
     parents: jax.Array | None = None  # [S, T] i32
+    # Which speculator drafted the pending proposals (its `kind`; 0: none yet). An engine that
+    # switches between a tree and a chain verifies only its own kind's: the other's are laid out
+    # differently (runner/speculator.py).
+    drafted_by: jax.Array | None = None  # [S] i32
 
 
 class SlotLayout(NamedTuple):
@@ -52,6 +56,13 @@ class SlotLayout(NamedTuple):
     q_rows: int  # Slots.draft_probs rows per slot (a chain's q; a tree keeps none)
     parents: bool  # whether Slots.parents is kept (a tree)
     emitted: int  # Slots.emitted columns: the most tokens one iteration emits
+
+    @staticmethod
+    def union(layouts) -> SlotLayout:
+        """The slots of an engine serving several speculators: room for each one's proposals."""
+        layouts = list(layouts)
+        return SlotLayout(proposals=max(x.proposals for x in layouts), q_rows=max(x.q_rows for x in layouts),
+                          parents=any(x.parents for x in layouts), emitted=max(x.emitted for x in layouts))
 
 
 @struct.dataclass
@@ -87,7 +98,7 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
     slots = Slots(last_token=zeros_i(), length=zeros_i(), drafts=jnp.zeros((s, layout.proposals), jnp.int32),
                   draft_probs=jnp.zeros((s, layout.q_rows, vd), jnp.float32), sampling=sampling,
                   num_generated=zeros_i(), num_accepted=zeros_i(),
-                  emitted=jnp.zeros((s, layout.emitted), jnp.int32), parents=parents)
+                  emitted=jnp.zeros((s, layout.emitted), jnp.int32), parents=parents, drafted_by=zeros_i())
     return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
 
 

@@ -302,7 +302,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     new = Slots(last_token=first, length=length, drafts=zeros(state.slots.drafts),
                 draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=jnp.ones_like(length),
                 num_accepted=jnp.zeros_like(length), emitted=zeros(state.slots.emitted),
-                parents=zeros(state.slots.parents))
+                parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length))
     slots = _write_slots(state.slots, slot, new)
     if cfg.speculative:
         slots = spec.commit(slots, slot, carry, cfg.greedy)  # the first proposal, as an iteration leaves it

@@ -69,6 +69,27 @@ class Candidates(NamedTuple):
     beam_masks: Array  # [B, k, W] bool each beam's ancestors and itself among the draft slots
 
 
+VOCAB_CHUNK = 128  # stage one of `vocab_top_k`: the top k of each run of this many entries
+
+
+def vocab_top_k(x: Array, k: int) -> tuple[Array, Array]:
+    """lax.top_k over a vocabulary-sized last axis, in two stages: x [..., V] -> (values, indices)
+    [..., k], the same as lax.top_k's, ties included. Why: on the GPU one lax.top_k over a few rows
+    of 16,384 entries took 15-43 us a call (k = 4, 8; a SmolLM2 tree level, on the H200), one block
+    walking each row; as the top k of every run of VOCAB_CHUNK entries, then of those, many
+    blocks share the walk. Ties keep lax.top_k's lower-index-first order: stage one's candidates
+    are laid out in index order, and each run's equal values come out by index."""
+    v = x.shape[-1]
+    if v <= 4 * VOCAB_CHUNK or k > VOCAB_CHUNK:
+        return lax.top_k(x, k)
+    runs = -(-v // VOCAB_CHUNK)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, runs * VOCAB_CHUNK - v)], constant_values=-jnp.inf)
+    values, local = lax.top_k(padded.reshape(*x.shape[:-1], runs, VOCAB_CHUNK), k)  # [..., runs, k]
+    index = local + VOCAB_CHUNK * jnp.arange(runs, dtype=local.dtype)[:, None]
+    values, best = lax.top_k(values.reshape(*x.shape[:-1], runs * k), k)
+    return values, jnp.take_along_axis(index.reshape(*x.shape[:-1], runs * k), best, axis=-1)
+
+
 def _target_ids(ids: Array, d2t: Array | None) -> Array:
     return ids if d2t is None else ids + d2t[ids]
 
@@ -79,7 +100,7 @@ def first_level(spec: TreeSpec, logp: Array, d2t: Array | None = None) -> Candid
     logp [B, Vd] (log-softmax over the draft vocabulary); d2t [Vd] i32 offsets to target ids
     (None: the same vocabulary) -> Candidates; the beams are the k children, best first."""
     b, k, n = logp.shape[0], spec.top_k, spec.candidates
-    lp, ids = lax.top_k(logp, k)  # [B, k]
+    lp, ids = vocab_top_k(logp, k)  # [B, k]
     beams = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
     return Candidates(
         tokens=jnp.zeros((b, n), jnp.int32).at[:, :k].set(_target_ids(ids, d2t)),
@@ -96,7 +117,7 @@ def next_level(spec: TreeSpec, cand: Candidates, level: int, logp: Array,
     logp [B, k, Vd]: row j is the draft's log-softmax after beam j (`draft_attention`) ->
     Candidates with level's k^2 candidates filled and its k best as the beams."""
     b, k = logp.shape[0], spec.top_k
-    lp, ids = lax.top_k(logp, k)  # [B, k, k]: beam, rank
+    lp, ids = vocab_top_k(logp, k)  # [B, k, k]: beam, rank
     beam_scores = jnp.take_along_axis(cand.scores, cand.beams, axis=1)  # [B, k]
     scores = (beam_scores[:, :, None] + lp).reshape(b, k * k)  # beam-major, as the slots
     level_slots = slice(k + (level - 2) * k * k, k + (level - 1) * k * k)
@@ -205,13 +226,15 @@ def _emitted(tree: Tree, path: Array, n: Array, last: Array) -> Array:
     return sampling.assemble_emitted(drafts, n, last)
 
 
-def greedy_accept(spec: TreeSpec, tree: Tree, target_ids: Array) -> tuple[Array, Array, Array]:
-    """target_ids [B, T+1]: the target's argmax after each node -> (num_accepted [B] in
-    0..steps, path [B, steps+1] (`_walk`), emitted [B, steps+1]: row b emits
-    emitted[b, :num_accepted[b] + 1])."""
+def greedy_accept(spec: TreeSpec, tree: Tree, target_ids: Array, valid: Array | None = None
+                  ) -> tuple[Array, Array, Array]:
+    """target_ids [B, T+1]: the target's argmax after each node; valid [B] bool (None: all): rows
+    whose tree is not to be verified accept nothing -> (num_accepted [B] in 0..steps, path
+    [B, steps+1] (`_walk`), emitted [B, steps+1]: row b emits emitted[b, :num_accepted[b] + 1])."""
     rows = jnp.arange(target_ids.shape[0])
     wanted = jnp.take_along_axis(target_ids, jnp.maximum(tree.parent, 0), axis=1)
-    n, path = _walk(spec, tree, tree.tokens == wanted)
+    match = tree.tokens == wanted
+    n, path = _walk(spec, tree, match if valid is None else match & jnp.asarray(valid)[:, None])
     return n, path, _emitted(tree, path, n, target_ids[rows, path[rows, n]])
 
 
@@ -224,11 +247,12 @@ def _one_hot_verdicts(tree: Tree, p: Array, u: Array) -> Array:
     return u * jnp.maximum(1.0 - m, 0.0) < p_c
 
 
-def _one_hot_residual(tree: Tree, stop: Array, p_stop: Array) -> Array:
+def _one_hot_residual(tree: Tree, stop: Array, p_stop: Array, tried: Array) -> Array:
     """Where the walk stopped (stop [B], p there [B, V]) every child was rejected: p with their
-    tokens zeroed (p itself if that leaves less than RESIDUAL_EPS) -> [B, V], unnormalised."""
+    tokens zeroed (p itself if that leaves less than RESIDUAL_EPS, or where no child was tried:
+    tried [B] bool) -> [B, V], unnormalised."""
     b, v = p_stop.shape
-    children = (tree.parent == stop[:, None]).astype(p_stop.dtype)  # [B, T+1]
+    children = ((tree.parent == stop[:, None]) & tried[:, None]).astype(p_stop.dtype)  # [B, T+1]
     zeroed = jnp.zeros((b, v), p_stop.dtype).at[jnp.arange(b)[:, None], tree.tokens].max(children)
     resid = jnp.where(zeroed > 0, 0.0, p_stop)
     return jnp.where(jnp.sum(resid, -1, keepdims=True) >= sampling.RESIDUAL_EPS, resid, p_stop)
@@ -263,7 +287,8 @@ def _draft_q_verdicts(spec: TreeSpec, tree: Tree, p: Array, q: Array, u: Array) 
 
 
 def sample_accept(spec: TreeSpec, tree: Tree, target_logits: Array, params: sampling.RowSampling,
-                  keys: Array, node_q: Array | None = None, noise: Array | None = None) -> tuple[Array, Array, Array]:
+                  keys: Array, node_q: Array | None = None, noise: Array | None = None,
+                  valid: Array | None = None) -> tuple[Array, Array, Array]:
     """Lossless tree speculative sampling (module docstring), vectorised over the nodes.
 
     target_logits [B, T+1, V] raw (filtered here, as sampling.verify_chain does); params [B];
@@ -273,7 +298,8 @@ def sample_accept(spec: TreeSpec, tree: Tree, target_logits: Array, params: samp
     every row uses the point mass, the rule for the deterministic tree `select` builds. noise
     [B, T+1, V]: the coupling noise of the token after each node (sampling.coupling_noise, at
     length + depth + 1), or None: no row is coupled; coupled rows accept greedily on the perturbed
-    log-probs (sampling.py's coupled rule).
+    log-probs (sampling.py's coupled rule). valid [B] bool (None: all): a row whose tree is not
+    to be verified (drafted by another speculator) accepts nothing and draws from p itself.
     -> (num_accepted [B], path [B, steps+1], emitted [B, steps+1]) as `greedy_accept`'s; greedy
     rows take `greedy_accept`'s verdict exactly."""
     target_logits = jnp.asarray(target_logits, jnp.float32)
@@ -284,20 +310,22 @@ def sample_accept(spec: TreeSpec, tree: Tree, target_logits: Array, params: samp
     u_acc, u_sample = sampling.row_uniforms(keys, t1 - 1)
     u = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), u_acc], axis=1)  # [B, T+1]: node i's at i
     rows = jnp.arange(b)
+    tried = jnp.ones((b,), bool) if valid is None else jnp.asarray(valid)
     if node_q is None:
-        n, path = _walk(spec, tree, _one_hot_verdicts(tree, p, u))
+        n, path = _walk(spec, tree, _one_hot_verdicts(tree, p, u) & tried[:, None])
         stop = path[rows, n]
-        resid = _one_hot_residual(tree, stop, p[rows, stop])
+        resid = _one_hot_residual(tree, stop, p[rows, stop], tried)
     else:
         point = jax.nn.one_hot(tree.tokens, v, dtype=jnp.float32)
         q = jnp.where(jnp.asarray(params.one_hot)[:, None, None], point, jnp.asarray(node_q, jnp.float32))
         verdicts, resid_after = _draft_q_verdicts(spec, tree, p, q, u)
-        n, path = _walk(spec, tree, verdicts)
-        resid = resid_after[rows, path[rows, n]]
+        n, path = _walk(spec, tree, verdicts & tried[:, None])
+        resid = jnp.where(tried[:, None], resid_after[rows, path[rows, n]], p[:, 0])
     emitted = _emitted(tree, path, n, sampling.sample_from_uniform(resid, u_sample))
     verdicts = [] if noise is None else [(jnp.asarray(params.coupled, bool),
-                                          greedy_accept(spec, tree, sampling.coupled_ids(p, noise)))]
-    verdicts.append((params.greedy, greedy_accept(spec, tree, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))))
+                                          greedy_accept(spec, tree, sampling.coupled_ids(p, noise), valid))]
+    verdicts.append((params.greedy,
+                     greedy_accept(spec, tree, jnp.argmax(target_logits, axis=-1).astype(jnp.int32), valid)))
     for rule, (r_n, r_path, r_emitted) in verdicts:  # greedy last: it wins
         n, path, emitted = (jnp.where(rule, r_n, n), jnp.where(col(rule), r_path, path),
                             jnp.where(col(rule), r_emitted, emitted))
