@@ -339,9 +339,11 @@ class ModelRunner:
 
     # ---- inspection (tests, benchmarks) --------------------------------------------------------
     def trace_iteration(self, bucket: int, cfg: StepConfig):
-        """The fused iteration program at `bucket`, traced (`.lower()` for its HLO, for any platform)."""
-        return iterate_in_place_step.trace(self._params, self._draft_params, self._state, *self.padding_rows(bucket),
-                                           cfg=cfg)
+        """The fused iteration program at `bucket`, traced (`.lower()` for its HLO, for any platform)
+        on padding rows passed as serving passes rows (`PinnedBatch`): the program an iteration
+        runs, so `.lower().compile()` finds it built once one ran."""
+        return iterate_in_place_step.trace(self._params, self._draft_params, self._state,
+                                           *self._pinned.get(*self.padding_rows(bucket)), cfg=cfg)
 
     def trace_prefill(self, rows: int, size: int, cfg: StepConfig):
         """The prefill program of `rows` x `size` tokens under `cfg`, traced."""
