@@ -10,8 +10,8 @@ end to end", "Llama-3.1-8B step functions" and "Llama-3.3-70B tensor parallel" a
 
 The last, on 2 H200s: the all-reduce between them (a large array, and each decode-sized
 activation), the 70B step functions at TP=2 with random bf16 weights created on their shards
-(about 72 GB per GPU: 70.6 GB of target, 1.6 GB of drafter, plus 1.4 GB of KV), and the tp
-phase: greedy tokens at TP=2 against TP=1 through the engine, on a small f32 model.
+(about 75 GB per GPU: 70.6 GB of target, 3.2 GB of drafter, replicated, plus 1.4 GB of KV), and
+the tp phase: greedy tokens at TP=2 against TP=1 through the engine, on a small f32 model.
 
 Runs the peer (Hugging Face, torch.compile) first, then measures the memory bandwidth and matmul
 rate, then the engine on SmolLM2 (target-only vs EAGLE-3, batches 1..64), then the 8B-shaped step

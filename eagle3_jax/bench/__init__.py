@@ -11,7 +11,8 @@ Four phases, each selectable with `--only` (the first three run by default):
            the compiled step functions timed directly on synthetic slot state (no tokenizer, no
            scheduler): target-only decode (K=0), the EAGLE-3 iteration (K) and the verify forward
            alone (B x (K+1) tokens). With --tp N, under tensor parallelism over N devices: every
-           weight and KV page is created already sharded, and the floor adds the all-reduces.
+           target weight and KV page is created already sharded, the drafter replicated (as the
+           engine holds it), and the floor adds the target's all-reduces.
   peer     Hugging Face transformers (static cache, torch.compile) on the same SmolLM2 weights and
            prompt tokens, and on the 8B shapes with random weights, in a child process that runs
            before JAX takes the GPU's memory.

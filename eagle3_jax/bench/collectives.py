@@ -50,11 +50,10 @@ def time_allreduce(mesh: Mesh, shape: tuple[int, ...], dtype, chain: int, calls:
     return seconds_per_call(lambda: compiled(x), calls, rounds) / max(count, 1), count
 
 
-def allreduce_shapes(target: ModelConfig, draft: DraftConfig, batches: Sequence[int], k: int) -> list[tuple[int, ...]]:
-    """The activations a step all-reduces: [B, T, D] of the target, [B, T, H] of the drafter, for
-    decode / chain steps (T=1) and verify / draft extend (T=K+1)."""
-    shapes = [(b, t, width) for b in batches for t in (1, k + 1) for width in (target.hidden_size, draft.hidden_size)]
-    return list(dict.fromkeys(shapes))
+def allreduce_shapes(target: ModelConfig, batches: Sequence[int], k: int) -> list[tuple[int, ...]]:
+    """The activations a step all-reduces: the target's [B, T, D], for decode (T=1) and verify
+    (T=K+1). The drafter, replicated, all-reduces nothing."""
+    return [(b, t, target.hidden_size) for b in batches for t in (1, k + 1)]
 
 
 def measure_links(
@@ -134,16 +133,16 @@ def random_sharded(shapes: Any, shardings: Any, key: jax.Array, scale: float = 0
 
 def sharded_random_params(target: ModelConfig, draft: DraftConfig, own_embedding: bool, mesh: Mesh, dtype):
     """(target params, draft params) with random weights, every tensor created on its shards
-    (llama_param_specs / draft_param_specs)."""
+    (llama_param_specs), the drafter as the engine holds it (sharding.place_draft: replicated,
+    with its own embedding or a copy of the target's)."""
     tp = mesh.shape[sharding.TP]
     t_shapes = jax.eval_shape(lambda: llama.init_params(target, jax.random.PRNGKey(0), dtype))
     d_shapes = jax.eval_shape(lambda: init_draft_params(draft, jax.random.PRNGKey(1), dtype, own_embedding))
-    t_specs = sharding.llama_param_specs(target, tp)
-    d_specs = sharding.draft_param_specs(draft, tp, own_embedding)
-    return (
-        random_sharded(t_shapes, sharding.named(mesh, t_specs), jax.random.PRNGKey(0)),
-        random_sharded(d_shapes, sharding.named(mesh, d_specs), jax.random.PRNGKey(1)),
-    )
+    params = random_sharded(t_shapes, sharding.named(mesh, sharding.llama_param_specs(target, tp)),
+                            jax.random.PRNGKey(0))
+    replicated = sharding.named(mesh, sharding.replicated_like(d_shapes))  # draft_param_specs' layout
+    dparams = random_sharded(d_shapes, replicated, jax.random.PRNGKey(1))
+    return params, sharding.place_draft(dparams, params.embed, mesh)
 
 
 def weight_bytes(params: Any, dparams: Any) -> dict[str, int]:

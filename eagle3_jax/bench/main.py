@@ -71,9 +71,9 @@ def run(opts: Options, command: str) -> tuple[dict, list[Result], dict, list[str
         except sharding.ShardingError as e:
             raise SystemExit(f"--tp: {e}") from None
         t = time.perf_counter()
-        target, draft = step_models(opts)
+        target, _ = step_models(opts)
         link, rows, info["allreduce"] = measure_links(
-            opts, mesh, opts.dtype, allreduce_shapes(target, draft, opts.batches_8b, max(opts.num_draft)))
+            opts, mesh, opts.dtype, allreduce_shapes(target, opts.batches_8b, max(opts.num_draft)))
         results.extend(rows)
         meta["allreduce"] = {"tp": link.tp, "algbw": link.algbw, "busbw": link.busbw,
                              "seconds": {str(list(k)): v for k, v in link.seconds.items()}}
