@@ -89,6 +89,8 @@ def tp_run(tmp_path_factory):
         "0.5",
         "--allreduce-chain",
         str(CHAIN),
+        "--allreduce",
+        "one-shot",  # a GPU flag: XLA on the CPU knows it and ignores it
         "--tp-check-hidden",
         "64",
         "--tp-check-layers",
@@ -418,8 +420,14 @@ def test_tp_allreduce_measured(tp_report):
         assert v["hlo_allreduces"] == CHAIN  # every psum of the chain stayed an all-reduce
         assert v["us"] > 0 and v["algbw_gbs"] > 0
         assert v["busbw_gbs"] == pytest.approx(v["algbw_gbs"] * 2 * (2 - 1) / 2)
+        assert v["implementation"] == "one-shot"
     meta = data["meta"]["allreduce"]
     assert meta["tp"] == 2 and meta["algbw"] > 0 and len(meta["seconds"]) == 1 + len(shapes)
+    # --allreduce one-shot: its flag was in XLA_FLAGS when jax started, and the report says so.
+    assert meta["implementation"] == "one-shot"
+    assert "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true" in data["meta"]["xla_flags"].split()
+    assert data["info"]["allreduce"]["implementation"].startswith("one-shot (--allreduce; XLA_FLAGS: --xla_gpu_")
+    assert data["info"]["8b"]["all-reduce implementation"] == "one-shot"
 
 
 @pytest.mark.slow
@@ -478,6 +486,42 @@ def test_tp_floor_70b():
     d, q, k_v, inter = 8192, 64 * 128, 2 * 8 * 128, 28672
     per_layer = (d * q + 3 * d * inter) / 16 + d * (q + k_v)  # wo + MLP split; wqkv whole
     assert bench.target_cost(target, 1, 1, 0, 2, tp=16).bytes == pytest.approx(2 * (80 * per_layer + 128256 * d / 16))
+
+
+def test_allreduce_option_errors():
+    def parse(*argv):
+        return bench.Options.from_args(bench.build_parser().parse_args(list(argv)))
+
+    assert parse("--only", "8b", "--tp", "2", "--allreduce", "nvshmem").allreduce == "nvshmem"
+    assert parse("--only", "8b").allreduce == "default"
+    with pytest.raises(SystemExit, match=r"^--allreduce: unknown implementation 'two-shot'; choose from default, "
+                                         r"one-shot, nvshmem$"):
+        parse("--only", "8b", "--tp", "2", "--allreduce", "two-shot")
+    with pytest.raises(SystemExit, match=r"^--allreduce one-shot chooses the all-reduce of a tensor-parallel run: "
+                                         r"give --tp N with N >= 2$"):
+        parse("--only", "8b", "--allreduce", "one-shot")
+
+
+def test_allreduce_flag_xla_rejects_is_one_line(monkeypatch):
+    """A flag this jax's XLA does not know stops the bench before the run, with XLA's reason in one
+    line (XLA itself would abort the process at backend start), and leaves XLA_FLAGS as it was."""
+    from jax._src import xla_bridge
+
+    from eagle3_jax.bench import collectives
+
+    monkeypatch.setitem(collectives.ALLREDUCE_FLAGS, "made-up", ("--xla_gpu_made_up_all_reduce=true",))
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    before = os.environ.get("XLA_FLAGS")
+    with pytest.raises(SystemExit) as e:
+        collectives.use_allreduce("made-up", 2)
+    assert str(e.value) == (f"--allreduce made-up: jax {jax.__version__}'s XLA does not run with "
+                            "--xla_gpu_made_up_all_reduce=true: Unknown flag in XLA_FLAGS: "
+                            "--xla_gpu_made_up_all_reduce=true")
+    assert os.environ.get("XLA_FLAGS") == before
+    assert collectives.use_allreduce("default", 2) == ""  # nothing to check or set
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    with pytest.raises(SystemExit, match="jax has already started its backend"):
+        collectives.use_allreduce("one-shot", 2)
 
 
 def test_hlo_collectives_parser():

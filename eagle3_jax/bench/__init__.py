@@ -20,7 +20,9 @@ Four phases, each selectable with `--only` (the first three run by default):
            at TP=N against TP=1, on a small random f32 Llama and a random 70B-layout drafter.
 
 With --tp N and the 8b or tp phase, the all-reduce across the N devices is measured first (a chain
-of psums in one program, on a large array and on each decode-sized activation).
+of psums in one program, on a large array and on each decode-sized activation). --allreduce picks
+XLA's all-reduce implementation for the whole run (default, one-shot, nvshmem: options.ALLREDUCE_FLAGS),
+set in XLA_FLAGS before jax starts, once a child process has run a psum under it.
 
 Every time has its floor: the larger of bytes / memory bandwidth and FLOPs / bf16 matmul rate, for
 the fewest bytes and FLOPs the call needs, with both ceilings measured in the same run; under

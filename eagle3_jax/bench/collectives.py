@@ -1,11 +1,14 @@
-"""Tensor parallelism: the measured all-reduce, sharded random weights, collectives in compiled
-HLO."""
+"""Tensor parallelism: the all-reduce implementation of the run and its measured cost, sharded
+random weights, collectives in compiled HLO."""
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,11 +20,66 @@ from jax.sharding import PartitionSpec as P
 from eagle3_jax.bench.common import Result, log
 from eagle3_jax.bench.costs import LinkCeilings, seconds_per_call
 from eagle3_jax.bench.harness import precompile
-from eagle3_jax.bench.options import Options
+from eagle3_jax.bench.options import ALLREDUCE_FLAGS, Options
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model import llama
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.parallel import sharding
+
+# A child process's check that XLA accepts XLA_FLAGS: one psum over the first `tp` devices (argv[1]),
+# so the chosen all-reduce is compiled and run once, on the run's platform.
+_PROBE = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+n = min(int(sys.argv[1]), jax.device_count())
+mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+assert float(f(jnp.ones((n, 8), jnp.float32)).sum()) == n * n * 8
+"""
+
+
+def with_flags(xla_flags: str, flags: Sequence[str]) -> str:
+    """XLA_FLAGS text with `flags` appended (XLA takes the last value of a flag given twice)."""
+    return " ".join([*xla_flags.split(), *flags])
+
+
+def check_xla_flags(xla_flags: str, tp: int, timeout: float = 300.0) -> str | None:
+    """None when XLA accepts `xla_flags` and runs a psum over `tp` devices under them, else the
+    reason in one line. Tried in a child process: XLA aborts the process that parses an unknown
+    flag ("Unknown flag in XLA_FLAGS"), and reads XLA_FLAGS once, when jax starts its backend."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(tp)], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"a psum under XLA_FLAGS={xla_flags!r} did not finish in {timeout:.0f} s"
+    if done.returncode == 0:
+        return None
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    unknown = [line[line.index("Unknown flag"):] for line in lines if "Unknown flag" in line]
+    return (unknown or lines[-1:] or [f"exit status {done.returncode}"])[0]
+
+
+def use_allreduce(implementation: str, tp: int) -> str:
+    """Choose XLA's all-reduce implementation (options.ALLREDUCE_FLAGS) for this process: its flags
+    appended to XLA_FLAGS, after a child process checked that this jax's XLA knows them and runs
+    a psum under them. -> the flags added ("" for the default). Call before jax starts its backend;
+    a flag XLA rejects is a SystemExit with XLA's one-line reason, before anything is run."""
+    from jax._src import xla_bridge
+
+    flags = ALLREDUCE_FLAGS[implementation]
+    if not flags:
+        return ""
+    if xla_bridge.backends_are_initialized():
+        raise SystemExit(f"--allreduce {implementation}: jax has already started its backend, so XLA_FLAGS "
+                         "can no longer change; choose it before the first use of a device")
+    xla_flags = with_flags(os.environ.get("XLA_FLAGS", ""), flags)
+    if reason := check_xla_flags(xla_flags, tp):
+        raise SystemExit(f"--allreduce {implementation}: jax {jax.__version__}'s XLA does not run with "
+                         f"{' '.join(flags)}: {reason}")
+    os.environ["XLA_FLAGS"] = xla_flags
+    return " ".join(flags)
 
 
 def allreduce_chain(mesh: Mesh, chain: int) -> Callable:
@@ -59,9 +117,11 @@ def allreduce_shapes(target: ModelConfig, batches: Sequence[int], k: int) -> lis
 def measure_links(
     opts: Options, mesh: Mesh, dtype, shapes: Sequence[tuple[int, ...]]
 ) -> tuple[LinkCeilings, list[Result], dict]:
-    """All-reduce ceilings over the mesh: a large array (the bandwidth) and each decode-sized shape
-    (latency-bound; what a step's all-reduces really cost). -> (ceilings, table rows, info)."""
+    """All-reduce ceilings over the mesh, under the run's implementation (--allreduce): a large
+    array (the bandwidth) and each decode-sized shape (latency-bound; what a step's all-reduces
+    really cost). -> (ceilings, table rows, info)."""
     tp, itemsize = mesh.shape[sharding.TP], jnp.dtype(dtype).itemsize
+    implementation = opts.allreduce
     large = (max(1, int(opts.allreduce_mb * 1e6) // (4096 * itemsize)), 4096)
     rows, seconds = [], {}
     for shape in [large, *shapes]:
@@ -80,13 +140,17 @@ def measure_links(
                     "busbw_gbs": size / s * 2 * (tp - 1) / tp / 1e9,
                     "hlo_allreduces": count,
                     "chain": opts.allreduce_chain,
+                    "implementation": implementation,
                 },
             )
         )
-        log(f"all-reduce {list(shape)}: {1e6 * s:.1f} us, {size / s / 1e9:.1f} GB/s (algbw), HLO {count}")
+        log(f"all-reduce ({implementation}) {list(shape)}: {1e6 * s:.1f} us, {size / s / 1e9:.1f} GB/s (algbw), "
+            f"HLO {count}")
     link = LinkCeilings(tp, math.prod(large) * itemsize / seconds[large], seconds)
     info = {
         "mesh": f"{tp} devices: " + ", ".join(str(d) for d in mesh.devices.flat),
+        "implementation": f"{implementation} (--allreduce; XLA_FLAGS: "
+        f"{' '.join(ALLREDUCE_FLAGS[implementation]) or 'none added'})",
         "method": f"jit(shard_map) of {opts.allreduce_chain} dependent psums of the array each device holds, "
         f"time per call (median of {opts.rounds} rounds of {opts.calls}) / the all-reduces in the "
         "compiled HLO",

@@ -568,6 +568,7 @@ def phase_8b(
                 "layout; steps pin it as the engine does)",
                 "drafter": "replicated on every device (no collective in the draft extend or steps), with "
                 + ("its own embedding (70B layout)" if own else "a copy of the target's embedding"),
+                "all-reduce implementation": opts.allreduce,
                 "random init": "one jitted creator per tensor shape with out_shardings: each device generates only "
                 "its own slice",
                 "weights per device": f"{held['target'] / 1e9:.2f} GB target + {held['draft'] / 1e9:.2f} GB draft "

@@ -69,6 +69,7 @@ ALLREDUCE_COLUMNS = [
     Column("algbw_gbs", "algbw GB/s", "{:.2f}"),
     Column("busbw_gbs", "busbw GB/s", "{:.2f}"),
     Column("hlo_allreduces", "all-reduces in HLO", "{}"),
+    Column("implementation", "implementation"),
 ]
 TP_COLUMNS = [
     Column("mode", "run"),
@@ -135,7 +136,7 @@ Measured vs derived:
   combine some into one tuple all-reduce: operands are counted). The logits all-gathers (the
   sampler's vocab_logits) are not in the floor. "all-reduces at measured latency" = the sum over the
   call's all-reduces of the time one all-reduce of that shape took in the all-reduce table
-  (decode-sized ones are latency-bound).
+  (decode-sized ones are latency-bound), under the run's --allreduce implementation.
 - tp phase: measured (token equality of greedy runs through the engine)."""
 
 
