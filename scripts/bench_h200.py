@@ -7,11 +7,13 @@ end to end", "Llama-3.1-8B step functions" and "Llama-3.3-70B tensor parallel" a
     python3 scripts/bench_h200.py --out-dir "$OUT"            # everything, about 6 to 8 minutes
     python3 scripts/bench_h200.py --out-dir "$OUT" --only 8b --batches 1,8
     python3 scripts/bench_h200.py --out-dir "$OUT" --only 8b,tp --step-model llama-3.3-70b --tp 2 --batches-8b 1,8
+    python3 scripts/bench_h200.py --out-dir "$OUT" --only 8b --step-model llama-3.3-70b --tp 4 --allreduce one-shot
 
 The last, on 2 H200s: the all-reduce between them (a large array, and each decode-sized
 activation), the 70B step functions at TP=2 with random bf16 weights created on their shards
-(about 72 GB per GPU: 70.6 GB of target, 1.6 GB of drafter, plus 1.4 GB of KV), and the tp
-phase: greedy tokens at TP=2 against TP=1 through the engine, on a small f32 model.
+(about 75 GB per GPU: 70.6 GB of target, 3.2 GB of drafter, replicated, plus 1.4 GB of KV), and
+the tp phase: greedy tokens at TP=2 against TP=1 through the engine, on a small f32 model. The
+fourth runs the 70B steps at TP=4 with XLA's one-shot all-reduce kernel instead of NCCL's.
 
 Runs the peer (Hugging Face, torch.compile) first, then measures the memory bandwidth and matmul
 rate, then the engine on SmolLM2 (target-only vs EAGLE-3, batches 1..64), then the 8B-shaped step

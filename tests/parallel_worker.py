@@ -5,13 +5,13 @@ with XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu so it 
 prints one JSON object on its last stdout line.
 
     python tests/parallel_worker.py equivalence   # logits + greedy decode at tp 1, 2, 4, 8
-    python tests/parallel_worker.py hlo           # collectives of compiled verify / draft steps
+    python tests/parallel_worker.py hlo           # collectives of compiled verify / draft programs
     python tests/parallel_worker.py layout        # shard shapes vs jax; params_from_hf(place=...)
+    python tests/parallel_worker.py engine        # the engine's tokens and programs at tp 1, 2, 4, 8
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import sys
@@ -25,6 +25,9 @@ from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model import eagle3 as E
 from eagle3_jax.model import llama as L
 from eagle3_jax.parallel import sharding as S
+from eagle3_jax.runner import sampling, steps
+from eagle3_jax.runner.speculator import Chain
+from eagle3_jax.sampling_params import SamplingParams
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -178,68 +181,74 @@ def run_hlo() -> dict:
                                 weight_shapes=[list(s) for s in weight_shapes],
                                 argmax_collectives=collectives(am_hlo))
 
-    # The draft head at tp 8 (70B layout: own embedding, hidden != target hidden).
+    out["draft_programs"] = run_draft_programs(tp, batch, t, blocks)
+    out["runners"] = run_runner_hlo()
+    return out
+
+
+def run_draft_programs(tp: int, batch: int, t: int, blocks: int) -> dict:
+    """The draft extend (T tokens) and one chain step as programs of their own at `tp`, greedy
+    and sampling, fed as the engine feeds them (replicated captures, drafter, draft KV):
+    collectives of each."""
     cfg = small_cfg(8)
     dcfg = small_draft(cfg)
     mesh = S.make_mesh(tp)
-    dspecs = S.draft_param_specs(dcfg, tp, own_embedding=True)
-    dparams = jax.eval_shape(lambda: E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, True))
-    dcache = jax.eval_shape(lambda: L.KVCache.zeros(1, 1 + batch * blocks, PAGE, dcfg.num_kv_heads,
-                                                    dcfg.head_dim, jnp.float32))
     rep = jax.sharding.NamedSharding(mesh, S.REPLICATED)
-    cache_s = S.named(mesh, S.draft_cache_specs(dcfg, tp))
-    lspec = jax.sharding.NamedSharding(mesh, S.logits_spec(dcfg.draft_vocab_size, tp))
-
-    pin_draft = S.cache_pin(mesh, dcfg.num_kv_heads)
-
-    def draft_first_step(dp, captures, tokens, positions, cache, bt):
-        h = E.fuse_captures(dp, captures)
-        h, cache = E.draft_forward(dp, dcfg, None, tokens, h, positions, cache, bt, pin_kv=pin_draft)
-        return E.draft_logits(dp, dcfg, h), h, cache
-
-    fn = jax.jit(draft_first_step, in_shardings=(S.named(mesh, dspecs), rep, rep, rep, cache_s, rep),
-                 out_shardings=(lspec, rep, cache_s), donate_argnums=(4,))
-    caps = jax.ShapeDtypeStruct((batch, t, 3 * cfg.hidden_size), jnp.float32)
-    tok = jax.ShapeDtypeStruct((batch, t), jnp.int32)
+    dps = S.named(mesh, S.draft_param_specs(dcfg, tp, own_embedding=True))
+    kvs = S.named(mesh, S.draft_cache_specs(dcfg, tp))
+    dparams = jax.eval_shape(lambda: E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, True))
+    kv = jax.eval_shape(lambda: L.KVCache.zeros(1, 1 + batch * blocks, PAGE, dcfg.num_kv_heads, dcfg.head_dim,
+                                                jnp.float32))
+    ints = jax.ShapeDtypeStruct((batch, t), jnp.int32)
+    caps = jax.ShapeDtypeStruct((batch, t, dcfg.num_captures * cfg.hidden_size), jnp.float32)
     bts = jax.ShapeDtypeStruct((batch, blocks), jnp.int32)
-    hlo = fn.lower(dparams, caps, tok, tok, dcache, bts).compile().as_text()
-    out["draft"] = dict(collectives=collectives(hlo),
-                        weight_shapes=[list(s) for s in sorted({tuple(x.shape) for x in jax.tree.leaves(dparams)})])
+    chain = Chain(3)
+    row = sampling.row_sampling_from_params([SamplingParams(temperature=0.7)] * batch, [0] * batch)
+    carry = jax.eval_shape(lambda: chain.start(jnp.zeros((batch, dcfg.hidden_size)), jnp.zeros(batch, jnp.int32),
+                                               jnp.zeros(batch, jnp.int32), row, jnp.zeros((batch, 2), jnp.uint32),
+                                               dcfg.draft_vocab_size))
+    out = {}
+    for greedy in (True, False):
+        scfg = steps.StepConfig(target=cfg, draft=dcfg, num_draft=3, mesh=mesh, greedy=greedy)
 
-    # A fused iteration as the engine builds it: verify (T=4) + greedy pick + draft extend over the
-    # same positions from the target's captures + one chain step, all in one executable. With the
-    # activation constraints of sharding.py, and (for the report only) without them.
-    params = jax.eval_shape(lambda: random_params(cfg))
-    cache = jax.eval_shape(lambda: empty_cache(cfg, batch, blocks))
-    pspecs = S.llama_param_specs(cfg, tp)
+        def extend(dp, tokens, captures, positions, kv, bt, index, scfg=scfg):
+            return steps._draft_extend(dp, scfg, None, tokens, captures, positions, kv, bt, index)
 
-    def fused(params, dparams, tokens, positions, cache, dcache, bt, constrain):
-        m = mesh if constrain else None
-        pins = (S.cache_pin(m, cfg.num_kv_heads), S.cache_pin(m, dcfg.num_kv_heads))
-        hidden, captures, cache = L.forward(params, cfg, tokens, positions, cache, bt, pin_kv=pins[0])
-        hidden, captures = S.replicate((hidden, captures), m)
-        picked = jnp.argmax(S.vocab_logits(L.logits(params, hidden), m), axis=-1).astype(jnp.int32)
-        h = S.replicate(E.fuse_captures(dparams, captures), m)
-        h, dcache = E.draft_forward(dparams, dcfg, params.embed, picked, h, positions, dcache, bt, pin_kv=pins[1])
-        h = S.replicate(h, m)
-        d1 = jnp.argmax(S.vocab_logits(E.draft_logits(dparams, dcfg, h[:, -1:]), m), axis=-1)
-        h2, dcache = E.draft_forward(dparams, dcfg, params.embed, d1.astype(jnp.int32), h[:, -1:],
-                                     positions[:, -1:] + 1, dcache, bt, pin_kv=pins[1])
-        h2 = S.replicate(h2, m)
-        d2 = jnp.argmax(S.vocab_logits(E.draft_logits(dparams, dcfg, h2), m), axis=-1)
-        return picked, jnp.concatenate([d1, d2], axis=1).astype(jnp.int32), cache, dcache
+        def step(dp, carry, kv, bt, scfg=scfg):
+            return chain.draft_step(scfg.draft_context, dp, None, carry, kv, bt, 1)
 
-    tcache_s = S.named(mesh, S.llama_cache_specs(cfg, tp))
-    for constrain in (True, False):
-        fn = jax.jit(functools.partial(fused, constrain=constrain),
-                     in_shardings=(S.named(mesh, pspecs), S.named(mesh, dspecs), rep, rep, tcache_s, cache_s, rep),
-                     out_shardings=(rep, rep, tcache_s, cache_s), donate_argnums=(4, 5))
-        hlo = fn.lower(params, dparams, tok, tok, cache, dcache, bts).compile().as_text()
-        out["fused_constrained" if constrain else "fused_unconstrained"] = dict(collectives=collectives(hlo))
-    out["fused_weight_shapes"] = [list(s) for s in sorted({tuple(x.shape) for x in jax.tree.leaves((params, dparams))})]
-    out["shapes"] = dict(B=batch, T=t, D=cfg.hidden_size, H_draft=dcfg.hidden_size, V=cfg.vocab_size,
-                         V_draft=dcfg.draft_vocab_size, layers=cfg.num_layers)
+        ext = jax.jit(extend, in_shardings=(dps, rep, rep, rep, kvs, rep, rep), out_shardings=(rep, kvs))
+        one = jax.jit(step, in_shardings=(dps, rep, kvs, rep), out_shardings=(rep, kvs))
+        index = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        out["greedy" if greedy else "sampling"] = dict(
+            extend=collectives(ext.lower(dparams, ints, caps, ints, kv, bts, index).compile().as_text()),
+            step=collectives(one.lower(dparams, carry, kv, bts).compile().as_text()))
     return out
+
+
+def _runner(cfg: ModelConfig, dcfg: DraftConfig | None, tp: int, own_embedding: bool = True):
+    from eagle3_jax.config import EngineConfig
+    from eagle3_jax.runner.runner import ModelRunner
+
+    engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
+                              num_speculative_tokens=3 if dcfg else 0, page_size=PAGE, num_pages=64,
+                              max_model_len=64)
+    dparams = None if dcfg is None else E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding)
+    return ModelRunner(cfg, jax.tree.map(jnp.asarray, random_params(cfg)), dcfg, dparams, engine_cfg, S.make_mesh(tp))
+
+
+def run_runner_hlo() -> dict:
+    """Collectives of fused iterations the engine worker does not build: the greedy decode of an
+    engine without a drafter (tp 8), and the greedy EAGLE-3 iteration of a drafter that reads
+    the target's embedding (8B layout: a replicated copy under tp; tp 4). Bucket 4, K=3."""
+    cfg = small_cfg(8)
+    bare = _runner(cfg, None, 8)
+    wide = _runner(cfg, DraftConfig.like_target(cfg, 128), 4, own_embedding=False)  # the target's width
+
+    def compiled(runner, k: int) -> list[dict]:
+        return collectives(runner.trace_iteration(4, runner.config(k, True)).lower().compile().as_text())
+
+    return dict(no_drafter_tp8=compiled(bare, 0), target_embedding_tp4=compiled(wide, 3))
 
 
 def run_layout() -> dict:
@@ -288,12 +297,53 @@ def run_place() -> dict:
     return out
 
 
+# Which proposal of an iteration is made wrong, in turn (None: none): all, one, none, two accepted.
+WRONG = (None, 1, 0, 2)
+
+
+def forced_run(engine, prompts, ref, k: int, target_only_every: int) -> dict:
+    """Greedy decoding of `prompts` with each row's proposals overwritten after every step by its
+    known greedy continuation `ref` (with one wrong by WRONG, rotating per step and row), so the
+    iterations accept all, some and none of them; with `target_only_every` n > 0, every n-th step
+    runs the target alone (the K=0 program, its draft extend included). -> tokens, per request
+    (emitted, accepted) per iteration, the drafter's own proposals each step left, and how many
+    iterations ran the target alone."""
+    engine.overlap = False  # read each step before forcing the next one's proposals
+    done = [0]
+    if target_only_every:
+        engine.speculates = lambda bucket: done[0] % target_only_every != target_only_every - 1
+    target_only = sum(engine.stats.target_only_iterations.values())
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=len(r))) for p, r in zip(prompts, ref)]
+    history, drafted = [[] for _ in reqs], [[] for _ in reqs]
+    while engine.has_unfinished():
+        before = [(len(r.output), r.metrics.accepted, r.finished) for r in reqs]
+        engine.step()
+        done[0] += 1
+        for i, r in enumerate(reqs):
+            if before[i][0] and not before[i][2]:
+                history[i].append([len(r.output) - before[i][0], r.metrics.accepted - before[i][1]])
+            if r.finished or not r.output:
+                continue
+            n = len(r.output)
+            drafted[i].append(engine.runner.proposals(r.slot).tolist())
+            drafts = (ref[i][n:n + k] + [0] * k)[:k]
+            wrong = WRONG[(done[0] + i) % len(WRONG)]
+            if wrong is not None:
+                drafts[wrong] = (drafts[wrong] + 1) % engine.step_cfg.target.vocab_size
+            engine.runner.set_proposals(r.slot, drafts)
+    vars(engine).pop("speculates", None)  # the engine's own choice again
+    return dict(tokens=[r.output for r in reqs], history=history, drafted=drafted,
+                target_only_iterations=sum(engine.stats.target_only_iterations.values()) - target_only)
+
+
 def run_engine() -> dict:
     """Greedy speculative decoding through the whole engine (prefill, fused iterations with a
-    random drafter, K=3) at tp 1, 2, 4, 8 for both head layouts: tokens per tp."""
+    random drafter, K=3) at tp 1, 2, 4, 8 for both head layouts: tokens per tp; then the same
+    engine with forced proposals (`forced_run`; at kvh 8 with target-only steps too); and at
+    kvh 8 the collectives of the programs it ran (EAGLE-3 and target-only iterations; at tp 8
+    also the sampling iteration and the prefill)."""
     from eagle3_jax.config import EngineConfig
     from eagle3_jax.engine.engine import Engine
-    from eagle3_jax.sampling_params import SamplingParams
 
     out = {}
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
@@ -304,14 +354,37 @@ def run_engine() -> dict:
         dparams = E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding=True)
         engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
                                   num_speculative_tokens=3, page_size=PAGE, num_pages=64, max_model_len=64)
-        res = {}
+        res, hlo = {}, {}
         for tp in (1, 2, 4, 8):
             engine = Engine(cfg, params, dcfg, dparams, engine_cfg, mesh=S.make_mesh(tp) if tp > 1 else None)
             reqs = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
             engine.run(reqs)
-            res[str(tp)] = [r.output for r in reqs]
+            tokens = [r.output for r in reqs]
+            ref = res["1"]["tokens"] if tp > 1 else tokens
+            forced = forced_run(engine, prompts, ref, 3, target_only_every=3 if kvh == 8 else 0)
+            res[str(tp)] = dict(tokens=tokens, forced=forced)
+            if kvh == 8 and tp > 1:
+                hlo[str(tp)] = program_collectives(engine.runner, sampling_and_prefill=tp == 8)
         out[f"kvh{kvh}"] = res
+        if hlo:
+            out["hlo"] = hlo
+    out["shapes"] = dict(B=4, K=3, D=64, V=256, layers=small_cfg(8).num_layers)
     return out
+
+
+def program_collectives(runner, sampling_and_prefill: bool) -> dict:
+    """Collectives of the runner's greedy fused iterations, EAGLE-3 (K=3) and target-only (K=0, the
+    draft extend inside), at bucket 4 (ModelRunner.trace_iteration: the programs the engine ran,
+    found built); optionally of the sampling EAGLE-3 iteration and a one-prompt prefill of 16."""
+    def compiled(traced) -> list[dict]:
+        return collectives(traced.lower().compile().as_text())
+
+    res = {name: compiled(runner.trace_iteration(4, runner.config(k, True))) for name, k in (("eagle", 3),
+                                                                                             ("decode", 0))}
+    if sampling_and_prefill:
+        res["eagle_sampling"] = compiled(runner.trace_iteration(4, runner.config(3, False)))
+        res["prefill"] = compiled(runner.trace_prefill(1, 16, runner.config(3, True)))
+    return res
 
 
 if __name__ == "__main__":

@@ -89,6 +89,8 @@ def tp_run(tmp_path_factory):
         "0.5",
         "--allreduce-chain",
         str(CHAIN),
+        "--allreduce",
+        "one-shot",  # a GPU flag: XLA on the CPU knows it and ignores it
         "--tp-check-hidden",
         "64",
         "--tp-check-layers",
@@ -410,16 +412,22 @@ def test_tp_tokens_identical(tp_report):
 def test_tp_allreduce_measured(tp_report):
     data, _ = tp_report
     rows = _rows(data, "allreduce")
-    d, h = TINY.hidden_size, 32
-    shapes = [f"{[TP_BATCH, t, w]} float32" for t in (1, TP_K + 1) for w in (d, h)]
+    # The target's activations only: the replicated drafter all-reduces nothing.
+    shapes = [f"{[TP_BATCH, t, TINY.hidden_size]} float32" for t in (1, TP_K + 1)]
     assert [r["mode"] for r in rows[1:]] == shapes and rows[0]["mode"].endswith("(bandwidth)")
     for r in rows:
         v = r["values"]
         assert v["hlo_allreduces"] == CHAIN  # every psum of the chain stayed an all-reduce
         assert v["us"] > 0 and v["algbw_gbs"] > 0
         assert v["busbw_gbs"] == pytest.approx(v["algbw_gbs"] * 2 * (2 - 1) / 2)
+        assert v["implementation"] == "one-shot"
     meta = data["meta"]["allreduce"]
     assert meta["tp"] == 2 and meta["algbw"] > 0 and len(meta["seconds"]) == 1 + len(shapes)
+    # --allreduce one-shot: its flag was in XLA_FLAGS when jax started, and the report says so.
+    assert meta["implementation"] == "one-shot"
+    assert "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true" in data["meta"]["xla_flags"].split()
+    assert data["info"]["allreduce"]["implementation"].startswith("one-shot (--allreduce; XLA_FLAGS: --xla_gpu_")
+    assert data["info"]["8b"]["all-reduce implementation"] == "one-shot"
 
 
 @pytest.mark.slow
@@ -427,8 +435,8 @@ def test_tp_step_rows(tp_report):
     data, markdown = tp_report
     rows = _rows(data, "8b")
     assert [(r["mode"].split(" ")[0], r["batch"]) for r in rows] == [("decode,", 2), ("EAGLE-3", 2), ("verify", 2)]
-    # TINY has 2 layers: target 2 per layer + embedding; draft extend 4, each of K-1 chain steps 3.
-    expected = {"decode,": 5, "EAGLE-3": 5 + 4 + 3 * (TP_K - 1), "verify": 5}
+    # TINY has 2 layers: target 2 per layer + embedding, in every step; the drafter none.
+    expected = {"decode,": 5, "EAGLE-3": 5, "verify": 5}
     for r in rows:
         v = r["values"]
         assert v["tp"] == 2
@@ -441,10 +449,12 @@ def test_tp_step_rows(tp_report):
     assert not [n for n in data["notes"] if "compile(s)" in n or "the floor counts" in n], data["notes"]
     info = data["info"]["8b"]
     held = info["weight bytes"]
-    # Each of the 2 devices holds half of every matrix (norms and d2t replicated, so a bit more).
+    # Each of the 2 devices holds half of every target matrix (norms replicated, so a bit more) and
+    # the whole drafter.
     assert held["target_whole"] / 2 < held["target"] < held["target_whole"] / 2 + 4 * 64 * 8
-    assert held["draft_whole"] / 2 < held["draft"] < held["draft_whole"] / 2 + 4 * (4 * 32 + 128)
-    assert info["drafter embedding"].startswith("its own")
+    assert held["draft"] == held["draft_whole"]
+    assert info["drafter"] == "replicated on every device (no collective in the draft extend or steps), with its " \
+        "own embedding (70B layout)"
     assert "Step functions: step shapes at TP=2" in markdown and "all-reduce floor ms" in markdown
 
 
@@ -456,8 +466,11 @@ def test_tp_floor_70b():
     assert decode.bytes == pytest.approx(70_553_706_496 - 128256 * 8192 - 161 * 8192)
     assert decode.allreduces == ((8, 1, 8192),) * 161 and decode.allreduce_bytes == 161 * 8 * 8192 * 2
     it = bench.iteration_cost(target, draft, 3, 8, 0, 2, tp=2)
-    counts = {s: it.allreduces.count(s) for s in set(it.allreduces)}
-    assert counts == {(8, 4, 8192): 161, (8, 4, 6144): 4, (8, 1, 6144): 6}
+    assert it.allreduces == ((8, 4, 8192),) * 161  # the target's verify; the replicated drafter none
+    # ... and every device reads the whole drafter: the same draft bytes as at tp 1.
+    one_device = bench.iteration_cost(target, draft, 3, 8, 0, 2)
+    draft_bytes = one_device.bytes - bench.target_cost(target, 8, 4, 0, 2).bytes
+    assert it.bytes - bench.target_cost(target, 8, 4, 0, 2, tp=2).bytes == pytest.approx(draft_bytes)
     c, link = bench.Ceilings(4e12, 1e15), bench.LinkCeilings(2, 2e11)
     assert it.floor_s(c, link) == pytest.approx(it.bytes / 4e12 + it.allreduce_bytes / 2e11)
     with pytest.raises(ValueError, match="all-reduce bandwidth"):
@@ -473,6 +486,42 @@ def test_tp_floor_70b():
     d, q, k_v, inter = 8192, 64 * 128, 2 * 8 * 128, 28672
     per_layer = (d * q + 3 * d * inter) / 16 + d * (q + k_v)  # wo + MLP split; wqkv whole
     assert bench.target_cost(target, 1, 1, 0, 2, tp=16).bytes == pytest.approx(2 * (80 * per_layer + 128256 * d / 16))
+
+
+def test_allreduce_option_errors():
+    def parse(*argv):
+        return bench.Options.from_args(bench.build_parser().parse_args(list(argv)))
+
+    assert parse("--only", "8b", "--tp", "2", "--allreduce", "nvshmem").allreduce == "nvshmem"
+    assert parse("--only", "8b").allreduce == "default"
+    with pytest.raises(SystemExit, match=r"^--allreduce: unknown implementation 'two-shot'; choose from default, "
+                                         r"one-shot, nvshmem$"):
+        parse("--only", "8b", "--tp", "2", "--allreduce", "two-shot")
+    with pytest.raises(SystemExit, match=r"^--allreduce one-shot chooses the all-reduce of a tensor-parallel run: "
+                                         r"give --tp N with N >= 2$"):
+        parse("--only", "8b", "--allreduce", "one-shot")
+
+
+def test_allreduce_flag_xla_rejects_is_one_line(monkeypatch):
+    """A flag this jax's XLA does not know stops the bench before the run, with XLA's reason in one
+    line (XLA itself would abort the process at backend start), and leaves XLA_FLAGS as it was."""
+    from jax._src import xla_bridge
+
+    from eagle3_jax.bench import collectives
+
+    monkeypatch.setitem(collectives.ALLREDUCE_FLAGS, "made-up", ("--xla_gpu_made_up_all_reduce=true",))
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    before = os.environ.get("XLA_FLAGS")
+    with pytest.raises(SystemExit) as e:
+        collectives.use_allreduce("made-up", 2)
+    assert str(e.value) == (f"--allreduce made-up: jax {jax.__version__}'s XLA does not run with "
+                            "--xla_gpu_made_up_all_reduce=true: Unknown flag in XLA_FLAGS: "
+                            "--xla_gpu_made_up_all_reduce=true")
+    assert os.environ.get("XLA_FLAGS") == before
+    assert collectives.use_allreduce("default", 2) == ""  # nothing to check or set
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    with pytest.raises(SystemExit, match="jax has already started its backend"):
+        collectives.use_allreduce("one-shot", 2)
 
 
 def test_hlo_collectives_parser():

@@ -101,13 +101,39 @@ def test_logits_and_greedy_tokens_match_tp1(kvh):
 @pytest.mark.parametrize("kvh", [8, 2])
 def test_speculative_engine_tokens_match_tp1(kvh):
     res = worker("engine")[f"kvh{kvh}"]
-    assert [len(t) for t in res["1"]] == [12, 12, 12]
+    assert [len(t) for t in res["1"]["tokens"]] == [12, 12, 12]
     for tp in TPS[1:]:
-        assert res[tp] == res["1"], f"tp {tp}: greedy speculative tokens differ from tp 1"
+        assert res[tp]["tokens"] == res["1"]["tokens"], f"tp {tp}: greedy speculative tokens differ from tp 1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kvh", [8, 2])
+def test_accepted_drafts_match_tp1(kvh):
+    """The random drafter's own proposals are all rejected; with proposals forced to the greedy
+    continuation (one wrong in turn), iterations accept 3, 2, 1 and 0 of them at every tp, emit
+    the same tokens, and leave the drafter (replicated, extended over the accepted positions)
+    proposing the same tokens as at tp 1."""
+    res = worker("engine")[f"kvh{kvh}"]
+    ref, forced1 = res["1"]["tokens"], res["1"]["forced"]
+    history = [step for row in forced1["history"] for step in row]
+    assert {accepted for _, accepted in history} == {0, 1, 2, 3}
+    # Each iteration emits its accepted proposals and one more token, but where max_tokens cuts it.
+    for row in forced1["history"]:
+        assert len(row) >= 3 and all(emitted == accepted + 1 for emitted, accepted in row[:-1]), row
+    assert all(len(row) >= 3 for row in forced1["drafted"])
+    # kv heads 8: every third step runs the target alone (the K=0 program, its draft extend inside).
+    assert (forced1["target_only_iterations"] > 0) == (kvh == 8)
+    for tp in TPS:
+        forced = res[tp]["forced"]
+        assert forced["tokens"] == ref, f"tp {tp}: forced proposals changed the greedy tokens"
+        assert forced["history"] == forced1["history"], f"tp {tp}: accepted counts differ from tp 1"
+        assert forced["drafted"] == forced1["drafted"], f"tp {tp}: the drafter proposed other tokens than at tp 1"
+        assert forced["target_only_iterations"] == forced1["target_only_iterations"]
 
 
 # --------------------------------------------------------------------------------------------
-# (c) what the partitioner did with a verify-shaped step (B=8, T=4) at tp 8
+# (c) what the partitioner did: a verify-shaped step (B=8, T=4) and the draft's programs at tp 8,
+# the engine's iterations at tp 2, 4, 8
 
 
 def _weight_like(shapes: list[list[int]], weights: list[list[int]]) -> list[list[int]]:
@@ -154,35 +180,58 @@ def test_verify_step_collectives_tp8_kv_replicated():
     assert {c["op"] for c in ops} <= {"all-reduce", "all-gather", "collective-permute"}, ops
 
 
-@pytest.mark.slow
-def test_draft_step_collectives_tp8():
-    res = worker("hlo")["draft"]
-    ops = res["collectives"]
-    reduces = [s for c in ops if c["op"] == "all-reduce" for s in c["shapes"]]
-    # Row-parallel fc + vocab-parallel own embedding + wo + w_down; XLA may combine the first
-    # two into one tuple all-reduce, so count operands. All [B, T, H_draft].
-    assert len(reduces) == 4 and all(s == [8, 4, 32] for s in reduces), ops
-    assert all(c["op"] == "all-reduce" for c in ops), ops
-
-
-@pytest.mark.slow
-def test_fused_iteration_collectives_tp8():
-    """verify + greedy pick + draft extend + one chain step in one executable, with
-    sharding.replicate / vocab_logits pinning the layout: only the Megatron collectives."""
-    res = worker("hlo")
-    sh = res["shapes"]
-    b, t, d, hd, v, vd, layers = (sh[k] for k in ("B", "T", "D", "H_draft", "V", "V_draft", "layers"))
-    ops = res["fused_constrained"]["collectives"]
-    by_op = {}
+def _by_op(ops: list[dict]) -> dict[str, list[tuple[int, ...]]]:
+    """op -> sorted operand shapes (a combined collective counts once per operand)."""
+    found: dict[str, list] = {}
     for c in ops:
-        by_op.setdefault(c["op"], []).extend(tuple(s) for s in c["shapes"])
-    assert set(by_op) == {"all-reduce", "all-gather"}, ops
-    assert sorted(by_op["all-reduce"]) == sorted(
-        [(b, t, d)] * (2 * layers + 1)  # target: embedding + (wo, w_down) per layer
-        + [(b, t, hd)] * 4  # draft extend: fc, own embedding, wo, w_down
-        + [(b, 1, hd)] * 3)  # chain step: own embedding, wo, w_down
-    # Logits are computed vocab-sharded and gathered once each (target, 2 draft steps).
-    assert sorted(by_op["all-gather"]) == sorted([(b, t, v), (b, 1, vd), (b, 1, vd)])
+        found.setdefault(c["op"], []).extend(tuple(s) for s in c["shapes"])
+    return {op: sorted(shapes) for op, shapes in found.items()}
+
+
+@pytest.mark.slow
+def test_draft_programs_have_no_collectives_tp8():
+    """The draft extend (fc, embedding, midlayer over T=4) and a chain step (forward, logits, argmax
+    or sampling) fed replicated captures: the replicated drafter runs them without a collective."""
+    res = worker("hlo")["draft_programs"]
+    assert res == {"greedy": {"extend": [], "step": []}, "sampling": {"extend": [], "step": []}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", ["2", "4", "8"])
+def test_iteration_collectives_are_the_targets(tp):
+    """The engine's compiled greedy EAGLE-3 iteration (verify K+1, accept, draft extend, K draft
+    steps) all-reduces exactly what its target-only decode does, 2 per layer + the embedding's,
+    at K+1 tokens instead of 1, and gathers only the greedy pick's per-shard partials."""
+    res = worker("engine")
+    hlo, sh = res["hlo"][tp], res["shapes"]
+    b, k, d, layers = sh["B"], sh["K"], sh["D"], sh["layers"]
+    eagle, decode = _by_op(hlo["eagle"]), _by_op(hlo["decode"])
+    assert set(eagle) == set(decode) == {"all-reduce", "all-gather"}, (eagle, decode)
+    assert len(eagle["all-reduce"]) == len(decode["all-reduce"]) == 2 * layers + 1
+    assert eagle["all-reduce"] == [(b, k + 1, d)] * (2 * layers + 1)
+    assert decode["all-reduce"] == [(b, 1, d)] * (2 * layers + 1)
+    # The argmax of vocab-sharded logits moves (max, index) per shard: [B, T, tp], never logits.
+    assert len(eagle["all-gather"]) == len(decode["all-gather"]) > 0
+    assert set(eagle["all-gather"]) == {(b, k + 1, int(tp))} and set(decode["all-gather"]) == {(b, 1, int(tp))}
+
+
+@pytest.mark.slow
+def test_iteration_collectives_without_drafter_sampling_prefill_tp8():
+    res, runners = worker("engine"), worker("hlo")["runners"]
+    hlo, sh = res["hlo"]["8"], res["shapes"]
+    b, k, d, v, target = sh["B"], sh["K"], sh["D"], sh["V"], 2 * sh["layers"] + 1
+    # The target-only program with the draft extend inside = an engine without a drafter.
+    assert _by_op(hlo["decode"]) == _by_op(runners["no_drafter_tp8"])
+    # Sampling: the target's logits gathered once for the sampler; the drafter samples locally.
+    assert _by_op(hlo["eagle_sampling"]) == {"all-reduce": [(b, k + 1, d)] * target, "all-gather": [(b, k + 1, v)]}
+    # A prefill (one prompt of 16) with its draft prefill and first proposal: the target's alone.
+    prefill = _by_op(hlo["prefill"])
+    assert prefill["all-reduce"] == [(1, 16, d)] * target and set(prefill["all-gather"]) == {(1, 8)}
+    assert set(prefill) == {"all-reduce", "all-gather"}
+    # A drafter that reads the target's embedding (8B layout) holds a replicated copy: no collective.
+    wide = _by_op(runners["target_embedding_tp4"])
+    assert wide["all-reduce"] == [(b, k + 1, d)] * target and set(wide["all-gather"]) == {(b, k + 1, 4)}
+    assert set(wide) == {"all-reduce", "all-gather"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,18 +253,23 @@ def _leaves(shapes, specs):
 
 
 @pytest.mark.slow
-def test_70b_every_weight_split_8_ways_except_norms():
+def test_70b_target_split_8_ways_drafter_replicated():
     cfg, dcfg = llama70b(), drafter70b()
     target = _leaves(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), S.llama_param_specs(cfg, 8))
-    draft = _leaves(jax.eval_shape(lambda: init_draft_params(dcfg, jax.random.key(0), own_embedding=True)),
-                    S.draft_param_specs(dcfg, 8, own_embedding=True))
+    draft_shapes = jax.eval_shape(lambda: init_draft_params(dcfg, jax.random.key(0), own_embedding=True))
+    draft_specs = S.draft_param_specs(dcfg, 8, own_embedding=True)
+    draft = _leaves(draft_shapes, draft_specs)
     assert len(target) == 80 * 6 + 3 and len(draft) == 12
-    for name, x, spec in target + draft:
+    for name, x, spec in target:
         total = math.prod(x.shape) * x.dtype.itemsize
         per_device = math.prod(S.shard_shape(x.shape, spec, 8)) * x.dtype.itemsize
         replicated = "norm" in name or name.endswith("d2t")
         assert per_device == (total if replicated else total // 8), (name, x.shape, spec)
         assert replicated or total % 8 == 0
+    # The drafter whole on every device: 3.15 GB in bf16 (1.58 GB of it its embedding).
+    for _, x, spec in draft:
+        assert spec == S.REPLICATED and S.shard_shape(x.shape, spec, 8) == x.shape
+    assert S.per_device_bytes(draft_shapes, draft_specs, 8) == 3_152_196_608
     # The worker checked the same shard shapes against jax's own NamedSharding on 8 devices.
     layout = worker("layout")
     assert layout["shard_shape_checked"] == len(target) + len(draft)
@@ -269,8 +323,8 @@ def _hand_70b_weight_bytes(tp: int) -> tuple[int, int]:
     layer = (2 * d * d + 2 * d * kv + 3 * d * i) // tp + 2 * d  # q, o, k, v, gate/up/down; norms
     target = 2 * (2 * v * d // tp + layers * layer + d)  # embed + lm_head, layers, final norm
     h, di, dkv, dv, th = 6144, 16384, 8 * 128, 32000, 8192
-    split = 3 * th * h + 2 * h * h + 2 * 2 * h * dkv + h * h + 3 * h * di + h * dv + v * h
-    draft = 2 * (split // tp + 4 * h) + 4 * dv  # fc, q (2H in), k/v, o, mlp, lm_head, embed; norms; d2t
+    whole = 3 * th * h + 2 * h * h + 2 * 2 * h * dkv + h * h + 3 * h * di + h * dv + v * h
+    draft = 2 * (whole + 4 * h) + 4 * dv  # replicated: fc, q (2H in), k/v, o, mlp, lm_head, embed; norms; d2t
     return target, draft
 
 
@@ -280,8 +334,9 @@ def test_plan_70b(tp):
     target, draft = _hand_70b_weight_bytes(tp)
     assert p["weights_target"] == target and p["weights_draft"] == draft
     assert p["draft_own_embedding"]
-    # KV per token and device: 80 layers x (K, V) x 8/tp heads x 128 x 2 B, + the drafter's layer.
-    assert p["kv_bytes_per_token"] == (80 + 1) * 2 * (8 // tp) * 128 * 2
+    # KV per token and device: 80 layers x (K, V) x 8/tp heads x 128 x 2 B, + the drafter's layer
+    # with all 8 heads (replicated).
+    assert p["kv_bytes_per_token"] == 80 * 2 * (8 // tp) * 128 * 2 + 2 * 8 * 128 * 2
     pages = 8 * 8192 // 16 + 1
     assert p["kv_target"] == pages * 16 * 80 * 2 * (8 // tp) * 128 * 2
     assert p["fits"] and p["max_batch_at_max_len"] >= 8

@@ -11,7 +11,8 @@ Four phases, each selectable with `--only` (the first three run by default):
            the compiled step functions timed directly on synthetic slot state (no tokenizer, no
            scheduler): target-only decode (K=0), the EAGLE-3 iteration (K) and the verify forward
            alone (B x (K+1) tokens). With --tp N, under tensor parallelism over N devices: every
-           weight and KV page is created already sharded, and the floor adds the all-reduces.
+           target weight and KV page is created already sharded, the drafter replicated (as the
+           engine holds it), and the floor adds the target's all-reduces.
   peer     Hugging Face transformers (static cache, torch.compile) on the same SmolLM2 weights and
            prompt tokens, and on the 8B shapes with random weights, in a child process that runs
            before JAX takes the GPU's memory.
@@ -19,7 +20,9 @@ Four phases, each selectable with `--only` (the first three run by default):
            at TP=N against TP=1, on a small random f32 Llama and a random 70B-layout drafter.
 
 With --tp N and the 8b or tp phase, the all-reduce across the N devices is measured first (a chain
-of psums in one program, on a large array and on each decode-sized activation).
+of psums in one program, on a large array and on each decode-sized activation). --allreduce picks
+XLA's all-reduce implementation for the whole run (default, one-shot, nvshmem: options.ALLREDUCE_FLAGS),
+set in XLA_FLAGS before jax starts, once a child process has run a psum under it.
 
 Every time has its floor: the larger of bytes / memory bandwidth and FLOPs / bf16 matmul rate, for
 the fewest bytes and FLOPs the call needs, with both ceilings measured in the same run; under

@@ -1,11 +1,14 @@
-"""Tensor parallelism: the measured all-reduce, sharded random weights, collectives in compiled
-HLO."""
+"""Tensor parallelism: the all-reduce implementation of the run and its measured cost, sharded
+random weights, collectives in compiled HLO."""
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,11 +20,66 @@ from jax.sharding import PartitionSpec as P
 from eagle3_jax.bench.common import Result, log
 from eagle3_jax.bench.costs import LinkCeilings, seconds_per_call
 from eagle3_jax.bench.harness import precompile
-from eagle3_jax.bench.options import Options
+from eagle3_jax.bench.options import ALLREDUCE_FLAGS, Options
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model import llama
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.parallel import sharding
+
+# A child process's check that XLA accepts XLA_FLAGS: one psum over the first `tp` devices (argv[1]),
+# so the chosen all-reduce is compiled and run once, on the run's platform.
+_PROBE = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+n = min(int(sys.argv[1]), jax.device_count())
+mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+assert float(f(jnp.ones((n, 8), jnp.float32)).sum()) == n * n * 8
+"""
+
+
+def with_flags(xla_flags: str, flags: Sequence[str]) -> str:
+    """XLA_FLAGS text with `flags` appended (XLA takes the last value of a flag given twice)."""
+    return " ".join([*xla_flags.split(), *flags])
+
+
+def check_xla_flags(xla_flags: str, tp: int, timeout: float = 300.0) -> str | None:
+    """None when XLA accepts `xla_flags` and runs a psum over `tp` devices under them, else the
+    reason in one line. Tried in a child process: XLA aborts the process that parses an unknown
+    flag ("Unknown flag in XLA_FLAGS"), and reads XLA_FLAGS once, when jax starts its backend."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(tp)], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"a psum under XLA_FLAGS={xla_flags!r} did not finish in {timeout:.0f} s"
+    if done.returncode == 0:
+        return None
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    unknown = [line[line.index("Unknown flag"):] for line in lines if "Unknown flag" in line]
+    return (unknown or lines[-1:] or [f"exit status {done.returncode}"])[0]
+
+
+def use_allreduce(implementation: str, tp: int) -> str:
+    """Choose XLA's all-reduce implementation (options.ALLREDUCE_FLAGS) for this process: its flags
+    appended to XLA_FLAGS, after a child process checked that this jax's XLA knows them and runs
+    a psum under them. -> the flags added ("" for the default). Call before jax starts its backend;
+    a flag XLA rejects is a SystemExit with XLA's one-line reason, before anything is run."""
+    from jax._src import xla_bridge
+
+    flags = ALLREDUCE_FLAGS[implementation]
+    if not flags:
+        return ""
+    if xla_bridge.backends_are_initialized():
+        raise SystemExit(f"--allreduce {implementation}: jax has already started its backend, so XLA_FLAGS "
+                         "can no longer change; choose it before the first use of a device")
+    xla_flags = with_flags(os.environ.get("XLA_FLAGS", ""), flags)
+    if reason := check_xla_flags(xla_flags, tp):
+        raise SystemExit(f"--allreduce {implementation}: jax {jax.__version__}'s XLA does not run with "
+                         f"{' '.join(flags)}: {reason}")
+    os.environ["XLA_FLAGS"] = xla_flags
+    return " ".join(flags)
 
 
 def allreduce_chain(mesh: Mesh, chain: int) -> Callable:
@@ -50,19 +108,20 @@ def time_allreduce(mesh: Mesh, shape: tuple[int, ...], dtype, chain: int, calls:
     return seconds_per_call(lambda: compiled(x), calls, rounds) / max(count, 1), count
 
 
-def allreduce_shapes(target: ModelConfig, draft: DraftConfig, batches: Sequence[int], k: int) -> list[tuple[int, ...]]:
-    """The activations a step all-reduces: [B, T, D] of the target, [B, T, H] of the drafter, for
-    decode / chain steps (T=1) and verify / draft extend (T=K+1)."""
-    shapes = [(b, t, width) for b in batches for t in (1, k + 1) for width in (target.hidden_size, draft.hidden_size)]
-    return list(dict.fromkeys(shapes))
+def allreduce_shapes(target: ModelConfig, batches: Sequence[int], k: int) -> list[tuple[int, ...]]:
+    """The activations a step all-reduces: the target's [B, T, D], for decode (T=1) and verify
+    (T=K+1). The drafter, replicated, all-reduces nothing."""
+    return [(b, t, target.hidden_size) for b in batches for t in (1, k + 1)]
 
 
 def measure_links(
     opts: Options, mesh: Mesh, dtype, shapes: Sequence[tuple[int, ...]]
 ) -> tuple[LinkCeilings, list[Result], dict]:
-    """All-reduce ceilings over the mesh: a large array (the bandwidth) and each decode-sized shape
-    (latency-bound; what a step's all-reduces really cost). -> (ceilings, table rows, info)."""
+    """All-reduce ceilings over the mesh, under the run's implementation (--allreduce): a large
+    array (the bandwidth) and each decode-sized shape (latency-bound; what a step's all-reduces
+    really cost). -> (ceilings, table rows, info)."""
     tp, itemsize = mesh.shape[sharding.TP], jnp.dtype(dtype).itemsize
+    implementation = opts.allreduce
     large = (max(1, int(opts.allreduce_mb * 1e6) // (4096 * itemsize)), 4096)
     rows, seconds = [], {}
     for shape in [large, *shapes]:
@@ -81,13 +140,17 @@ def measure_links(
                     "busbw_gbs": size / s * 2 * (tp - 1) / tp / 1e9,
                     "hlo_allreduces": count,
                     "chain": opts.allreduce_chain,
+                    "implementation": implementation,
                 },
             )
         )
-        log(f"all-reduce {list(shape)}: {1e6 * s:.1f} us, {size / s / 1e9:.1f} GB/s (algbw), HLO {count}")
+        log(f"all-reduce ({implementation}) {list(shape)}: {1e6 * s:.1f} us, {size / s / 1e9:.1f} GB/s (algbw), "
+            f"HLO {count}")
     link = LinkCeilings(tp, math.prod(large) * itemsize / seconds[large], seconds)
     info = {
         "mesh": f"{tp} devices: " + ", ".join(str(d) for d in mesh.devices.flat),
+        "implementation": f"{implementation} (--allreduce; XLA_FLAGS: "
+        f"{' '.join(ALLREDUCE_FLAGS[implementation]) or 'none added'})",
         "method": f"jit(shard_map) of {opts.allreduce_chain} dependent psums of the array each device holds, "
         f"time per call (median of {opts.rounds} rounds of {opts.calls}) / the all-reduces in the "
         "compiled HLO",
@@ -134,16 +197,16 @@ def random_sharded(shapes: Any, shardings: Any, key: jax.Array, scale: float = 0
 
 def sharded_random_params(target: ModelConfig, draft: DraftConfig, own_embedding: bool, mesh: Mesh, dtype):
     """(target params, draft params) with random weights, every tensor created on its shards
-    (llama_param_specs / draft_param_specs)."""
+    (llama_param_specs), the drafter as the engine holds it (sharding.place_draft: replicated,
+    with its own embedding or a copy of the target's)."""
     tp = mesh.shape[sharding.TP]
     t_shapes = jax.eval_shape(lambda: llama.init_params(target, jax.random.PRNGKey(0), dtype))
     d_shapes = jax.eval_shape(lambda: init_draft_params(draft, jax.random.PRNGKey(1), dtype, own_embedding))
-    t_specs = sharding.llama_param_specs(target, tp)
-    d_specs = sharding.draft_param_specs(draft, tp, own_embedding)
-    return (
-        random_sharded(t_shapes, sharding.named(mesh, t_specs), jax.random.PRNGKey(0)),
-        random_sharded(d_shapes, sharding.named(mesh, d_specs), jax.random.PRNGKey(1)),
-    )
+    params = random_sharded(t_shapes, sharding.named(mesh, sharding.llama_param_specs(target, tp)),
+                            jax.random.PRNGKey(0))
+    replicated = sharding.named(mesh, sharding.replicated_like(d_shapes))  # draft_param_specs' layout
+    dparams = random_sharded(d_shapes, replicated, jax.random.PRNGKey(1))
+    return params, sharding.place_draft(dparams, params.embed, mesh)
 
 
 def weight_bytes(params: Any, dparams: Any) -> dict[str, int]:

@@ -160,34 +160,29 @@ def target_cost(cfg: ModelConfig, batch: int, new_tokens: int, context: int, ite
     return cost
 
 
-def draft_cost(cfg: DraftConfig, batch: int, new_tokens: int, context: int, itemsize: int, first: bool,
-               tp: int = 1) -> Cost:
-    """One draft pass: the midlayer (fc too on the first), draft lm_head at one token per row."""
+def draft_cost(cfg: DraftConfig, batch: int, new_tokens: int, context: int, itemsize: int, first: bool) -> Cost:
+    """One draft pass: the midlayer (fc too on the first), draft lm_head at one token per row. The
+    same per device at every tp: the drafter is replicated (parallel/sharding.py, "Draft head"),
+    so each device reads all of it and all-reduces nothing."""
     h = cfg.hidden_size
     split = cfg.q_size * h + 3 * h * cfg.intermediate_size  # wo, MLP
     split += cfg.num_captures * cfg.target_hidden_size * h if first else 0
     qkv = 2 * h * (cfg.q_size + 2 * cfg.kv_size)  # wqkv (2H in)
     head = h * cfg.draft_vocab_size
-    vocab_ways = _ways(cfg.draft_vocab_size, tp)
-    cost = _layers_cost(1, split, qkv, batch, new_tokens, context, cfg.num_heads,
-                        cfg.num_kv_heads, cfg.head_dim, itemsize, tp)
-    cost += Cost(head * itemsize / vocab_ways, 2 * head * batch / vocab_ways)
-    if tp > 1:
-        # [B, T, H] after the row-parallel fc (first pass), the vocab-parallel embedding (its own,
-        # or the target's of the same width), wo and w_down.
-        count = int(first) + (_ways(cfg.vocab_size, tp) > 1) + 2
-        cost += _allreduced((batch, new_tokens, h), count, itemsize)
-    return cost
+    cost = _layers_cost(1, split, qkv, batch, new_tokens, context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        itemsize)
+    return cost + Cost(head * itemsize, 2 * head * batch)
 
 
 def iteration_cost(target: ModelConfig, draft: DraftConfig | None, k: int, batch: int, context: int,
                    itemsize: int, tp: int = 1) -> Cost:
-    """One iterate step: verify K+1 tokens; with K > 0, draft extend over them + K-1 chain steps."""
+    """One iterate step: verify K+1 tokens; with K > 0, draft extend over them + K-1 chain steps.
+    Its all-reduces (tp > 1) are the target's alone."""
     cost = target_cost(target, batch, k + 1, context, itemsize, tp)
     if k:
-        cost += draft_cost(draft, batch, k + 1, context, itemsize, first=True, tp=tp)
+        cost += draft_cost(draft, batch, k + 1, context, itemsize, first=True)
         for _ in range(k - 1):
-            cost += draft_cost(draft, batch, 1, context, itemsize, first=False, tp=tp)
+            cost += draft_cost(draft, batch, 1, context, itemsize, first=False)
     return cost
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import shlex
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import jax
 
 from eagle3_jax.bench import profile
-from eagle3_jax.bench.collectives import allreduce_shapes, measure_links
+from eagle3_jax.bench.collectives import allreduce_shapes, measure_links, use_allreduce
 from eagle3_jax.bench.common import Result, log
 from eagle3_jax.bench.costs import measure_ceilings
 from eagle3_jax.bench.harness import step_models
@@ -57,7 +58,8 @@ def run(opts: Options, command: str) -> tuple[dict, list[Result], dict, list[str
     if "peer" in opts.phases:
         timed("peer", phase_peer, opts, notes)
     meta = {"device": device_name(), "jax": jax.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "command": command}
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "command": command,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     ceilings = None
     if {"smollm2", "8b"} & set(opts.phases):
         t = time.perf_counter()
@@ -71,12 +73,12 @@ def run(opts: Options, command: str) -> tuple[dict, list[Result], dict, list[str
         except sharding.ShardingError as e:
             raise SystemExit(f"--tp: {e}") from None
         t = time.perf_counter()
-        target, draft = step_models(opts)
+        target, _ = step_models(opts)
         link, rows, info["allreduce"] = measure_links(
-            opts, mesh, opts.dtype, allreduce_shapes(target, draft, opts.batches_8b, max(opts.num_draft)))
+            opts, mesh, opts.dtype, allreduce_shapes(target, opts.batches_8b, max(opts.num_draft)))
         results.extend(rows)
-        meta["allreduce"] = {"tp": link.tp, "algbw": link.algbw, "busbw": link.busbw,
-                             "seconds": {str(list(k)): v for k, v in link.seconds.items()}}
+        meta["allreduce"] = {"tp": link.tp, "implementation": opts.allreduce, "algbw": link.algbw,
+                             "busbw": link.busbw, "seconds": {str(list(k)): v for k, v in link.seconds.items()}}
         phase_s["allreduce"] = time.perf_counter() - t
     if "smollm2" in opts.phases:
         timed("smollm2", phase_smollm2, opts, ceilings, notes)
@@ -108,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = Options.from_args(args)
     if opts.profile:
         profile.keep_command_buffers()  # before the first use of a device
+    use_allreduce(opts.allreduce, opts.tp)  # XLA_FLAGS too: checked in a child process, then set
     meta, results, info, notes = run(opts, " ".join(shlex.quote(a) for a in sys.argv))
     print(write_report(opts.out_dir, meta, results, info, notes))
     return 1 if meta["failed"] else 0

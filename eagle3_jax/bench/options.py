@@ -15,6 +15,17 @@ from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHA
 from eagle3_jax.cli import tree_spec
 from eagle3_jax.config import ATTENTION_KINDS, GEMV_KINDS, TreeSpec
 
+# XLA's all-reduce implementations on GPUs, as XLA_FLAGS set before jax starts its backend
+# (`collectives.use_allreduce`). "default": NCCL. "one-shot": XLA's own kernel for small all-reduces,
+# one pass in which every device reads every peer's buffer (decode-sized ones are latency-bound).
+# "nvshmem": collectives through NVSHMEM where XLA supports it. jaxlib 0.10.2's XLA knows both flags;
+# the bench asks the installed one before the run (an unknown flag aborts the process).
+ALLREDUCE_FLAGS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "one-shot": ("--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true",),
+    "nvshmem": ("--xla_gpu_experimental_enable_nvshmem=true",),
+}
+
 
 def sorted_ints(text: str) -> tuple[int, ...]:
     """"8,1,2,2" -> (1, 2, 8): a comma-separated list of sizes, sorted, each once."""
@@ -85,6 +96,11 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     g.add_argument("--allreduce-mb", type=float, default=256.0,
                    help="MB each device contributes to the large all-reduce (the bandwidth the floor uses)")
     g.add_argument("--allreduce-chain", type=int, default=8, help="dependent psums per timed program")
+    g.add_argument("--allreduce", default="default", metavar="|".join(ALLREDUCE_FLAGS),
+                   help="XLA's all-reduce implementation for the whole run (with --tp N >= 2): default (NCCL), "
+                        "one-shot (" + ALLREDUCE_FLAGS["one-shot"][0] + "), nvshmem ("
+                        + ALLREDUCE_FLAGS["nvshmem"][0] + "); set in XLA_FLAGS before jax starts, after checking "
+                        "that this jax's XLA knows the flag")
     g = p.add_argument_group("peer phase: Hugging Face transformers")
     g.add_argument("--peer-batches", default="1", help="e.g. 1,8 (each batch size compiles again)")
     g.add_argument("--peer-prompts", type=int, default=None, help="prompts timed at batch 1 (default: --prompts)")
@@ -150,6 +166,7 @@ class Options:
     tp_check_tokens: int = 48
     allreduce_mb: float = 256.0
     allreduce_chain: int = 8
+    allreduce: str = "default"  # a key of ALLREDUCE_FLAGS
     profile: Path | None = None
     trees: tuple[TreeSpec, ...] = ()
 
@@ -165,6 +182,12 @@ class Options:
             raise SystemExit(f"--tp must be at least 1, got {a.tp}")
         if "tp" in phases and a.tp < 2:
             raise SystemExit("--only tp compares TP=N with TP=1: give --tp N with N >= 2")
+        if a.allreduce not in ALLREDUCE_FLAGS:
+            raise SystemExit(f"--allreduce: unknown implementation {a.allreduce!r}; choose from "
+                             f"{', '.join(ALLREDUCE_FLAGS)}")
+        if a.allreduce != "default" and a.tp < 2:
+            raise SystemExit(f"--allreduce {a.allreduce} chooses the all-reduce of a tensor-parallel run: "
+                             "give --tp N with N >= 2")
         return cls(
             phases=phases,
             out_dir=Path(a.out_dir),
@@ -208,6 +231,7 @@ class Options:
             tp_check_tokens=a.tp_check_tokens,
             allreduce_mb=a.allreduce_mb,
             allreduce_chain=a.allreduce_chain,
+            allreduce=a.allreduce,
             profile=Path(a.profile) if a.profile else None,
             trees=tuple(dict.fromkeys(a.tree)),
         )

@@ -592,7 +592,9 @@ def phase_8b(
             {
                 "tensor parallel": f"TP={tp} over {', '.join(str(d) for d in mesh.devices.flat)} (parallel/sharding.py "
                 "layout; steps pin it as the engine does)",
-                "drafter embedding": "its own (70B layout), vocab-parallel" if own else "the target's",
+                "drafter": "replicated on every device (no collective in the draft extend or steps), with "
+                + ("its own embedding (70B layout)" if own else "a copy of the target's embedding"),
+                "all-reduce implementation": opts.allreduce,
                 "random init": "one jitted creator per tensor shape with out_shardings: each device generates only "
                 "its own slice",
                 "weights per device": f"{held['target'] / 1e9:.2f} GB target + {held['draft'] / 1e9:.2f} GB draft "

@@ -69,6 +69,7 @@ ALLREDUCE_COLUMNS = [
     Column("algbw_gbs", "algbw GB/s", "{:.2f}"),
     Column("busbw_gbs", "busbw GB/s", "{:.2f}"),
     Column("hlo_allreduces", "all-reduces in HLO", "{}"),
+    Column("implementation", "implementation"),
 ]
 TP_COLUMNS = [
     Column("mode", "run"),
@@ -127,14 +128,15 @@ Measured vs derived:
   the call; % of floor = floor / measured; tok/s at ASSUMED L = B x L / ms per call, L assumed
   and NOT measured (target-only decode: L = 1); speedup at ASSUMED L = that over decode's at the same
   batch.
-- tensor parallelism (--tp N): bytes and FLOPs are per device (each holds 1/N of every weight
-  matrix, of the lm_head and of the KV heads); the floor adds all-reduce floor = all-reduced bytes /
-  algbw of the large all-reduce measured in this run. All-reduces per call = the Megatron layout's:
-  target 2 per layer + 1 (embedding) of [B, T, D], draft extend 4 and each chain step 3 of
-  [B, T, H]; "in HLO" counts them in the compiled program (XLA may combine some into one tuple
-  all-reduce: operands are counted). The logits all-gathers (the sampler's vocab_logits) are not in
-  the floor. "all-reduces at measured latency" = the sum over the call's all-reduces of the time one
-  all-reduce of that shape took in the all-reduce table (decode-sized ones are latency-bound).
+- tensor parallelism (--tp N): bytes and FLOPs are per device (each holds 1/N of every target
+  weight matrix, of the lm_head and of the KV heads, and the whole drafter, replicated); the floor
+  adds all-reduce floor = all-reduced bytes / algbw of the large all-reduce measured in this run.
+  All-reduces per call = the Megatron layout's, the target's only: 2 per layer + 1 (embedding) of
+  [B, T, D] (the replicated drafter has none); "in HLO" counts them in the compiled program (XLA may
+  combine some into one tuple all-reduce: operands are counted). The logits all-gathers (the
+  sampler's vocab_logits) are not in the floor. "all-reduces at measured latency" = the sum over the
+  call's all-reduces of the time one all-reduce of that shape took in the all-reduce table
+  (decode-sized ones are latency-bound), under the run's --allreduce implementation.
 - tp phase: measured (token equality of greedy runs through the engine)."""
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.config import DraftConfig, ModelConfig, check_draft_fits
 from eagle3_jax.parallel.sharding import (
+    draft_holds_embedding,
     draft_param_specs,
     kv_heads_split,
     llama_param_specs,
@@ -34,8 +35,10 @@ def target_weight_bytes(cfg: ModelConfig, tp: int, dtype_bytes: int = 2) -> int:
 
 
 def draft_weight_bytes(cfg: DraftConfig, tp: int, own_embedding: bool, dtype_bytes: int = 2) -> int:
-    """Per-device bytes of the drafter's weights (d2t stays int32) under draft_param_specs."""
-    shapes = jax.eval_shape(lambda: _init_draft(cfg, own_embedding))
+    """Per-device bytes of the drafter's weights (d2t stays int32) under draft_param_specs: all of
+    them on every device, with at tp > 1 an embedding table even where the drafter reads the
+    target's (a replicated copy; same shape, since such a drafter has the target's width)."""
+    shapes = jax.eval_shape(lambda: _init_draft(cfg, draft_holds_embedding(own_embedding, tp)))
     return per_device_bytes(shapes, draft_param_specs(cfg, tp, own_embedding), tp, dtype_bytes)
 
 
@@ -88,9 +91,8 @@ def plan_memory(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, tp: int,
     kvh_t = _local_kv_heads(t.num_kv_heads, tp)
     kv_tok_target = t.num_layers * 2 * kvh_t * t.head_dim * dtype_bytes
     kv_tok_draft = 0
-    if d is not None:
-        kvh_d = _local_kv_heads(d.num_kv_heads, tp)
-        kv_tok_draft = 1 * 2 * kvh_d * d.head_dim * dtype_bytes
+    if d is not None:  # replicated: every kv head on every device (sharding.draft_cache_specs)
+        kv_tok_draft = 1 * 2 * d.num_kv_heads * d.head_dim * dtype_bytes
     pool_tokens = num_pages * page_size
     kv_target, kv_draft = pool_tokens * kv_tok_target, pool_tokens * kv_tok_draft
 

@@ -43,17 +43,30 @@ holds q heads [r*H/tp, (r+1)*H/tp) contiguously, the rows of wo (P("tp", None)) 
     before the 2 all-gathers of [B, T, kvh, hd] for the replicated cache write. Every Llama-3
     model has kvh = 8, so this only arises beyond tp 8 or with other small models.
 
-Draft head (DraftParams): fc [n_capture * H_t, H] is row-parallel, P("tp", None): the captures
-arrive replicated, so each device slices its rows for free and one all-reduce of [B, T, H] gives
-the replicated residual the midlayer needs (column-parallel would give a D-sharded residual that
-needs an all-gather anyway). The midlayer follows the target's layout; its lm_head over the draft
-vocabulary and its own embedding (70B layout) are vocab-parallel.
+Draft head (DraftParams): replicated, every weight and its KV cache whole on every device. Split
+like the target, each draft forward would cost 3 or 4 all-reduces of [B, T, H] (fc, embedding, wo,
+w_down) and each draft token an all-gather of its logits or argmax partials; at decode sizes these
+are latency-bound (tens of microseconds each, whatever their size) and a chain of K steps runs them
+one after another, so the chain cost milliseconds for a fraction of a millisecond of weight reads.
+Replicated, the draft extend (fed the replicated captures) and every draft step, its argmax or
+sampling included, run locally: the draft adds no collective to an iteration. The embedding the
+draft reads is replicated too: its own (70B layout), or a replicated copy of the target's (8B
+layout; `place_draft`), since a lookup in the target's vocab-parallel table is an all-reduce.
+Per-device cost, bf16, the same at every tp (`draft_param_specs`, `draft_cache_specs`;
+parallel/plan.py counts it):
+  - 70B drafter: 1.58 GB (fc, midlayer, lm_head over 32000 ids) + 1.58 GB (its embedding
+    [128256, 6144]) = 3.15 GB per device (split 4 ways it was 0.79 GB); its KV cache 4 KB per
+    token on every device (the target's: 320 KB / tp).
+  - 8B drafter: 0.85 GB + 1.05 GB (the copy of the target's embedding [128256, 4096]) = 1.90 GB
+    per device; its KV cache 4 KB per token (the target's: 128 KB / tp).
 
-Fused step functions (verify + draft in one executable) must pin activations, because sharding
-propagation is not cost-based: `replicate` the residual stream (forward's hidden and captures,
-fuse_captures / draft_forward outputs) and pass logits through `vocab_logits` (computed
-vocab-sharded, then one all-gather of the [.., V] activation). Then a whole iteration has only the
-collectives above plus one logits all-gather per lm_head call (see tests/test_parallel.py).
+Fused step functions (verify + draft in one executable) must pin the target's activations,
+because sharding propagation is not cost-based: `replicate` its residual stream (forward's hidden
+and captures) and pass its logits through `vocab_logits` (computed vocab-sharded, then one
+all-gather of the [.., V] activation where a sampler needs them whole; an argmax moves only
+per-shard (max, index) pairs). The draft's values need no pin: all its inputs are replicated.
+Then an iteration's only collectives are the target's: 2 all-reduces per layer, the embedding's,
+and the logits' gather or argmax partials (see tests/test_parallel.py).
 
 Vocabulary sizes that tp does not divide fall back to a replicated embedding / lm_head (correct,
 just more memory); head counts or intermediate sizes that tp does not divide raise
@@ -145,19 +158,29 @@ def llama_param_specs(cfg: ModelConfig, tp: int) -> LlamaParams:
     )
 
 
-def draft_param_specs(cfg: DraftConfig, tp: int, own_embedding: bool) -> DraftParams:
-    """PartitionSpecs shaped like DraftParams (embed None unless the drafter ships its own)."""
-    layer = _layer_specs(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp, "draft")
-    _check("fc input width (num_captures * target_hidden_size)",
-           cfg.num_captures * cfg.target_hidden_size, tp, "draft")
-    return DraftParams(
-        fc=ROW,  # [n_capture * H_t, H]: replicated captures in, all-reduced [.., H] out
-        hidden_norm=REPLICATED, input_norm=REPLICATED, norm=REPLICATED,
-        lm_head=COLUMN if _vocab_ok(cfg.draft_vocab_size, tp) else REPLICATED,  # [H, V_draft]
-        d2t=REPLICATED,  # [V_draft] int32, indexed by the (global) argmax
-        embed=(VOCAB_ROWS if _vocab_ok(cfg.vocab_size, tp) else REPLICATED) if own_embedding else None,
-        **layer,
-    )
+def draft_holds_embedding(own_embedding: bool, tp: int) -> bool:
+    """Whether the drafter holds an embedding table on each device: its own, or at tp > 1 a
+    replicated copy of the target's (`place_draft`)."""
+    return own_embedding or tp > 1
+
+
+def draft_param_specs(cfg: DraftConfig | None, tp: int, own_embedding: bool) -> DraftParams:
+    """PartitionSpecs shaped like DraftParams as `place_draft` leaves them: every leaf replicated
+    at every tp (module docstring, "Draft head"); embed None only at tp 1 for a drafter without
+    its own (it then reads the target's)."""
+    del cfg  # the same for every drafter
+    r = REPLICATED
+    return DraftParams(fc=r, hidden_norm=r, input_norm=r, wqkv=r, wo=r, mlp_norm=r, w_gate_up=r, w_down=r, norm=r,
+                       lm_head=r, d2t=r, embed=r if draft_holds_embedding(own_embedding, tp) else None)
+
+
+def place_draft(dparams: DraftParams, target_embed: jax.Array, mesh: Mesh) -> DraftParams:
+    """The drafter on every device of `mesh` (draft_param_specs), with the embedding its forward
+    reads: its own, or a replicated copy of the target's `target_embed` [V, D] (the target keeps
+    its vocab-parallel one). Host or device arrays in; device arrays already replicated stay."""
+    if dparams.embed is None:
+        dparams = dparams.replace(embed=target_embed)
+    return shard_params(dparams, mesh, draft_param_specs(None, mesh.shape[TP], own_embedding=True))
 
 
 def kv_page_spec(num_kv_heads: int, tp: int) -> P:
@@ -174,8 +197,11 @@ def llama_cache_specs(cfg: ModelConfig, tp: int) -> KVCache:
     return kv_cache_specs(cfg.num_kv_heads, tp)
 
 
-def draft_cache_specs(cfg: DraftConfig, tp: int) -> KVCache:
-    return kv_cache_specs(cfg.num_kv_heads, tp)
+def draft_cache_specs(cfg: DraftConfig | None, tp: int) -> KVCache:
+    """The drafter's KV pages [1, P, page, kvh, hd]: replicated, as its weights (the same for
+    every drafter and tp)."""
+    del cfg, tp
+    return KVCache(k=REPLICATED, v=REPLICATED)
 
 
 def logits_spec(vocab_size: int, tp: int) -> P:
@@ -265,15 +291,16 @@ def replicated_like(tree: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------------
 # Activation constraints for fused step functions. Sharding propagation is not cost-based: left
-# alone inside a whole speculative iteration, Shardy pushes the draft fc's row split back into
-# the target's residual stream (all-gathers / all-to-alls of [B, T, D]) and, when logits must
-# end replicated for sampling, prefers all-gathering the lm_head WEIGHTS over the logits. These
-# pin the Megatron layout. All are no-ops when mesh is None (single device).
+# alone inside a whole speculative iteration, Shardy can push a split from one op into the
+# residual stream around it (a split drafter's row-parallel fc did: all-gathers / all-to-alls of
+# [B, T, D]) and, when logits must end replicated for sampling, prefers all-gathering the lm_head
+# WEIGHTS over the logits. These pin the Megatron layout. All are no-ops when mesh is None (single
+# device).
 
 
 def replicate(tree: Any, mesh: Mesh | None) -> Any:
-    """Constrain every array of `tree` to be replicated: use on forward's (hidden, captures) and
-    on the draft's fuse_captures / draft_forward outputs (the residual stream)."""
+    """Constrain every array of `tree` to be replicated: use on the target forward's (hidden,
+    captures), the residual stream the replicated drafter reads."""
     if mesh is None:
         return tree
     return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: NamedSharding(mesh, REPLICATED), tree))
@@ -306,6 +333,15 @@ def cache_pin(mesh: Mesh | None, num_kv_heads: int):
     if mesh is None:
         return None
     shardings = named(mesh, kv_cache_specs(num_kv_heads, mesh.shape[TP]))
+    return lambda cache: jax.lax.with_sharding_constraint(cache, shardings)
+
+
+def draft_cache_pin(mesh: Mesh | None):
+    """The draft forward's `pin_kv` under tp: its KV cache stays replicated after the write, so
+    no sharding from elsewhere in a fused program reaches the draft (None without a mesh)."""
+    if mesh is None:
+        return None
+    shardings = named(mesh, draft_cache_specs(None, mesh.shape[TP]))
     return lambda cache: jax.lax.with_sharding_constraint(cache, shardings)
 
 

@@ -251,9 +251,8 @@ class ModelRunner:
         if mesh is not None:  # weights already placed by their loader stay where they are
             tp = mesh.shape[sharding.TP]
             params = sharding.shard_params(params, mesh, model.param_specs(target, tp))
-            if draft_params is not None:
-                specs = sharding.draft_param_specs(draft, tp, own_embedding=draft_params.embed is not None)
-                draft_params = sharding.shard_params(draft_params, mesh, specs)
+            if draft_params is not None:  # replicated, with an embedding of its own: no collective in the draft
+                draft_params = sharding.place_draft(draft_params, params.embed, mesh)
             state = jax.device_put(state, state_shardings(state, target, self.step_cfg.draft, mesh))
         # As served: fewer argument buffers per dispatch (the caller's params are untouched).
         self._params, self._draft_params, self._state = model.for_serving(params), draft_params, state
@@ -364,9 +363,11 @@ class ModelRunner:
 
     # ---- inspection (tests, benchmarks) --------------------------------------------------------
     def trace_iteration(self, bucket: int, cfg: StepConfig):
-        """The fused iteration program at `bucket`, traced (`.lower()` for its HLO, for any platform)."""
-        return iterate_in_place_step.trace(self._params, self._draft_params, self._state, *self.padding_rows(bucket),
-                                           cfg=cfg)
+        """The fused iteration program at `bucket`, traced (`.lower()` for its HLO, for any platform)
+        on padding rows passed as serving passes rows (`PinnedBatch`): the program an iteration
+        runs, so `.lower().compile()` finds it built once one ran."""
+        return iterate_in_place_step.trace(self._params, self._draft_params, self._state,
+                                           *self._pinned.get(*self.padding_rows(bucket)), cfg=cfg)
 
     def trace_prefill(self, rows: int, size: int, cfg: StepConfig):
         """The prefill program of `rows` x `size` tokens under `cfg`, traced."""
@@ -396,6 +397,11 @@ class ModelRunner:
                 raise ValueError(f"parents {parents.tolist()}: node i+1's parent must be 0 (the root) .. i")
             s = s.replace(parents=s.parents.at[slot].set(parents))
         self._state = self._state.replace(slots=s)
+
+    def proposals(self, slot: int) -> np.ndarray:
+        """One slot's pending proposals, target ids [P] (a chain's K, a tree's T nodes), on the
+        host: what the next speculative iteration verifies."""
+        return np.asarray(self._state.slots.drafts[slot])
 
     def read_target_kv(self, block_table: np.ndarray, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """The target's cached keys and values of one row at `positions` [M], through its block

@@ -109,8 +109,9 @@ def with_lengths(state: DeviceState, rows, length: int) -> DeviceState:
 
 
 def state_shardings(state: DeviceState, target: ModelConfig, draft: DraftConfig | None, mesh: Mesh):
-    """NamedShardings for the state under tensor parallelism: KV pages split by kv heads (where
-    they divide), the per-slot state replicated."""
+    """NamedShardings for the state under tensor parallelism: the target's KV pages split by kv
+    heads (where they divide); the drafter's KV pages, like its weights, and the per-slot state
+    replicated."""
     from eagle3_jax.parallel import sharding
 
     tp = mesh.shape[sharding.TP]

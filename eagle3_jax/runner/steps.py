@@ -34,7 +34,7 @@ from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig, TreeSpec
 from eagle3_jax.model import eagle3
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
-from eagle3_jax.parallel.sharding import cache_pin, replicate, vocab_logits
+from eagle3_jax.parallel.sharding import cache_pin, draft_cache_pin, replicate, vocab_logits
 from eagle3_jax.runner import sampling
 from eagle3_jax.runner.speculator import Chain, DraftCarry, DraftContext, Tree
 from eagle3_jax.runner.state import DUMMY_SLOT, DeviceState, Slots, state_shardings
@@ -85,15 +85,17 @@ class StepConfig:
 
     @property
     def draft_context(self) -> DraftContext:
-        return DraftContext(self.draft, self.attention, self.gemv, self.greedy, self.mesh, self.pin_draft_kv())
+        # mesh None: the drafter is replicated under tp (sharding.py, "Draft head"), so its logits
+        # are computed whole on every device and nothing of the draft is pinned but its KV.
+        return DraftContext(self.draft, self.attention, self.gemv, self.greedy, None, self.pin_draft_kv())
 
     def pin_target_kv(self):
         """The target forward's `pin_kv` (None on one device)."""
         return cache_pin(self.mesh, self.target.num_kv_heads)
 
     def pin_draft_kv(self):
-        """The draft forward's `pin_kv` (None on one device)."""
-        return cache_pin(self.mesh, self.draft.num_kv_heads)
+        """The draft forward's `pin_kv`: its replicated KV cache (None on one device)."""
+        return draft_cache_pin(self.mesh)
 
 
 def _target(params, cfg: StepConfig, tokens, positions, kv, block_tables, tree=None):
