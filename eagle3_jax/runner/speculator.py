@@ -49,7 +49,6 @@ from eagle3_jax.config import DraftConfig, TreeSpec
 from eagle3_jax.model import eagle3, layers
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
-from eagle3_jax.parallel.sharding import vocab_logits
 from eagle3_jax.runner import sampling
 from eagle3_jax.runner import tree as T
 from eagle3_jax.runner.state import SlotLayout, Slots
@@ -77,7 +76,6 @@ class DraftContext:
     attention: str
     gemv: str
     greedy: bool
-    mesh: object  # jax.sharding.Mesh | None: pins the drafter's KV and logits under tensor parallelism
     pin_kv: object  # the draft forward's `pin_kv` (None on one device)
 
 
@@ -197,7 +195,7 @@ class Chain:
                                                  ctx.pin_kv, ctx.gemv)
             h, position = out[:, 0], position + 1
         # An argmax needs no all-gather of the logits: only per-shard (max, index) pairs move.
-        logits = vocab_logits(eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv), ctx.mesh, gather=not ctx.greedy)
+        logits = eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv)  # [B, Vd]
         # The proposal is the token at position + 2 (the draft pairs capture t with token t + 1).
         noise = None if ctx.greedy else _draft_noise(dparams, carry.row.key, position + 2, ctx.draft.vocab_size)
         ids, q = _draft_token(logits, carry.row, sampling.fold_in_rows(carry.keys, j), ctx.greedy, noise)
@@ -331,7 +329,7 @@ class Tree:
         Coupled rows (a sampling program) take the log-softmax of the perturbed log-probs at the
         children's position `index` [B] instead: their top-k is the Gumbel-top-k, holding the
         draft's guess of the target's coupled draw first."""
-        logits = vocab_logits(eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv), ctx.mesh, gather=True)
+        logits = eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv)  # [B, (k,) Vd]
         logp = jax.nn.log_softmax(logits, axis=-1)
         if ctx.greedy:
             return logp

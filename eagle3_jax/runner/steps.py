@@ -85,9 +85,9 @@ class StepConfig:
 
     @property
     def draft_context(self) -> DraftContext:
-        # mesh None: the drafter is replicated under tp (sharding.py, "Draft head"), so its logits
-        # are computed whole on every device and nothing of the draft is pinned but its KV.
-        return DraftContext(self.draft, self.attention, self.gemv, self.greedy, None, self.pin_draft_kv())
+        # The drafter is replicated under tp (sharding.py, "Draft head"): its logits are computed
+        # whole on every device, and nothing of the draft is pinned but its KV.
+        return DraftContext(self.draft, self.attention, self.gemv, self.greedy, self.pin_draft_kv())
 
     def pin_target_kv(self):
         """The target forward's `pin_kv` (None on one device)."""
