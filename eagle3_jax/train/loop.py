@@ -248,10 +248,11 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
                   cache: str | Path | Sequence[str | Path] | None, max_conversations: int | None,
                   spec: regenerate.RegenerateSpec | None = None, progress: bool = True, log=print) -> D.Examples:
     """Prepared examples, from the npz `cache` when it exists (it is written otherwise): ShareGPT
-    as written, or, with a `regenerate.RegenerateSpec`, its prompts answered by the target.
+    as written, or, with a `regenerate.RegenerateSpec`, its prompts and the target's own answered
+    by the target (their provenance written next to the cache, `regenerate.write_provenance`).
     Several cache files (regeneration shards, written by separate processes) must all exist; they
     are concatenated."""
-    paths = [Path(cache)] if isinstance(cache, (str, Path)) else [Path(p) for p in cache or ()]
+    paths = _cache_paths(cache)
     if len(paths) > 1 or (paths and paths[0].is_file()):
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
@@ -259,15 +260,22 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
         ex = D.load_examples(paths)
         if ex.tokens.shape[1] == seq_len:
             log(f"data: {len(ex.tokens)} rows from {', '.join(map(str, paths))}")
+            provenance = regenerate.read_provenance(paths)
+            if provenance is not None:
+                if spec is not None and provenance["spec"] != regenerate.spec_record(spec):
+                    raise D.DataError(f"{paths[0]} was built with other data settings than asked for now; "
+                                      "delete it or name another --data-cache")
+                log(regenerate.format_provenance(provenance))
             return ex
         if len(paths) > 1:
-            raise ValueError(f"data files hold rows of {ex.tokens.shape[1]} tokens, training asks for {seq_len}")
+            raise D.DataError(f"data files hold rows of {ex.tokens.shape[1]} tokens, training asks for {seq_len}")
     # The whole pinned file is checked for its record count; a cut-down run reads only a prefix.
     expect = None if max_conversations else D.SHAREGPT_WHOLE_RECORDS
+    provenance = None
     if spec is not None:
-        ex = regenerate.regenerate_sharegpt(target_dir, sharegpt, seq_len, spec, mtbench=mtbench,
-                                            max_conversations=max_conversations, expect_records=expect,
-                                            progress=progress, log=log)
+        ex, provenance = regenerate.regenerate_data(target_dir, sharegpt, seq_len, spec, mtbench=mtbench,
+                                                    max_conversations=max_conversations, expect_records=expect,
+                                                    progress=progress, log=log)
     else:
         from transformers import AutoTokenizer
 
@@ -276,7 +284,15 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
                                 expect_records=expect, log=log)
     if paths:
         D.save_examples(ex, paths[0])
+        if provenance is not None:
+            regenerate.write_provenance(provenance, paths[0])
+        else:  # an older file's would describe other data
+            regenerate.provenance_path(paths[0]).unlink(missing_ok=True)
     return ex
+
+
+def _cache_paths(cache: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    return [Path(cache)] if isinstance(cache, (str, Path)) else [Path(p) for p in cache or ()]
 
 
 def prepare_data(target_dir: str | Path, seq_len: int, *, sharegpt: str | Path | None = None, mtbench="auto",
