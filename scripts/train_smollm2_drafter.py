@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ckpt-dir", help="orbax checkpoints (default: LOG_DIR/ckpt; a rerun resumes from it)")
     ap.add_argument("--data-cache", help="npz of the tokenized data (default: LOG_DIR/data_T.npz)")
     ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
-    ap.add_argument("--regen-gpus", type=regenerate._positive, default=1, help="regenerate on this many GPUs")
-    ap.add_argument("--regen-processes-per-gpu", type=regenerate._positive, default=3,
+    ap.add_argument("--regen-gpus", type=regenerate.positive_int, default=1, help="regenerate on this many GPUs")
+    ap.add_argument("--regen-processes-per-gpu", type=regenerate.positive_int, default=3,
                     help="regeneration processes sharing each GPU: the 135M target's decode is bound by the host "
                     "loop, so several processes keep one GPU busier")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (for log files)")

@@ -693,14 +693,14 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
 def add_evaluation_arguments(ap, ckpt_every: int, eval_rows: int) -> None:
     """Training-time test depth, checkpoints, held-out evaluation and early stopping flags (also
     scripts/train_smollm2_drafter.py's)."""
-    ap.add_argument("--ttt-steps", type=regenerate._positive, default=TTT_STEPS,
+    ap.add_argument("--ttt-steps", type=regenerate.positive_int, default=TTT_STEPS,
                     help=f"training-time test steps: the proposal depth trained (default {TTT_STEPS}, the deepest "
                     "chain or tree the engine serves)")
-    ap.add_argument("--ckpt-every", type=regenerate._positive, default=ckpt_every,
+    ap.add_argument("--ckpt-every", type=regenerate.positive_int, default=ckpt_every,
                     help="save a checkpoint and evaluate the held-out rows every N steps")
-    ap.add_argument("--eval-rows", type=regenerate._count, default=eval_rows,
+    ap.add_argument("--eval-rows", type=regenerate.count_int, default=eval_rows,
                     help="rows held out for evaluation (the first ones; at most a quarter of the data)")
-    ap.add_argument("--patience", type=regenerate._count, default=0,
+    ap.add_argument("--patience", type=regenerate.count_int, default=0,
                     help="stop after N evaluations in a row without improvement and write the best evaluated "
                     "drafter (default 0: run every step, write the last)")
     ap.add_argument("--early-stop-metric", choices=sorted(STOP_METRICS), default="loss",

@@ -517,11 +517,11 @@ def add_arguments(ap) -> None:
     g = ap.add_argument_group("self-distillation: train on the target's own replies to ShareGPT's and its own prompts")
     g.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=False,
                    help="answer the prompts with the target and train on those replies")
-    g.add_argument("--regen-max-prompt-tokens", type=_positive, default=RegenerateSpec.max_prompt_tokens)
-    g.add_argument("--regen-max-new-tokens", type=_positive, default=RegenerateSpec.max_new_tokens)
+    g.add_argument("--regen-max-prompt-tokens", type=positive_int, default=RegenerateSpec.max_prompt_tokens)
+    g.add_argument("--regen-max-new-tokens", type=positive_int, default=RegenerateSpec.max_new_tokens)
     g.add_argument("--regen-temperatures", type=_floats, default=RegenerateSpec.temperatures,
                    help="temperatures the prompts are answered at, comma-separated (0 = greedy; default 0)")
-    g.add_argument("--regen-replies-per-prompt", type=_positive,
+    g.add_argument("--regen-replies-per-prompt", type=positive_int,
                    help="answer each prompt at this many of the temperatures, picked from its number and "
                    "--regen-seed (default: at every one)")
     g.add_argument("--regen-turns", type=_turns, default=RegenerateSpec.turns,
@@ -532,25 +532,25 @@ def add_arguments(ap) -> None:
                    help="another value draws other sampled replies, e.g. to continue training (--init) on new data")
     g.add_argument("--regen-shard", type=_shard, default=RegenerateSpec.shard, metavar="I/N",
                    help="answer only shard I of N of the prompts (one process per GPU); default 0/1")
-    g.add_argument("--magpie", type=_count, default=RegenerateSpec.magpie, metavar="N",
+    g.add_argument("--magpie", type=count_int, default=RegenerateSpec.magpie, metavar="N",
                    help="also ask the target to write N requests of its own (Magpie: its chat template's user "
                    "header alone, sampled) and answer those; default 0")
     g.add_argument("--magpie-file", help="JSONL of the Magpie requests: read when it exists, else written")
     g.add_argument("--magpie-seed", type=int, default=RegenerateSpec.magpie_seed)
     g.add_argument("--magpie-temperature", type=float, default=RegenerateSpec.magpie_temperature)
     g.add_argument("--magpie-top-p", type=float, default=RegenerateSpec.magpie_top_p)
-    g.add_argument("--magpie-max-tokens", type=_positive, default=RegenerateSpec.magpie_max_tokens,
+    g.add_argument("--magpie-max-tokens", type=positive_int, default=RegenerateSpec.magpie_max_tokens,
                    help="a request that has not ended within these tokens is dropped")
     f = P.PromptFilters()
     g.add_argument("--prompt-filters", action=argparse.BooleanOptionalAction, default=True,
                    help="drop MT-bench overlaps (containment, 8-grams), non-Latin scripts, short requests and "
                    "(near) duplicates; --no-prompt-filters keeps every prompt (the shipped drafter's data: only "
                    "conversations with an exact MT-bench question are dropped)")
-    g.add_argument("--min-prompt-chars", type=_count, default=f.min_chars,
+    g.add_argument("--min-prompt-chars", type=count_int, default=f.min_chars,
                    help="drop prompts whose last user message is shorter")
     g.add_argument("--min-ascii-letters", type=_share, default=f.min_ascii_letters,
                    help="drop prompts whose user messages' letters are less than this share ASCII")
-    g.add_argument("--dedupe-prefix-chars", type=_positive, default=f.prefix_chars,
+    g.add_argument("--dedupe-prefix-chars", type=positive_int, default=f.prefix_chars,
                    help="near duplicates: the same context and the same first N characters of the last message")
     g.add_argument("--shuffle-prompts", action=argparse.BooleanOptionalAction, default=RegenerateSpec.shuffle_prompts,
                    help="order the prompts by a fixed permutation (the held-out rows then sample every source); "
@@ -577,11 +577,11 @@ def _int(text: str, least: int, what: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     return _int(text, 1, "a positive integer")
 
 
-def _count(text: str) -> int:
+def count_int(text: str) -> int:
     return _int(text, 0, "an integer >= 0")
 
 
