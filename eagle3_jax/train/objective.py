@@ -20,10 +20,18 @@ diagonal per step). This is exactly what inference sees: a chain step at positio
 the draft prefill's keys 0..t and to the chain steps' own keys at t+1..t+j.
 Loss: sum_j 0.8**j * CE_j (main.py: `ploss_weight = [0.8 ** i ...]`), CE_j = masked mean over
 positions of -sum_v p_v log q_v (forward KL up to the target's entropy; same gradient). The
-reference averages over all B*T positions; we average over the masked ones. S = 7 steps
-(cnets.py `self.length = 7`). Accuracy_j: draft argmax == target argmax, over the assistant
-positions of step j (a target argmax outside the draft vocabulary counts as a miss, as in the
-reference's `acces`).
+reference averages over all B*T positions; we average over the masked ones. S = 6 steps by
+default, the depth of the deepest proposal the engine serves (a chain of 6 or the tree
+TreeSpec(6, 8, 31)): step j trains proposal j + 1, and the reference's 7th step (cnets.py
+`self.length = 7`) trains a depth nothing drafts; `num_steps` sets it. Accuracy_j: draft argmax ==
+target argmax, over the assistant positions of step j (a target argmax outside the draft
+vocabulary counts as a miss, as in the reference's `acces`).
+
+Acceptance proxy (`chain_acceptance`): with every input teacher-forced, a greedy chain of K
+proposals from base t would accept its first j + 1 when steps 0..j all hit; accept_j is the
+share of bases (whose S predicted tokens are all assistant tokens) where they do, and
+1 + sum_{j<K} accept_j the chain's acceptance length. It ignores that a sampled row's tokens are
+not the target's argmax, so it tracks MT-bench's greedy acceptance rather than equals it.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from eagle3_jax.model.eagle3 import DraftParams, draft_forward, draft_layer, dra
 from eagle3_jax.model.layers import project_qkv, rope_inv_freq
 
 STEP_WEIGHT = 0.8  # main.py: ploss_weight = [0.8 ** i for i in range(len(plosses))]
-TTT_STEPS = 7  # cnets.py: self.length = 7
+TTT_STEPS = 6  # the deepest proposal served (a chain of 6, TreeSpec(6, 8, 31)); cnets.py unrolls 7
 
 
 def shift_left(x: jax.Array, n: int, fill=0) -> jax.Array:
@@ -137,12 +145,12 @@ def chain_step(params: DraftParams, cfg: DraftConfig, embed: jax.Array, tokens: 
 
 def _head_stats(params: DraftParams, cfg: DraftConfig, h: jax.Array, p: jax.Array,
                 mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """h [B, T, H], p [B, T, N], mask [B, T] -> (sum of masked CE, number of masked argmax hits).
+    """h [B, T, H], p [B, T, N], mask [B, T] -> (sum of masked CE, masked argmax hits [B, T] bool).
     Rematerialized in the backward pass: the [B, T, N] logits of every step are never kept."""
     logits = draft_logits(params, cfg, h)  # [B, T, N] f32
     ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T]
     hit = (jnp.argmax(logits, -1) == jnp.argmax(p, -1)) & mask
-    return jnp.sum(jnp.where(mask, ce, 0.0)), jax.lax.stop_gradient(jnp.sum(hit))
+    return jnp.sum(jnp.where(mask, ce, 0.0)), jax.lax.stop_gradient(hit)
 
 
 _head_stats_remat = jax.checkpoint(_head_stats, static_argnums=(1,))
@@ -187,14 +195,25 @@ def ttt_loss(params: DraftParams, cfg: DraftConfig, embed: jax.Array, captures: 
 
     Arguments as `ttt_hiddens`, plus loss_mask [B, T] (assistant tokens) and p [B, T, N],
     in_vocab [B, T] from `target_distribution`.
-    -> (scalar loss, {"loss_steps": [S], "acc_steps": [S]}).
+    -> (scalar loss, {"loss_steps": [S], "acc_steps": [S], "accept_steps": [S] (`chain_acceptance`)}).
     """
-    losses, accs = [], []
+    losses, accs, hits, denoms = [], [], [], []
     for j, h in enumerate(ttt_hiddens(params, cfg, embed, captures, tokens, num_steps)):
         _, step_p, mask, denom = step_targets(tokens, loss_mask, p, in_vocab, j)
-        ce_sum, hits = _head_stats_remat(params, cfg, h, step_p, mask)
+        ce_sum, hit = _head_stats_remat(params, cfg, h, step_p, mask)
         losses.append(ce_sum / jnp.maximum(jnp.sum(mask), 1))
-        accs.append(hits / jnp.maximum(jnp.sum(denom), 1))
+        accs.append(jnp.sum(hit) / jnp.maximum(jnp.sum(denom), 1))
+        hits.append(hit)
+        denoms.append(denom)
     losses, accs = jnp.stack(losses), jnp.stack(accs)
+    accept = chain_acceptance(jnp.stack(hits), jnp.all(jnp.stack(denoms), axis=0))
     weights = jnp.asarray([step_weight ** j for j in range(num_steps)], jnp.float32)
-    return jnp.sum(weights * losses), {"loss_steps": losses, "acc_steps": accs}
+    return jnp.sum(weights * losses), {"loss_steps": losses, "acc_steps": accs, "accept_steps": accept}
+
+
+def chain_acceptance(hits: jax.Array, valid: jax.Array) -> jax.Array:
+    """hits [S, B, T] bool (step j's draft argmax is the target's at base t), valid [B, T] bool ->
+    [S] f32: the share of valid bases whose steps 0..j all hit, the teacher-forced acceptance rate
+    of a chain's proposal j + 1 (its acceptance length at K proposals: 1 + the sum of the first K)."""
+    run = jnp.cumprod(hits.astype(jnp.float32), axis=0)  # [S, B, T]: steps 0..j all hit
+    return jnp.sum(run * valid, axis=(1, 2)) / jnp.maximum(jnp.sum(valid), 1)
