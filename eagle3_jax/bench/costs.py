@@ -193,7 +193,7 @@ def tree_iteration_cost(target: ModelConfig, draft: DraftConfig, spec: TreeSpec,
     """One tree iteration: verify the root and spec.tokens nodes; the draft extend over the
     accepted path (up to spec.steps + 1 positions), then spec.steps - 1 levels of top_k beams."""
     cost = target_cost(target, batch, spec.tokens + 1, context, itemsize, tp)
-    cost += draft_cost(draft, batch, spec.steps + 1, context, itemsize, first=True, tp=tp)
+    cost += draft_cost(draft, batch, spec.steps + 1, context, itemsize, first=True)
     for _ in range(spec.steps - 1):
-        cost += draft_cost(draft, batch, spec.top_k, context, itemsize, first=False, tp=tp)
+        cost += draft_cost(draft, batch, spec.top_k, context, itemsize, first=False)
     return cost
