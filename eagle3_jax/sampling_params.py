@@ -37,8 +37,9 @@ class SamplingParams:
         coupling keyed by (seed, position): the tokens are a function of the
         prompt and the seed alone, the same alone or in any batch, with
         speculation on or off, a chain or a tree (runner/sampling.py); "auto"
-        (default) = "coupled" when a seed is given, else "draft_q"
-        (`acceptance_rule`; BENCHMARKS.md, "Sampled acceptance", measures both).
+        (default) = "coupled" when a seed is given or the engine drafts a tree,
+        else "draft_q" (`acceptance_rule`; BENCHMARKS.md, "Sampled acceptance":
+        draft_q accepts the most on a chain, coupled on a tree).
     """
 
     max_tokens: int = 256
@@ -125,13 +126,13 @@ class SamplingParams:
                 f"got {self.draft_acceptance!r}"
             )
 
-    @property
-    def acceptance_rule(self) -> str:
-        """draft_acceptance resolved: "auto" is "coupled" for a seeded request (a seed must
-        reproduce its tokens whatever speculation does) and "draft_q" otherwise (it accepts more)."""
+    def acceptance_rule(self, tree: bool = False) -> str:
+        """draft_acceptance resolved on an engine that drafts a chain (or a tree): "auto" is
+        "coupled" for a seeded request (a seed must reproduce its tokens whatever speculation
+        does) and on a tree (where it accepts the most), else "draft_q" (the most on a chain)."""
         if self.draft_acceptance != "auto":
             return self.draft_acceptance
-        return "coupled" if self.seed is not None else "draft_q"
+        return "coupled" if self.seed is not None or tree else "draft_q"
 
     @property
     def greedy(self) -> bool:

@@ -50,6 +50,12 @@ def test_coupling_noise_is_a_function_of_the_key_and_the_position():
     np.testing.assert_array_equal(noise[1, 0], noise[1, 2])  # same key, same position
     assert not np.allclose(noise[0, 0], noise[0, 1])  # another position
     assert not np.allclose(noise[0, 0], noise[1, 0])  # another key
+    # Standard Gumbel: mean Euler's gamma, variance pi^2 / 6; neighbouring tokens and positions
+    # uncorrelated (the per-token hash, not a sequence).
+    wide = np.asarray(S.coupling_noise(keys, np.arange(12, dtype=np.int32).reshape(3, 4), 8192)).reshape(12, 8192)
+    assert abs(wide.mean() - np.euler_gamma) < 0.01 and abs(wide.var() - np.pi**2 / 6) < 0.03
+    assert abs(np.corrcoef(wide[:, :-1].ravel(), wide[:, 1:].ravel())[0, 1]) < 0.01
+    assert abs(np.corrcoef(wide[:-1].ravel(), wide[1:].ravel())[0, 1]) < 0.01
 
 
 # ---- generation: with any drafter, exactly the target alone's tokens -------------------------------
