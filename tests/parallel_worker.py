@@ -246,7 +246,7 @@ def run_runner_hlo() -> dict:
     wide = _runner(cfg, DraftConfig.like_target(cfg, 128), 4, own_embedding=False)  # the target's width
 
     def compiled(runner, k: int) -> list[dict]:
-        return collectives(runner.trace_iteration(4, runner.config(k, True)).lower().compile().as_text())
+        return collectives(runner.trace_iteration(4, runner.config(Chain(k), True)).lower().compile().as_text())
 
     return dict(no_drafter_tp8=compiled(bare, 0), target_embedding_tp4=compiled(wide, 3))
 
@@ -311,7 +311,7 @@ def forced_run(engine, prompts, ref, k: int, target_only_every: int) -> dict:
     engine.overlap = False  # read each step before forcing the next one's proposals
     done = [0]
     if target_only_every:
-        engine.speculates = lambda bucket: done[0] % target_only_every != target_only_every - 1
+        engine.choice = lambda bucket: None if done[0] % target_only_every == target_only_every - 1 else 0
     target_only = sum(engine.stats.target_only_iterations.values())
     reqs = [engine.add_request(p, SamplingParams(max_tokens=len(r))) for p, r in zip(prompts, ref)]
     history, drafted = [[] for _ in reqs], [[] for _ in reqs]
@@ -325,13 +325,13 @@ def forced_run(engine, prompts, ref, k: int, target_only_every: int) -> dict:
             if r.finished or not r.output:
                 continue
             n = len(r.output)
-            drafted[i].append(engine.runner.proposals(r.slot).tolist())
+            drafted[i].append(engine.runner.pending_proposals(r.slot).tolist())
             drafts = (ref[i][n:n + k] + [0] * k)[:k]
             wrong = WRONG[(done[0] + i) % len(WRONG)]
             if wrong is not None:
                 drafts[wrong] = (drafts[wrong] + 1) % engine.step_cfg.target.vocab_size
             engine.runner.set_proposals(r.slot, drafts)
-    vars(engine).pop("speculates", None)  # the engine's own choice again
+    vars(engine).pop("choice", None)  # the engine's own choice again
     return dict(tokens=[r.output for r in reqs], history=history, drafted=drafted,
                 target_only_iterations=sum(engine.stats.target_only_iterations.values()) - target_only)
 
@@ -379,7 +379,7 @@ def program_collectives(runner, sampling_and_prefill: bool) -> dict:
     def compiled(traced) -> list[dict]:
         return collectives(traced.lower().compile().as_text())
 
-    res = {name: compiled(runner.trace_iteration(4, runner.config(k, True))) for name, k in (("eagle", 3),
+    res = {name: compiled(runner.trace_iteration(4, runner.config(Chain(k), True))) for name, k in (("eagle", 3),
                                                                                              ("decode", 0))}
     if sampling_and_prefill:
         res["eagle_sampling"] = compiled(runner.trace_iteration(4, runner.config(3, False)))

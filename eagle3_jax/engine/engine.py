@@ -326,10 +326,6 @@ class Engine:
         return policy.choose(self.step_costs.get(bucket), self.acceptance,
                              [p.num_draft_steps + 1 for p in self.proposals], self.policy)
 
-    def speculates(self, bucket: int) -> bool:
-        """Whether the bucket's choice now is a proposal rather than the target alone."""
-        return self.choice(bucket) is not None
-
     def _config(self, choice: int | None, greedy: bool) -> StepConfig:
         return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy)
 

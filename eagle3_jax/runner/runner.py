@@ -398,16 +398,18 @@ class ModelRunner:
             s = s.replace(parents=s.parents.at[slot].set(parents))
         self._state = self._state.replace(slots=s)
 
-    def proposals(self, slot: int) -> np.ndarray:
+    def pending_proposals(self, slot: int) -> np.ndarray:
         """One slot's pending proposals, target ids [P] (a chain's K, a tree's T nodes), on the
         host: what the next speculative iteration verifies."""
         return np.asarray(self._state.slots.drafts[slot])
 
-    def read_target_kv(self, block_table: np.ndarray, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The target's cached keys and values of one row at `positions` [M], through its block
-        table [nb] (the scheduler's row of the slot): -> (k, v) [L, M, kvh, hd], on the host."""
+    def read_kv(self, block_table: np.ndarray, positions: Sequence[int], draft: bool = False
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """The target's (or, `draft`, the drafter's) cached keys and values of one row at
+        `positions` [M], through its block table [nb] (the scheduler's row of the slot):
+        -> (k, v) [L, M, kvh, hd], on the host."""
         positions = np.asarray(positions)
         pages = np.asarray(block_table)[positions // self.cfg.page_size]
         offsets = positions % self.cfg.page_size
-        kv = self._state.target_kv
+        kv = self._state.draft_kv if draft else self._state.target_kv
         return np.asarray(kv.k[:, pages, offsets]), np.asarray(kv.v[:, pages, offsets])
