@@ -8,7 +8,6 @@ import gc
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from eagle3_jax import assets
@@ -76,23 +75,36 @@ def hf_model():
     return model.eval()
 
 
-@pytest.fixture(scope="session")
-def random_drafter_dir(tmp_path_factory, smollm2_cfg):
-    """A random SmolLM2-shaped drafter in the public layout (nearly every proposal rejected)."""
-    from eagle3_jax.model.eagle3 import init_draft_params
-    from eagle3_jax.weights.eagle3 import save_drafter
+# A tiny random Llama and drafters for the engine's logic: a vocabulary of 12 tokens, so a random
+# drafter's proposals are often the target's next token and get accepted (tests/test_engine_tiny.py,
+# tests/test_tree_engine.py).
+TINY_VOCAB = 12
+TINY = ModelConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                   max_position_embeddings=128, tie_word_embeddings=False, eos_token_ids=(2,))
 
-    # max_position_embeddings 32: every prompt runs past the drafter's nominal RoPE range.
-    cfg = DraftConfig.like_target(smollm2_cfg, draft_vocab_size=2048, max_position_embeddings=32)
-    params = init_draft_params(cfg, jax.random.PRNGKey(7), jnp.float32)
-    return save_drafter(params, cfg, tmp_path_factory.mktemp("random_drafter"))
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """TINY's target directory, and two drafters: one reading the target's embedding ("shared"),
+    and one of the 70B layout ("own": narrower, its own embedding, a draft vocabulary of 8 of the
+    12 tokens, a RoPE range shorter than the prompts)."""
+    from eagle3_jax.bench.phases import write_random_models
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    target, shared = write_random_models(TINY, DraftConfig.like_target(TINY, TINY_VOCAB), root / "shared")
+    # max_position_embeddings 8: every prompt and reply runs past the drafter's nominal RoPE range.
+    narrow = DraftConfig.like_target(TINY, 8, hidden_size=24, intermediate_size=48, head_dim=6,
+                                     max_position_embeddings=8)
+    _, own = write_random_models(TINY, narrow, root / "own")
+    return target, {"shared": shared, "own": own}
 
 
 # Small shapes keep CPU compilation cheap: prompts over 64 tokens are prefilled in chunks, one
 # prompt per prefill call (each prefill shape is two more programs of ~20 s each to compile on the
 # CPU: tests/test_engine.py's spec_llm batches its prefills, against the target alone's single ones).
 # "always": one iteration program per bucket, and every test speculates whatever the CPU's timing;
-# tests/test_engine.py runs "auto" end to end.
+# tests/test_engine_tiny.py and tests/test_tree_engine.py run "auto" end to end.
 TEST_ENGINE = {"batch_buckets": (1, 8), "prefill_buckets": (64,), "prefill_batch_buckets": (1,),
                "max_model_len": 384, "num_pages": 256, "speculation": "always"}
 
@@ -108,4 +120,6 @@ def make_llm(target, draft=None, num_draft=3, warmup=True, **engine):
 
 @pytest.fixture(scope="session")
 def target_llm(smollm2_dir):
-    return make_llm(smollm2_dir)
+    """SmolLM2 alone, the reference of greedy outputs: each program built on first use (the
+    tests' references are greedy, so warming up would also build the sampling ones for nothing)."""
+    return make_llm(smollm2_dir, warmup=False)

@@ -1,4 +1,6 @@
-"""EAGLE-3 drafter: public layouts, draft forward parity, lossless greedy decoding, bad drafters."""
+"""EAGLE-3 drafter: public layouts, draft forward parity, bad drafters. Lossless decoding with
+drafters of both layouts: tests/test_tree_engine.py and tests/test_engine.py; with proposals forced
+by hand: tests/test_engine_tiny.py."""
 
 from __future__ import annotations
 
@@ -8,9 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_llm
 
-from eagle3_jax import SamplingParams
 from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
 from eagle3_jax.model import eagle3
 from eagle3_jax.model.llama import KVCache
@@ -239,103 +239,3 @@ def test_bad_d2t_capture_count_and_missing_tensors(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"no model\.safetensors or pytorch_model\.bin"):
         load_drafter(tmp_path, TINY_TARGET, jnp.float32)
-
-
-# ---- lossless greedy speculative decoding on the real SmolLM2 target ---------------------------
-
-
-@pytest.fixture(scope="module")
-def reference_outputs(target_llm, chat_ids):
-    """Target-only greedy, 40 tokens, for the first 8 MT-bench prompts."""
-    return target_llm.generate(chat_ids[:8], SamplingParams(max_tokens=40))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_random_drafter_is_lossless(smollm2_dir, random_drafter_dir, chat_ids, reference_outputs, k):
-    llm = make_llm(smollm2_dir, random_drafter_dir, num_draft=k, batch_buckets=(8,))
-    outs = llm.generate(chat_ids[:8], SamplingParams(max_tokens=40))
-    for ref, out in zip(reference_outputs, outs):
-        assert out.token_ids == ref.token_ids
-        assert out.metrics.iterations >= 1 and len(out.metrics.acceptance_rates) == k
-    # Every prompt runs past the drafter's max_position_embeddings (32) without trouble; nearly
-    # every random proposal is rejected.
-    assert np.mean([o.metrics.acceptance_length for o in outs]) < 1.3
-
-
-def _run_forced(llm, ids, ref, max_tokens, choose_mismatch):
-    """Decode with proposals taken from the known greedy continuation `ref`, wrong at the index
-    `choose_mismatch(tokens_remaining)` returns (None: all right).
-    Returns (request, [(tokens emitted, drafts accepted) per iteration after the first])."""
-    engine, k = llm.engine, llm.engine.step_cfg.num_draft
-    engine.overlap = False  # read each iteration before forcing the next one's proposals
-    req = engine.add_request(ids, SamplingParams(max_tokens=max_tokens))
-    history = []
-    while not req.finished:
-        before, accepted = len(req.output), req.metrics.accepted
-        engine.step()
-        if before:
-            history.append((len(req.output) - before, req.metrics.accepted - accepted))
-        if req.finished:
-            break
-        n = len(req.output)
-        truth = (ref[n : n + k] + [0] * k)[:k]
-        wrong = choose_mismatch(min(len(ref), max_tokens) - n)
-        drafts = list(truth)
-        if wrong is not None:
-            drafts[wrong] = (truth[wrong] + 1) % 49152
-        engine.runner.set_proposals(req.slot, drafts)  # the next iteration verifies these
-    while engine.has_unfinished():
-        engine.step()
-    return req, history
-
-
-@pytest.fixture(scope="module")
-def forced_llm(smollm2_dir, random_drafter_dir):
-    return make_llm(smollm2_dir, random_drafter_dir, num_draft=3, batch_buckets=(1,))
-
-
-@pytest.fixture(scope="module")
-def eos_case(tokenizer, target_llm):
-    """A prompt whose greedy answer ends with EOS within 64 tokens, and that answer."""
-    for question in (
-        "Name the three primary colors and say one sentence about each.",
-        "Give me two tips for sleeping better.",
-        "What is the capital of France? Explain briefly.",
-    ):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        ref = target_llm.generate([ids], SamplingParams(max_tokens=64))[0]
-        if ref.finish_reason == "stop" and len(ref.token_ids) >= 16:
-            return ids, ref.token_ids
-    pytest.fail("no prompt with a short EOS-terminated answer")
-
-
-@pytest.mark.slow
-def test_forced_proposals_none_some_all_accepted(forced_llm, eos_case):
-    ids, ref = eos_case
-    plan = iter([0, 1, 2, None] * 16)  # none, some, some, all K plus the bonus, ...
-    req, history = _run_forced(forced_llm, ids, ref, 64, lambda remaining: next(plan))
-    assert req.output == ref and req.finish_reason == "stop"
-    assert history[:4] == [(1, 0), (2, 1), (3, 2), (4, 3)]  # (emitted, accepted) per iteration
-
-
-@pytest.mark.slow
-def test_forced_proposals_eos_inside_an_accepted_run(forced_llm, eos_case):
-    ids, ref = eos_case
-    k = 3
-    # All right, except one mismatch at 0 to shift the runs so EOS lands on a draft, not the bonus.
-    req, history = _run_forced(forced_llm, ids, ref, 64, lambda remaining: 0 if remaining == k + 1 else None)
-    assert req.output == ref and req.finish_reason == "stop"
-    emitted, accepted = history[-1]
-    assert emitted <= k and accepted >= emitted  # EOS was an accepted draft; the rest discarded
-
-
-@pytest.mark.slow
-def test_forced_proposals_max_tokens_inside_an_accepted_run(forced_llm, eos_case):
-    ids, ref = eos_case
-    req, history = _run_forced(forced_llm, ids, ref, 5, lambda remaining: None)
-    assert req.output == ref[:5] and req.finish_reason == "length"
-    emitted, accepted = history[-1]
-    assert accepted == 3 and emitted < 4  # all K accepted, cut by max_tokens

@@ -1,8 +1,8 @@
 """Dynamic draft trees served by the engine (EngineConfig.tree): greedy output token-identical to
 the target alone, the accepted path's target KV as a plain prefill of the accepted sequence leaves
 it, no compiles after warm-up (with target-only iterations between speculative ones), sampled rows,
-and the errors of bad trees. A tiny random target and drafters written by the tests; one slow test
-on SmolLM2 with the shipped drafter.
+and the errors of bad trees. A tiny random target and drafters written by the tests; SmolLM2 with
+the shipped drafter drafts a tree in tests/test_engine.py.
 
 The vocabulary is small (12 tokens), so the random drafter's top-k often holds the target's next
 token and trees are accepted past their first level; the forced-tree test chooses each tree itself,
@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
+from conftest import TINY_VOCAB
 
 from eagle3_jax import SamplingParams, TreeSpec
-from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import ConfigError, EngineConfig
 from eagle3_jax.engine.scheduler import Scheduler
 from eagle3_jax.runner.speculator import Chain, Tree
 
-VOCAB = 12
-TINY = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
-                   tie_word_embeddings=False, eos_token_ids=(2,))
+VOCAB = TINY_VOCAB
 # Mixed lengths in one batch: one prompt of 19 tokens is prefilled in two chunks of the 16-token bucket.
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6, 7, 0], [4], [3, 3, 3, 3, 3]]
 MAX_TOKENS = 40
@@ -44,21 +43,8 @@ def make(target, draft, tree: TreeSpec | None, warmup: bool = False, **engine):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """The target, and two drafters: one reading the target's embedding, and one of the 70B
-    layout (narrower, its own embedding, a draft vocabulary of 8 of the 12 tokens)."""
-    from eagle3_jax.bench.phases import write_random_models
-
-    root = tmp_path_factory.mktemp("tree_models")
-    target, shared = write_random_models(TINY, DraftConfig.like_target(TINY, VOCAB), root / "shared")
-    narrow = DraftConfig.like_target(TINY, 8, hidden_size=24, intermediate_size=48, head_dim=6)
-    _, own = write_random_models(TINY, narrow, root / "own")
-    return target, {"shared": shared, "own": own}
-
-
-@pytest.fixture(scope="module")
-def alone(models):
-    return make(models[0], None, None)
+def alone(tiny_models):
+    return make(tiny_models[0], None, None)
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +54,16 @@ def reference(alone):
 
 
 @pytest.fixture(scope="module")
-def tree_llm(models):
+def tree_llm(tiny_models):
     """TreeSpec(3, 2, 5) with the shared drafter, built once for the tests that step it by hand."""
-    return make(models[0], models[1]["shared"], TreeSpec(3, 2, 5))
+    return make(tiny_models[0], tiny_models[1]["shared"], TreeSpec(3, 2, 5))
 
 
 # ---- greedy: token-identical -------------------------------------------------------------------
 @pytest.mark.parametrize("drafter", ["shared", "own"])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_greedy_tree_is_token_identical_to_the_target_alone(models, reference, spec, drafter):
-    target, drafters = models
+def test_greedy_tree_is_token_identical_to_the_target_alone(tiny_models, reference, spec, drafter):
+    target, drafters = tiny_models
     llm = make(target, drafters[drafter], spec)
     runner = llm.engine.runner
     if spec.is_chain:  # served as the chain: the same programs as num_speculative_tokens=3
@@ -94,6 +80,27 @@ def test_greedy_tree_is_token_identical_to_the_target_alone(models, reference, s
     accepted = np.sum([o.metrics.accepted_at for o in outputs], axis=0)
     assert accepted[0] > 0  # proposals were accepted: the path's KV moved, the extend read the path
     assert all(np.diff(accepted) <= 0)  # a depth is reached only through the ones above it
+
+
+def test_pallas_attention_engine_is_token_identical(tiny_models, reference):
+    """Every prefill, verify and draft step on the Pallas kernels (the GPU's default; interpreted
+    here), the tree's verify and draft levels under their masks: exactly the target alone's tokens
+    (XLA attention), with proposals accepted. (The chain's steps take the same kernels without a
+    mask: tests/test_model.py and tests/test_pallas_attention.py compare them with the XLA form.)"""
+    spec = TreeSpec(3, 2, 5)
+    from jax.sharding import Mesh
+
+    from eagle3_jax.runner.runner import attention_kind
+
+    target, drafters = tiny_models
+    llm = make(target, drafters["shared"], spec, attention="pallas")
+    assert llm.engine.step_cfg.attention == "pallas"
+    outputs = llm.generate(PROMPTS, greedy(16))
+    assert [o.token_ids for o in outputs] == [ref[:16] for ref in reference]
+    assert sum(o.metrics.accepted for o in outputs) > 0
+    assert attention_kind(EngineConfig(), None) == "xla"  # "auto" off the GPU
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        attention_kind(EngineConfig(attention="pallas"), Mesh(np.array(jax.devices()[:1]), ("tp",)))
 
 
 # ---- forced trees: every depth, on any branch; the KV a plain prefill leaves ------------------
@@ -120,13 +127,13 @@ def forced_tree(spec: TreeSpec, truth: list[int], rng) -> tuple[list[int], list[
     return tokens, parents
 
 
-def prefill_kv(llm, sequence: list[int]):
-    """The target's KV [L, len, kvh, hd] after a plain prefill of `sequence` (target alone)."""
+def prefill_kv(llm, sequence: list[int], draft: bool = False):
+    """The target's (`draft`: the drafter's) KV [L, len, kvh, hd] after a plain prefill of `sequence`."""
     engine = llm.engine
     engine.overlap = False
     req = engine.add_request(sequence, greedy(4))
-    engine.step()  # the prefill (and one iteration, writing position len(sequence))
-    kv = engine.runner.read_target_kv(engine.scheduler.block_tables[req.slot], range(len(sequence)))
+    engine.step()  # the prefill (and one iteration, writing from position len(sequence) on)
+    kv = engine.runner.read_kv(engine.scheduler.block_tables[req.slot], range(len(sequence)), draft)
     while engine.has_unfinished():
         engine.step()
     engine.overlap = True
@@ -136,8 +143,8 @@ def prefill_kv(llm, sequence: list[int]):
 def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_llm, alone, reference):
     """Each iteration verifies a tree set by hand, whose true path (the target's own tokens) is
     0..steps deep on a random branch among wrong nodes: the row accepts exactly that path, emits
-    the target alone's tokens, and the target KV of everything accepted equals a plain prefill
-    of the accepted sequence, read from the runner (`read_target_kv`)."""
+    the target alone's tokens, and the target's and the drafter's KV of everything accepted
+    equal a plain prefill of the accepted sequence, read from the runner (`read_kv`)."""
     engine, spec = tree_llm.engine, TreeSpec(3, 2, 5)
     rng = np.random.default_rng(0)
     prompt, ref = PROMPTS[1], reference[1]
@@ -157,14 +164,18 @@ def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_l
         depths.append(depth)
     assert set(depths) == set(range(spec.steps + 1))
     cached = prompt + req.output[:-1]  # the last token is not in the cache yet
-    k, v = engine.runner.read_target_kv(engine.scheduler.block_tables[req.slot], range(len(cached)))
-    want_k, want_v = prefill_kv(alone, cached)
-    np.testing.assert_allclose(k, want_k, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(v, want_v, rtol=1e-5, atol=1e-6)
+    table = engine.scheduler.block_tables[req.slot]
+    got = {cache: engine.runner.read_kv(table, range(len(cached)), cache == "draft") for cache in ("target", "draft")}
     while engine.has_unfinished():
         engine.step()
     engine.overlap = True
     assert req.output == ref
+    # The drafter's reference: its prefill over the sequence, each position paired with the next
+    # token (the last with the target's next one, the accepted path's last emitted token).
+    want = {"target": prefill_kv(alone, cached), "draft": prefill_kv(tree_llm, cached, draft=True)}
+    for cache in ("target", "draft"):
+        for got_kv, want_kv in zip(got[cache], want[cache]):
+            np.testing.assert_allclose(got_kv, want_kv, rtol=1e-5, atol=1e-6, err_msg=cache)
 
 
 def test_set_proposals_checks_the_tree(tree_llm):
@@ -176,14 +187,14 @@ def test_set_proposals_checks_the_tree(tree_llm):
 
 
 # ---- compiles, target-only iterations, sampled rows ---------------------------------------------
-def test_auto_switches_between_the_tree_and_the_chain_without_compiles(models, reference):
+def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_models, reference):
     """"auto" over the tree (3, 2, 5), the chain of 3 and the target alone, its cost table making
     bucket 4 run the tree and bucket 2 the chain: the batch starts on the tree and moves to the
     chain as requests finish, each verifying a row whose pending proposal the other drafted as
     having none. Warm-up built every program: serving greedy and sampled requests compiles
     nothing, the greedy output is the target alone's, and both proposals' acceptance was measured."""
     spec = TreeSpec(3, 2, 5)
-    llm = make(models[0], models[1]["shared"], spec, warmup=True, batch_buckets=(2, 4), speculation="auto",
+    llm = make(tiny_models[0], tiny_models[1]["shared"], spec, warmup=True, batch_buckets=(2, 4), speculation="auto",
                step_costs=((2, 1.0, 100.0, 0.5), (4, 1.0, 0.5, 100.0)))
     engine = llm.engine
     assert [p.spec for p in engine.proposals] == [spec, TreeSpec.chain(3)]
@@ -226,13 +237,13 @@ def test_sampled_rows_with_a_tree(tree_llm, reference):
 
 
 # ---- a seed fixes the output ----------------------------------------------------------------------
-def test_a_seed_gives_the_same_tokens_whatever_speculation_does(models):
+def test_a_seed_gives_the_same_tokens_whatever_speculation_does(tiny_models):
     """A seeded request (the coupled rule, its default) gives the same tokens alone and in a
     batch of 8 (beside greedy, unseeded and other seeded rows), with speculation off, with a
     chain of 3 (alone and in the batch), and with a tree under "auto", whose cost table runs the
     tree in the bucket of 1 and the target alone in the bucket of 8. Its proposals are accepted:
     the tokens come through acceptance, not around it."""
-    target, drafters = models
+    target, drafters = tiny_models
     seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
     others = [SamplingParams(max_tokens=MAX_TOKENS - i, temperature=0.0 if i % 3 == 0 else 1.0, ignore_eos=True,
                              seed=None if i % 3 == 1 else 50 + i) for i in range(7)]
@@ -325,23 +336,3 @@ def test_cli_bad_tree_is_one_line(capsys, value, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --tree" in err and message in err
-
-
-# ---- the real model ---------------------------------------------------------------------------
-@pytest.mark.slow
-def test_smollm2_tree_is_token_identical_and_accepts_deeper(smollm2_dir, target_llm, chat_ids):
-    """SmolLM2 with the shipped drafter: the tree (4, 4, 8) gives the target alone's greedy tokens
-    and accepts more per iteration than the chain of 4 it contains."""
-    from conftest import make_llm
-
-    from eagle3_jax import assets
-
-    prompts, params = chat_ids[:4], SamplingParams(max_tokens=32)
-    want = [o.token_ids for o in target_llm.generate(prompts, params)]
-    lengths = {}
-    for name, tree in (("tree", TreeSpec(4, 4, 8)), ("chain", TreeSpec.chain(4))):
-        llm = make_llm(smollm2_dir, assets.DEFAULT_DRAFT, warmup=False, batch_buckets=(4,), tree=tree)
-        outputs = llm.generate(prompts, params)
-        assert [o.token_ids for o in outputs] == want
-        lengths[name] = sum(o.metrics.emitted for o in outputs) / sum(o.metrics.iterations for o in outputs)
-    assert lengths["tree"] > lengths["chain"] > 1.5

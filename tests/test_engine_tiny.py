@@ -1,0 +1,189 @@
+"""The engine's paths on a tiny random Llama and drafter (conftest's TINY): a pool too small for
+the workload, the per-step dispatch against the fused iteration, speculation switched off past a
+batch size, "auto" following its cost table and timing every bucket in warm-up, and proposals forced
+by hand (none, some and all accepted; EOS and max_tokens inside an accepted run). Greedy output
+equals the target alone's in each. The same engine on the real SmolLM2 is tests/test_engine.py."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY_VOCAB
+
+from eagle3_jax import SamplingParams
+from eagle3_jax.config import EngineConfig
+from eagle3_jax.engine import policy
+from eagle3_jax.engine.policy import BucketCost
+
+# Twelve prompts of 1..18 tokens; over 16 they are prefilled in two chunks.
+PROMPTS = [[(3 * i + j) % TINY_VOCAB for j in range(1 + (5 * i) % 18)] for i in range(12)]
+ENGINE = dict(batch_buckets=(2, 8), prefill_buckets=(16,), prefill_batch_buckets=(1, 4), max_model_len=64,
+              num_pages=64, speculation="always")
+
+
+def make(tiny_models, draft: str | None = "shared", warmup: bool = False, **engine):
+    from eagle3_jax.api import LLM
+
+    target, drafters = tiny_models
+    return LLM(target, drafters[draft] if draft else None, num_speculative_tokens=3, warmup=warmup, progress=False,
+               engine_config=EngineConfig(**{**ENGINE, **engine}))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_models):
+    """The target alone's greedy replies to PROMPTS, 40 tokens each (a reply of n is the first n)."""
+    llm = make(tiny_models, None)
+    return [o.token_ids for o in llm.generate(PROMPTS, greedy(40))]
+
+
+def test_workload_larger_than_the_pool_completes(tiny_models, alone):
+    """7 pages, 6 to allocate: two or three requests at a time (2 or 3 pages each); the others
+    wait their turn, first come first served, and every reply is the target alone's."""
+    llm = make(tiny_models, num_pages=7)
+    outputs = llm.generate(PROMPTS, greedy(12))
+    assert [o.token_ids for o in outputs] == [ref[:12] for ref in alone]
+    pool = llm.engine.scheduler.pool
+    assert pool.num_free == pool.capacity
+
+
+def test_per_step_dispatch_equals_the_fused_iteration(tiny_models, alone):
+    """The iteration as K + 1 programs with the draft carry threaded by the driver gives the
+    fused program's tokens, greedy and sampled, and compiles nothing after warm-up."""
+    per_step = make(tiny_models, warmup=True, batch_buckets=(4,), fused_iteration=False)
+    compiled = per_step.engine.num_compilations
+    params = [greedy(20), SamplingParams(max_tokens=20, temperature=0.7, seed=3, ignore_eos=True), greedy(12),
+              SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=4, draft_acceptance="draft_q",
+                             ignore_eos=True)]
+    got = per_step.generate(PROMPTS[:4], params)
+    assert per_step.engine.num_compilations == compiled
+    fused = make(tiny_models, batch_buckets=(4,)).generate(PROMPTS[:4], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in fused]
+    assert got[0].token_ids == alone[0][:20] and got[2].token_ids == alone[2][:12]
+    assert sum(o.metrics.accepted for o in got) > 0
+
+
+def test_speculation_switched_off_past_a_batch_size_stays_lossless(tiny_models, alone):
+    """Bucket 8 runs the target alone, bucket 2 speculates: as requests finish, the same rows move
+    between the two and every output still equals the target alone."""
+    llm = make(tiny_models, speculative_max_batch=2)
+    assert llm.engine.iterate_config(8).num_draft == 0 and llm.engine.iterate_config(2).num_draft == 3
+    lengths = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    outputs = llm.generate(PROMPTS[:10], [greedy(n) for n in lengths])
+    assert [o.token_ids for o in outputs] == [ref[:n] for ref, n in zip(alone, lengths)]
+    # The long requests finished in bucket 2, where proposals were verified again.
+    assert max(o.metrics.accepted for o in outputs) > 0
+    stats = llm.engine.stats
+    assert set(stats.speculative_iterations) == {2} and set(stats.target_only_iterations) == {8}
+
+
+def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(tiny_models, alone):
+    """ "auto" with bucket 8's cost injected (speculation 10x dearer: never pays) and bucket 2's
+    timed in warm-up, then replaced by one where speculation is cheaper than the target alone:
+    bucket 8 runs target-only, bucket 2 speculates, the rows move between them as requests finish,
+    nothing compiles after warm-up and every output equals the target alone."""
+    llm = make(tiny_models, warmup=True, speculation="auto", step_costs=((8, 0.010, 0.100), (16, 1.0, 1.0)))
+    engine = llm.engine
+    compiled = engine.num_compilations
+    assert set(engine.step_costs) == {2, 8}  # 16 is no bucket: ignored
+    assert engine.step_costs[8] == BucketCost(0.010, 0.100)  # injected, not timed
+    timed = engine.step_costs[2]
+    assert timed.target_only_s > 0 and len(timed.speculative_s) == 1 and timed.speculative_s[0] > 0
+    engine.step_costs[2] = BucketCost(target_only_s=0.010, speculative_s=0.008)
+    table = engine.speculation_table()
+    assert [(c.bucket, c.choice) for c in table] == [(2, "chain K=3"), (8, "target-only")]
+    assert "target-only" in engine.policy_report()
+
+    lengths = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    outputs = llm.generate(PROMPTS[:10], [greedy(n) for n in lengths])
+    assert engine.num_compilations == compiled, "switching modes compiled after warm-up"
+    assert [o.token_ids for o in outputs] == [ref[:n] for ref, n in zip(alone, lengths)]
+    stats = engine.stats
+    assert set(stats.speculative_iterations) == {2} and set(stats.target_only_iterations) == {8}
+    assert stats.speculative_iterations[2] > 0 and stats.target_only_iterations[8] > 0
+    assert sum(stats.speculative_iterations.values()) + sum(stats.target_only_iterations.values()) == stats.iterations
+    # Requests' metrics tell the two apart; the estimator saw only speculative, fresh rows.
+    spec_iters = sum(o.metrics.speculative_iterations for o in outputs)
+    assert 0 < spec_iters < sum(o.metrics.iterations for o in outputs)
+    (est,) = engine.acceptance  # one proposal: the chain
+    assert 0 < est.rows <= spec_iters and 1.0 <= est.mean <= 4.0
+    for o in outputs:
+        assert all(0.0 <= r <= 1.0 for r in o.metrics.acceptance_rates)
+    # Plain "auto" times every bucket in warm-up; past speculative_max_batch nothing speculates,
+    # so nothing is timed there.
+    capped = make(tiny_models, warmup=True, speculation="auto", speculative_max_batch=2)
+    assert set(capped.engine.step_costs) == {2}
+    assert capped.engine.speculation_table()[1] == policy.BucketChoice(8, None, "target-only")
+
+
+# ---- proposals forced by hand: none, some and all accepted; EOS and max_tokens inside a run --------
+K = 3
+
+
+@pytest.fixture(scope="module")
+def forced_llm(tiny_models):
+    return make(tiny_models, batch_buckets=(2,))
+
+
+@pytest.fixture(scope="module")
+def eos_case(alone):
+    """A prompt whose greedy reply ends with EOS (token 2) after at least 16 tokens, and that reply."""
+    eos = 2
+    for prompt, reply in zip(PROMPTS, alone):
+        if eos in reply[16:] and eos not in reply[:16]:
+            return prompt, reply[:reply.index(eos) + 1]
+    pytest.fail("no prompt with an EOS-terminated greedy reply of 17..40 tokens")
+
+
+def run_forced(llm, prompt, ref, max_tokens, choose_mismatch):
+    """Decode with proposals taken from the known greedy continuation `ref`, wrong at the index
+    `choose_mismatch(tokens_remaining)` returns (None: all right).
+    -> (request, [(tokens emitted, proposals accepted) per iteration after the first])."""
+    engine = llm.engine
+    engine.overlap = False  # read each iteration before forcing the next one's proposals
+    req = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
+    history = []
+    while not req.finished:
+        before, accepted = len(req.output), req.metrics.accepted
+        engine.step()
+        if before:
+            history.append((len(req.output) - before, req.metrics.accepted - accepted))
+        if req.finished:
+            break
+        n = len(req.output)
+        proposals = (ref[n:n + K] + [0] * K)[:K]
+        wrong = choose_mismatch(min(len(ref), max_tokens) - n)
+        if wrong is not None:
+            proposals[wrong] = (proposals[wrong] + 1) % TINY_VOCAB
+        engine.runner.set_proposals(req.slot, proposals)  # the next iteration verifies these
+    while engine.has_unfinished():
+        engine.step()
+    engine.overlap = True
+    return req, history
+
+
+def test_forced_proposals_none_some_all_accepted(forced_llm, eos_case):
+    prompt, ref = eos_case
+    plan = iter([0, 1, 2, None] * 16)  # none, some, some, all K plus the bonus, ...
+    req, history = run_forced(forced_llm, prompt, ref, 40, lambda remaining: next(plan))
+    assert req.output == ref and req.finish_reason == "stop"
+    assert history[:4] == [(1, 0), (2, 1), (3, 2), (4, 3)]  # (emitted, accepted) per iteration
+
+
+def test_forced_proposals_eos_inside_an_accepted_run(forced_llm, eos_case):
+    prompt, ref = eos_case
+    # All right, except one mismatch at 0 to shift the runs so EOS lands on a proposal, not the bonus.
+    req, history = run_forced(forced_llm, prompt, ref, 40, lambda remaining: 0 if remaining == K + 1 else None)
+    assert req.output == ref and req.finish_reason == "stop"
+    emitted, accepted = history[-1]
+    assert emitted <= K and accepted >= emitted  # EOS was an accepted proposal; the rest discarded
+
+
+def test_forced_proposals_max_tokens_inside_an_accepted_run(forced_llm, eos_case):
+    prompt, ref = eos_case
+    req, history = run_forced(forced_llm, prompt, ref, 5, lambda remaining: None)
+    assert req.output == ref[:5] and req.finish_reason == "length"
+    emitted, accepted = history[-1]
+    assert accepted == K and emitted < K + 1  # all K accepted, cut by max_tokens
