@@ -4,10 +4,10 @@ The pytest process may already have initialised jax with one CPU device; this sc
 with XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu so it sees 8, and
 prints one JSON object on its last stdout line.
 
-    python tests/parallel_worker.py equivalence   # logits + greedy decode at tp 1, 2, 4, 8
+    python tests/parallel_worker.py equivalence   # logits + greedy decode at tp 1, 2, 8
     python tests/parallel_worker.py hlo           # collectives of compiled verify / draft programs
     python tests/parallel_worker.py layout        # shard shapes vs jax; params_from_hf(place=...)
-    python tests/parallel_worker.py engine        # the engine's tokens and programs at tp 1, 2, 4, 8
+    python tests/parallel_worker.py engine        # the engine's tokens and programs (ENGINE_TPS)
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 PAGE = 8
 
 
-def small_cfg(kv_heads: int, layers: int = 4, tie: bool = False) -> ModelConfig:
+# Tensor-parallel degrees compared with one device: 2 splits the kv heads by 4 and 8 by 1 (kvh 8),
+# and 8 replicates what it cannot divide (kvh 2). 4 adds no case the other two miss.
+TPS = (1, 2, 8)
+
+
+def small_cfg(kv_heads: int, layers: int = 2, tie: bool = False) -> ModelConfig:
     return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=layers,
                        num_heads=8, num_kv_heads=kv_heads, head_dim=8, rms_norm_eps=1e-5,
                        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
@@ -93,7 +98,7 @@ def run_equivalence() -> dict:
         return jnp.argmax(last, axis=-1, keepdims=True).astype(jnp.int32), jnp.min(top2[:, 0] - top2[:, 1])
 
     for kvh in (8, 2):
-        cfg = small_cfg(kvh, layers=2)
+        cfg = small_cfg(kvh)
         host = random_params(cfg, seed=kvh)
         rng = np.random.default_rng(kvh)
         prompt = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
@@ -102,7 +107,7 @@ def run_equivalence() -> dict:
         vpos = np.broadcast_to(np.arange(4, dtype=np.int32), (batch, 4))
         bt = block_tables(batch, blocks)
         per_tp = {}
-        for tp in (1, 2, 4, 8):
+        for tp in TPS:
             step, params, cache = setup(cfg, host, tp, batch, blocks)
             prefill_logits, _, captures, cache = step(params, prompt, pos, cache, bt)
             tok, _ = pick(prefill_logits)
@@ -279,7 +284,7 @@ def run_place() -> dict:
 
     out = {}
     for kvh, tie in ((8, False), (2, True)):
-        cfg = small_cfg(kvh, layers=2, tie=tie)
+        cfg = small_cfg(kvh, tie=tie)
         host = random_params(cfg)
         tensors = params_to_hf(host)
         mesh = S.make_mesh(8)
@@ -336,9 +341,14 @@ def forced_run(engine, prompts, ref, k: int, target_only_every: int) -> dict:
                 target_only_iterations=sum(engine.stats.target_only_iterations.values()) - target_only)
 
 
+# The engine's degrees per kv-head count: at kvh 8, 2 and 8 split the cache (and the collectives
+# of both are counted); at kvh 2, 8 replicates it (2 would split it as at kvh 8).
+ENGINE_TPS = {8: (1, 2, 8), 2: (1, 8)}
+
+
 def run_engine() -> dict:
     """Greedy speculative decoding through the whole engine (prefill, fused iterations with a
-    random drafter, K=3) at tp 1, 2, 4, 8 for both head layouts: tokens per tp; then the same
+    random drafter, K=3) at ENGINE_TPS for both head layouts: tokens per tp; then the same
     engine with forced proposals (`forced_run`; at kvh 8 with target-only steps too); and at
     kvh 8 the collectives of the programs it ran (EAGLE-3 and target-only iterations; at tp 8
     also the sampling iteration and the prefill)."""
@@ -347,7 +357,7 @@ def run_engine() -> dict:
 
     out = {}
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
-    for kvh in (8, 2):
+    for kvh, tps in ENGINE_TPS.items():
         cfg = small_cfg(kvh)
         params = jax.tree.map(jnp.asarray, random_params(cfg))
         dcfg = small_draft(cfg)
@@ -355,7 +365,7 @@ def run_engine() -> dict:
         engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
                                   num_speculative_tokens=3, page_size=PAGE, num_pages=64, max_model_len=64)
         res, hlo = {}, {}
-        for tp in (1, 2, 4, 8):
+        for tp in tps:
             engine = Engine(cfg, params, dcfg, dparams, engine_cfg, mesh=S.make_mesh(tp) if tp > 1 else None)
             reqs = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
             engine.run(reqs)
@@ -380,10 +390,10 @@ def program_collectives(runner, sampling_and_prefill: bool) -> dict:
         return collectives(traced.lower().compile().as_text())
 
     res = {name: compiled(runner.trace_iteration(4, runner.config(Chain(k), True))) for name, k in (("eagle", 3),
-                                                                                             ("decode", 0))}
+                                                                                                    ("decode", 0))}
     if sampling_and_prefill:
-        res["eagle_sampling"] = compiled(runner.trace_iteration(4, runner.config(3, False)))
-        res["prefill"] = compiled(runner.trace_prefill(1, 16, runner.config(3, True)))
+        res["eagle_sampling"] = compiled(runner.trace_iteration(4, runner.config(Chain(3), False)))
+        res["prefill"] = compiled(runner.trace_prefill(1, 16, runner.config(Chain(3), True)))
     return res
 
 

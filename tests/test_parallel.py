@@ -28,7 +28,7 @@ from eagle3_jax.parallel import sharding as S
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 REPO = Path(__file__).resolve().parents[1]
-TPS = ("1", "2", "4", "8")
+TPS = ("1", "2", "8")  # as parallel_worker.TPS
 
 
 TASKS = ("equivalence", "hlo", "layout", "engine")
@@ -102,7 +102,8 @@ def test_logits_and_greedy_tokens_match_tp1(kvh):
 def test_speculative_engine_tokens_match_tp1(kvh):
     res = worker("engine")[f"kvh{kvh}"]
     assert [len(t) for t in res["1"]["tokens"]] == [12, 12, 12]
-    for tp in TPS[1:]:
+    assert set(res) == {"1", "8"} | ({"2"} if kvh == 8 else set())  # parallel_worker.ENGINE_TPS
+    for tp in set(res) - {"1"}:
         assert res[tp]["tokens"] == res["1"]["tokens"], f"tp {tp}: greedy speculative tokens differ from tp 1"
 
 
@@ -123,7 +124,7 @@ def test_accepted_drafts_match_tp1(kvh):
     assert all(len(row) >= 3 for row in forced1["drafted"])
     # kv heads 8: every third step runs the target alone (the K=0 program, its draft extend inside).
     assert (forced1["target_only_iterations"] > 0) == (kvh == 8)
-    for tp in TPS:
+    for tp in res:
         forced = res[tp]["forced"]
         assert forced["tokens"] == ref, f"tp {tp}: forced proposals changed the greedy tokens"
         assert forced["history"] == forced1["history"], f"tp {tp}: accepted counts differ from tp 1"
@@ -133,7 +134,7 @@ def test_accepted_drafts_match_tp1(kvh):
 
 # --------------------------------------------------------------------------------------------
 # (c) what the partitioner did: a verify-shaped step (B=8, T=4) and the draft's programs at tp 8,
-# the engine's iterations at tp 2, 4, 8
+# the engine's iterations at tp 2 and 8
 
 
 def _weight_like(shapes: list[list[int]], weights: list[list[int]]) -> list[list[int]]:
@@ -197,7 +198,7 @@ def test_draft_programs_have_no_collectives_tp8():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", ["2", "4", "8"])
+@pytest.mark.parametrize("tp", ["2", "8"])
 def test_iteration_collectives_are_the_targets(tp):
     """The engine's compiled greedy EAGLE-3 iteration (verify K+1, accept, draft extend, K draft
     steps) all-reduces exactly what its target-only decode does, 2 per layer + the embedding's,
