@@ -27,6 +27,18 @@ _DROP_PROGRAMS_AT_MAPPINGS = 20_000
 _MAPPINGS = Path("/proc/self/maps")
 
 
+# The suite runs on two workers, each taking whole modules in collection order (README: `-n 2
+# --dist loadfile --no-loadscope-reorder`; xdist would otherwise order modules by their number of
+# tests). Collected longest first, no long module is left to run alone at the end.
+LONGEST_MODULES = ("test_engine.py", "test_parallel.py", "test_model.py", "test_train.py", "test_bench.py",
+                   "test_tree_engine.py", "test_cli.py", "test_notebook.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _drop_compiled_programs():
     yield
