@@ -331,39 +331,15 @@ def test_engine_config_speculation_fields():
         EngineConfig(step_costs=((2, 0.01, 0.02), (2, 0.01, 0.03)))
 
 
-def test_greedy_only_warmup_builds_what_greedy_requests_use(tmp_path):
+def test_greedy_only_warmup_builds_what_greedy_requests_use(tiny_models):
     """warmup(greedy=True) builds the greedy programs alone: greedy requests then compile
     nothing, a sampled request compiles its own programs on first use."""
     from eagle3_jax.api import LLM
-    from eagle3_jax.bench.phases import write_random_models
-    from eagle3_jax.config import DraftConfig, ModelConfig
 
-    tiny = ModelConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        eos_token_ids=(2,),
-    )
-    target, draft = write_random_models(tiny, DraftConfig.like_target(tiny, 64), tmp_path)
-    llm = LLM(
-        target,
-        draft,
-        num_speculative_tokens=2,
-        warmup=False,
-        progress=False,
-        engine_config=EngineConfig(
-            batch_buckets=(2,), prefill_buckets=(16,), max_model_len=64, num_pages=32, speculation="always"
-        ),
-    )
+    target, drafters = tiny_models
+    llm = LLM(target, drafters["shared"], num_speculative_tokens=2, warmup=False, progress=False,
+              engine_config=EngineConfig(batch_buckets=(2,), prefill_buckets=(16,), max_model_len=64, num_pages=32,
+                                         speculation="always"))
     engine = llm.engine
     iterations, prefills = engine.programs(greedy=True)
     assert all(c.greedy for _, c in iterations) and all(greedy for _, _, greedy in prefills)
