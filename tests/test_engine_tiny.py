@@ -14,6 +14,9 @@ from eagle3_jax.config import EngineConfig
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.policy import BucketCost
 
+# Every test here builds and runs engines: seconds to tens of seconds each on 2 CPU cores.
+pytestmark = pytest.mark.slow
+
 # Twelve prompts of 1..18 tokens; over 16 they are prefilled in two chunks.
 PROMPTS = [[(3 * i + j) % TINY_VOCAB for j in range(1 + (5 * i) % 18)] for i in range(12)]
 ENGINE = dict(batch_buckets=(2, 8), prefill_buckets=(16,), prefill_batch_buckets=(1, 4), max_model_len=64,

@@ -60,6 +60,7 @@ def tree_llm(tiny_models):
 
 
 # ---- greedy: token-identical -------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["shared", "own"])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_greedy_tree_is_token_identical_to_the_target_alone(tiny_models, reference, spec, drafter):
@@ -82,6 +83,7 @@ def test_greedy_tree_is_token_identical_to_the_target_alone(tiny_models, referen
     assert all(np.diff(accepted) <= 0)  # a depth is reached only through the ones above it
 
 
+@pytest.mark.slow
 def test_pallas_attention_engine_is_token_identical(tiny_models, reference):
     """Every prefill, verify and draft step on the Pallas kernels (the GPU's default; interpreted
     here), the tree's verify and draft levels under their masks: exactly the target alone's tokens
@@ -140,6 +142,7 @@ def prefill_kv(llm, sequence: list[int], draft: bool = False):
     return kv
 
 
+@pytest.mark.slow
 def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_llm, alone, reference):
     """Each iteration verifies a tree set by hand, whose true path (the target's own tokens) is
     0..steps deep on a random branch among wrong nodes: the row accepts exactly that path, emits
@@ -187,6 +190,7 @@ def test_set_proposals_checks_the_tree(tree_llm):
 
 
 # ---- compiles, target-only iterations, sampled rows ---------------------------------------------
+@pytest.mark.slow
 def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_models, reference):
     """"auto" over the tree (3, 2, 5), the chain of 3 and the target alone, its cost table making
     bucket 4 run the tree and bucket 2 the chain: the batch starts on the tree and moves to the
@@ -214,6 +218,7 @@ def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_mode
     assert "tree 3,2,5: acceptance length L" in engine.policy_report()
 
 
+@pytest.mark.slow
 def test_sampled_rows_with_a_tree(tree_llm, reference):
     """Sampled rows beside greedy ones run the sampling program over the tree (point-mass
     acceptance, asked for by the draft-q rule): the greedy rows still give the target alone's
@@ -237,6 +242,7 @@ def test_sampled_rows_with_a_tree(tree_llm, reference):
 
 
 # ---- a seed fixes the output ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_seed_gives_the_same_tokens_whatever_speculation_does(tiny_models):
     """A seeded request (the coupled rule, its default) gives the same tokens alone and in a
     batch of 8 (beside greedy, unseeded and other seeded rows), with speculation off, with a
