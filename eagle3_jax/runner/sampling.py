@@ -199,15 +199,15 @@ def row_sampling_from_params(
         if s is None:
             s = int(rng.integers(0, 2**63 - 1))
         keys[i] = seed_to_key_data(s)
+    rules = [sp.acceptance_rule(tree) for sp in params]
     return RowSampling(
         temperature=np.array([sp.temperature for sp in params], np.float32).reshape(n),
         top_k=np.array([sp.top_k for sp in params], np.int32).reshape(n),
         top_p=np.array([sp.top_p for sp in params], np.float32).reshape(n),
         min_p=np.array([sp.min_p for sp in params], np.float32).reshape(n),
         key=keys,
-        one_hot=np.array([sp.acceptance_rule(tree) == "one_hot" for sp in params], bool).reshape(n),
-        coupled=np.array([sp.acceptance_rule(tree) == "coupled" and not sp.greedy for sp in params],
-                         bool).reshape(n),
+        one_hot=np.array([rule == "one_hot" for rule in rules], bool).reshape(n),
+        coupled=np.array([rule == "coupled" and not sp.greedy for rule, sp in zip(rules, params)], bool).reshape(n),
     )
 
 
