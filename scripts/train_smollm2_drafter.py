@@ -25,8 +25,8 @@ from their data files: the same prompts and sampling seeds as one process (a rep
 differ where bf16 rounding depends on the batch), in another row order, so the held-out rows
 differ. Training batches rows of similar length together (--length-buckets, cut at --seq-len).
 
-The defaults are the data recipe for a successor of the shipped drafter; its model card gives the
-flags that reproduce the shipped one. Writes the drafter to --out (default LOG_DIR/draft, public
+The defaults are the data recipe of the shipped drafter's third stage; its model card gives the
+commands of all three. Writes the drafter to --out (default LOG_DIR/draft, public
 EAGLE-3 layout), and train_log.json (config, data provenance, throughput, held-out evaluations,
 per-step history) and train_curves.png to --log-dir.
 """

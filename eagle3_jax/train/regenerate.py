@@ -64,9 +64,9 @@ class RegenerateSpec:
     magpie_temperature: float = 1.0
     magpie_top_p: float = 0.95
     magpie_max_tokens: int = 192  # a request without its end of turn within these is dropped
-    # None: every prompt kept (the shipped drafter's data)
+    # None: every prompt kept (the data of the shipped drafter's first two stages)
     filters: P.PromptFilters | None = dataclasses.field(default_factory=P.PromptFilters)
-    shuffle_prompts: bool = True  # False: source order (the shipped drafter's data)
+    shuffle_prompts: bool = True  # False: source order (the shipped drafter's first two stages)
     time_budget_s: float | None = None
     shard: tuple[int, int] = (0, 1)  # (i, n): answer prompts i, i + n, i + 2n, ...
     seed: int = 0  # another value draws other sampled replies (greedy ones stay the same)
@@ -544,8 +544,8 @@ def add_arguments(ap) -> None:
     f = P.PromptFilters()
     g.add_argument("--prompt-filters", action=argparse.BooleanOptionalAction, default=True,
                    help="drop MT-bench overlaps (containment, 8-grams), non-Latin scripts, short requests and "
-                   "(near) duplicates; --no-prompt-filters keeps every prompt (the shipped drafter's data: only "
-                   "conversations with an exact MT-bench question are dropped)")
+                   "(near) duplicates; --no-prompt-filters keeps every prompt (the shipped drafter's first two "
+                   "stages: only conversations with an exact MT-bench question are dropped)")
     g.add_argument("--min-prompt-chars", type=count_int, default=f.min_chars,
                    help="drop prompts whose last user message is shorter")
     g.add_argument("--min-ascii-letters", type=_share, default=f.min_ascii_letters,
@@ -554,7 +554,7 @@ def add_arguments(ap) -> None:
                    help="near duplicates: the same context and the same first N characters of the last message")
     g.add_argument("--shuffle-prompts", action=argparse.BooleanOptionalAction, default=RegenerateSpec.shuffle_prompts,
                    help="order the prompts by a fixed permutation (the held-out rows then sample every source); "
-                   "--no-shuffle-prompts keeps source order (the shipped drafter's data)")
+                   "--no-shuffle-prompts keeps source order (the shipped drafter's first two stages)")
 
 
 def _floats(text: str) -> tuple[float, ...]:
