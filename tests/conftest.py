@@ -17,14 +17,16 @@ from eagle3_jax.config import DraftConfig, ModelConfig
 # The CPU is the test platform; f32 everywhere so parity is meaningful.
 jax.config.update("jax_platforms", "cpu")
 
-# XLA compiles CPU programs through LLVM at -O2 unless told otherwise. Compiling is most of what
-# the tests do, and at -O0 it takes about a third less (the tensor-parallel engine worker: 88 s of
-# CPU against 61 s), while SmolLM2's tests run as fast (their matmuls are library calls: the
-# parity tests take 89 s either way from empty caches). Set before jax starts its backend; the
-# tests' subprocesses inherit it.
-_FAST_COMPILE = "--xla_backend_optimization_level=0"
-if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+# Compiling is most of what the tests do, and two XLA flags make it cheaper: LLVM at -O0 (XLA's
+# default is -O2), and on top of that the older CPU emitter for fusions (2 cores, empty caches: the
+# tensor-parallel engine worker 42 -> 27 s, a tiny engine's tree sampling iteration 5.6 -> 4.4 s
+# and its prefill 2.8 -> 2.1 s). SmolLM2's programs compile in about the same time either way and
+# run about 1.8x slower than at -O2 (a speculative iteration of 8 rows 454 against 254 ms), but
+# compiling them at -O2 costs the suite more than that: a run with its SmolLM2 engine modules at
+# -O2 took longer. Set before jax starts its backend; the tests' subprocesses inherit it.
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _FAST_COMPILE if f not in _flags])
 
 
 # Linux caps a process's memory mappings (vm.max_map_count, 65,530 by default) and each XLA CPU
@@ -39,9 +41,11 @@ _MAPPINGS = Path("/proc/self/maps")
 
 # The suite runs on two workers, each taking whole modules in collection order (README: `-n 2
 # --dist loadfile --no-loadscope-reorder`; xdist would otherwise order modules by their number of
-# tests). Collected longest first, no long module is left to run alone at the end.
-LONGEST_MODULES = ("test_engine.py", "test_parallel.py", "test_model.py", "test_train.py", "test_bench.py",
-                   "test_tree_engine.py", "test_cli.py", "test_notebook.py")
+# tests). Collected longest first, no long module is left to run alone at the end; test_model.py
+# comes after others of about its length, so that its SmolLM2 programs (those of `target_llm`) are
+# in JAX's persistent cache by then, compiled by tests/test_engine.py on the other worker.
+LONGEST_MODULES = ("test_engine.py", "test_parallel.py", "test_tree_engine.py", "test_model.py", "test_train.py",
+                   "test_bench.py", "test_cli.py", "test_notebook.py")
 
 
 def pytest_collection_modifyitems(items):
