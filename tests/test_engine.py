@@ -82,7 +82,7 @@ def test_a_tree_is_token_identical_and_accepts_more_than_the_chain(smollm2_dir, 
     tokens per iteration than its chain of 3 (the same three draft forwards, one path of them)."""
     prompts, params = chat_ids[:4], SamplingParams(max_tokens=32)
     want = [o.token_ids for o in target_llm.generate(prompts, params)]
-    tree_llm = make_llm(smollm2_dir, assets.DEFAULT_DRAFT, warmup=False, batch_buckets=(8,), tree=TreeSpec(3, 4, 8))
+    tree_llm = make_llm(smollm2_dir, assets.DEFAULT_DRAFT, warmup=False, batch_buckets=(4,), tree=TreeSpec(3, 4, 8))
     lengths = {}
     for name, llm in (("tree", tree_llm), ("chain", spec_llm)):
         outputs = llm.generate(prompts, params)
