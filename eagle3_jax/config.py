@@ -318,6 +318,14 @@ def check_draft_fits(target: ModelConfig, draft: DraftConfig, has_own_embedding:
             raise ConfigError(f"drafter capture layer {i} outside the target's 0..{target.num_layers - 1}")
 
 
+def check_proposal_fits(spec: TreeSpec, draft: DraftConfig) -> None:
+    """Raise ConfigError when a drafter cannot draft this proposal: each expanded node takes the
+    top_k most likely tokens of the draft vocabulary, so it must hold at least top_k."""
+    if spec.top_k > draft.draft_vocab_size:
+        raise ConfigError(f"{spec.label}: top_k {spec.top_k} exceeds the drafter's draft vocabulary of "
+                          f"{draft.draft_vocab_size} tokens")
+
+
 def read_json(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():

@@ -311,6 +311,13 @@ def test_llm_checks_its_tree_before_loading(tmp_path):
         LLM(tmp_path / "missing", tree=[3, 2, 5], progress=False)
 
 
+def test_a_tree_wider_than_the_draft_vocabulary_is_refused(tiny_models):
+    # The "own" drafter's draft vocabulary holds 8 of the 12 tokens: a node cannot have 9 children.
+    with pytest.raises(ConfigError, match=r"^tree 2,9,3: top_k 9 exceeds the drafter's draft vocabulary of 8 tokens$"):
+        make(tiny_models[0], tiny_models[1]["own"], TreeSpec(2, 9, 3))
+    assert make(tiny_models[0], tiny_models[1]["own"], TreeSpec(2, 8, 3)).engine.proposals[0].spec.top_k == 8
+
+
 def test_scheduler_reserves_two_tree_iterations():
     cfg = EngineConfig(batch_buckets=(2,), page_size=4, num_pages=64, max_model_len=64, tree=TreeSpec(3, 2, 5))
     s = Scheduler(cfg, VOCAB, 3, Tree(TreeSpec(3, 2, 5)).positions_per_iteration)

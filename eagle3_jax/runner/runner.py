@@ -32,6 +32,7 @@ from eagle3_jax.config import (
     ModelConfig,
     TreeSpec,
     check_draft_fits,
+    check_proposal_fits,
 )
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
@@ -235,6 +236,8 @@ class ModelRunner:
                  cfg: EngineConfig, mesh: Mesh | None = None):
         if draft is not None:
             check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
+            for spec in cfg.speculative_proposals:
+                check_proposal_fits(spec, draft)
         self.cfg = cfg
         # What an iteration may draft, the engine's proposal first; none without a drafter.
         self.proposals: tuple[Chain | Tree, ...] = tuple(
