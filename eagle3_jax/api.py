@@ -12,6 +12,7 @@ template is applied: without it acceptance collapses), or lists of token ids tak
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -141,7 +142,7 @@ class LLM:
         if not all(_is_token_id(t) for t in prompt):
             kinds = sorted({type(t).__name__ for t in prompt if not _is_token_id(t)})
             raise RequestError(f"{_BAD_PROMPT}; got a list holding {', '.join(kinds)}")
-        return [int(t) for t in prompt]
+        return [operator.index(t) for t in prompt]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -234,7 +235,8 @@ class LLM:
         return RequestOutput(req.id, req.prompt, list(req.output), text, req.finish_reason, req.error, req.metrics)
 
     def _error_output(self, prompt: Prompt, message: str) -> RequestOutput:
-        ids = [int(t) for t in prompt] if isinstance(prompt, (list, tuple)) and all(map(_is_token_id, prompt)) else []
+        ids = prompt if isinstance(prompt, (list, tuple)) and all(map(_is_token_id, prompt)) else []
+        ids = [operator.index(t) for t in ids]
         return RequestOutput(None, ids, [], "", "error", message, RequestMetrics())
 
 
@@ -242,16 +244,25 @@ _BAD_PROMPT = "a prompt is a string, chat messages (a list of {'role', 'content'
 
 
 def _is_token_id(t) -> bool:
-    return hasattr(t, "__index__") and not isinstance(t, bool)
+    """An integer scalar (a NumPy or 0-d array one too), not a bool: what `operator.index` takes.
+    A 1-d array has `__index__` as well, but raises on it."""
+    if isinstance(t, bool):
+        return False
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_batch(prompts) -> bool:
     """Whether `generate` got a list of prompts rather than one prompt: a list whose items are
-    each a prompt (a string or a list), not chat messages, token ids or other scalars (those make
-    one prompt, checked by `encode`)."""
+    each a prompt (a string, a list, or a 1-d array of token ids), not chat messages, token ids or
+    other scalars (those make one prompt, checked by `encode`)."""
     if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
         return False
-    return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, bytes)) for p in prompts)
+    return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, bytes))
+               or getattr(p, "ndim", None) == 1 for p in prompts)
 
 
 def _load_tokenizer(directory: Path):

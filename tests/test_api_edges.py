@@ -7,6 +7,7 @@ A tiny random target without a tokenizer and without warm-up: nothing here compi
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_cli import write_tiny_target
 
@@ -53,6 +54,19 @@ def test_bad_prompt_shapes_are_reported_not_raised(llm):
     assert outs[2].error == "prompt is empty"
     (one,) = llm.generate(None)
     assert one.finish_reason == "error" and "NoneType" in one.error
+
+
+def test_numpy_token_ids_are_prompts(llm):
+    ids = llm.encode(np.array([3, 4], dtype=np.int64))
+    assert ids == [3, 4] and all(type(t) is int for t in ids)
+    assert llm.encode([np.int32(3), 4]) == [3, 4]
+    # A list of 1-d arrays is a batch (each request refused here for its own reason, so nothing
+    # compiles); a prompt holding an array is one bad prompt, reported, not raised.
+    outs = llm.generate([np.array([1, 10**6]), np.array([], dtype=np.int32)])
+    assert [o.error for o in outs] == ["prompt token id 1000000 at index 1 is outside the vocabulary 0..255",
+                                       "prompt is empty"]
+    (out,) = llm.generate([[np.array([1, 2])]])
+    assert out.finish_reason == "error" and out.error.endswith("got a list holding ndarray")
 
 
 def test_no_prompts_raises(llm):
