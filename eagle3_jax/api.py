@@ -6,7 +6,8 @@
     print(out.text, out.metrics.acceptance_length)
 
 Prompts are chat messages (a list of {"role", "content"} dicts), strings (one user turn; the chat
-template is applied: without it acceptance collapses), or lists of token ids taken as they are.
+template is applied: without it acceptance collapses), or token ids taken as they are (a list of
+ints or a 1-d integer array).
 """
 
 from __future__ import annotations
