@@ -82,6 +82,26 @@ def parse_rope(d: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
     return float(theta), scaling_cfg
 
 
+def _layer_fields(d: dict, where: str) -> dict[str, Any]:
+    """The decoder layer's fields a target's and a drafter's config.json share, as the configs'
+    keyword arguments: widths, heads, norm epsilon, RoPE and its range."""
+    hidden = _field(d, "hidden_size", int, where)
+    heads = _field(d, "num_attention_heads", int, where)
+    _positive(heads, "num_attention_heads", where)
+    theta, scaling = parse_rope(d, where)
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=_field(d, "intermediate_size", int, where),
+        num_heads=heads,
+        num_kv_heads=_field(d, "num_key_value_heads", int, where, heads),
+        head_dim=_field(d, "head_dim", int, where, hidden // heads),
+        rms_norm_eps=_field(d, "rms_norm_eps", float, where, 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=_field(d, "max_position_embeddings", int, where, 2048),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Llama-3 family target (LlamaForCausalLM)."""
@@ -128,26 +148,15 @@ class ModelConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
                 raise ConfigError(f"{where}: field '{flag}' is true; biases are not supported")
-        hidden = _field(d, "hidden_size", int, where)
-        heads = _field(d, "num_attention_heads", int, where)
-        _positive(heads, "num_attention_heads", where)
-        theta, scaling = parse_rope(d, where)
+        layer = _layer_fields(d, where)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             vocab_size=_field(d, "vocab_size", int, where),
-            hidden_size=hidden,
-            intermediate_size=_field(d, "intermediate_size", int, where),
             num_layers=_field(d, "num_hidden_layers", int, where),
-            num_heads=heads,
-            num_kv_heads=_field(d, "num_key_value_heads", int, where, heads),
-            head_dim=_field(d, "head_dim", int, where, hidden // heads),
-            rms_norm_eps=_field(d, "rms_norm_eps", float, where, 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=_field(d, "max_position_embeddings", int, where, 2048),
             tie_word_embeddings=_field(d, "tie_word_embeddings", bool, where, False),
             eos_token_ids=eos_ids,
+            **layer,
         )
 
     @classmethod
@@ -212,29 +221,18 @@ class DraftConfig:
         layers = d.get("num_hidden_layers", 1)
         if layers != 1:
             raise ConfigError(f"{where}: field 'num_hidden_layers' is {layers}; an EAGLE-3 drafter has 1")
-        hidden = _field(d, "hidden_size", int, where)
-        heads = _field(d, "num_attention_heads", int, where)
-        _positive(heads, "num_attention_heads", where)
+        # No rope_theta in the public 8B drafter: the EAGLE reference falls back to 10000 (parse_rope's default).
+        layer = _layer_fields(d, where)
         vocab = _field(d, "vocab_size", int, where)
-        # No rope_theta in the public 8B drafter: the EAGLE reference falls back to 10000.
-        theta, scaling = parse_rope(d, where)
         eagle = d.get("eagle_config") or {}
         aux = eagle.get("eagle_aux_hidden_state_layer_ids")
         return cls(
             vocab_size=vocab,
             draft_vocab_size=_field(d, "draft_vocab_size", int, where, vocab),
-            hidden_size=hidden,
-            intermediate_size=_field(d, "intermediate_size", int, where),
-            num_heads=heads,
-            num_kv_heads=_field(d, "num_key_value_heads", int, where, heads),
-            head_dim=_field(d, "head_dim", int, where, hidden // heads),
-            rms_norm_eps=_field(d, "rms_norm_eps", float, where, 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=_field(d, "max_position_embeddings", int, where, 2048),
-            target_hidden_size=_field(d, "target_hidden_size", int, where, hidden),
+            target_hidden_size=_field(d, "target_hidden_size", int, where, layer["hidden_size"]),
             num_captures=len(aux) if aux else 3,
             capture_layer_ids=tuple(int(i) for i in aux) if aux else None,
+            **layer,
         )
 
     @classmethod
