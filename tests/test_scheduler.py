@@ -198,6 +198,15 @@ def test_add_refuses_bad_prompts(prompt, message):
     assert not s.waiting
 
 
+def test_add_refuses_a_stop_token_outside_the_vocabulary():
+    s = scheduler()
+    with pytest.raises(RequestError, match=r"^stop token id 100 is outside the vocabulary 0\.\.99: the request "
+                                           r"could never stop on it$"):
+        s.add([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[5, 100]))
+    assert not s.waiting
+    assert s.add([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[5, 99])).params.stop_token_ids == (5, 99)
+
+
 def test_add_refuses_a_request_the_whole_pool_cannot_hold():
     s = scheduler(num_pages=5)  # 4 allocatable pages: 16 tokens
     s.add([1] * 4, params(4))  # 4 + 4 + 8 = 16: fits exactly

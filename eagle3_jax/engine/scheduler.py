@@ -148,6 +148,9 @@ class Scheduler:
         if bad.size:
             raise RequestError(f"prompt token id {int(ids[bad[0]])} at index {int(bad[0])} is outside the "
                                f"vocabulary 0..{self.vocab_size - 1}")
+        if outside := [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]:
+            raise RequestError(f"stop token id {outside[0]} is outside the vocabulary 0..{self.vocab_size - 1}: "
+                               "the request could never stop on it")
         room = self.cfg.max_model_len - len(prompt)
         if room < 1:
             raise RequestError(f"prompt has {len(prompt)} tokens; the context holds {self.cfg.max_model_len} "
