@@ -236,8 +236,8 @@ class LLM:
         return RequestOutput(req.id, req.prompt, list(req.output), text, req.finish_reason, req.error, req.metrics)
 
     def _error_output(self, prompt: Prompt, message: str) -> RequestOutput:
-        ids = prompt if isinstance(prompt, (list, tuple)) and all(map(_is_token_id, prompt)) else []
-        ids = [operator.index(t) for t in ids]
+        token_ids = isinstance(prompt, (list, tuple)) and all(map(_is_token_id, prompt))
+        ids = [operator.index(t) for t in prompt] if token_ids else []
         return RequestOutput(None, ids, [], "", "error", message, RequestMetrics())
 
 
