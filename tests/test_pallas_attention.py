@@ -52,9 +52,9 @@ def _draft_layout(rng, spec, level, verified):
         x = rng.standard_normal((*shape, vocab))
         return jnp.asarray(x - np.log(np.exp(x).sum(-1, keepdims=True)), jnp.float32)
 
-    cand = T.first_level(spec, logp(b))
+    cand = T.first_level(spec, T.top_children(logp(b), spec.top_k))
     for lvl in range(2, level + 1):
-        cand = T.next_level(spec, cand, lvl, logp(b, spec.top_k))
+        cand = T.next_level(spec, cand, lvl, T.top_children(logp(b, spec.top_k), spec.top_k))
     _, stored, attention = T.draft_attention(spec, cand, level, jnp.asarray(verified, jnp.int32))
     return stored, attention
 

@@ -117,11 +117,11 @@ def ref_evaluate_posterior_greedy(tokens, retrieve, target_ids):
 def build(spec, logp1, later, root):
     """The tree from given draft log-probs: logp1 [B, Vd], later [B, steps-1, k, Vd]
     -> (Tree, each draft forward's (tokens, positions, TreeAttention))."""
-    cand = T.first_level(spec, logp1)
+    cand = T.first_level(spec, T.top_children(logp1, spec.top_k))
     forwards = []
     for level in range(2, spec.steps + 1):
         forwards.append(T.draft_attention(spec, cand, level - 1, jnp.full(root.shape, 100)))
-        cand = T.next_level(spec, cand, level, later[:, level - 2])
+        cand = T.next_level(spec, cand, level, T.top_children(later[:, level - 2], spec.top_k))
     return T.select(spec, cand, root), forwards
 
 
@@ -129,10 +129,10 @@ def build(spec, logp1, later, root):
 def grow(spec, draft_logp, root):
     """The tree of a draft whose log-probs after a node depend on its (depth, token): draft_logp
     [depth, token, Vd], root [B] -> Tree."""
-    cand = T.first_level(spec, draft_logp[0, root])
+    cand = T.first_level(spec, T.top_children(draft_logp[0, root], spec.top_k))
     for level in range(2, spec.steps + 1):
         beams = jnp.take_along_axis(cand.tokens, cand.beams, axis=1)  # [B, k] tokens at depth level-1
-        cand = T.next_level(spec, cand, level, draft_logp[level - 1, beams])
+        cand = T.next_level(spec, cand, level, T.top_children(draft_logp[level - 1, beams], spec.top_k))
     return T.select(spec, cand, root)
 
 
@@ -595,16 +595,16 @@ def test_draft_levels_equal_each_beam_drafted_alone():
         token = jnp.asarray(rng.integers(0, TINY.vocab_size, (1, 1)), jnp.int32)
         h_given = jnp.asarray(rng.standard_normal((1, 1, dcfg.hidden_size)), jnp.float32)
         root_h, cache = draft(dparams, dcfg, embed, token, h_given, jnp.asarray([[position]]), cache, table)
-    logp = jax.jit(lambda h: jax.nn.log_softmax(eagle3.draft_logits(dparams, dcfg, h), -1))
+    children = jax.jit(lambda h: T.top_children(eagle3.draft_logits(dparams, dcfg, h), spec.top_k, normalize=True))
 
-    cand, h, tree_cache = T.first_level(spec, logp(root_h[:, 0])), root_h, cache
+    cand, h, tree_cache = T.first_level(spec, children(root_h[:, 0])), root_h, cache
     beams_h = []  # per level: (beam slots [k], their hidden states [k, H])
     for level in range(1, spec.steps):
         beam_tokens, stored, attn = T.draft_attention(spec, cand, level, jnp.asarray([t]))
         h_in = jnp.take_along_axis(h, cand.beam_parents[:, :, None], axis=1)  # [1, k, H]
         h, tree_cache = draft(dparams, dcfg, embed, beam_tokens, h_in, stored, tree_cache, table, tree=attn)
         beams_h.append((np.asarray(cand.beams)[0], np.asarray(h)[0]))
-        cand = T.next_level(spec, cand, level + 1, logp(h))
+        cand = T.next_level(spec, cand, level + 1, children(h))
 
     parents, cand_tokens = np.asarray(cand.parents)[0], np.asarray(cand.tokens)[0]
     for slots, hs in beams_h:

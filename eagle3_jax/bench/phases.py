@@ -496,7 +496,7 @@ def phase_8b(
             activity = None
             if opts.profile:
                 state = with_lengths(state, rows, opts.context)
-                out = opts.profile / f"{kind.num_draft}-{'verify' if kind.verify_only else 'iter'}-b{b}"
+                out = opts.profile / f"{slug(kind.name)}-b{b}"  # one trace folder per step kind
                 state, activity = profile.profile_calls(calls[kind, b][0], state, opts.calls, out)
                 kernels[f"{kind.name}, batch {b}"] = activity
                 log(

@@ -78,6 +78,11 @@ class DraftContext:
     greedy: bool
     pin_kv: object  # the draft forward's `pin_kv` (None on one device)
 
+    @property
+    def pallas(self) -> bool:
+        """The draft runs on the Pallas kernels (attention, a tree level's top-k): the GPU's default."""
+        return self.attention == "pallas"
+
 
 def _draft_noise(dparams: DraftParams, keys: jax.Array, index: jax.Array, vocab_size: int) -> jax.Array:
     """The coupling noise of the token at `index` [B] (or [B, ...]) over the draft vocabulary
@@ -319,25 +324,27 @@ class Tree:
     def start(self, h: jax.Array, token: jax.Array, position: jax.Array, row: sampling.RowSampling,
               keys: jax.Array, draft_vocab: int) -> TreeCarry:
         """The carry at the verified position: h [B, H] there, `token` [B] the root. The tree is
-        the draft's top-k, deterministic: no keys enter it; coupled rows perturb it (`_log_probs`)."""
+        the draft's top-k, deterministic: no keys enter it; coupled rows perturb it (`_children`)."""
         return TreeCarry(h=h[:, None], token=token, position=position, row=row, cand=None)
 
-    def _log_probs(self, ctx: DraftContext, dparams: DraftParams, h: jax.Array, row: sampling.RowSampling,
-                   index: jax.Array) -> jax.Array:
-        """h [B, H] or [B, k, H] -> the draft's log-softmax [B, (k,) Vd] over the whole draft
-        vocabulary (gathered under tensor parallelism), as the EAGLE reference builds its tree.
-        Coupled rows (a sampling program) take the log-softmax of the perturbed log-probs at the
-        children's position `index` [B] instead: their top-k is the Gumbel-top-k, holding the
-        draft's guess of the target's coupled draw first."""
+    def _children(self, ctx: DraftContext, dparams: DraftParams, h: jax.Array, row: sampling.RowSampling,
+                  index: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """h [B, H] or [B, k, H] -> the draft's k most likely tokens (`tree.top_children`:
+        log-probs, draft ids [B, (k,) k]) by its log-softmax over the whole draft vocabulary
+        (gathered under tensor parallelism), as the EAGLE reference builds its tree. Coupled rows
+        (a sampling program) rank by the log-softmax of the perturbed log-probs at the children's
+        position `index` [B] instead: their top-k is the Gumbel-top-k, holding the draft's guess of
+        the target's coupled draw first."""
+        k, kernel = self.spec.top_k, ctx.pallas
         logits = eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv)  # [B, (k,) Vd]
-        logp = jax.nn.log_softmax(logits, axis=-1)
         if ctx.greedy:
-            return logp
+            return T.top_children(logits, k, normalize=True, kernel=kernel)
+        logp = jax.nn.log_softmax(logits, axis=-1)
         lead = (slice(None),) + (None,) * (logits.ndim - 2)  # [B] -> broadcast over the beams
         q = sampling.filtered_probs(logits, row.temperature[lead], row.top_k[lead], row.top_p[lead], row.min_p[lead])
         noise = _draft_noise(dparams, row.key, index, ctx.draft.vocab_size)[lead]  # [B, (1,) Vd]
         coupled = jax.nn.log_softmax(sampling.perturbed_log_probs(q, noise), axis=-1)
-        return jnp.where(row.coupled[lead][..., None], coupled, logp)
+        return T.top_children(jnp.where(row.coupled[lead][..., None], coupled, logp), k, kernel=kernel)
 
     def draft_step(self, ctx: DraftContext, dparams: DraftParams, target_embed: jax.Array, carry: TreeCarry,
                    draft_kv, block_table: jax.Array, j: int) -> tuple[TreeCarry, object]:
@@ -347,14 +354,14 @@ class Tree:
         # Level j+1's children are the tokens at position t + 2 + j.
         index = carry.position + 2 + j
         if j == 0:
-            logp = self._log_probs(ctx, dparams, carry.h[:, 0], carry.row, index)
-            return carry.replace(cand=T.first_level(self.spec, logp, dparams.d2t)), draft_kv
+            children = self._children(ctx, dparams, carry.h[:, 0], carry.row, index)
+            return carry.replace(cand=T.first_level(self.spec, children, dparams.d2t)), draft_kv
         tokens, stored, attention = T.draft_attention(self.spec, carry.cand, j, carry.position)  # [B, k] each
         h_in = jnp.take_along_axis(carry.h, carry.cand.beam_parents[:, :, None], axis=1)  # [B, k, H]
         h, draft_kv = eagle3.draft_forward(dparams, ctx.draft, target_embed, tokens, h_in, stored, draft_kv,
                                            block_table, ctx.attention, ctx.pin_kv, ctx.gemv, tree=attention)
-        cand = T.next_level(self.spec, carry.cand, j + 1, self._log_probs(ctx, dparams, h, carry.row, index),
-                            dparams.d2t)
+        cand = T.next_level(self.spec, carry.cand, j + 1, self._children(ctx, dparams, h, carry.row, index),
+                            dparams.d2t, kernel=ctx.pallas)
         return carry.replace(h=h, cand=cand), draft_kv
 
     def propose(self, ctx: DraftContext, dparams: DraftParams, target_embed: jax.Array, carry: TreeCarry,

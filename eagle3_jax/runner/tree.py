@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from eagle3_jax.config import TreeSpec
+from eagle3_jax.model import pallas_top_k
 from eagle3_jax.model.layers import TreeAttention
 from eagle3_jax.runner import sampling
 
@@ -90,17 +91,29 @@ def vocab_top_k(x: Array, k: int) -> tuple[Array, Array]:
     return values, jnp.take_along_axis(index.reshape(*x.shape[:-1], runs * k), best, axis=-1)
 
 
+def top_children(x: Array, k: int, normalize: bool = False, kernel: bool = False) -> tuple[Array, Array]:
+    """Each row's k best children: x [..., Vd] -> (log-probs [..., k], draft ids [..., k]), best
+    first, ties to the lower id. normalize: x are logits and the log-probs log_softmax(x)'s; else
+    x are log-probs. kernel: the two Pallas kernels of model/pallas_top_k.py (the GPU's), the
+    logsumexp folded in (its log-probs equal log_softmax's up to f32 rounding); else XLA's form."""
+    if kernel:
+        values, ids, lse = pallas_top_k.top_k(x, k)
+        return (values - lse[..., None] if normalize else values), ids
+    return vocab_top_k(jax.nn.log_softmax(x, axis=-1) if normalize else x, k)
+
+
 def _target_ids(ids: Array, d2t: Array | None) -> Array:
     return ids if d2t is None else ids + d2t[ids]
 
 
-def first_level(spec: TreeSpec, logp: Array, d2t: Array | None = None) -> Candidates:
-    """The root's children from the draft's log-probs at the verified position.
+def first_level(spec: TreeSpec, children: tuple[Array, Array], d2t: Array | None = None) -> Candidates:
+    """The root's children from the draft at the verified position.
 
-    logp [B, Vd] (log-softmax over the draft vocabulary); d2t [Vd] i32 offsets to target ids
-    (None: the same vocabulary) -> Candidates; the beams are the k children, best first."""
-    b, k, n = logp.shape[0], spec.top_k, spec.candidates
-    lp, ids = vocab_top_k(logp, k)  # [B, k]
+    children: (log-probs, draft ids) [B, k] each, the draft's k most likely tokens there
+    (`top_children`); d2t [Vd] i32 offsets to target ids (None: the same vocabulary) ->
+    Candidates; the beams are the k children, best first."""
+    lp, ids = children  # [B, k]
+    b, k, n = lp.shape[0], spec.top_k, spec.candidates
     beams = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
     return Candidates(
         tokens=jnp.zeros((b, n), jnp.int32).at[:, :k].set(_target_ids(ids, d2t)),
@@ -110,18 +123,20 @@ def first_level(spec: TreeSpec, logp: Array, d2t: Array | None = None) -> Candid
         beam_masks=jnp.broadcast_to(jnp.eye(k, spec.draft_slots, dtype=bool), (b, k, spec.draft_slots)))
 
 
-def next_level(spec: TreeSpec, cand: Candidates, level: int, logp: Array,
-               d2t: Array | None = None) -> Candidates:
-    """Level `level` (static, 2..steps) from the draft's log-probs at level level-1's beams.
+def next_level(spec: TreeSpec, cand: Candidates, level: int, children: tuple[Array, Array],
+               d2t: Array | None = None, kernel: bool = False) -> Candidates:
+    """Level `level` (static, 2..steps) from the draft at level level-1's beams.
 
-    logp [B, k, Vd]: row j is the draft's log-softmax after beam j (`draft_attention`) ->
-    Candidates with level's k^2 candidates filled and its k best as the beams."""
-    b, k = logp.shape[0], spec.top_k
-    lp, ids = vocab_top_k(logp, k)  # [B, k, k]: beam, rank
+    children: (log-probs, draft ids) [B, k, k] each: row j the draft's k most likely tokens after
+    beam j (`draft_attention`, `top_children`) -> Candidates with level's k^2 candidates filled
+    and its k best as the beams (kernel: ranked by model/pallas_top_k.py's kernel, one launch
+    where XLA's top-k is a sort with a copy and a slice)."""
+    lp, ids = children  # [B, k, k]: beam, rank
+    b, k = lp.shape[0], spec.top_k
     beam_scores = jnp.take_along_axis(cand.scores, cand.beams, axis=1)  # [B, k]
     scores = (beam_scores[:, :, None] + lp).reshape(b, k * k)  # beam-major, as the slots
     level_slots = slice(k + (level - 2) * k * k, k + (level - 1) * k * k)
-    _, best = lax.top_k(scores, k)  # [B, k] of the k^2
+    best = (pallas_top_k.top_k(scores, k) if kernel else lax.top_k(scores, k))[1]  # [B, k] of the k^2
     from_beam = best // k
     # A new beam sees what its parent beam saw, and its own draft slot (none at the last level).
     own = jnp.eye(k, spec.draft_slots, (level - 1) * k, dtype=bool)  # [k, W]
