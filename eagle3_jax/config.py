@@ -468,7 +468,8 @@ class EngineConfig:
     attention: paged attention of decode, verify and draft steps. "pallas": one Pallas kernel per
         layer that reads only the pages a row has filled (model/pallas_attention.py; interpreted,
         and slow, off the GPU), and the target's residual adds each fused with the RMSNorm after
-        it (model/pallas_norm.py); "xla": the XLA forms, attention over the whole block table;
+        it (model/pallas_norm.py), and a tree level's top-k with its logsumexp in two kernels
+        (model/pallas_top_k.py); "xla": the XLA forms, attention over the whole block table;
         "auto": pallas on a GPU without tensor parallelism, else xla. Prefill chunks of more than
         a few tokens use the XLA attention either way.
     gemv: the weight projections of decode, verify and draft steps of up to 64 rows. "xla": XLA's
