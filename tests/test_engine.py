@@ -80,7 +80,7 @@ def test_mixed_workload_matches_target_alone(spec_llm, target_llm, workload):
 def test_a_tree_is_token_identical_and_accepts_more_than_the_chain(smollm2_dir, spec_llm, target_llm, chat_ids):
     """The shipped drafter drafting the tree (3, 4, 8): the target alone's greedy tokens, and more
     tokens per iteration than its chain of 3 (the same three draft forwards, one path of them)."""
-    prompts, params = chat_ids[:4], SamplingParams(max_tokens=32)
+    prompts, params = chat_ids[:4], SamplingParams(max_tokens=20)
     want = [o.token_ids for o in target_llm.generate(prompts, params)]
     tree_llm = make_llm(smollm2_dir, assets.DEFAULT_DRAFT, warmup=False, batch_buckets=(4,), tree=TreeSpec(3, 4, 8))
     lengths = {}
@@ -108,7 +108,8 @@ def test_generate_iter_streams_requests_through_the_batch(spec_llm, workload):
     the batch API's, a bad request comes back as its error, and an iterable that stops early
     leaves nothing behind."""
     prompts, lengths = workload
-    requests = [(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts[:6], lengths)]
+    short = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[:6]  # what is pulled, not prefill, is tested
+    requests = [(prompts[i], SamplingParams(max_tokens=lengths[i])) for i in short]
     requests.insert(4, ("", SamplingParams(max_tokens=8)))
     batch = spec_llm.generate([p for p, _ in requests], [q for _, q in requests])
     pulled = []

@@ -116,14 +116,14 @@ def test_greedy_matches_transformers_generate(target_llm, hf_model, chat_ids):
     from eagle3_jax import SamplingParams
 
     prompts = chat_ids[:8]
-    ours = target_llm.generate(prompts, SamplingParams(max_tokens=32))
+    ours = target_llm.generate(prompts, SamplingParams(max_tokens=24))
     # One left-padded batch (transformers derives the positions from the mask): a row that ends
     # early is padded with EOS after it, so each reference stops at its first EOS.
     width = max(map(len, prompts))
     ids = torch.tensor([[2] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        refs = hf_model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=2,
+        refs = hf_model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=2,
                                  pad_token_id=2)[:, width:].tolist()
     for out, ref in zip(ours, refs):
         ref = ref[:ref.index(2) + 1] if 2 in ref else ref
