@@ -3,9 +3,9 @@ Pallas (Triton) kernels: what a draft tree level needs of the draft's logits.
 
 Why: a tree level takes the top k of the draft's log-softmax for each of its beams. XLA compiled
 that into about fourteen small kernels a level (the log-softmax's reductions and subtraction; its
-top k as two sorts, each with a copy before it and a slice after), 3-10 us each on the H200: 85 us
-of a SmolLM2 tree iteration (5, 4, 15) and 100 us of a Llama-3.1-8B one, against 1.3 and 5.8 ms
-(BENCHMARKS.md, "Llama-3.1-8B step functions"). Here:
+top k as two sorts, each with a copy before it and a slice after), 1-10 us each on the H200: about
+95 us of a SmolLM2 tree iteration (5, 4, 15) and 130 us of a Llama-3.1-8B one, against 1.33 and
+5.80 ms (BENCHMARKS.md, "Trees end to end" and "Llama-3.1-8B step functions"). Here:
 
   stage 1  a program per (row, chunk of CHUNK entries): the chunk's top k (k passes of max, the
            lowest index among equal values), its max and its sum of exp(x - max);
