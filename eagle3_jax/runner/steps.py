@@ -141,8 +141,11 @@ def _gather(tree, rows: jax.Array):
     return jax.tree_util.tree_map(lambda x: x[rows], tree)
 
 
-def _write_slots(slots: Slots, rows: jax.Array, values: Slots) -> Slots:
-    slots = jax.tree_util.tree_map(lambda x, v: x.at[rows].set(v), slots, values)
+def _write_slots(slots: Slots, rows: jax.Array, **values: jax.Array) -> Slots:
+    """The named fields' rows set (each field's values [B, ...]); the other fields untouched.
+    Only what changed is written: each field is a scatter kernel of its own."""
+    slots = slots.replace(**{name: jax.tree.map(lambda x, v: x.at[rows].set(v), getattr(slots, name), v)
+                             for name, v in values.items()})
     # Padded rows all wrote the dummy slot: reset it so its positions never grow.
     return slots.replace(length=slots.length.at[DUMMY_SLOT].set(0))
 
@@ -183,9 +186,8 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
                            s.draft_probs.shape[-1])
         carry, draft_kv = spec.draft_step(cfg.draft_context, dparams, params.embed, carry, draft_kv, block_tables, 0)
     width = state.slots.emitted.shape[1]  # the engine's widest verify; a target-only iteration emits 1
-    new = s.replace(last_token=last, length=s.length + n + 1, num_generated=num_generated, num_accepted=n,
-                    emitted=jnp.pad(emitted, ((0, 0), (0, width - emitted.shape[1]))))
-    slots = _write_slots(state.slots, rows, new)
+    slots = _write_slots(state.slots, rows, last_token=last, length=s.length + n + 1, num_generated=num_generated,
+                         num_accepted=n, emitted=jnp.pad(emitted, ((0, 0), (0, width - emitted.shape[1]))))
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted, carry
 
 
@@ -301,11 +303,10 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     def zeros(x):  # the rows' share of a per-slot buffer, zeroed
         return None if x is None else jnp.zeros((p, *x.shape[1:]), x.dtype)
 
-    new = Slots(last_token=first, length=length, drafts=zeros(state.slots.drafts),
-                draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=jnp.ones_like(length),
-                num_accepted=jnp.zeros_like(length), emitted=zeros(state.slots.emitted),
-                parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length))
-    slots = _write_slots(state.slots, slot, new)
+    slots = _write_slots(state.slots, slot, last_token=first, length=length, drafts=zeros(state.slots.drafts),
+                         draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=jnp.ones_like(length),
+                         num_accepted=jnp.zeros_like(length), emitted=zeros(state.slots.emitted),
+                         parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length))
     if cfg.speculative:
         slots = spec.commit(slots, slot, carry, cfg.greedy)  # the first proposal, as an iteration leaves it
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg)
