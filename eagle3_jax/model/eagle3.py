@@ -21,6 +21,7 @@ from flax import struct
 from eagle3_jax.config import DraftConfig
 from eagle3_jax.model.layers import (
     TreeAttention,
+    add_rms_norm,
     attention_block,
     project,
     qkv_shape,
@@ -74,22 +75,22 @@ def fuse_captures(params: DraftParams, captures: jax.Array, gemv: str = "xla") -
 
 
 def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
-                h: jax.Array, attend, gemv: str = "xla"):
+                h: jax.Array, attend, gemv: str = "xla", norm_kernel: bool = False):
     """The midlayer around a given attention: tokens [B, T]; h [B, T, H];
     attend(x [B, T, 2H]) -> (attention output after o_proj [B, T, H], aux). -> (h [B, T, H], aux).
 
     Inference attends over the paged cache (`draft_forward`); training's time test attends
     under its own mask (train/objective.py). The layer around it is this one function. gemv:
-    the MLP's projections' kernel (layers.project).
+    the MLP's projections' kernel (layers.project); norm_kernel: the residual add and the MLP's
+    norm as one Pallas kernel (layers.add_rms_norm), as the target's layers run on the GPU.
     """
     embed = target_embed if params.embed is None else params.embed
     e = embed[tokens].astype(h.dtype)
     x = jnp.concatenate([rms_norm(e, params.input_norm, cfg.rms_norm_eps),
                          rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
     attn, aux = attend(x)
-    h = h + attn
-    h = h + swiglu(rms_norm(h, params.mlp_norm, cfg.rms_norm_eps), params.w_gate_up, params.w_down, gemv)
-    return h, aux
+    h, x = add_rms_norm(h, attn, params.mlp_norm, cfg.rms_norm_eps, norm_kernel)
+    return h + swiglu(x, params.w_gate_up, params.w_down, gemv), aux
 
 
 def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
@@ -111,7 +112,7 @@ def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array
         cache_out = KVCache(k=k_pages, v=v_pages)
         return out, cache_out if pin_kv is None else pin_kv(cache_out)
 
-    return draft_layer(params, cfg, target_embed, tokens, h, paged, gemv)
+    return draft_layer(params, cfg, target_embed, tokens, h, paged, gemv, norm_kernel=attention == "pallas")
 
 
 def draft_logits(params: DraftParams, cfg: DraftConfig, hidden: jax.Array, gemv: str = "xla") -> jax.Array:
