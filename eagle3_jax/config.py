@@ -478,6 +478,10 @@ class EngineConfig:
         (BENCHMARKS.md, "Tried and rejected"), so it is not the default: it is the start of
         projections that take in the kernels around them. Prefills and larger steps use XLA's dots
         either way.
+    freeze_heap: after warm-up, collect Python's garbage once and freeze the heap (`gc.freeze`,
+        engine.freeze_heap), so that no full pass of the cyclic collector over the loaded
+        engine's objects stalls serving. False leaves the collector alone (a test suite
+        that builds many engines skips the pass, 0.4 s or more each on a CPU machine).
     """
 
     batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
@@ -494,6 +498,7 @@ class EngineConfig:
     max_model_len: int = 2048
     attention: str = "auto"
     gemv: str = "xla"
+    freeze_heap: bool = True
 
     def __post_init__(self):
         where = "engine config"

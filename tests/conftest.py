@@ -133,8 +133,10 @@ def tiny_models(tmp_path_factory):
 # alone's single ones).
 # "always": one iteration program per bucket, and every test speculates whatever the CPU's timing;
 # tests/test_engine_tiny.py and tests/test_tree_engine.py run "auto" end to end.
+# freeze_heap off: a full garbage collection per warm-up (0.4 s or more here) adds up over the suite;
+# tests/test_engine.py checks the default's freeze.
 TEST_ENGINE = {"batch_buckets": (1, 8), "prefill_buckets": (64,), "prefill_batch_buckets": (1,),
-               "max_model_len": 384, "num_pages": 256, "speculation": "always"}
+               "max_model_len": 384, "num_pages": 256, "speculation": "always", "freeze_heap": False}
 
 
 def make_llm(target, draft=None, num_draft=3, warmup=True, **engine):

@@ -7,6 +7,8 @@ estimator. The engine's other paths (a small pool, per-step dispatch, speculatio
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import jax
 import numpy as np
@@ -333,9 +335,17 @@ def test_engine_config_speculation_fields():
         EngineConfig(step_costs=((2, 0.01, 0.02), (2, 0.01, 0.03)))
 
 
+class _Cycle:
+    """Garbage only the cyclic collector frees: it refers to itself."""
+
+    def __init__(self):
+        self.me = self
+
+
 def test_greedy_only_warmup_builds_what_greedy_requests_use(tiny_models):
     """warmup(greedy=True) builds the greedy programs alone: greedy requests then compile
-    nothing, a sampled request compiles its own programs on first use."""
+    nothing, a sampled request compiles its own programs on first use. Warm-up ends by freezing
+    the heap (EngineConfig.freeze_heap, the default), after collecting what was frozen before."""
     from eagle3_jax.api import LLM
 
     target, drafters = tiny_models
@@ -346,7 +356,17 @@ def test_greedy_only_warmup_builds_what_greedy_requests_use(tiny_models):
     iterations, prefills = engine.programs(greedy=True)
     assert all(c.greedy for _, c in iterations) and all(greedy for _, _, greedy in prefills)
     before = engine.num_compilations
-    engine.warmup(progress=False, greedy=True)
+    junk = _Cycle()  # an earlier engine's cyclic garbage, frozen with the heap
+    earlier = weakref.ref(junk)
+    gc.freeze()
+    del junk
+    try:
+        assert earlier() is not None
+        engine.warmup(progress=False, greedy=True)
+        assert earlier() is None  # collected before the heap was frozen again
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # the rest of this test process collects as usual
     built = engine.num_compilations
     assert built > before
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # Twelve prompts of 1..18 tokens; over 16 they are prefilled in two chunks.
 PROMPTS = [[(3 * i + j) % TINY_VOCAB for j in range(1 + (5 * i) % 18)] for i in range(12)]
 ENGINE = dict(batch_buckets=(2, 8), prefill_buckets=(16,), prefill_batch_buckets=(1, 4), max_model_len=64,
-              num_pages=64, speculation="always")
+              num_pages=64, speculation="always", freeze_heap=False)
 
 
 def make(tiny_models, draft: str | None = "shared", warmup: bool = False, **engine):

@@ -27,7 +27,7 @@ VOCAB = TINY_VOCAB
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6, 7, 0], [4], [3, 3, 3, 3, 3]]
 MAX_TOKENS = 40
 ENGINE = dict(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(4,), max_model_len=64, num_pages=64,
-              speculation="always")
+              speculation="always", freeze_heap=False)
 SPECS = [TreeSpec(2, 2, 3), TreeSpec(3, 2, 5), TreeSpec(4, 4, 8), TreeSpec.chain(3)]
 
 
