@@ -5,6 +5,7 @@ device, no compile."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -173,3 +174,90 @@ def test_format_table():
     ]
     alone = format_table([BucketChoice(2, None, "target-only")], [])
     assert alone.splitlines() == ["bucket  target-only ms  choice", "     2               -  target-only"]
+
+
+def test_a_stale_estimate_weighs_little_against_a_probe():
+    policy = SpeculationPolicy(prior_weight=8, window=1024, probe_every=256, probe_rows=16, stale_weight=32)
+    fresh = AcceptanceEstimate(mean=2.9, rows=500)
+    stale = dataclasses.replace(fresh, unmeasured=256)
+    rows = [3] * 16  # 16 row-iterations of length 4
+    # Unmeasured for probe_every iterations: the 500 rows count as 32, so 16 rows of 4 move the mean
+    # to (40 x 2.9 + 16 x 4) / 56; fresh, they barely move it: (508 x 2.9 + 16 x 4) / 524.
+    moved = observe(stale, rows, [True] * 16, policy)
+    assert moved.mean == pytest.approx((40 * 2.9 + 16 * 4) / 56)
+    assert (moved.rows, moved.weight, moved.unmeasured, moved.probing) == (516, 48, 0, 0)
+    assert observe(fresh, rows, [True] * 16, policy).mean == pytest.approx((508 * 2.9 + 16 * 4) / 524)
+    # A never-measured estimate is the prior, not stale: its weight stays 0 and no probe starts.
+    prior = dataclasses.replace(AcceptanceEstimate.prior(3), unmeasured=1000)
+    assert observe(prior, [1], [True], policy).probing == 0
+
+
+def test_a_probe_runs_until_probe_rows_are_measured_or_it_cannot_win():
+    cost = BucketCost(0.25, (0.5, 0.375))  # tree, chain
+    policy = SpeculationPolicy(margin=0.0, probe_every=16, probe_rows=4, stale_weight=8)
+    stale, chain = AcceptanceEstimate(mean=3.0, rows=50, unmeasured=16), AcceptanceEstimate(mean=2.5, rows=500)
+
+    def probe(length):  # -> iterations the tree ran, and its estimate after
+        tree = stale
+        assert choose(cost, [tree, chain], [7, 5], policy) == 0  # the probe starts: the chain is the choice
+        tree = observe(tree, [length - 1], [False], policy)  # its first iteration verifies the chain's proposals
+        runs = 0
+        while choose(cost, [tree, chain], [7, 5], policy) == 0 and runs < 10:
+            tree = observe(tree, [length - 1], [True], policy)  # one fresh row an iteration
+            runs += 1
+        return runs, tree
+
+    # Rows of 5 tokens: the probe measures its rows, and the tree becomes the choice (rate above
+    # 6.67): it keeps running, to the loop's cap.
+    runs, tree = probe(5)
+    assert runs == 10 and tree.probing == 0 and tree.mean / 0.5 > 2.5 / 0.375
+    # Rows of 2: after two, even two rows of 7 could not lift it past the chain: the probe ends.
+    runs, tree = probe(2)
+    assert runs == 2 and tree.probing == 2 and tree.mean < 3.0
+    assert choose(cost, [tree, chain], [7, 5], policy) == 1
+
+
+def _serve(costs: BucketCost, acceptance, iterations: int, policy: SpeculationPolicy,
+           estimates) -> tuple[list, list]:
+    """One row served `iterations` times as the engine serves it (engine.Engine): the choice, then
+    the chosen proposal observed (a row's first iteration after another choice verifies stale
+    proposals: unmeasured), the others unmeasured. acceptance(i, proposal) -> tokens emitted.
+    -> (choices, estimates)."""
+    choices, drafted = [], None
+    for i in range(iterations):
+        c = choose(costs, estimates, [6, 5], policy)
+        fresh = c is not None and drafted == c
+        drafted = c
+        choices.append(c)
+        estimates = [observe(est, [acceptance(i, j) - 1], [fresh and j == c], policy)
+                     for j, est in enumerate(estimates)]
+    return choices, estimates
+
+
+def test_a_tree_that_fell_behind_on_hard_requests_is_chosen_again():
+    """One row, a tree (5, 4, 15) and a chain of 4 at SmolLM2's costs at batch 1 (BENCHMARKS.md,
+    "Trees end to end"). The tree is faster (L 3.6 / 1.46 ms against 2.6 / 1.24) except on a
+    stretch of 3,000 iterations of hard requests (2.8 against 2.54), where the chain takes over.
+    After it, probes measure the tree on the new traffic: with a stale estimate weighing
+    `stale_weight` rows the tree is the choice again within two probes. The rule before (a probe of
+    one fresh measurement, the estimate weighing all its rows) kept running the chain."""
+    costs = BucketCost(1.10e-3, (1.46e-3, 1.24e-3))
+    hard, end = range(2000, 5000), 8000
+
+    def acceptance(i, proposal):  # tokens emitted: seeded draws with the stated means
+        r = random.Random(2 * i + proposal).random()
+        if i in hard:
+            cuts = (0.9, 0.6, 0.3) if proposal == 0 else (0.8, 0.5, 0.24)  # 2.8, 2.54
+        else:
+            cuts = (0.9, 0.75, 0.55, 0.4) if proposal == 0 else (0.8, 0.5, 0.3)  # 3.6, 2.6
+        return 1 + sum(r < c for c in cuts)
+
+    estimates = [AcceptanceEstimate.prior(5), AcceptanceEstimate.prior(4)]
+    policy = SpeculationPolicy(probe_every=256)
+    choices, _ = _serve(costs, acceptance, end, policy, estimates)
+    assert choices[1000:2000].count(0) > 900  # the tree (the rest: the chain's probes)
+    assert choices[hard.stop - 400:hard.stop].count(1) > 300  # the chain, probing the tree
+    assert choices[hard.stop + 512:].count(0) > 0.9 * (end - hard.stop - 512)  # the tree again
+    old = dataclasses.replace(policy, probe_rows=1, stale_weight=10**9)
+    stuck, _ = _serve(costs, acceptance, end, old, estimates)
+    assert stuck[hard.stop + 512:].count(1) > 0.95 * (end - hard.stop - 512)

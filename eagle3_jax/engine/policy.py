@@ -36,10 +36,17 @@ padded rows are no measurement).
 
 Probing. An estimate only moves while its proposal runs. When a proposal has gone unmeasured for
 `probe_every` collected iterations and its most optimistic rate (every proposal accepted) beats
-the bucket's choice, the bucket runs it until a fresh measurement arrives (about three iterations:
-the first verifies stale proposals), so a drafter whose acceptance rose with the traffic is
-noticed; a proposal that cannot pay even then never probes. The cost is bounded by a few
-iterations in `probe_every`.
+the bucket's choice, the bucket runs it until `probe_rows` fresh row-iterations are measured (the
+first iteration verifies stale proposals and measures nothing), or until even rows of every
+proposal accepted could no longer make it the choice, so a drafter whose acceptance
+rose with the traffic is noticed; a proposal that cannot pay even then never probes. An estimate
+left unmeasured that long describes older traffic than the choice's, so when its proposal is
+measured again it first counts as only `stale_weight` row-iterations: a probe's rows then move it
+a good part of the way, as they must. Without that, a proposal whose estimate fell behind on a
+stretch of hard requests stayed behind: a probe's few rows, each weighing 1/window, barely moved
+it, and a tree that paid ran as the chain (BENCHMARKS.md, "Trees end to end"). The cost is
+bounded by the probe's iterations (probe_rows / rows per iteration, plus the stale one) in every
+`probe_every`.
 
 Everything here is pure: frozen dataclasses in, values out; the engine owns the state.
 """
@@ -82,6 +89,8 @@ class SpeculationPolicy:
     # bucket 2 target-only although speculating paid there (BENCHMARKS.md, "Tried and rejected").
     window: int = 1024
     probe_every: int = 256  # collected iterations without a measurement before probing
+    probe_rows: int = 16  # fresh row-iterations a probe measures before the choice is made again
+    stale_weight: int = 32  # row-iterations an estimate unmeasured for probe_every iterations counts as
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,12 @@ class AcceptanceEstimate:
     mean: float  # 1..steps+1; the prior until measurements arrive
     rows: int = 0  # row-iterations measured so far
     unmeasured: int = 0  # collected iterations since the last measurement (for probing)
+    weight: int | None = None  # row-iterations the mean stands for (None: rows); less once stale
+    probing: int = 0  # fresh row-iterations a probe under way still measures
+
+    def __post_init__(self):
+        if self.weight is None:
+            object.__setattr__(self, "weight", self.rows)
 
     @staticmethod
     def prior(steps: int) -> AcceptanceEstimate:
@@ -106,14 +121,19 @@ def observe(est: AcceptanceEstimate, num_accepted: Sequence[int], measured: Sequ
     (an iteration of this proposal, over proposals it drafted fresh, the request still running).
     With no row measured only `unmeasured` advances. Each measured row moves the mean by 1/n of
     its error, n the row-iterations in it so far counting the prior's, capped at the window: a
-    running mean, then a moving average."""
+    running mean, then a moving average. The first measurement after `probe_every` unmeasured
+    iterations finds the estimate stale: it then weighs at most `stale_weight` row-iterations, and
+    a probe of `probe_rows` starts (module docstring)."""
     lengths = [int(a) + 1 for a, m in zip(num_accepted, measured, strict=True) if m]
     if not lengths:
         return dataclasses.replace(est, unmeasured=est.unmeasured + 1)
+    weight, probing = est.weight, max(est.probing - len(lengths), 0)
+    if est.rows and est.unmeasured >= policy.probe_every:
+        weight, probing = min(weight, policy.stale_weight), max(policy.probe_rows - len(lengths), 0)
     mean = est.mean
     for i, length in enumerate(lengths):
-        mean += (length - mean) / min(policy.prior_weight + est.rows + i + 1, policy.window)
-    return AcceptanceEstimate(mean=mean, rows=est.rows + len(lengths))
+        mean += (length - mean) / min(policy.prior_weight + weight + i + 1, policy.window)
+    return AcceptanceEstimate(mean=mean, rows=est.rows + len(lengths), weight=weight + len(lengths), probing=probing)
 
 
 def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], longest: Sequence[int],
@@ -131,9 +151,20 @@ def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], lon
         if est.mean / t > best_rate:
             best, best_rate = i, est.mean / t
     for i, (est, t, most) in enumerate(zip(estimates, cost.speculative_s, longest, strict=True)):
-        if i != best and est.unmeasured >= policy.probe_every and most / t > best_rate:
-            return i  # probe: a proposal unmeasured for long that could beat the choice
+        if i == best:
+            continue
+        if est.probing > 0 and _hopeful(est, most, policy) / t > best_rate:
+            return i  # a probe under way, which its remaining rows could still win
+        if est.unmeasured >= policy.probe_every and most / t > best_rate:
+            return i  # a probe: a proposal unmeasured for long that could beat the choice
     return best
+
+
+def _hopeful(est: AcceptanceEstimate, most: int, policy: SpeculationPolicy) -> float:
+    """The estimate were every row still to come in its probe the longest (`most` tokens): a probe
+    ends early once even that cannot make its proposal the choice."""
+    return est.mean + (most - est.mean) * est.probing / min(policy.prior_weight + est.weight + est.probing,
+                                                             policy.window)
 
 
 @dataclasses.dataclass(frozen=True)
