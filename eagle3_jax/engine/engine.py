@@ -407,8 +407,8 @@ def freeze_heap() -> None:
     (`gc.freeze`), as vLLM and SGLang do after start-up. Why: a loaded and compiled engine leaves
     hundreds of thousands of tracked objects (JAX's caches and traced programs: about 690,000 for
     SmolLM2 with its drafter), and a full collection walks them all, 0.37 s on one core of a CPU
-    machine, while every request waits; serving's own short-lived objects then trigger such passes
-    from time to time. Frozen objects are still freed when nothing refers to them; only cyclic
+    machine, while every request waits; the objects serving keeps a while (requests, their tokens)
+    trigger such passes from time to time. Frozen objects are still freed when nothing refers to them; only cyclic
     garbage among them is kept, until the next engine's warm-up, which unfreezes and collects
     first (or `gc.unfreeze()`)."""
     gc.unfreeze()

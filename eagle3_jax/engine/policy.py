@@ -44,7 +44,7 @@ left unmeasured that long describes older traffic than the choice's, so when its
 measured again it first counts as only `stale_weight` row-iterations: a probe's rows then move it
 a good part of the way, as they must. Without that, a proposal whose estimate fell behind on a
 stretch of hard requests stayed behind: a probe's few rows, each weighing 1/window, barely moved
-it, and a tree that paid ran as the chain (BENCHMARKS.md, "Trees end to end"). The cost is
+it, and an engine whose tree paid ran the chain (BENCHMARKS.md, "Trees end to end"). The cost is
 bounded by the probe's iterations (probe_rows / rows per iteration, plus the stale one) in every
 `probe_every`.
 
@@ -161,8 +161,8 @@ def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], lon
 
 
 def _hopeful(est: AcceptanceEstimate, most: int, policy: SpeculationPolicy) -> float:
-    """The estimate were every row still to come in its probe the longest (`most` tokens): a probe
-    ends early once even that cannot make its proposal the choice."""
+    """What the estimate would be if every row still to come in its probe were the longest (`most`
+    tokens): a probe ends early once even that cannot make its proposal the choice."""
     return est.mean + (most - est.mean) * est.probing / min(policy.prior_weight + est.weight + est.probing,
                                                              policy.window)
 
