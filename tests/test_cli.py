@@ -256,7 +256,7 @@ def test_every_flag_has_help_and_shows_its_default(command):
 @pytest.mark.slow
 def test_overlong_prompt_names_max_model_len(smollm2_dir):
     proc, _ = run_cli("generate", "--prompt", "tell me more " * 40, "--max-model-len", "64", "--max-tokens", "4",
-                      timeout=600)
+                      "--draft", "none", timeout=600)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("eagle3-jax generate: error:")]
     assert len(errors) == 1, proc.stderr
