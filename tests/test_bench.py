@@ -12,6 +12,7 @@ devices, started first so it overlaps the in-process tests.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -239,6 +240,7 @@ def test_engine_rows(report):
         assert v["device_busy_ms"] >= 0 and 0.0 <= v["idle_measured"] <= 1.0  # --profile (no GPU here: busy 0)
         assert v["requests"] == max(2, r["batch"])
         assert len(v["acceptance_rates"]) == (0 if r["mode"] == "target-only" else 1)
+        assert v["gc_passes"] >= v["gc_full_passes"] >= 0 and v["gc_ms_per_step"] >= 0
     markdown = (out / "bench.md").read_text()
     for mode in modes:
         for b in BATCHES:
@@ -350,6 +352,27 @@ def test_host_activity_self_times():
     assert sum(r[3] for r in rows) == 165.0  # self times add up to the top-level span
     with pytest.raises(KeyError, match="missing"):
         profile.marker_thread(events, "missing")
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_collector_pauses_counts_and_times_collections():
+    from eagle3_jax.bench.common import collector_pauses
+
+    callbacks = list(gc.callbacks)
+    with collector_pauses() as pauses:
+        for _ in range(3):
+            _Cycle()  # cyclic garbage
+            gc.collect()
+        gc.collect(0)
+    assert pauses.passes[2] == pauses.full_passes >= 3 and pauses.passes[0] >= 1
+    assert pauses.seconds > 0
+    seen = list(pauses.passes)
+    gc.collect()  # after the block: not counted, the callback gone
+    assert pauses.passes == seen and gc.callbacks == callbacks
 
 
 def test_table_formatter():

@@ -3,11 +3,13 @@ table formatter."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from eagle3_jax.presets import llama31_8b, llama33_70b, smollm2_135m
@@ -25,6 +27,39 @@ _START = time.perf_counter()
 def log(message: str) -> None:
     """Progress on stderr, stamped with seconds since start (the tables come at the end)."""
     print(f"[bench {time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class CollectorPauses:
+    """Python's garbage collections seen while a `collector_pauses` block ran."""
+
+    passes: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])  # per generation
+    seconds: float = 0.0  # all passes
+
+    @property
+    def full_passes(self) -> int:
+        return self.passes[2]
+
+
+@contextlib.contextmanager
+def collector_pauses() -> Iterator[CollectorPauses]:
+    """Count and time the cyclic garbage collector's passes while the block runs (`gc.callbacks`).
+    Why: a full pass walks every tracked object of the process and stalls the engine's host loop
+    meanwhile; a bench that builds engine after engine grows that heap (engine.freeze_heap)."""
+    pauses, started = CollectorPauses(), []
+
+    def on(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.passes[info["generation"]] += 1
+            pauses.seconds += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(on)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(on)
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ from eagle3_jax.bench.collectives import (
     sharded_random_params,
     weight_bytes,
 )
-from eagle3_jax.bench.common import Result, log
+from eagle3_jax.bench.common import Result, collector_pauses, log
 from eagle3_jax.bench.costs import Ceilings, LinkCeilings, iteration_cost, target_cost, tree_iteration_cost
 from eagle3_jax.bench.harness import (
     bucket_for,
@@ -202,10 +202,16 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         num_rounds = max(1, math.ceil(opts.prompts / b))
         engine.reset_stats()
         compiles = engine.num_compilations
-        rounds = [run_round(engine, prompts[i * b:(i + 1) * b], params) for i in range(num_rounds)]
+        with collector_pauses() as pauses:
+            rounds = [run_round(engine, prompts[i * b:(i + 1) * b], params) for i in range(num_rounds)]
         if engine.num_compilations != compiles:
             notes.append(f"{mode}, batch {b}: {engine.num_compilations - compiles} compile(s) inside the timed rounds")
         values = engine_figures(rounds, engine.stats, engine_config.max_proposals)
+        values.update(gc_passes=sum(pauses.passes), gc_full_passes=pauses.full_passes,
+                      gc_ms_per_step=1e3 * pauses.seconds / max(engine.stats.steps, 1))
+        if pauses.full_passes:
+            notes.append(f"{mode}, batch {b}: {pauses.full_passes} full garbage collection(s) inside the timed "
+                         f"rounds; all collections {1e3 * pauses.seconds:.0f} ms")
         # Device time per iteration: the iterate step alone, at the rounds' mean context.
         context = int(np.mean([len(p) for p in prompts[:num_rounds * b]])) + opts.max_tokens // 2
         bucket = bucket_for(engine.cfg, b)

@@ -34,6 +34,8 @@ SMOLLM2_COLUMNS = [
     Column("host_ms_per_step", "host ms/step", "{:.2f}"),
     Column("dispatch_ms_per_step", "of which dispatch", "{:.2f}"),
     Column("device_wait_ms_per_step", "wait ms/step", "{:.2f}"),
+    Column("gc_ms_per_step", "GC ms/step", "{:.3f}"),
+    Column("gc_full_passes", "full GCs", "{}"),
     Column("device_ms", "device ms/iter", "{:.2f}"),
     Column("floor_ms", "floor ms/iter", "{:.3f}"),
     Column("idle_frac", "device idle", "{:.0%}"),
@@ -115,11 +117,12 @@ Measured vs derived:
   host, mean; times from RequestMetrics); tok/req; acceptance length and
   rate by position (RequestMetrics); wall/iter (wall / iterations dispatched, prefill included);
   steady step (median wall time of a step with the whole batch running, no prefill); host ms/step,
-  wait ms/step (EngineStats); device ms/iter (the iterate step alone, back to back, median of rounds:
-  the larger of device time and dispatch time); compile s (every shape of the mode compiled on a
-  thread pool); warm-up s (Engine.warmup after that; with --no-parallel-compile it compiles
-  sequentially, as a user's LLM() does); 8b ms/call (median of rounds, back to back); peer tok/s; memory bandwidth and
-  matmul rate.
+  wait ms/step (EngineStats); GC ms/step and full GCs (Python's garbage collections during the
+  rounds, timed by gc.callbacks: their time per step, and the full passes); device ms/iter (the
+  iterate step alone, back to back, median of rounds: the larger of device time and dispatch time);
+  compile s (every shape of the mode compiled on a thread pool); warm-up s (Engine.warmup after
+  that; with --no-parallel-compile it compiles sequentially, as a user's LLM() does); 8b ms/call
+  (median of rounds, back to back); peer tok/s; memory bandwidth and matmul rate.
 - derived: speedup (tok/s over target-only at the same batch); device idle = 1 - device ms/iter /
   steady step ms (an estimate); with --profile, busy ms/iter = the union of the GPU's kernel intervals
   over one more round run under JAX's profiler, per iteration, and device idle (profiler) = 1 - that /
