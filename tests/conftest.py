@@ -139,6 +139,13 @@ TEST_ENGINE = {"batch_buckets": (1, 8), "prefill_buckets": (64,), "prefill_batch
                "max_model_len": 384, "num_pages": 256, "speculation": "always", "freeze_heap": False}
 
 
+class CyclicGarbage:
+    """An object only the cyclic garbage collector frees: it refers to itself."""
+
+    def __init__(self):
+        self.me = self
+
+
 def make_llm(target, draft=None, num_draft=3, warmup=True, **engine):
     """An LLM on the test engine config, warmed up (every program built) unless told otherwise."""
     from eagle3_jax.api import LLM

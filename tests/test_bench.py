@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import CyclicGarbage
 
 from eagle3_jax import bench
 from eagle3_jax.config import DraftConfig, ModelConfig
@@ -354,18 +355,13 @@ def test_host_activity_self_times():
         profile.marker_thread(events, "missing")
 
 
-class _Cycle:
-    def __init__(self):
-        self.me = self
-
-
 def test_collector_pauses_counts_and_times_collections():
     from eagle3_jax.bench.common import collector_pauses
 
     callbacks = list(gc.callbacks)
     with collector_pauses() as pauses:
         for _ in range(3):
-            _Cycle()  # cyclic garbage
+            CyclicGarbage()
             gc.collect()
         gc.collect(0)
     assert pauses.passes[2] == pauses.full_passes >= 3 and pauses.passes[0] >= 1

@@ -13,7 +13,7 @@ import weakref
 import jax
 import numpy as np
 import pytest
-from conftest import make_llm
+from conftest import CyclicGarbage, make_llm
 from test_policy import speculate
 
 from eagle3_jax import SamplingParams, TreeSpec, assets
@@ -338,13 +338,6 @@ def test_engine_config_speculation_fields():
         EngineConfig(step_costs=((2, 0.01, 0.02), (2, 0.01, 0.03)))
 
 
-class _Cycle:
-    """Garbage only the cyclic collector frees: it refers to itself."""
-
-    def __init__(self):
-        self.me = self
-
-
 def test_greedy_only_warmup_builds_what_greedy_requests_use(tiny_models):
     """warmup(greedy=True) builds the greedy programs alone: greedy requests then compile
     nothing, a sampled request compiles its own programs on first use. Warm-up ends by freezing
@@ -359,7 +352,7 @@ def test_greedy_only_warmup_builds_what_greedy_requests_use(tiny_models):
     iterations, prefills = engine.programs(greedy=True)
     assert all(c.greedy for _, c in iterations) and all(greedy for _, _, greedy in prefills)
     before = engine.num_compilations
-    junk = _Cycle()  # an earlier engine's cyclic garbage, frozen with the heap
+    junk = CyclicGarbage()  # an earlier engine's cyclic garbage, frozen with the heap
     earlier = weakref.ref(junk)
     gc.freeze()
     del junk
