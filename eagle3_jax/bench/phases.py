@@ -202,6 +202,7 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         num_rounds = max(1, math.ceil(opts.prompts / b))
         engine.reset_stats()
         compiles = engine.num_compilations
+        log(f"{mode}, batch {b}: {num_rounds} round(s) of {b} prompts")
         with collector_pauses() as pauses:
             rounds = [run_round(engine, prompts[i * b:(i + 1) * b], params) for i in range(num_rounds)]
         if engine.num_compilations != compiles:
