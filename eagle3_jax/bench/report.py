@@ -131,6 +131,10 @@ Measured vs derived:
   the call; % of floor = floor / measured; tok/s at ASSUMED L = B x L / ms per call, L assumed
   and NOT measured (target-only decode: L = 1); speedup at ASSUMED L = that over decode's at the same
   batch.
+- comparing modes: each mode runs on an engine of its own, built and timed after the one before.
+  Where the host is the limit (steps of about 1 ms), two engines with the same settings differed by
+  up to 10% in host ms/step (experiments/auto_host_probe.py); device ms/iter and acceptance do
+  not move with it.
 - tensor parallelism (--tp N): bytes and FLOPs are per device (each holds 1/N of every target
   weight matrix, of the lm_head and of the KV heads, and the whole drafter, replicated); the floor
   adds all-reduce floor = all-reduced bytes / algbw of the large all-reduce measured in this run.
