@@ -44,23 +44,21 @@ def main() -> None:
     a = ap.parse_args()
     batches = tuple(int(b) for b in a.batches.split(","))
 
-    engines = {}
+    engines = {}  # name -> engine
     for name, speculation in (("A always", "always"), ("B auto", "auto"), ("C always", "always")):
         cfg = sized_engine_config(batches, a.num_draft, 1024, min_bucket=2, speculation=speculation)
         llm = LLM(target=a.target, draft=a.draft, num_speculative_tokens=a.num_draft, engine_config=cfg,
                   warmup=False, progress=False)
-        engine = llm.engine
-        precompile(engine.runner.compile_jobs(*engine.programs(greedy=True)))
-        engine.warmup(progress=False, greedy=True)
-        engines[name] = (llm, engine)
-    llm = next(iter(engines.values()))[0]
+        precompile(llm.engine.runner.compile_jobs(*llm.engine.programs(greedy=True)))
+        llm.engine.warmup(progress=False, greedy=True)
+        engines[name] = llm.engine
     prompts, _ = load_prompts(a.questions, llm.encode, llm.engine.step_cfg.target.vocab_size, a.prompts)
     params = SamplingParams(max_tokens=256)
 
     rows = []  # (batch, engine, host ms/step, dispatch ms/step, wall s)
     for rep in range(a.repeats):
         for b in batches:
-            for name, (_, engine) in engines.items():
+            for name, engine in engines.items():
                 engine.reset_stats()
                 start = time.perf_counter()
                 for i in range(a.prompts // b):
