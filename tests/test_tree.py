@@ -298,6 +298,45 @@ def test_greedy_matches_brute_force_and_the_reference(spec):
         np.testing.assert_array_equal(ref["retrieve"][cand, :length + 1], best)
 
 
+@pytest.mark.parametrize("spec", [T.TreeSpec(4, 4, 8), T.TreeSpec(5, 4, 15), T.TreeSpec(3, 2, 10)], ids=str)
+def test_top1_accepted_is_what_the_drafts_chain_accepts(spec):
+    """A draft and a target whose next token depends on (depth, token): the draft's greedy chain
+    from the root is known without any tree, and so is how far the target accepts it. From the
+    tree's verify, `top1_accepted` gives exactly that, or less only where the tree left out the
+    chain's next token (the lower bound its docstring states)."""
+    vd, b = 48, 64
+    rng = np.random.default_rng(spec.tokens)
+    draft_logp = log_softmax(3 * rng.standard_normal((spec.steps, vd, vd)), -1).astype(np.float32)
+    draft_best = draft_logp.argmax(-1)  # [depth, token]: the draft's top-1 after a node
+    # the target agrees with the draft's top-1 mostly, else with its second or a random token
+    second = np.argsort(-draft_logp, axis=-1, kind="stable")[..., 1]
+    pick = rng.random((spec.steps + 1, vd))
+    target_next = np.where(pick < 0.6, np.pad(draft_best, ((0, 1), (0, 0))),
+                           np.where(pick < 0.9, np.pad(second, ((0, 1), (0, 0))), rng.integers(0, vd, pick.shape)))
+    roots = rng.integers(0, vd, b).astype(np.int32)
+    tree = grow(spec, draft_logp, roots)
+    tokens, parent, depth = (np.asarray(a) for a in (tree.tokens, tree.parent, tree.depth))
+    n, path, _ = map(np.asarray, greedy(spec, tree, target_next[depth, tokens].astype(np.int32)))
+    got = np.asarray(jax.jit(T.top1_accepted)(tree, path, n))
+    exact = 0
+    for row in range(b):
+        chain, token = [], roots[row]  # the draft's greedy chain and how far the target takes it
+        for d in range(spec.steps):
+            token = draft_best[d, token]
+            chain.append(token)
+        accepted = 0
+        while accepted < spec.steps and chain[accepted] == target_next[accepted, ([roots[row]] + chain)[accepted]]:
+            accepted += 1
+        assert got[row] <= min(accepted, n[row])
+        assert [tokens[row, i] for i in path[row, 1:got[row] + 1]] == chain[:got[row]]
+        if got[row] < accepted:  # the tree left out the chain's next token
+            kept = tokens[row, parent[row] == path[row, got[row]]]
+            assert chain[got[row]] not in kept
+        exact += int(got[row] == accepted)
+    assert exact >= b // 2 and len(set(got.tolist())) > 2
+    assert np.any(got < n)  # rows whose tree went past the chain, down a later child
+
+
 def test_chain_is_todays_chain():
     """TreeSpec.chain(K) builds the draft's argmax chain; on a chain, greedy acceptance is
     sampling.greedy_verify's and sampled acceptance, with the chain's q or with none (the point

@@ -219,6 +219,31 @@ def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_mode
 
 
 @pytest.mark.slow
+def test_a_tree_measures_its_chain_without_running_it(tiny_models, reference):
+    """"auto" over the tree (3, 2, 5) and the chain of 3, its costs making the tree the choice while
+    the chain, never measured, would be worth a probe (its best case, 4 tokens in 0.6, beats the
+    tree's measured rate), and probes due after 4 iterations without a measurement. The tree's
+    verifies measure the chain (what the draft's top-1 chain would have accepted on each row), so
+    the chain never runs: its estimate counts the tree's rows, none longer than the tree's own, and
+    rows of the draft-q rule, whose chain would have sampled, leave it as it was (probes due only
+    after 256 iterations then)."""
+    spec = TreeSpec(3, 2, 5)
+    llm = make(tiny_models[0], tiny_models[1]["shared"], spec, speculation="auto", step_costs=((4, 1.0, 0.5, 0.6),))
+    engine = llm.engine
+    engine.policy = dataclasses.replace(engine.policy, probe_every=4)
+    outputs = llm.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in outputs] == reference
+    assert set(engine.stats.proposal_iterations) == {"tree 3,2,5"}
+    tree_est, chain_est = engine.acceptance
+    assert chain_est.rows == tree_est.rows > 0 and chain_est.unmeasured == tree_est.unmeasured
+    assert 1.0 <= chain_est.mean < tree_est.mean
+    engine.policy = dataclasses.replace(engine.policy, probe_every=256)  # no probe of the chain now
+    draft_q = SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True, draft_acceptance="draft_q")
+    llm.generate(PROMPTS[:1], draft_q)
+    assert engine.acceptance[0].rows > tree_est.rows and engine.acceptance[1].rows == chain_est.rows
+
+
+@pytest.mark.slow
 def test_sampled_rows_with_a_tree(tree_llm, reference):
     """Sampled rows beside greedy ones run the sampling program over the tree (point-mass
     acceptance, asked for by the draft-q rule): the greedy rows still give the target alone's

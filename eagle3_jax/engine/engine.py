@@ -31,7 +31,7 @@ from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, smallest_b
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.runner.runner import PADDING_PARAMS, ModelRunner, PrefillInputs
-from eagle3_jax.runner.speculator import Chain
+from eagle3_jax.runner.speculator import Chain, Tree
 from eagle3_jax.runner.steps import StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
 
@@ -75,7 +75,7 @@ class _Pending:
     """A dispatched program whose results the host has not read yet."""
 
     reqs: list[Request]
-    result: object  # device array: prefill's first token [1]; an iteration's verdicts [B, 1 + K+1]
+    result: object  # device array: prefill's first token [1]; an iteration's verdicts [B, 2 + K+1]
     iteration: bool = False
     proposal: int | None = None  # iterate: the index of the proposal verified (None: the target alone)
     fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, that proposal drafted at the row's position
@@ -252,16 +252,9 @@ class Engine:
         result = np.asarray(pending.result)
         collected = time.perf_counter()
         self.stats.device_wait_s += collected - t
-        accepted, tokens = split_verdicts(result) if pending.iteration else (None, result)
-        if accepted is not None:
-            # Measured: running rows (not the surplus iteration of a finished one) of a speculative
-            # iteration whose proposals it drafted fresh. Read before _append finishes any request.
-            # The other proposals' estimates see an iteration without a measurement.
-            n = len(pending.reqs)
-            measured = [bool(fresh) and not req.finished for req, fresh in zip(pending.reqs, pending.fresh)]
-            self.acceptance = tuple(
-                policy.observe(est, accepted[:n], measured if i == pending.proposal else [False] * n, self.policy)
-                for i, est in enumerate(self.acceptance))
+        accepted, top1, tokens = split_verdicts(result) if pending.iteration else (None, None, result)
+        if accepted is not None:  # read before _append finishes any request
+            self._observe(pending, accepted[:len(pending.reqs)], top1[:len(pending.reqs)])
         changed = []
         for i, req in enumerate(pending.reqs):
             if req.finished:
@@ -275,6 +268,28 @@ class Engine:
             req.metrics.collected(collected)
             changed.append(req)
         return changed
+
+    def _observe(self, pending: _Pending, accepted: np.ndarray, top1: np.ndarray) -> None:
+        """Update the acceptance estimates from one collected iteration: accepted, top1 [n] its
+        rows' (`steps.split_verdicts`). Measured: running rows (not the surplus iteration of a
+        finished one) whose proposals the iteration drafted fresh. The proposal that ran measures
+        its own; when a tree ran, every chain the engine serves is measured too, by what its chain
+        would have accepted on the same rows (`Tree.accept`'s top1_accepted, at most K; rows of the
+        draft-q rule say nothing), so running the tree keeps the chain's estimate current without
+        probing it. The other estimates see an iteration without a measurement."""
+        measured = np.array([bool(fresh) and not req.finished for req, fresh in zip(pending.reqs, pending.fresh)],
+                            bool)
+        ran = None if pending.proposal is None else self.proposals[pending.proposal]
+        estimates = []
+        for i, (est, proposal) in enumerate(zip(self.acceptance, self.proposals)):
+            if i == pending.proposal:
+                est = policy.observe(est, accepted, measured, self.policy)
+            elif isinstance(ran, Tree) and isinstance(proposal, Chain):
+                est = policy.observe(est, np.minimum(top1, proposal.k), measured & (top1 >= 0), self.policy)
+            else:
+                est = policy.observe(est, accepted, np.zeros_like(measured), self.policy)
+            estimates.append(est)
+        self.acceptance = tuple(estimates)
 
     def _append(self, req: Request, new_tokens: list[int]) -> None:
         params = req.params

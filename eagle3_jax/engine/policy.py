@@ -34,7 +34,15 @@ target-only one, or after the other proposal, verifies stale or foreign proposal
 about the drafter), and only rows still running (the surplus iteration of a finished request and
 padded rows are no measurement).
 
-Probing. An estimate only moves while its proposal runs. When a proposal has gone unmeasured for
+A tree measures the chain too. In a tree's verify the chain the drafter would have proposed from
+the same position is the path of first children (a node's children are the draft's best tokens,
+best first), so each tree iteration also says what that chain would have accepted
+(runner/speculator.py, `Tree.accept`); the engine feeds it, capped at K, to the chain's estimate
+(greedy and coupled rows; a draft-q row's chain would have sampled). Exact except where the tree
+pruned the chain's next proposal, where it is a lower bound. An engine running its tree thus
+keeps the chain's estimate current without running the chain.
+
+Probing. Otherwise an estimate only moves while its proposal runs. When a proposal has gone unmeasured for
 `probe_every` collected iterations and its most optimistic rate (every proposal accepted) beats
 the bucket's choice, the bucket runs it until `probe_rows` fresh row-iterations are measured (the
 first iteration verifies stale proposals and measures nothing), or until even rows of every

@@ -169,15 +169,15 @@ class PinnedBatch:
         return device
 
     def read_verdicts(self, state: DeviceState, rows: jax.Array) -> jax.Array:
-        """The verdicts [B, 1 + K+1] of the iteration just dispatched over `rows` [B] (from `get`),
+        """The verdicts [B, 2 + K+1] of the iteration just dispatched over `rows` [B] (from `get`),
         without waiting. They go into the bucket's older buffer, so each array returned here must
         be read (or dropped) before the bucket's next iteration but one: that call writes over it,
         and reading it after raises "Array has been deleted"."""
         pair = self._verdicts.get(rows.shape[0])
         if pair is None:
-            empty = np.zeros((rows.shape[0], 1 + state.slots.emitted.shape[1]), np.int32)
+            empty = np.zeros((rows.shape[0], 2 + state.slots.emitted.shape[1]), np.int32)
             pair = tuple(jax.device_put(empty, self._placement, may_alias=False) for _ in range(2))
-        verdicts = read_verdicts_step(pair[0], state.slots.num_accepted, state.slots.emitted, rows)
+        verdicts = read_verdicts_step(pair[0], state.slots.accepted, state.slots.emitted, rows)
         self._verdicts[rows.shape[0]] = (pair[1], verdicts)
         return verdicts
 
@@ -197,7 +197,7 @@ class PinnedBatch:
 
 def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch, slots: np.ndarray,
                    tables: np.ndarray, cfg: StepConfig) -> tuple[DeviceState, jax.Array]:
-    """One fused iteration with every buffer at a stable address: -> (state, verdicts [B, 1 + K+1]),
+    """One fused iteration with every buffer at a stable address: -> (state, verdicts [B, 2 + K+1]),
     without waiting. The state is donated."""
     slots, tables = pinned.get(slots, tables)
     state = iterate_in_place_step(params, draft_params, state, slots, tables, cfg=cfg)
@@ -300,7 +300,7 @@ class ModelRunner:
 
     def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig) -> jax.Array:
         """Dispatch one iteration over `slots` [B] with block `tables` [B, nb], fused or as one
-        program per draft step: -> verdicts [B, 1 + K+1] (`steps.split_verdicts`), to be read
+        program per draft step: -> verdicts [B, 2 + K+1] (`steps.split_verdicts`), to be read
         before the bucket's next iteration but one."""
         if self.cfg.fused_iteration or not cfg.speculative:
             self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,

@@ -163,17 +163,21 @@ class Chain:
 
     # ---- accept ---------------------------------------------------------------------------
     def accept(self, greedy: bool, dparams: DraftParams, logits: jax.Array, s: Slots, keys: jax.Array,
-               vocab_size: int) -> tuple[jax.Array, jax.Array, None]:
+               vocab_size: int) -> tuple[jax.Array, jax.Array, None, jax.Array]:
         """Target logits [B, K+1, V] -> (num_accepted [B], emitted [B, K+1], path: None, the
-        accepted proposals are the first ones): row b emits emitted[b, :num_accepted[b] + 1]."""
+        accepted proposals are the first ones, top1_accepted [B]: a chain's is num_accepted, see
+        `Tree.accept`): row b emits emitted[b, :num_accepted[b] + 1]."""
         drafts = s.drafts[:, :self.k]
         valid = s.drafted_by == self.kind  # [B]: the row's pending proposals are a chain's
         if greedy:
-            return (*sampling.greedy_verify(logits, drafts, valid), None)
-        q = _target_probs(dparams, s.draft_probs[:, :self.k], vocab_size) if self.k else None
-        # Logits row i chooses the token at position length + 1 + i.
-        noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + 1 + jnp.arange(self.k + 1), vocab_size)
-        return (*sampling.verify_chain(logits, drafts, q, s.sampling, keys, noise, valid), None)
+            n, emitted = sampling.greedy_verify(logits, drafts, valid)
+        else:
+            q = _target_probs(dparams, s.draft_probs[:, :self.k], vocab_size) if self.k else None
+            # Logits row i chooses the token at position length + 1 + i.
+            noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + 1 + jnp.arange(self.k + 1),
+                                            vocab_size)
+            n, emitted = sampling.verify_chain(logits, drafts, q, s.sampling, keys, noise, valid)
+        return n, emitted, None, n
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: None,
                       length: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -298,18 +302,22 @@ class Tree:
 
     # ---- accept ---------------------------------------------------------------------------
     def accept(self, greedy: bool, dparams: DraftParams, logits: jax.Array, s: Slots, keys: jax.Array,
-               vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+               vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """Target logits [B, T+1, V] -> (num_accepted [B] in 0..steps, emitted [B, steps+1],
-        path [B, steps+1]: the accepted nodes by depth, -1 past num_accepted)."""
+        path [B, steps+1]: the accepted nodes by depth, -1 past num_accepted, top1_accepted [B]:
+        what a chain of the draft's top-1 tokens would have accepted of this verify
+        (`tree.top1_accepted`), -1 on rows of the draft-q rule, whose chain would have sampled
+        its proposals): the engine measures its chain on the tree's traffic without running it."""
         tree = self.tree(s)
         valid = s.drafted_by == self.kind  # [B]: the row's pending proposals are a tree's
         if greedy:
             n, path, emitted = T.greedy_accept(self.spec, tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), valid)
-        else:
-            # Logits row i chooses the token after node i: at position length + depth[i] + 1.
-            noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + tree.depth + 1, vocab_size)
-            n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys, noise=noise, valid=valid)
-        return n, emitted, path
+            return n, emitted, path, T.top1_accepted(tree, path, n)
+        # Logits row i chooses the token after node i: at position length + depth[i] + 1.
+        noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + tree.depth + 1, vocab_size)
+        n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys, noise=noise, valid=valid)
+        top1 = jnp.where(s.sampling.greedy | s.sampling.coupled, T.top1_accepted(tree, path, n), -1)
+        return n, emitted, path, top1
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: jax.Array,
                       length: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -38,8 +38,10 @@ class Slots:
     num_generated: jax.Array  # [S] i32, tokens emitted so far (keys fold it in)
     # The last iteration's verdict per slot, left here for the host to copy out (`read_verdicts`)
     # rather than returned: a returned array is a new buffer every call (see steps.iterate_in_place).
-    num_accepted: jax.Array  # [S] i32, proposals accepted
-    emitted: jax.Array  # [S, K+1] i32, emitted[:num_accepted + 1] are the tokens it emitted (K: a tree's steps)
+    # [S, 2] i32: the proposals accepted, then what a chain of the draft's top-1 tokens would have
+    # accepted of them (`Tree.accept`'s top1_accepted; a chain's: the first column; -1: unknown)
+    accepted: jax.Array
+    emitted: jax.Array  # [S, K+1] i32, emitted[:accepted[:, 0] + 1] are the tokens it emitted (K: a tree's steps)
     # A tree's shape: node i+1's parent in the verify layout (0: the root, the last token; parents
     # before children). None for a chain, whose proposal j follows j-1.
     parents: jax.Array | None = None  # [S, T] i32
@@ -97,7 +99,7 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
     parents = jnp.zeros((s, layout.proposals), jnp.int32) if layout.parents else None
     slots = Slots(last_token=zeros_i(), length=zeros_i(), drafts=jnp.zeros((s, layout.proposals), jnp.int32),
                   draft_probs=jnp.zeros((s, layout.q_rows, vd), jnp.float32), sampling=sampling,
-                  num_generated=zeros_i(), num_accepted=zeros_i(),
+                  num_generated=zeros_i(), accepted=jnp.zeros((s, 2), jnp.int32),
                   emitted=jnp.zeros((s, layout.emitted), jnp.int32), parents=parents, drafted_by=zeros_i())
     return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
 

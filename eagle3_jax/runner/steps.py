@@ -155,7 +155,8 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     """Verify, accept, extend the draft, and run the first draft step.
 
     rows [B], block_tables [B, nb] -> (state, num_accepted [B] i32, emitted [B, W] i32, carry):
-    row b emitted emitted[b, :num_accepted[b] + 1]; entries after are padding. `carry` is None
+    row b emitted emitted[b, :num_accepted[b] + 1]; entries after are padding. The slots also keep
+    each row's top1_accepted (`Tree.accept`) beside num_accepted, for the host. `carry` is None
     when this program runs the target alone; else the draft continues from it (`chain_step`)
     and `commit_proposals` stores its proposals.
     """
@@ -167,8 +168,8 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     logits = _logits(params, cfg, hidden)  # [B, W, V]
     # emitted, path [B, E] (E = spec.emitted_width); path None where the accepted tokens were
     # verified where they stay (a chain)
-    n, emitted, path = spec.accept(cfg.greedy, dparams, logits, s,
-                                   _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
+    n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
+                                         _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
     target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)  # the accepted KV at length..length+n
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
@@ -187,7 +188,8 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
         carry, draft_kv = spec.draft_step(cfg.draft_context, dparams, params.embed, carry, draft_kv, block_tables, 0)
     width = state.slots.emitted.shape[1]  # the engine's widest verify; a target-only iteration emits 1
     slots = _write_slots(state.slots, rows, last_token=last, length=s.length + n + 1, num_generated=num_generated,
-                         num_accepted=n, emitted=jnp.pad(emitted, ((0, 0), (0, width - emitted.shape[1]))))
+                         accepted=jnp.stack([n, top1], axis=1),
+                         emitted=jnp.pad(emitted, ((0, 0), (0, width - emitted.shape[1]))))
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted, carry
 
 
@@ -219,7 +221,7 @@ def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.A
 
 def iterate_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
                      block_tables: jax.Array, cfg: StepConfig) -> DeviceState:
-    """`iterate` as the engine runs it: the verdicts stay in the slots (`Slots.num_accepted`,
+    """`iterate` as the engine runs it: the verdicts stay in the slots (`Slots.accepted`,
     `Slots.emitted`), so the program's only output is the donated state, which XLA aliases to its
     input. Why: XLA runs the program as a CUDA graph (a command buffer) that records the address of
     every buffer it touches, and rewrites the nodes that touch a buffer whose address changed before
@@ -230,17 +232,17 @@ def iterate_in_place(params, dparams: DraftParams | None, state: DeviceState, ro
     return iterate(params, dparams, state, rows, block_tables, cfg)[0]
 
 
-def read_verdicts(buffer: jax.Array, num_accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> jax.Array:
+def read_verdicts(buffer: jax.Array, accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> jax.Array:
     """The rows' verdicts, copied out of the slots in one array, so the host reads them with one
-    device-to-host copy: num_accepted [S], emitted [S, K+1], rows [B] -> verdicts [B, 1 + K+1],
-    column 0 the proposals accepted, then the tokens emitted (`split_verdicts`).
+    device-to-host copy: accepted [S, 2] (`Slots.accepted`), emitted [S, K+1], rows [B] -> verdicts
+    [B, 2 + K+1]: the proposals accepted, top1_accepted, then the tokens emitted (`split_verdicts`).
 
-    Written over `buffer` [B, 1 + K+1] (donated; only its address is used), so the program
+    Written over `buffer` [B, 2 + K+1] (donated; only its address is used), so the program
     allocates nothing. Why: a device buffer allocated between two iterations, even one this small,
     can move the next iteration's temporary buffer, and XLA then updates every node of its CUDA
     graph before the launch (BENCHMARKS.md, "Host overhead")."""
     del buffer
-    return jnp.concatenate([num_accepted[rows][:, None], emitted[rows]], axis=1)
+    return jnp.concatenate([accepted[rows], emitted[rows]], axis=1)
 
 
 def read_first_token(buffer: jax.Array, last_token: jax.Array, slot: jax.Array) -> jax.Array:
@@ -253,9 +255,9 @@ def read_first_token(buffer: jax.Array, last_token: jax.Array, slot: jax.Array) 
 
 
 def split_verdicts(verdicts):
-    """verdicts [B, 1 + K+1] (`read_verdicts`; a device or host array) -> (num_accepted [B],
-    emitted [B, K+1]): row b emitted emitted[b, :num_accepted[b] + 1]."""
-    return verdicts[:, 0], verdicts[:, 1:]
+    """verdicts [B, 2 + K+1] (`read_verdicts`; a device or host array) -> (num_accepted [B],
+    top1_accepted [B] (`Tree.accept`), emitted [B, K+1]): row b emitted emitted[b, :num_accepted[b] + 1]."""
+    return verdicts[:, 0], verdicts[:, 1], verdicts[:, 2:]
 
 
 def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
@@ -305,7 +307,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
 
     slots = _write_slots(state.slots, slot, last_token=first, length=length, drafts=zeros(state.slots.drafts),
                          draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=jnp.ones_like(length),
-                         num_accepted=jnp.zeros_like(length), emitted=zeros(state.slots.emitted),
+                         accepted=zeros(state.slots.accepted), emitted=zeros(state.slots.emitted),
                          parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length))
     if cfg.speculative:
         slots = spec.commit(slots, slot, carry, cfg.greedy)  # the first proposal, as an iteration leaves it

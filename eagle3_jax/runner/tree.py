@@ -235,6 +235,26 @@ def _walk(spec: TreeSpec, tree: Tree, accept: Array) -> tuple[Array, Array]:
     return jnp.sum(on_path, axis=-1, dtype=jnp.int32) - 1, path
 
 
+def top1_accepted(tree: Tree, path: Array, n: Array) -> Array:
+    """What a chain of the draft's most likely tokens would have accepted of this verify: the
+    accepted path's leading nodes that are their parent's first child. path [B, steps+1], n [B]
+    (`_walk`'s) -> [B] i32 in 0..n.
+
+    Why it is the chain's: a node's children are its k best draft tokens, best first, and `select`
+    keeps them in that order and never a child without its better siblings, so a parent's first
+    child is the draft's top-1 after it: the path of first children is the chain the draft
+    proposes from the same position (greedy: argmaxes; coupled rows: the Gumbel-top-1, the chain's
+    coupled draw). The chain accepts its proposals while they are the target's tokens: down the
+    accepted path while it follows first children. Exact when the run stops at a later child (the
+    target took a sibling over the chain's token) or at a first child the target rejected; a lower
+    bound when the path ends at a node none of whose children `select` kept, the chain's next
+    proposal unverified (the tree pruned it, or the tree's depth ends there)."""
+    first = ~jnp.any(_earlier_siblings(tree), axis=-1)  # [B, T+1]
+    on_path = jnp.take_along_axis(first, jnp.maximum(path[:, 1:], 0), axis=1)  # [B, steps]
+    within = jnp.arange(path.shape[1] - 1) < n[:, None]
+    return jnp.sum(jnp.cumprod(on_path & within, axis=1), axis=1, dtype=jnp.int32)
+
+
 def _emitted(tree: Tree, path: Array, n: Array, last: Array) -> Array:
     """The path's tokens after the root, then `last` [B] -> emitted [B, steps+1], PAD-padded."""
     drafts = jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:], 0), axis=1)
