@@ -247,7 +247,9 @@ class ModelRunner:
         self.step_cfg = StepConfig(target=target, draft=draft if self.proposals else None,
                                    num_draft=main.num_draft_steps, mesh=mesh, attention=attention_kind(cfg, mesh),
                                    gemv=gemv_kind(cfg, mesh), model=model,
-                                   tree=main.spec if isinstance(main, Tree) else None)
+                                   tree=main.spec if isinstance(main, Tree) else None,
+                                   measure_chain=(any(isinstance(p, Tree) for p in self.proposals)
+                                                  and any(isinstance(p, Chain) for p in self.proposals)))
         # Room in the slots for each proposal's pending state.
         layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
         state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype, layout)

@@ -163,10 +163,11 @@ class Chain:
 
     # ---- accept ---------------------------------------------------------------------------
     def accept(self, greedy: bool, dparams: DraftParams, logits: jax.Array, s: Slots, keys: jax.Array,
-               vocab_size: int) -> tuple[jax.Array, jax.Array, None, jax.Array]:
+               vocab_size: int, measure_chain: bool = False) -> tuple[jax.Array, jax.Array, None, jax.Array]:
         """Target logits [B, K+1, V] -> (num_accepted [B], emitted [B, K+1], path: None, the
         accepted proposals are the first ones, top1_accepted [B]: a chain's is num_accepted, see
-        `Tree.accept`): row b emits emitted[b, :num_accepted[b] + 1]."""
+        `Tree.accept`): row b emits emitted[b, :num_accepted[b] + 1]. measure_chain: unused (a
+        chain measures itself)."""
         drafts = s.drafts[:, :self.k]
         valid = s.drafted_by == self.kind  # [B]: the row's pending proposals are a chain's
         if greedy:
@@ -302,21 +303,24 @@ class Tree:
 
     # ---- accept ---------------------------------------------------------------------------
     def accept(self, greedy: bool, dparams: DraftParams, logits: jax.Array, s: Slots, keys: jax.Array,
-               vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+               vocab_size: int, measure_chain: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """Target logits [B, T+1, V] -> (num_accepted [B] in 0..steps, emitted [B, steps+1],
-        path [B, steps+1]: the accepted nodes by depth, -1 past num_accepted, top1_accepted [B]:
-        what a chain of the draft's top-1 tokens would have accepted of this verify
-        (`tree.top1_accepted`), -1 on rows of the draft-q rule, whose chain would have sampled
-        its proposals): the engine measures its chain on the tree's traffic without running it."""
+        path [B, steps+1]: the accepted nodes by depth, -1 past num_accepted, top1_accepted [B]).
+        measure_chain (static): top1_accepted is what a chain of the draft's top-1 tokens would
+        have accepted of this verify (`tree.top1_accepted`), -1 on rows of the draft-q rule, whose
+        chain would have sampled its proposals: the engine measures its chain on the tree's
+        traffic without running it. Else -1 everywhere, not computed."""
         tree = self.tree(s)
         valid = s.drafted_by == self.kind  # [B]: the row's pending proposals are a tree's
         if greedy:
             n, path, emitted = T.greedy_accept(self.spec, tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), valid)
-            return n, emitted, path, T.top1_accepted(tree, path, n)
-        # Logits row i chooses the token after node i: at position length + depth[i] + 1.
-        noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + tree.depth + 1, vocab_size)
-        n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys, noise=noise, valid=valid)
-        top1 = jnp.where(s.sampling.greedy | s.sampling.coupled, T.top1_accepted(tree, path, n), -1)
+            measurable = True
+        else:
+            # Logits row i chooses the token after node i: at position length + depth[i] + 1.
+            noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + tree.depth + 1, vocab_size)
+            n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys, noise=noise, valid=valid)
+            measurable = s.sampling.greedy | s.sampling.coupled
+        top1 = jnp.where(measurable, T.top1_accepted(tree, path, n), -1) if measure_chain else jnp.full_like(n, -1)
         return n, emitted, path, top1
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: jax.Array,

@@ -39,7 +39,8 @@ class Slots:
     # The last iteration's verdict per slot, left here for the host to copy out (`read_verdicts`)
     # rather than returned: a returned array is a new buffer every call (see steps.iterate_in_place).
     # [S, 2] i32: the proposals accepted, then what a chain of the draft's top-1 tokens would have
-    # accepted of them (`Tree.accept`'s top1_accepted; a chain's: the first column; -1: unknown)
+    # accepted of them (`Tree.accept`'s top1_accepted; a chain's: the first column; -1: not
+    # measured, a tree's in an engine with no chain beside it, or a draft-q row)
     accepted: jax.Array
     emitted: jax.Array  # [S, K+1] i32, emitted[:accepted[:, 0] + 1] are the tokens it emitted (K: a tree's steps)
     # A tree's shape: node i+1's parent in the verify layout (0: the root, the last token; parents

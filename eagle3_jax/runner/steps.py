@@ -65,6 +65,9 @@ class StepConfig:
     # A dynamic tree drafted instead of the chain (never a chain TreeSpec: the runner serves those
     # as Chain); num_draft is then its steps, or 0 in the target-only program.
     tree: TreeSpec | None = None
+    # A tree's verify also says what the draft's top-1 chain would have accepted (`Tree.accept`),
+    # for an engine serving a chain beside its tree; without one it leaves -1 and computes nothing.
+    measure_chain: bool = False
 
     def __post_init__(self):
         if self.tree is not None and (self.tree.is_chain or self.num_draft not in (0, self.tree.steps)):
@@ -169,7 +172,8 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     # emitted, path [B, E] (E = spec.emitted_width); path None where the accepted tokens were
     # verified where they stay (a chain)
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
-                                         _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
+                                         _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size,
+                                         cfg.measure_chain)
     target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)  # the accepted KV at length..length+n
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
