@@ -222,7 +222,7 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
         tables[0, -1] = page  # a new page in a block the dummy row never reaches: same work
         verdicts = runner.iterate(slots, tables, cfg)
         verdict_addresses.append(verdicts.unsafe_buffer_pointer())
-    assert verdicts.shape == (bucket, 1 + k + 1)  # proposals accepted, then the tokens emitted
+    assert verdicts.shape == (bucket, 2 + k + 1)  # proposals accepted, top1_accepted, then the tokens emitted
     assert runner.pinned_batch(slots, tables)[1][0, -1] == 2
     assert addresses() == before
     a, b = verdict_addresses[:2]
