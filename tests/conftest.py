@@ -4,6 +4,8 @@ JAX's persistent cache in each later module: see _drop_compiled_programs)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import os
 from pathlib import Path
@@ -28,6 +30,19 @@ jax.config.update("jax_platforms", "cpu")
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _FAST_COMPILE if f not in _flags])
+
+# Under xdist each worker gets its share of the cores for OpenMP and BLAS threads: torch's (the
+# transformers references of tests/test_model.py, the bench's peer) and those of the subprocesses the
+# tests start. With every core each, one worker's torch threads spin against the other worker's XLA:
+# on 2 cores next to a busy one, transformers' greedy generate of tests/test_model.py took 13.3 s at 2
+# threads and 4.7 s at 1 (that test, in the suite: 50 to 139 s before, about 22 s after). Torch reads
+# the variable when it is first imported, which the tests do later.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _CORES_EACH = str(max(1, _cores // _WORKERS))
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, _CORES_EACH)
 
 
 # Linux caps a process's memory mappings (vm.max_map_count, 65,530 by default) and each XLA CPU
@@ -98,8 +113,32 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     gguf = assets.fetch(assets.SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers' GGUF loading with gguf-py's work done once: it parses the file's header (the
+    49,152-entry vocabulary, field by field) once for the config and again for the weights, and
+    builds the same tensor-name map once per submodule (397 times for SmolLM2): SmolLM2's load took
+    18 s on an idle core, 8 s with these shared. Still transformers' own reader and map (the model's
+    tensors compare equal), only not built twice."""
+    import gguf
+
+    make_reader, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = make_reader(path, *args, **kwargs)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 # A tiny random Llama and drafters for the engine's logic: a vocabulary of 12 tokens, so a random

@@ -35,12 +35,25 @@ TINY = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_lay
                    tie_word_embeddings=False, eos_token_ids=(2,))
 # Runs the CLI with torch hidden: find_spec("torch") is None, as on a machine without it.
 NO_TORCH = "import sys; sys.modules['torch'] = None; from eagle3_jax.cli import main; sys.exit(main(sys.argv[1:]))"
+# What loading a model would import (the API, the engine, the checkpoint readers, transformers).
+MODEL_MODULES = ("eagle3_jax.api", "eagle3_jax.engine", "eagle3_jax.runner", "eagle3_jax.weights.llama",
+                 "eagle3_jax.weights.eagle3", "transformers", "torch")
+# Runs the CLI, then prints on stdout's last line, as JSON, which of MODEL_MODULES it imported and
+# whether JAX started a backend (anything allocated or compiled).
+REPORT_LOADED = (
+    "import json, sys; from eagle3_jax.cli import main; code = main(sys.argv[1:]); "
+    "bridge = sys.modules.get('jax._src.xla_bridge'); "
+    f"print(json.dumps({{'modules': [m for m in {MODEL_MODULES!r} if m in sys.modules], "
+    "'backend': bool(bridge and bridge.backends_are_initialized())}), flush=True); sys.exit(code)"
+)
 
 
-def run_cli(*args: str, stdin: str | None = None, timeout: float = 120, no_torch: bool = False):
-    """(completed process, seconds) of `eagle3-jax ARGS` in a subprocess, on the CPU."""
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 120, no_torch: bool = False,
+            report_loaded: bool = False):
+    """(completed process, seconds) of `eagle3-jax ARGS` in a subprocess, on the CPU; with
+    `report_loaded`, stdout ends with REPORT_LOADED's line."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    entry = ["-c", NO_TORCH] if no_torch else ["-m", "eagle3_jax.cli"]
+    entry = ["-c", NO_TORCH] if no_torch else ["-c", REPORT_LOADED] if report_loaded else ["-m", "eagle3_jax.cli"]
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, *entry, *args], input=stdin, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
@@ -225,10 +238,13 @@ def test_plan_takes_bench_presets_and_shipped_configs():
 
 
 def test_plan_mistakes_are_one_line(tmp_path):
-    proc, seconds = run_cli("plan", "--target", "llama-9b")
+    proc, _ = run_cli("plan", "--target", "llama-9b", report_loaded=True)
     line = one_line_error(proc)
     assert "--target llama-9b: neither a preset (llama3.1-8b" in line
-    assert seconds < FLAG_SECONDS
+    # Answered before anything heavy: plan's own modules import jax, but nothing a model needs is
+    # imported and no backend starts. (What was loaded, not a wall-clock bound: this run imports
+    # jax, and under the suite's load it took over 5 s.)
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"modules": [], "backend": False}, proc.stdout
     proc, _ = run_cli("plan", "--target", "llama3.1-8b", "--draft", str(tmp_path / "none.json"))
     assert "--draft" in one_line_error(proc)
 
