@@ -17,18 +17,21 @@ served from L2), us per projection. "int8" and "fp8" store the weight with a sca
 column and multiply `dot(x, q.astype(bf16))` by it; "fp8 GEMM" also rounds x to float8 (one
 scale for the call) and multiplies on the tensor cores in fp8, the weight stored [N, K].
 
-Measured on the H200 (jax 0.11.2, BENCHMARKS.md "Tried and rejected"): int8 and fp8 with the
-convert on the operand are 2.1-4.6x slower than bf16 at every shape and row count (0.4-0.8 TB/s
-of 8-bit weight: XLA writes a bf16 copy of the weight and reads it again); the fp8 GEMM is faster
-only from 16 rows, on the widest weights (gate_up 40.2 against 59.6 us, lm_head 42.5 against 66.6),
-and 1.6-2.7x slower at 1 and 4 rows, a tree level's 4 beams at batch 1 among them. Verdict: no
-8-bit drafter through XLA's dots; it would take a GEMV kernel of our own that dequantizes as it
-reads.
+Measured on the H200 (jax 0.11.2, BENCHMARKS.md "Tried and rejected"): int8 with the convert on
+the operand is 1.3-4.6x slower than bf16 at every shape and row count (o 1.3-3.2x, the others
+2.1-4.6x; 0.4-0.8 TB/s of 8-bit weight: XLA writes a bf16 copy of the weight and reads it again),
+and fp8 the same 2.1-4.6x on qkv, gate_up, down and lm_head (o's fp8 figures of that run were the
+fp8 GEMM's: the probe then told the two forms apart by the weight's shape, which a square weight
+defeats; it now passes the form). The fp8 GEMM is faster only from 16 rows, on the widest weights
+(gate_up 40.2 against 59.6 us, lm_head 42.5 against 66.6), and 1.7-2.7x slower at 1 and 4 rows (o
+at 4 rows 1.00x), a tree level's 4 beams at batch 1 among them. Verdict: no 8-bit drafter through
+XLA's dots; it would take a GEMV kernel of our own that dequantizes as it reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -62,11 +65,11 @@ def quantize(w: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array | None]:
     return q, scale
 
 
-def product(x: jax.Array, q: jax.Array, scale: jax.Array | None) -> jax.Array:
-    """x [M, K] bf16 -> [M, N] bf16."""
-    if scale is None:
+def product(x: jax.Array, q: jax.Array, scale: jax.Array | None, fmt: str) -> jax.Array:
+    """x [M, K] bf16, q and scale as `quantize(w, fmt)` stored them -> [M, N] bf16."""
+    if fmt == "bf16":
         return jnp.dot(x, q)
-    if q.dtype == jnp.float8_e4m3fn and q.shape[-1] == x.shape[-1]:  # fp8 x fp8 on the tensor cores
+    if fmt == "fp8 GEMM":  # fp8 x fp8 on the tensor cores
         x_scale = jnp.maximum(jnp.abs(x).max().astype(jnp.float32), 1e-12) / 448.0
         x8 = (x.astype(jnp.float32) / x_scale).astype(jnp.float8_e4m3fn)
         y = jax.lax.dot_general(x8, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
@@ -75,9 +78,9 @@ def product(x: jax.Array, q: jax.Array, scale: jax.Array | None) -> jax.Array:
     return (y * scale).astype(jnp.bfloat16)
 
 
-def chained(x, qs, scales):
+def chained(x, qs, scales, fmt):
     for i in range(LAYERS):
-        y = product(x, qs[i], None if scales is None else scales[i])
+        y = product(x, qs[i], None if scales is None else scales[i], fmt)
         x = x.at[:, :1].add((1e-6 * y[:, :1]).astype(x.dtype))
     return x
 
@@ -88,7 +91,7 @@ def check() -> int:
     x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
     want = np.asarray(jnp.dot(x.astype(jnp.float32), w))
     for fmt in FORMATS:
-        got = np.asarray(product(x, *quantize(w, fmt)), np.float32)
+        got = np.asarray(product(x, *quantize(w, fmt), fmt), np.float32)
         err = float(np.abs(got - want).max() / np.abs(want).max())
         print(f"{fmt}: max rel err {err:.2e}")
         if err > {"bf16": 0.02, "int8": 0.05}.get(fmt, 0.12):
@@ -108,7 +111,7 @@ def main() -> int:
     print("| projection | rows | " + " | ".join(f"{f} us (TB/s)" for f in FORMATS) + " | "
           + " | ".join(f"{f} / bf16" for f in FORMATS[1:]) + " |")
     print("|---|---|" + "---|" * (2 * len(FORMATS) - 1))
-    run = jax.jit(chained)
+    run = jax.jit(chained, static_argnames="fmt")
     for name, k, n in SHAPES:
         w = 0.02 * jax.random.normal(jax.random.PRNGKey(0), (LAYERS, k, n), jnp.float32)
         stored = {fmt: quantize(w, fmt) for fmt in FORMATS}
@@ -118,7 +121,8 @@ def main() -> int:
             us, cells = {}, []
             for fmt in FORMATS:
                 q, scale = stored[fmt]
-                us[fmt] = 1e6 * costs.seconds_per_call(lambda x=x, q=q, scale=scale: run(x, q, scale)) / LAYERS
+                call = functools.partial(run, x, q, scale, fmt=fmt)
+                us[fmt] = 1e6 * costs.seconds_per_call(call) / LAYERS
                 tbs = q[0].nbytes / (us[fmt] * 1e-6) / 1e12
                 cells.append(f"{us[fmt]:.1f} ({tbs:.2f})")
             ratios = " | ".join(f"{us[f] / us['bf16']:.2f}" for f in FORMATS[1:])
