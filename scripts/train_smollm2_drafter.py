@@ -137,7 +137,8 @@ def run(a, argv: list[str], ap: argparse.ArgumentParser) -> int:
     buckets = tuple(b for b in a.length_buckets or () if b < a.seq_len) + (a.seq_len,)
     record = loop.train_drafter(
         target, a.out or log_dir / "draft", draft_vocab_size=a.draft_vocab_size, steps=a.steps,
-        batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
+        batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, reach_top_k=a.ttt_reach_top_k,
+        seed=a.seed, sharegpt=a.sharegpt,
         mtbench=mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir, time_budget_s=budget, dtype=a.dtype,
         ckpt_every=a.ckpt_every, eval_rows=a.eval_rows, data_cache=data_files, max_conversations=a.max_conversations,
         init=a.init, regen=spec, length_buckets=buckets, patience=a.patience, stop_metric=a.early_stop_metric,

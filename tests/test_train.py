@@ -13,7 +13,7 @@ import pytest
 
 from eagle3_jax.config import ModelConfig
 from eagle3_jax.model import llama
-from eagle3_jax.model.eagle3 import draft_forward, fuse_captures
+from eagle3_jax.model.eagle3 import draft_forward, draft_logits, fuse_captures
 from eagle3_jax.train import data as D
 from eagle3_jax.train import loop as L
 from eagle3_jax.train import objective as O
@@ -315,6 +315,49 @@ def test_ttt_equals_inference_chain(tiny):
             h, cache = forward(dp, dcfg, params.embed, tokens[:, t + 1 + j:t + 2 + j], h,
                                      jnp.full((b, 1), t + j), cache, table)
             np.testing.assert_allclose(h[:, 0], hs[j][:, t], rtol=1e-4, atol=1e-4)
+
+
+def test_reach_mask_counts_only_what_inference_reaches(tiny):
+    """With reach_top_k = k, step j's loss is the CE over the bases where every earlier step had
+    the data's next token within its top k; accuracy stays over every base."""
+    cfg, params, dcfg, vocab, dev_vocab, batch = tiny
+    dp = L.draft_params(L.init_draft_from_target(params, dcfg, vocab.used, jax.random.PRNGKey(2)),
+                        dev_vocab["d2t"], jnp.float32)
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    captures, logits = jax.jit(O.target_pass, static_argnums=1)(params, cfg, tokens)
+    p, in_vocab = O.target_distribution(logits, dev_vocab["used"], dev_vocab["t2d"])
+    ids = O.draft_ids_of(tokens, dev_vocab["used"], V)
+    np.testing.assert_array_equal(np.asarray(ids), [[list(vocab.used).index(x) if x in vocab.used else -1
+                                                     for x in row] for row in np.asarray(tokens)])
+    steps = 3
+    hs = O.ttt_hiddens(dp, dcfg, params.embed, captures, tokens, steps)
+    loss = jax.jit(O.ttt_loss, static_argnums=(1, 8, 9, 11))
+    metrics = {k: loss(dp, dcfg, params.embed, captures, tokens, loss_mask, p, in_vocab, steps, 0.8, ids, k)[1]
+               for k in (0, 12, 30)}  # of 40: the tokens are random, the draft untrained
+    plain = metrics[0]
+    for k in (12, 30):
+        got = metrics[k]
+        reach = np.ones(tokens.shape, bool)
+        for j in range(steps):
+            _, step_p, mask, _ = O.step_targets(tokens, loss_mask, p, in_vocab, j)
+            lg = np.asarray(draft_logits(dp, dcfg, hs[j]), np.float64)
+            log_q = lg - lg.max(-1, keepdims=True)
+            log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+            ce = -(np.asarray(step_p) * log_q).sum(-1)
+            counted = np.asarray(mask) & reach
+            assert counted.sum() > 0 and (j == 0 or counted.sum() < np.asarray(mask).sum())
+            np.testing.assert_allclose(got["loss_steps"][j], ce[counted].mean(), rtol=1e-5)
+            nxt = np.asarray(O.shift_left(ids, 2 + j, -1))
+            better = (lg > np.take_along_axis(lg, np.maximum(nxt, 0)[..., None], -1)).sum(-1)
+            reach &= (nxt >= 0) & (better < k)
+        np.testing.assert_array_equal(got["acc_steps"], plain["acc_steps"])
+        np.testing.assert_array_equal(got["accept_steps"], plain["accept_steps"])
+        assert float(got["loss_steps"][0]) == pytest.approx(float(plain["loss_steps"][0]))
+    # The train step passes the draft ids and k through (HParams.reach_top_k).
+    hp = L.HParams(steps=1, batch_size=4, seq_len=16, ttt_steps=steps, reach_top_k=12)
+    state = L.init_state(L.init_draft_from_target(params, dcfg, vocab.used, jax.random.PRNGKey(2)), hp)
+    _, m = L.make_train_step(cfg, dcfg, hp, jnp.float32)(state, params, dev_vocab, batch, 0.0)
+    np.testing.assert_allclose(m["loss_steps"], metrics[12]["loss_steps"], rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- training

@@ -41,6 +41,7 @@ from eagle3_jax.train import regenerate
 from eagle3_jax.train.objective import (
     STEP_WEIGHT,
     TTT_STEPS,
+    draft_ids_of,
     target_distribution,
     target_pass,
     ttt_loss,
@@ -63,6 +64,8 @@ class HParams:
     clip: float = 0.5  # ds_config.json gradient_clipping
     ttt_steps: int = TTT_STEPS
     step_weight: float = STEP_WEIGHT
+    # Step j's loss only where steps < j had the data's next token in their top k (objective.py); 0: everywhere.
+    reach_top_k: int = 0
     seed: int = 0
     # Row lengths batches are grouped by (`data.Batches`); None: every row at seq_len.
     length_buckets: tuple[int, ...] | None = None
@@ -146,10 +149,11 @@ def _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype):
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     captures, logits = target_pass(target_params, tcfg, tokens)
     p, in_vocab = target_distribution(logits, vocab["used"], vocab["t2d"])
+    draft_ids = draft_ids_of(tokens, vocab["used"], tcfg.vocab_size) if hp.reach_top_k else None
 
     def loss_fn(tr):
         return ttt_loss(draft_params(tr, vocab["d2t"], dtype), dcfg, target_params.embed, captures, tokens,
-                        loss_mask, p, in_vocab, hp.ttt_steps, hp.step_weight)
+                        loss_mask, p, in_vocab, hp.ttt_steps, hp.step_weight, draft_ids, hp.reach_top_k)
     return loss_fn
 
 
@@ -492,7 +496,7 @@ def should_stop(values: Sequence[float], patience: int, mode: str, min_delta: fl
 
 def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_size: int = 16384,
                   steps: int = 1000, batch_size: int = 8, seq_len: int = 2048, lr: float = 1e-3,
-                  ttt_steps: int = TTT_STEPS, seed: int = 0, sharegpt: str | Path | None = None,
+                  ttt_steps: int = TTT_STEPS, reach_top_k: int = 0, seed: int = 0, sharegpt: str | Path | None = None,
                   mtbench="auto", ckpt_dir: str | Path | None = None, log_dir: str | Path | None = None,
                   time_budget_s: float | None = None, dtype: str = "auto", ckpt_every: int = 500,
                   eval_rows: int = 64, max_conversations: int | None = None,
@@ -535,7 +539,8 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
         return prepare_data(target_dir, seq_len, sharegpt=sharegpt, mtbench=mtbench, data_cache=data_cache,
                             max_conversations=max_conversations, regen=regen, progress=progress, log=log)
 
-    hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, seed=seed,
+    hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps,
+                 reach_top_k=reach_top_k, seed=seed,
                  warmup_frac=warmup_frac, length_buckets=tuple(length_buckets) if length_buckets else None)
     run = prepare_run(target_dir, ckpt_dir, hp, draft_vocab_size, examples, eval_rows, jnp.dtype(dtype), init, log)
     trainable = run.init_weights or init_draft_from_target(run.target, run.dcfg, run.vocab.used,
@@ -696,6 +701,9 @@ def add_evaluation_arguments(ap, ckpt_every: int, eval_rows: int) -> None:
     ap.add_argument("--ttt-steps", type=regenerate.positive_int, default=TTT_STEPS,
                     help=f"training-time test steps: the proposal depth trained (default {TTT_STEPS}, the deepest "
                     "chain or tree the engine serves)")
+    ap.add_argument("--ttt-reach-top-k", type=regenerate.count_int, default=0,
+                    help="count step j's loss only where steps 0..j-1 had the data's next token in their top K "
+                    "(1: a chain's reach, a tree's top_k: its beams'; default 0: every position)")
     ap.add_argument("--ckpt-every", type=regenerate.positive_int, default=ckpt_every,
                     help="save a checkpoint and evaluate the held-out rows every N steps")
     ap.add_argument("--eval-rows", type=regenerate.count_int, default=eval_rows,
@@ -724,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         train_drafter(a.target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
-                      seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, seed=a.seed, sharegpt=a.sharegpt,
+                      seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, reach_top_k=a.ttt_reach_top_k,
+                      seed=a.seed, sharegpt=a.sharegpt,
                       mtbench=None if a.mtbench == "none" else a.mtbench, ckpt_dir=a.ckpt_dir, log_dir=a.log_dir,
                       time_budget_s=a.time_budget_s, dtype=a.dtype, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows,
                       max_conversations=a.max_conversations, data_cache=a.data_cache,

@@ -27,6 +27,14 @@ TreeSpec(6, 8, 31)): step j trains proposal j + 1, and the reference's 7th step 
 target argmax, over the assistant positions of step j (a target argmax outside the draft
 vocabulary counts as a miss, as in the reference's `acces`).
 
+Reachable bases only (`reach_top_k` = k > 0; ours, not the reference's): step j's loss also
+requires that at every earlier step i < j the data's next token x_{t+2+i} was among the draft's
+top k. Only there does inference ever run step j on this context (a chain follows the draft's
+top 1, a tree's beams its top k); elsewhere step j learns to continue from a proposal nobody
+made, and the one layer's capacity goes to contexts that cannot raise acceptance (GRIFFIN, arXiv
+2502.11018, masks misaligned tokens out of its loss for the same reason). Accuracy and the
+acceptance proxy stay over every base.
+
 Acceptance proxy (`chain_acceptance`): with every input teacher-forced, a greedy chain of K
 proposals from base t would accept its first j + 1 when steps 0..j all hit; accept_j is the
 share of bases (whose S predicted tokens are all assistant tokens) where they do, and
@@ -143,17 +151,24 @@ def chain_step(params: DraftParams, cfg: DraftConfig, embed: jax.Array, tokens: 
     return h, k, v
 
 
-def _head_stats(params: DraftParams, cfg: DraftConfig, h: jax.Array, p: jax.Array,
-                mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """h [B, T, H], p [B, T, N], mask [B, T] -> (sum of masked CE, masked argmax hits [B, T] bool).
-    Rematerialized in the backward pass: the [B, T, N] logits of every step are never kept."""
+def _head_stats(params: DraftParams, cfg: DraftConfig, h: jax.Array, p: jax.Array, next_ids: jax.Array,
+                reach_top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [B, T, H], p [B, T, N], next_ids [B, T] (the draft id of the data's next token, -1 outside
+    the draft vocabulary) -> (CE [B, T], argmax hit [B, T] bool, the next token among the draft's
+    top `reach_top_k` [B, T] bool; all True with 0). Rematerialized in the backward pass: the
+    [B, T, N] logits of every step are never kept."""
     logits = draft_logits(params, cfg, h)  # [B, T, N] f32
-    ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T]
-    hit = (jnp.argmax(logits, -1) == jnp.argmax(p, -1)) & mask
-    return jnp.sum(jnp.where(mask, ce, 0.0)), jax.lax.stop_gradient(hit)
+    ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    hit = jnp.argmax(logits, -1) == jnp.argmax(p, -1)
+    if reach_top_k > 0:
+        chosen = jnp.take_along_axis(logits, jnp.maximum(next_ids, 0)[..., None], axis=-1)  # [B, T, 1]
+        reach = (next_ids >= 0) & (jnp.sum(logits > chosen, axis=-1) < reach_top_k)
+    else:
+        reach = jnp.ones(hit.shape, bool)
+    return ce, jax.lax.stop_gradient(hit), jax.lax.stop_gradient(reach)
 
 
-_head_stats_remat = jax.checkpoint(_head_stats, static_argnums=(1,))
+_head_stats_remat = jax.checkpoint(_head_stats, static_argnums=(1, 5))
 
 
 def step_targets(tokens: jax.Array, loss_mask: jax.Array, p: jax.Array, in_vocab: jax.Array,
@@ -190,25 +205,44 @@ def ttt_hiddens(params: DraftParams, cfg: DraftConfig, embed: jax.Array, capture
 
 def ttt_loss(params: DraftParams, cfg: DraftConfig, embed: jax.Array, captures: jax.Array,
              tokens: jax.Array, loss_mask: jax.Array, p: jax.Array, in_vocab: jax.Array,
-             num_steps: int = TTT_STEPS, step_weight: float = STEP_WEIGHT) -> tuple[jax.Array, dict]:
+             num_steps: int = TTT_STEPS, step_weight: float = STEP_WEIGHT, draft_ids: jax.Array | None = None,
+             reach_top_k: int = 0) -> tuple[jax.Array, dict]:
     """The weighted TTT loss of one batch.
 
     Arguments as `ttt_hiddens`, plus loss_mask [B, T] (assistant tokens) and p [B, T, N],
-    in_vocab [B, T] from `target_distribution`.
+    in_vocab [B, T] from `target_distribution`; with `reach_top_k` > 0, draft_ids [B, T] (each
+    token's draft id, -1 outside the draft vocabulary; `draft_ids_of`): step j's loss counts only
+    bases whose data tokens steps 0..j-1 proposed within their top `reach_top_k` (module docstring).
     -> (scalar loss, {"loss_steps": [S], "acc_steps": [S], "accept_steps": [S] (`chain_acceptance`)}).
     """
+    if reach_top_k > 0 and draft_ids is None:
+        raise ValueError("reach_top_k needs draft_ids")
+    if draft_ids is None:
+        draft_ids = jnp.zeros(tokens.shape, jnp.int32)
     losses, accs, hits, denoms = [], [], [], []
+    reach = jnp.ones(tokens.shape, bool)  # [B, T]: inference reaches step j at this base
     for j, h in enumerate(ttt_hiddens(params, cfg, embed, captures, tokens, num_steps)):
         _, step_p, mask, denom = step_targets(tokens, loss_mask, p, in_vocab, j)
-        ce_sum, hit = _head_stats_remat(params, cfg, h, step_p, mask)
-        losses.append(ce_sum / jnp.maximum(jnp.sum(mask), 1))
+        ce, hit, step_reach = _head_stats_remat(params, cfg, h, step_p, shift_left(draft_ids, 2 + j, -1),
+                                                reach_top_k)
+        counted = mask & reach
+        losses.append(jnp.sum(jnp.where(counted, ce, 0.0)) / jnp.maximum(jnp.sum(counted), 1))
+        hit = hit & mask
         accs.append(jnp.sum(hit) / jnp.maximum(jnp.sum(denom), 1))
         hits.append(hit)
         denoms.append(denom)
+        reach = reach & step_reach
     losses, accs = jnp.stack(losses), jnp.stack(accs)
     accept = chain_acceptance(jnp.stack(hits), jnp.all(jnp.stack(denoms), axis=0))
     weights = jnp.asarray([step_weight ** j for j in range(num_steps)], jnp.float32)
     return jnp.sum(weights * losses), {"loss_steps": losses, "acc_steps": accs, "accept_steps": accept}
+
+
+def draft_ids_of(tokens: jax.Array, used: jax.Array, vocab_size: int) -> jax.Array:
+    """tokens [B, T] target ids; used [N] the draft vocabulary's target ids -> [B, T] int32 draft
+    ids, -1 for a token outside the draft vocabulary."""
+    index = jnp.full((vocab_size,), -1, jnp.int32).at[used].set(jnp.arange(used.shape[0], dtype=jnp.int32))
+    return index[tokens]
 
 
 def chain_acceptance(hits: jax.Array, valid: jax.Array) -> jax.Array:
