@@ -315,6 +315,10 @@ def test_regeneration_flags():
         with pytest.raises(SystemExit):
             ap.parse_args(bad)
     assert json.loads(json.dumps(R.spec_record(spec))) == R.spec_record(spec)
+    # Another draw asks for other Magpie requests too, unless their seed is given.
+    assert (spec.seed, spec.magpie_seed) == (0, 0)
+    assert parse("--regen-seed", "2").magpie_seed == 2
+    assert parse("--regen-seed", "2", "--magpie-seed", "0").magpie_seed == 0
 
 
 # ----------------------------------------------------------------------------- training

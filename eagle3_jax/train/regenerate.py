@@ -529,14 +529,17 @@ def add_arguments(ap) -> None:
                    "a number (the first ones; default 1) or 'all'")
     g.add_argument("--regen-time-budget-s", type=float, help="stop asking for replies after this long")
     g.add_argument("--regen-seed", type=int, default=RegenerateSpec.seed,
-                   help="another value draws other sampled replies, e.g. to continue training (--init) on new data")
+                   help="another value draws other sampled replies and other Magpie requests (unless --magpie-seed "
+                   "or an existing --magpie-file says otherwise), e.g. to continue training (--init) on new data")
     g.add_argument("--regen-shard", type=_shard, default=RegenerateSpec.shard, metavar="I/N",
                    help="answer only shard I of N of the prompts (one process per GPU); default 0/1")
     g.add_argument("--magpie", type=count_int, default=RegenerateSpec.magpie, metavar="N",
                    help="also ask the target to write N requests of its own (Magpie: its chat template's user "
                    "header alone, sampled) and answer those; default 0")
     g.add_argument("--magpie-file", help="JSONL of the Magpie requests: read when it exists, else written")
-    g.add_argument("--magpie-seed", type=int, default=RegenerateSpec.magpie_seed)
+    g.add_argument("--magpie-seed", type=int,
+                   help="sampling seed of the Magpie requests (default: --regen-seed; the same seed writes the "
+                   "same requests, and greedy replies to them are then the same text)")
     g.add_argument("--magpie-temperature", type=float, default=RegenerateSpec.magpie_temperature)
     g.add_argument("--magpie-top-p", type=float, default=RegenerateSpec.magpie_top_p)
     g.add_argument("--magpie-max-tokens", type=positive_int, default=RegenerateSpec.magpie_max_tokens,
@@ -624,7 +627,7 @@ def spec_from_args(a) -> RegenerateSpec | None:
             turns=a.regen_turns,
             magpie=a.magpie,
             magpie_file=a.magpie_file,
-            magpie_seed=a.magpie_seed,
+            magpie_seed=a.regen_seed if a.magpie_seed is None else a.magpie_seed,
             magpie_temperature=a.magpie_temperature,
             magpie_top_p=a.magpie_top_p,
             magpie_max_tokens=a.magpie_max_tokens,
