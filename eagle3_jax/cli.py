@@ -294,12 +294,17 @@ def check_drafter(args) -> None:
 
 def _llm(args, num_prompts: int = 1):
     from eagle3_jax.api import LLM
-    from eagle3_jax.config import EngineConfig
+    from eagle3_jax.config import EngineConfig, default_batch_buckets
 
     check_drafter(args)
     draft = None if args.draft == "none" else args.draft
-    # By default powers of two from 2 up to the batch: compile only what this run can use.
-    buckets = args.batch_buckets or tuple(2 ** i for i in range(1, max(1, num_prompts - 1).bit_length() + 1))
+    # By default powers of two from the engine's smallest default bucket (1, or 2 for a chain) up
+    # to the batch: compile only what this run can use.
+    drafting = EngineConfig(num_speculative_tokens=args.num_draft if draft else 0, tree=args.tree if draft else None,
+                            speculation=args.speculation)
+    start = default_batch_buckets(drafting.speculative_proposals)[0]
+    top = max(start, 1 << (num_prompts - 1).bit_length())
+    buckets = args.batch_buckets or tuple(2 ** i for i in range(start.bit_length() - 1, top.bit_length()))
     # Prompts per prefill call: likewise, no more than this run has.
     rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,

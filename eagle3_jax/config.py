@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -420,14 +421,28 @@ def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket of {buckets}")
 
 
+BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)
+
+
+def default_batch_buckets(proposals: Sequence[TreeSpec]) -> tuple[int, ...]:
+    """The batch buckets of an engine given none (EngineConfig.batch_buckets None), by what it
+    drafts: from 2 rows up when chains only, from 1 row up for a tree or the target alone. On the
+    H200 a lone SmolLM2 request's chain iteration cost more at one row than padded to two (1.15
+    against 1.09 ms on the device), its tree iteration less (1.22 against 1.30) and its decode
+    less (0.95 against 1.00; BENCHMARKS.md, "Trees end to end")."""
+    chains_only = bool(proposals) and all(p.is_chain for p in proposals)
+    return (() if chains_only else (1,)) + BATCH_BUCKETS
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Shapes of the compiled step functions and of the KV pool.
 
     batch_buckets: decode batch sizes compiled; a running set of n requests runs in the smallest
-        bucket >= n, its padded rows pointing at the dummy slot 0. The default starts at 2, so one
-        request runs padded to two rows: one-row steps have run far slower than two-row ones
-        (XLA's matrix-vector path for one-row bf16 dots; BENCHMARKS.md, "Host overhead").
+        bucket >= n, its padded rows pointing at the dummy slot 0. None: the engine takes
+        `default_batch_buckets` for what it drafts, up to 64 rows: from 2 for chains only (one
+        request runs padded to two rows, where the chain's iteration is the cheaper), from 1 for a
+        tree or the target alone.
     prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
         largest bucket.
     prefill_batch_buckets: prompts per prefill call compiled (each with every chunk bucket). The
@@ -484,7 +499,7 @@ class EngineConfig:
         that builds many engines skips the pass, 0.4 s or more each on a CPU machine).
     """
 
-    batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
+    batch_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     prefill_batch_buckets: tuple[int, ...] = (1, 8)
     num_speculative_tokens: int = 3
@@ -507,10 +522,6 @@ class EngineConfig:
                               f"{self.attention!r}")
         if self.gemv not in GEMV_KINDS:
             raise ConfigError(f"{where}: gemv must be one of {', '.join(GEMV_KINDS)}, got {self.gemv!r}")
-        for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
-            buckets = getattr(self, name)
-            if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
-                raise ConfigError(f"{where}: {name} must be increasing positive sizes, got {buckets}")
         if self.tree is not None:
             if not isinstance(self.tree, TreeSpec):
                 raise ConfigError(f"{where}: tree must be a TreeSpec(steps, top_k, tokens) or None, got "
@@ -524,6 +535,12 @@ class EngineConfig:
             if self.tree.is_chain:  # the chain of K, served as one
                 object.__setattr__(self, "num_speculative_tokens", self.tree.steps)
                 object.__setattr__(self, "tree", None)
+        for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
+            buckets = getattr(self, name)
+            if name == "batch_buckets" and buckets is None:  # the engine's default, by what it drafts
+                continue
+            if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
+                raise ConfigError(f"{where}: {name} must be increasing positive sizes, got {buckets}")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
                               f"{self.num_speculative_tokens}")
@@ -554,7 +571,7 @@ class EngineConfig:
 
     @property
     def max_num_seqs(self) -> int:
-        return self.batch_buckets[-1]
+        return (self.batch_buckets or BATCH_BUCKETS)[-1]
 
     @property
     def speculative_proposals(self) -> tuple[TreeSpec, ...]:

@@ -16,6 +16,7 @@ rule (the point mass), run once, and coupled is its own. Stops adding proposals 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3_jax import LLM, SamplingParams, assets
 from eagle3_jax.cli import tree_spec
-from eagle3_jax.config import EngineConfig
+from eagle3_jax.config import EngineConfig, default_batch_buckets
 
 
 def mean_acceptance(outputs) -> tuple[float, list[float]]:
@@ -101,12 +102,14 @@ def main(argv=None) -> int:
                   flush=True)
             save()
 
-    one = EngineConfig(batch_buckets=(2,), prefill_buckets=(512,), max_model_len=1024, speculation="always")
-    # (label, drafter, LLM arguments): the target alone, the chain of --speed-k, each --tree.
+    # (label, drafter, LLM arguments): the target alone, the chain of --speed-k, each --tree; each
+    # compiles only the bucket the engine's default buckets run a lone request in.
     speed_runs = [("target-only", None, {"num_speculative_tokens": 0}),
                   (f"EAGLE-3 K={a.speed_k}", a.draft, {"num_speculative_tokens": a.speed_k})]
     speed_runs += [(f"EAGLE-3 tree {t.steps},{t.top_k},{t.tokens}", a.draft, {"tree": t}) for t in a.tree]
     for mode, draft, proposal in speed_runs if a.speed_prompts > 0 else ():
+        one = EngineConfig(prefill_buckets=(512,), max_model_len=1024, speculation="always", **proposal)
+        one = dataclasses.replace(one, batch_buckets=default_batch_buckets(one.speculative_proposals)[:1])
         llm = LLM(a.target, draft, engine_config=one, progress=False, **proposal)
         llm.generate(questions[:1], SamplingParams(max_tokens=16))  # first-call effects out of the timing
         tokens, seconds = 0, 0.0

@@ -134,7 +134,8 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
     """Every rate on one engine. -> (rows, where the prompts came from, the policy's table in "auto")."""
     from eagle3_jax.api import LLM
 
-    engine_config = sized_engine_config(a.batches, k, a.max_model_len, a.prefill_buckets, speculation=speculation,
+    engine_config = sized_engine_config(a.batches, k, a.max_model_len, a.prefill_buckets, min_bucket=1,
+                                        speculation=speculation,
                                         attention=a.attention, prefill_batch_buckets=a.prefill_batch_buckets)
     llm = LLM(target=a.target, draft=draft, num_speculative_tokens=k, engine_config=engine_config, warmup=False,
               progress=False)

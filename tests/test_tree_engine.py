@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY_VOCAB
 
 from eagle3_jax import SamplingParams, TreeSpec
-from eagle3_jax.config import ConfigError, EngineConfig
+from eagle3_jax.config import ConfigError, EngineConfig, default_batch_buckets
 from eagle3_jax.engine.scheduler import Scheduler
 from eagle3_jax.runner.speculator import Chain, Tree
 
@@ -327,6 +327,24 @@ def test_engine_config_tree():
         EngineConfig(tree=TreeSpec(17, 1, 1))
     with pytest.raises(ConfigError, match=r"engine config: fused_iteration=False does not run a tree"):
         EngineConfig(tree=TreeSpec(2, 2, 3), fused_iteration=False)
+
+
+def test_default_buckets_follow_what_the_engine_drafts(tiny_models):
+    """Given no batch_buckets the engine takes `default_batch_buckets` for its proposals: a lone
+    request runs on one row with a tree or the target alone, padded to two with chains only."""
+    rest = (2, 4, 8, 16, 32, 64)
+    assert default_batch_buckets((TreeSpec.chain(4),)) == rest
+    assert default_batch_buckets((TreeSpec(5, 4, 15), TreeSpec.chain(4))) == (1, *rest)
+    assert default_batch_buckets(()) == (1, *rest)
+    assert EngineConfig().batch_buckets is None and EngineConfig().max_num_seqs == 64
+    target, drafters = tiny_models
+    for draft, tree, first in ((drafters["shared"], TreeSpec(3, 2, 5), 1), (drafters["shared"], None, 2),
+                               (None, None, 1), (drafters["shared"], TreeSpec.chain(3), 2)):
+        engine = make(target, draft, tree, batch_buckets=None, speculation="auto").engine
+        assert engine.cfg.batch_buckets == (first, *rest[first == 2:]), (draft, tree)
+        assert engine.scheduler.bucket(1) == first
+    with pytest.raises(ConfigError, match=r"batch_buckets must be increasing positive sizes, got \(\)"):
+        EngineConfig(batch_buckets=())
 
 
 def test_llm_checks_its_tree_before_loading(tmp_path):

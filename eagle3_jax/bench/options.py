@@ -49,9 +49,9 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     p.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
                    help="also run each EAGLE-3 mode with speculation='auto' (the engine's default policy: "
                         "per bucket, speculate only while it beats the target alone); the plain rows speculate always")
-    p.add_argument("--min-bucket", type=int, default=2,
-                   help="smallest compiled bucket (default 2, as EngineConfig's: one request runs padded to two "
-                        "rows); 1 compiles one-row programs for batch 1")
+    p.add_argument("--min-bucket", type=int, default=None,
+                   help="smallest compiled bucket (default: the engine's for the mode, 2 for a chain, where one "
+                        "request runs padded to two rows, 1 for a tree or the target alone)")
     p.add_argument("--prompts", type=int, default=8,
                    help="prompts per batch size: batch b runs max(1, ceil(N / b)) rounds of b prompts")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -131,7 +131,7 @@ class Options:
     num_draft: tuple[int, ...]
     per_step: bool
     auto: bool
-    min_bucket: int
+    min_bucket: int | None  # None: the engine's default for the mode
     prompts: int
     max_tokens: int
     ignore_eos: bool

@@ -406,7 +406,8 @@ def phase_8b(
     k, batches, dtype = max(opts.num_draft), opts.batches_8b, opts.dtype
     itemsize = jnp.dtype(dtype).itemsize
     own = own_embedding(target, draft)
-    ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, attention=opts.attention, gemv=opts.gemv)
+    ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, min_bucket=1, attention=opts.attention,
+                               gemv=opts.gemv)  # the step functions at exactly these batch sizes
     # A round's calls each emit up to the most proposals + 1; the last writes its whole footprint.
     most = max([k] + [spec.steps for spec in opts.trees]) + 1
     footprint = max([k + 1] + [spec.positions_per_iteration for spec in opts.trees])

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, smallest_bucket
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, default_batch_buckets, smallest_bucket
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.runner.runner import PADDING_PARAMS, ModelRunner, PrefillInputs
@@ -102,11 +102,13 @@ class Engine:
         """`params` and `draft_params` are the target's and the drafter's weight pytrees (as
         `weights/` loads them); the runner places and serves them."""
         self.runner = ModelRunner(target, params, draft, draft_params, cfg, mesh)
+        self.proposals = self.runner.proposals  # what an iteration may draft, the engine's proposal first
+        if cfg.batch_buckets is None:
+            cfg = dataclasses.replace(cfg, batch_buckets=default_batch_buckets([p.spec for p in self.proposals]))
         self.cfg = cfg
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
-        self.proposals = self.runner.proposals  # what an iteration may draft, the engine's proposal first
         most = max((p.num_draft_steps for p in self.proposals), default=0)  # the most proposals accepted
         self.scheduler = Scheduler(cfg, target.vocab_size, most, self.runner.positions_per_iteration)
         self.stats = EngineStats()
