@@ -522,6 +522,12 @@ class EngineConfig:
                               f"{self.attention!r}")
         if self.gemv not in GEMV_KINDS:
             raise ConfigError(f"{where}: gemv must be one of {', '.join(GEMV_KINDS)}, got {self.gemv!r}")
+        for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
+            buckets = getattr(self, name)
+            if name == "batch_buckets" and buckets is None:  # the engine's default, by what it drafts
+                continue
+            if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
+                raise ConfigError(f"{where}: {name} must be increasing positive sizes, got {buckets}")
         if self.tree is not None:
             if not isinstance(self.tree, TreeSpec):
                 raise ConfigError(f"{where}: tree must be a TreeSpec(steps, top_k, tokens) or None, got "
@@ -535,12 +541,6 @@ class EngineConfig:
             if self.tree.is_chain:  # the chain of K, served as one
                 object.__setattr__(self, "num_speculative_tokens", self.tree.steps)
                 object.__setattr__(self, "tree", None)
-        for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
-            buckets = getattr(self, name)
-            if name == "batch_buckets" and buckets is None:  # the engine's default, by what it drafts
-                continue
-            if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
-                raise ConfigError(f"{where}: {name} must be increasing positive sizes, got {buckets}")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
                               f"{self.num_speculative_tokens}")
