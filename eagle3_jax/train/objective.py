@@ -151,21 +151,20 @@ def chain_step(params: DraftParams, cfg: DraftConfig, embed: jax.Array, tokens: 
     return h, k, v
 
 
-def _head_stats(params: DraftParams, cfg: DraftConfig, h: jax.Array, p: jax.Array, next_ids: jax.Array,
-                reach_top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _head_stats(params: DraftParams, cfg: DraftConfig, h: jax.Array, p: jax.Array, next_ids: jax.Array | None,
+                reach_top_k: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """h [B, T, H], p [B, T, N], next_ids [B, T] (the draft id of the data's next token, -1 outside
-    the draft vocabulary) -> (CE [B, T], argmax hit [B, T] bool, the next token among the draft's
-    top `reach_top_k` [B, T] bool; all True with 0). Rematerialized in the backward pass: the
-    [B, T, N] logits of every step are never kept."""
+    the draft vocabulary; None with reach_top_k 0) -> (CE [B, T], argmax hit [B, T] bool, the next
+    token among the draft's top `reach_top_k` [B, T] bool, None with 0). Rematerialized in the
+    backward pass: the [B, T, N] logits of every step are never kept."""
     logits = draft_logits(params, cfg, h)  # [B, T, N] f32
     ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
     hit = jnp.argmax(logits, -1) == jnp.argmax(p, -1)
+    reach = None
     if reach_top_k > 0:
         chosen = jnp.take_along_axis(logits, jnp.maximum(next_ids, 0)[..., None], axis=-1)  # [B, T, 1]
-        reach = (next_ids >= 0) & (jnp.sum(logits > chosen, axis=-1) < reach_top_k)
-    else:
-        reach = jnp.ones(hit.shape, bool)
-    return ce, jax.lax.stop_gradient(hit), jax.lax.stop_gradient(reach)
+        reach = jax.lax.stop_gradient((next_ids >= 0) & (jnp.sum(logits > chosen, axis=-1) < reach_top_k))
+    return ce, jax.lax.stop_gradient(hit), reach
 
 
 _head_stats_remat = jax.checkpoint(_head_stats, static_argnums=(1, 5))
@@ -217,21 +216,20 @@ def ttt_loss(params: DraftParams, cfg: DraftConfig, embed: jax.Array, captures: 
     """
     if reach_top_k > 0 and draft_ids is None:
         raise ValueError("reach_top_k needs draft_ids")
-    if draft_ids is None:
-        draft_ids = jnp.zeros(tokens.shape, jnp.int32)
     losses, accs, hits, denoms = [], [], [], []
-    reach = jnp.ones(tokens.shape, bool)  # [B, T]: inference reaches step j at this base
+    reach = None  # [B, T] with reach_top_k > 0: inference reaches step j at this base
     for j, h in enumerate(ttt_hiddens(params, cfg, embed, captures, tokens, num_steps)):
         _, step_p, mask, denom = step_targets(tokens, loss_mask, p, in_vocab, j)
-        ce, hit, step_reach = _head_stats_remat(params, cfg, h, step_p, shift_left(draft_ids, 2 + j, -1),
-                                                reach_top_k)
-        counted = mask & reach
+        next_ids = shift_left(draft_ids, 2 + j, -1) if reach_top_k > 0 else None
+        ce, hit, step_reach = _head_stats_remat(params, cfg, h, step_p, next_ids, reach_top_k)
+        counted = mask if reach is None else mask & reach
         losses.append(jnp.sum(jnp.where(counted, ce, 0.0)) / jnp.maximum(jnp.sum(counted), 1))
         hit = hit & mask
         accs.append(jnp.sum(hit) / jnp.maximum(jnp.sum(denom), 1))
         hits.append(hit)
         denoms.append(denom)
-        reach = reach & step_reach
+        if step_reach is not None:
+            reach = step_reach if reach is None else reach & step_reach
     losses, accs = jnp.stack(losses), jnp.stack(accs)
     accept = chain_acceptance(jnp.stack(hits), jnp.all(jnp.stack(denoms), axis=0))
     weights = jnp.asarray([step_weight ** j for j in range(num_steps)], jnp.float32)
