@@ -13,8 +13,9 @@ Building (k = top_k), as the EAGLE reference's `topK_genrate` builds it
                and its own ancestors); each beam's k most likely children score the beam's score
                plus their log-prob. All k^2 are candidates; the k best are level l's beams.
   select       the `tokens` best candidates, in candidate order. A child never scores above its
-               parent (log-probs are <= 0) and lax.top_k breaks ties towards the lower index,
-               which the parent has: the set is closed under ancestors, parents before children.
+               parent (log-probs are <= 0) and ties go to the lower slot (lax.top_k's order, the
+               reference's), which the parent has: the set is closed under ancestors, parents
+               before children.
 Candidate slots (N = k + (steps-1) k^2): level 1 at [0, k), level l at [k + (l-2) k^2,
 k + (l-1) k^2), beam-major (slot = offset + beam * k + rank), as the reference flattens them.
 
@@ -60,14 +61,31 @@ Array = jax.Array
 # Building
 # --------------------------------------------------------------------------
 class Candidates(NamedTuple):
-    """The tree being built: N candidate slots, and the current level's k beams."""
+    """The tree being built: each level's candidates, and the current level's k beams.
 
-    tokens: Array  # [B, N] i32 target ids
-    scores: Array  # [B, N] f32 sum of log-probs from the root; -inf where not yet filled
-    parents: Array  # [B, N] i32 the parent's slot; -1 for the root's children
+    Each level appends its candidates rather than writing them into [B, N] buffers: on the GPU
+    every such write was a kernel of its own, three a level (BENCHMARKS.md, "Trees end to end").
+    `tokens`, `scores` and `parents` are the slots so far, [B, N'] with N' <= N."""
+
+    level_tokens: tuple[Array, ...]  # per level [B, k] (level 1), then [B, k^2] i32 target ids
+    level_scores: tuple[Array, ...]  # per level, f32 sum of log-probs from the root
+    level_parents: tuple[Array, ...]  # per level, i32 the parent's slot; -1 for the root's children
     beams: Array  # [B, k] i32 slots of the current level's beams, best first
+    beam_scores: Array  # [B, k] f32 their scores
     beam_parents: Array  # [B, k] i32 the previous level's beam each descends from (0 at level 1)
     beam_masks: Array  # [B, k, W] bool each beam's ancestors and itself among the draft slots
+
+    @property
+    def tokens(self) -> Array:
+        return jnp.concatenate(self.level_tokens, axis=1)
+
+    @property
+    def scores(self) -> Array:
+        return jnp.concatenate(self.level_scores, axis=1)
+
+    @property
+    def parents(self) -> Array:
+        return jnp.concatenate(self.level_parents, axis=1)
 
 
 VOCAB_CHUNK = 128  # stage one of `vocab_top_k`: the top k of each run of this many entries
@@ -113,13 +131,11 @@ def first_level(spec: TreeSpec, children: tuple[Array, Array], d2t: Array | None
     (`top_children`); d2t [Vd] i32 offsets to target ids (None: the same vocabulary) ->
     Candidates; the beams are the k children, best first."""
     lp, ids = children  # [B, k]
-    b, k, n = lp.shape[0], spec.top_k, spec.candidates
-    beams = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
+    b, k = lp.shape[0], spec.top_k
     return Candidates(
-        tokens=jnp.zeros((b, n), jnp.int32).at[:, :k].set(_target_ids(ids, d2t)),
-        scores=jnp.full((b, n), -jnp.inf, jnp.float32).at[:, :k].set(lp),
-        parents=jnp.full((b, n), -1, jnp.int32),
-        beams=beams, beam_parents=jnp.zeros((b, k), jnp.int32),
+        level_tokens=(_target_ids(ids, d2t),), level_scores=(lp,), level_parents=(jnp.full((b, k), -1, jnp.int32),),
+        beams=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)), beam_scores=lp,
+        beam_parents=jnp.zeros((b, k), jnp.int32),
         beam_masks=jnp.broadcast_to(jnp.eye(k, spec.draft_slots, dtype=bool), (b, k, spec.draft_slots)))
 
 
@@ -128,24 +144,22 @@ def next_level(spec: TreeSpec, cand: Candidates, level: int, children: tuple[Arr
     """Level `level` (static, 2..steps) from the draft at level level-1's beams.
 
     children: (log-probs, draft ids) [B, k, k] each: row j the draft's k most likely tokens after
-    beam j (`draft_attention`, `top_children`) -> Candidates with level's k^2 candidates filled
+    beam j (`draft_attention`, `top_children`) -> Candidates with level's k^2 candidates appended
     and its k best as the beams (kernel: ranked by model/pallas_top_k.py's kernel, one launch
     where XLA's top-k is a sort with a copy and a slice)."""
     lp, ids = children  # [B, k, k]: beam, rank
     b, k = lp.shape[0], spec.top_k
-    beam_scores = jnp.take_along_axis(cand.scores, cand.beams, axis=1)  # [B, k]
-    scores = (beam_scores[:, :, None] + lp).reshape(b, k * k)  # beam-major, as the slots
-    level_slots = slice(k + (level - 2) * k * k, k + (level - 1) * k * k)
-    best = (pallas_top_k.top_k(scores, k) if kernel else lax.top_k(scores, k))[1]  # [B, k] of the k^2
+    scores = (cand.beam_scores[:, :, None] + lp).reshape(b, k * k)  # beam-major, as the slots
+    values, best = (pallas_top_k.top_k(scores, k) if kernel else lax.top_k(scores, k))[:2]  # [B, k] of the k^2
     from_beam = best // k
     # A new beam sees what its parent beam saw, and its own draft slot (none at the last level).
     own = jnp.eye(k, spec.draft_slots, (level - 1) * k, dtype=bool)  # [k, W]
     masks = jnp.take_along_axis(cand.beam_masks, from_beam[:, :, None], axis=1) | own
     return Candidates(
-        tokens=cand.tokens.at[:, level_slots].set(_target_ids(ids, d2t).reshape(b, k * k)),
-        scores=cand.scores.at[:, level_slots].set(scores),
-        parents=cand.parents.at[:, level_slots].set(jnp.repeat(cand.beams, k, axis=1)),
-        beams=level_slots.start + best, beam_parents=from_beam, beam_masks=masks)
+        level_tokens=(*cand.level_tokens, _target_ids(ids, d2t).reshape(b, k * k)),
+        level_scores=(*cand.level_scores, scores),
+        level_parents=(*cand.level_parents, jnp.repeat(cand.beams, k, axis=1)),
+        beams=k + (level - 2) * k * k + best, beam_scores=values, beam_parents=from_beam, beam_masks=masks)
 
 
 def draft_attention(spec: TreeSpec, cand: Candidates, level: int,
@@ -191,15 +205,23 @@ def tree_from_parents(tokens: Array, parent: Array, max_depth: int) -> Tree:
 
 
 def select(spec: TreeSpec, cand: Candidates, root_token: Array) -> Tree:
-    """The `tokens` best candidates, in candidate order, under the root token [B] -> Tree."""
-    b, t = root_token.shape[0], spec.tokens
-    _, top = lax.top_k(cand.scores, t)
-    chosen = jnp.sort(top, axis=1)  # [B, T] candidate slots, parents first
-    rows = jnp.arange(b)[:, None]
-    index_of = jnp.zeros(cand.scores.shape, jnp.int32).at[rows, chosen].set(jnp.arange(1, t + 1))  # slot -> index
-    parent_slot = jnp.take_along_axis(cand.parents, chosen, axis=1)
+    """The `tokens` best candidates, in candidate order, under the root token [B] -> Tree.
+
+    Best as lax.top_k ranks them (higher score first, ties to the lower slot), counted by
+    comparisons rather than sorted: a few fused kernels where top-k, a sort and a scatter were
+    one each (N = spec.candidates: the [B, N, N] comparisons are small)."""
+    scores, t = cand.scores, spec.tokens  # [B, N]
+    slot = jnp.arange(scores.shape[1])
+    ahead = (scores[:, None, :] > scores[:, :, None]) | (
+        (scores[:, None, :] == scores[:, :, None]) & (slot[None, :] < slot[:, None]))  # [B, i, j]: j ranks before i
+    chosen = jnp.sum(ahead, axis=-1) < t  # [B, N]
+    index_of = jnp.where(chosen, jnp.cumsum(chosen, axis=1, dtype=jnp.int32), 0)  # slot -> node index 1..T
+    pick = index_of[:, None, :] == jnp.arange(1, t + 1)[:, None]  # [B, T, N]: node i's slot
+    tokens = jnp.sum(jnp.where(pick, cand.tokens[:, None, :], 0), axis=-1)
+    parent_slot = jnp.sum(jnp.where(pick, cand.parents[:, None, :], 0), axis=-1)  # [B, T]
     parent = jnp.where(parent_slot < 0, 0, jnp.take_along_axis(index_of, jnp.maximum(parent_slot, 0), axis=1))
-    tokens = jnp.concatenate([root_token[:, None], jnp.take_along_axis(cand.tokens, chosen, axis=1)], axis=1)
+    b = root_token.shape[0]
+    tokens = jnp.concatenate([root_token[:, None], tokens], axis=1)
     parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1)
     return tree_from_parents(tokens, parent, spec.max_depth)
 
