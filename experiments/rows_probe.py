@@ -18,8 +18,9 @@ Measured on the H200 (jax 0.11.2, 2026-12-04), us per projection, one row agains
 to two: the drafter's lm_head 14.09 / 10.72, its qkv 11.39 / 8.25, the target's down 7.48 / 5.69,
 its lm_head in this layout 75.48 / 18.97 (the engine's is the embedding, [V, H], and runs as a
 GEMM at one row: 16.9 us in the decode's profile); but the target's qkv 9.36 / 12.34, o 9.54 /
-10.65 and gate_up 11.78 / 14.96, slower. Mixed, by shape, and worth about 3 us a one-row drafter
-step: not built (BENCHMARKS.md, "Tried and rejected").
+10.65 and gate_up 11.78 / 14.96, slower. Mixed, by shape; at most about 8 us a one-row draft step
+(lm_head, qkv, down), where a chain runs on two rows by default and a tree has one such step (its
+first level's lm_head, 3 us): not built (BENCHMARKS.md, "Tried and rejected").
 """
 
 from __future__ import annotations
