@@ -142,13 +142,19 @@ verify_chain = jax.jit(S.verify_chain)
 greedy_verify = jax.jit(S.greedy_verify)
 
 
-def random_logp(rng, spec, b, vd, ties=False):
-    """Draft log-probs for every level: random, or multiples of 0.5 down from 0 (many exact ties,
-    children scoring as their parent)."""
+def random_logp(rng, spec, b, vd, kind="random"):
+    """Draft log-probs for every level: random; "ties": multiples of 0.5 down from 0 (many exact
+    ties, children scoring as their parent); "masked": random over a few tokens, -inf elsewhere
+    (fewer finite children than top_k in places, so -inf scores tie across levels)."""
     shapes = (b, vd), (b, spec.steps - 1, spec.top_k, vd)
-    if ties:
+    if kind == "ties":
         return tuple((-0.5 * rng.integers(0, 3, shape)).astype(np.float32) for shape in shapes)
-    return tuple(log_softmax(2 * rng.standard_normal(shape), -1).astype(np.float32) for shape in shapes)
+    logits = [2 * rng.standard_normal(shape) for shape in shapes]
+    if kind == "masked":
+        for x in logits:
+            x[rng.random(x.shape) < 0.9] = -np.inf
+            x[..., 0] = np.maximum(x[..., 0], 0.0)  # every row keeps a finite entry
+    return tuple(log_softmax(x, -1).astype(np.float32) for x in logits)
 
 
 B = 8  # rows of every `build` (one program per spec)
@@ -178,14 +184,14 @@ def test_tree_spec_sizes_and_validation():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("kind", ["random", "ties", "masked"])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_tree_matches_the_reference(spec, ties):
+def test_tree_matches_the_reference(spec, kind):
     """Tokens, parents, ancestor mask, depths and every draft forward's mask equal topK_genrate's;
     the selection is closed under ancestors, with parents first."""
-    rng = np.random.default_rng(spec.steps * 100 + spec.top_k + ties)
+    rng = np.random.default_rng(spec.steps * 100 + spec.top_k + len(kind))
     b, vd = B, 40
-    logp1, later = random_logp(rng, spec, b, vd, ties)
+    logp1, later = random_logp(rng, spec, b, vd, kind)
     root = rng.integers(0, vd, b).astype(np.int32)
     tree, forwards = build(spec, logp1, later, root)
     tree = jax.tree.map(np.asarray, tree)
