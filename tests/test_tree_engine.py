@@ -28,7 +28,7 @@ PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6, 7, 0
 MAX_TOKENS = 40
 ENGINE = dict(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(4,), max_model_len=64, num_pages=64,
               speculation="always", freeze_heap=False)
-SPECS = [TreeSpec(2, 2, 3), TreeSpec(3, 2, 5), TreeSpec(4, 4, 8), TreeSpec.chain(3)]
+SPECS = [TreeSpec(2, 2, 3), TreeSpec(3, 2, 5), TreeSpec(4, 4, 8), TreeSpec(6, 8, 31), TreeSpec.chain(3)]
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -65,7 +65,8 @@ def tree_llm(tiny_models):
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_greedy_tree_is_token_identical_to_the_target_alone(tiny_models, reference, spec, drafter):
     target, drafters = tiny_models
-    llm = make(target, drafters[drafter], spec)
+    # (6, 8, 31) reserves 47 positions an iteration: room past the 64 of the others
+    llm = make(target, drafters[drafter], spec, max_model_len=128, num_pages=128)
     runner = llm.engine.runner
     if spec.is_chain:  # served as the chain: the same programs as num_speculative_tokens=3
         assert runner.speculator == Chain(3) and runner.step_cfg.tree is None
