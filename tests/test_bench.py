@@ -361,6 +361,51 @@ def test_host_activity_self_times():
         profile.marker_thread(events, "missing")
 
 
+def _scaled_tanh(x):
+    y = jnp.sin(x) * 2
+    return jnp.tanh(y @ x.T) + 1
+
+
+def test_kernels_by_source_line():
+    """A compiled program's kernel launches carry their source lines (the optimized HLO's stack
+    tables), pair in order with one call's kernels in a trace (an extra copy the HLO does not show
+    left unpaired, another module's kernels left out, durations the median over the calls), and
+    group by line."""
+    import inspect
+
+    from eagle3_jax.bench import profile
+
+    text = jax.jit(_scaled_tanh).lower(jnp.ones((8, 8))).compile().as_text()
+    sites = profile.hlo_kernel_sites(text)
+    first = inspect.getsourcelines(_scaled_tanh)[1]
+    lines = [next(line for f, fn, line in site.frames if fn == "_scaled_tanh") for site in sites]
+    assert len(sites) >= 2 and set(lines) == {first + 1, first + 2} and lines == sorted(lines)
+    assert all(site.frames[0][0] == "test_bench.py" and site.kernel for site in sites)
+
+    def x(ts, dur, name, module="jit__scaled_tanh"):
+        return {"ph": "X", "pid": 2, "tid": 0, "ts": ts, "dur": dur, "name": name, "args": {"hlo_module": module}}
+
+    names = [site.kernel for site in sites]
+    events = [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+    for call, scale in enumerate((1.0, 3.0, 2.0)):  # medians: the middle call's durations
+        t = 100.0 * call
+        events += [x(t, scale, names[0]), x(t + 10, 7.0, "memcpy32_post")]
+        events += [x(t + 20 + i, scale * (i + 2), name) for i, name in enumerate(names[1:])]
+        events.append(x(t + 50, 1.0, "elsewhere", module="jit_other"))
+    one_call = profile.call_kernels(events, 3, "jit__scaled_tanh")
+    assert one_call == [(names[0], 2.0), ("memcpy32_post", 7.0)] + [(n, 2.0 * (i + 2)) for i, n in enumerate(names[1:])]
+    pairs = profile.align_kernels(sites, one_call)
+    assert [(s and s.instruction, k and k[0]) for s, k in pairs] == (
+        [(sites[0].instruction, names[0]), (None, "memcpy32_post")] + [(s.instruction, s.kernel) for s in sites[1:]])
+    rows = profile.kernels_by_source(pairs, {"test_bench.py"}.__contains__, depth=1)
+    want = {"(no HLO launch)": (1, 7.0)}
+    for line, us in zip(lines, [2.0] + [2.0 * (i + 2) for i in range(len(names) - 1)]):
+        count, total = want.get(f"test_bench.py:{line} _scaled_tanh", (0, 0.0))
+        want[f"test_bench.py:{line} _scaled_tanh"] = (count + 1, total + us)
+    assert {label: (count, us) for label, count, us in rows} == want
+    assert [us for _, _, us in rows] == sorted((us for _, _, us in rows), reverse=True)
+
+
 def test_collector_pauses_counts_and_times_collections():
     from eagle3_jax.bench.common import collector_pauses
 

@@ -116,7 +116,8 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                    help="compile every shape on a thread pool first (warm-up then finds them built)")
     g.add_argument("--profile", metavar="DIR", default=None,
                    help="trace under JAX's profiler (traces in DIR): in the 8b phase one round of each step "
-                        "(device busy time per call, and the kernel families it went to); in the smollm2 phase "
+                        "(device busy time per call, the kernel families it went to and, with the precompile, its "
+                        "kernels by the source line of the step's code that made them); in the smollm2 phase "
                         "one more round per row (device busy time per iteration, and device idle)")
     p.add_argument("--peer-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p

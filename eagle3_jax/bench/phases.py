@@ -60,6 +60,9 @@ from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_s
 from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step
 from eagle3_jax.sampling_params import SamplingParams
 
+# The package's source files but the bench's own: where a step's kernels come from (--profile).
+STEP_SOURCES = frozenset(p.name for p in Path(__file__).resolve().parents[1].rglob("*.py") if p.parent.name != "bench")
+
 
 @dataclasses.dataclass
 class Round:
@@ -468,6 +471,8 @@ def phase_8b(
     }
     results, compile_s, collectives = [], {}, {}  # collectives: (kind, batch) -> what the program all-reduces
     kernels: dict[str, profile.DeviceActivity] = {}  # --profile: "kind, batch b" -> the device's activity
+    sites: dict = {}  # --profile with the precompile: (kind, batch) -> (HLO module name, its kernel launches)
+    by_source: dict[str, list] = {}  # --profile: "kind, batch b" -> (source line, kernels, us) per call
     if opts.parallel_compile:
         # Every kind's programs compile at once (70B programs take minutes, one core each): lowered
         # first, one kind's state at a time (lowering keeps only shapes and shardings).
@@ -483,6 +488,9 @@ def phase_8b(
         compile_s = {"lowering": round(lower_s, 1), f"compiling {len(lowered)} programs at once": round(seconds, 1)}
         if mesh is not None:
             collectives = {key: hlo_collectives(c.as_text()) for key, c in zip(lowered, compiled)}
+        if opts.profile:  # each program's kernel launches and their source lines, for the profile below
+            sites = {key: (c.as_text().split(",", 1)[0].split()[-1], profile.hlo_kernel_sites(c.as_text()))
+                     for key, c in zip(lowered, compiled)}
         del lowered, compiled
         log(f"8b: compiled {len(calls)} programs in {seconds:.1f} s")
     for kind, scfg in scfgs.items():
@@ -507,6 +515,15 @@ def phase_8b(
                 out = opts.profile / f"{slug(kind.name)}-b{b}"  # one trace folder per step kind
                 state, activity = profile.profile_calls(calls[kind, b][0], state, opts.calls, out)
                 kernels[f"{kind.name}, batch {b}"] = activity
+                if (kind, b) in sites:
+                    module, launches = sites[kind, b]
+                    one_call = profile.call_kernels(profile.load_trace(out), opts.calls, module)
+                    pairs = profile.align_kernels(launches, one_call)
+                    rows = profile.kernels_by_source(pairs, STEP_SOURCES.__contains__)
+                    if rows:  # none where the trace shows no GPU (the CPU)
+                        by_source[f"{kind.name}, batch {b}"] = rows
+                        log(f"8b {kind.name}, batch {b}: per call by source line (us, kernels): "
+                            + "; ".join(f"{label} {us:.0f} x{count}" for label, count, us in rows[:8]))
                 log(
                     f"8b {kind.name}, batch {b}: device busy {activity.busy_us / 1e3 / opts.calls:.3f} ms/call, "
                     f"idle {activity.idle_frac:.0%}; per call (us, count): "
@@ -595,6 +612,10 @@ def phase_8b(
             ]
             for step, activity in kernels.items()
         }
+    if by_source:
+        info["device kernels per call by source line (--profile: the innermost two frames in the package, "
+             "kernels, us)"] = {step: [(label, count, round(us, 1)) for label, count, us in rows]
+                               for step, rows in by_source.items()}
     if mesh is not None:
         info.update(
             {

@@ -167,6 +167,125 @@ def profile_region(fn: Callable, out_dir: str | Path, marker: str = "profiled-re
     return result, device_activity(events, *span)
 
 
+# ---- kernels by source line --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelSite:
+    """One kernel launch of a compiled program, as its optimized HLO schedules it."""
+
+    instruction: str  # the ENTRY instruction ("loop_add_fusion.3", "pallas_call.12", "copy.4")
+    kernel: str  # the kernel name a trace shows for it ("" where the HLO does not say: custom calls)
+    frames: tuple[tuple[str, str, int], ...]  # (file, function, line) of its source, innermost first
+
+
+_LAUNCHES = ("fusion", "custom-call", "copy")  # ENTRY instructions that each run one kernel on the GPU
+
+
+def hlo_kernel_sites(hlo_text: str) -> list[KernelSite]:
+    """The kernel launches of an optimized HLO module (`compiled.as_text()`), in schedule order,
+    each with its source stack from the module's FileNames / FunctionNames / FileLocations /
+    StackFrames tables (a frame's parent_frame_id is its parent's id + 1; 1: none)."""
+    tables: dict[str, dict[int, str]] = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    section, sites, in_entry = None, [], False
+    for line in hlo_text.splitlines():
+        if line in tables:
+            section = line
+        elif line.startswith("ENTRY"):
+            section, in_entry = None, True
+        elif in_entry:
+            if line.startswith("}"):
+                break
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = .*? ([a-z-]+)\(", line)
+            if m and m.group(2) in _LAUNCHES:
+                frame = re.search(r"stack_frame_id=(\d+)", line)
+                kernel = re.search(r'deduplicated_name="([^"]+)"', line)
+                kernel = (kernel.group(1) if kernel else m.group(1)) if m.group(2) == "fusion" else ""
+                sites.append((m.group(1), kernel.replace(".", "_"), int(frame.group(1)) if frame else 0))
+        elif section and (m := re.match(r"(\d+) (.*)$", line)):
+            tables[section][int(m.group(1))] = m.group(2)
+    field = lambda text, name: int(re.search(rf"{name}=(\d+)", text).group(1))
+
+    def frames(frame_id: int) -> tuple[tuple[str, str, int], ...]:
+        out = []
+        while frame_id in tables["StackFrames"] and len(out) < 64:
+            entry = tables["StackFrames"][frame_id]
+            loc = tables["FileLocations"][field(entry, "file_location_id")]
+            out.append((tables["FileNames"][field(loc, "file_name_id")].strip('"').rsplit("/", 1)[-1],
+                        tables["FunctionNames"][field(loc, "function_name_id")].strip('"'), field(loc, "line")))
+            frame_id = field(entry, "parent_frame_id") - 1
+        return tuple(out)
+
+    return [KernelSite(name, kernel, frames(frame)) for name, kernel, frame in sites]
+
+
+def call_kernels(events: Sequence[dict], calls: int, module: str | None = None) -> list[tuple[str, float]]:
+    """The device kernels of one call of a program run `calls` times back to back: (name, median
+    us over the calls) in launch order. module: only the events of that HLO module ("jit_f")."""
+    pids = device_pids(events)
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in pids
+                      and (module is None or e.get("args", {}).get("hlo_module") == module)),
+                     key=lambda e: float(e["ts"]))
+    n = len(kernels) // calls
+    per_call = [kernels[i * n:(i + 1) * n] for i in range(calls)]
+    return [(per_call[0][j]["name"], sorted(float(c[j].get("dur", 0.0)) for c in per_call)[calls // 2])
+            for j in range(n)]
+
+
+def align_kernels(sites: Sequence[KernelSite], kernels: Sequence[tuple[str, float]]
+                  ) -> list[tuple[KernelSite | None, tuple[str, float] | None]]:
+    """Pair a program's scheduled launches with one call's kernels (`call_kernels`), in order: an
+    edit-distance alignment scoring equal names, and a custom call against a kernel no fusion
+    names, as matches (XLA may add a copy the HLO does not show, or run a fusion as no kernel)."""
+    n, m = len(sites), len(kernels)
+
+    def score(i: int, j: int) -> int:
+        name = kernels[j][0]
+        if sites[i].kernel and sites[i].kernel == name:
+            return 2
+        fusion_like = name.startswith(("loop_", "input_", "gemm_", "wrapped_", "memcpy", "memset"))
+        return 1 if not sites[i].kernel and not sites[i].instruction.startswith("copy") and not fusion_like else -1
+
+    best = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n + 1):
+        best[i][0] = -i
+    for j in range(m + 1):
+        best[0][j] = -j
+    for i in range(1, n + 1):
+        row, up = best[i], best[i - 1]
+        for j in range(1, m + 1):
+            row[j] = max(up[j - 1] + score(i - 1, j - 1), up[j] - 1, row[j - 1] - 1)
+    pairs, i, j = [], n, m
+    while i > 0 or j > 0:
+        if i > 0 and j > 0 and best[i][j] == best[i - 1][j - 1] + score(i - 1, j - 1):
+            pairs.append((sites[i - 1], kernels[j - 1]))
+            i, j = i - 1, j - 1
+        elif i > 0 and best[i][j] == best[i - 1][j] - 1:
+            pairs.append((sites[i - 1], None))
+            i -= 1
+        else:
+            pairs.append((None, kernels[j - 1]))
+            j -= 1
+    return pairs[::-1]
+
+
+def source_label(site: KernelSite | None, package_files: Callable[[str], bool], depth: int = 2) -> str:
+    """'file:line function < ...' of the `depth` innermost frames that `package_files` accepts."""
+    if site is None:
+        return "(no HLO launch)"
+    ours = [f"{f}:{line} {fn}" for f, fn, line in site.frames if package_files(f)][:depth]
+    return " < ".join(ours) or "(no source)"
+
+
+def kernels_by_source(pairs, package_files: Callable[[str], bool], depth: int = 2) -> list[tuple[str, int, float]]:
+    """(source label, kernels, us) per call, largest first, from `align_kernels`' pairs."""
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for site, kernel in pairs:
+        if kernel is not None:
+            t = totals[source_label(site, package_files, depth)]
+            t[0] += 1
+            t[1] += kernel[1]
+    return sorted(((label, c, us) for label, (c, us) in totals.items()), key=lambda x: -x[2])
+
+
 def profile_calls(call: Callable, state, calls: int, out_dir: str | Path):
     """Run `call` (state -> (state, out), state donated) `calls` times back to back under JAX's
     profiler, trace in `out_dir`. -> (state, DeviceActivity over the round)."""
