@@ -44,6 +44,7 @@ T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from eagle3_jax import assets  # noqa: E402
+from eagle3_jax.config import ConfigError  # noqa: E402
 from eagle3_jax.train import data, loop, regenerate  # noqa: E402
 
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         return run(a, argv, ap)
-    except (data.DataError, FileNotFoundError) as e:
+    except (data.DataError, FileNotFoundError, ConfigError) as e:
         raise SystemExit(f"error: {e}") from None
 
 
@@ -110,6 +111,8 @@ def run(a, argv: list[str], ap: argparse.ArgumentParser) -> int:
         if target != assets.DEFAULT_TARGET:
             ap.error(f"{target} holds no config.json")
         assets.prepare_default_target()
+    # The drafter's shape checked before Magpie and regeneration spend minutes of the GPU.
+    loop.check_shape(target, a.init, a.draft_vocab_size, a.draft_intermediate_size)
 
     if a.magpie_only:
         if spec is None or not spec.magpie:

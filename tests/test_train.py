@@ -483,7 +483,7 @@ def test_training_continues_from_a_drafter(tmp_path):
     from safetensors.numpy import load_file
 
     from eagle3_jax.bench.phases import write_random_models
-    from eagle3_jax.config import DraftConfig
+    from eagle3_jax.config import ConfigError, DraftConfig
     from eagle3_jax.weights.eagle3 import load_drafter
 
     tiny = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
@@ -528,6 +528,13 @@ def test_training_continues_from_a_drafter(tmp_path):
         np.testing.assert_array_equal(grown[name], before[name], err_msg=name)
     lcfg = load_drafter(reshaped, target=tiny, dtype=jnp.float32)[0]
     assert (lcfg.intermediate_size, lcfg.draft_vocab_size) == (96, 32)
+    # A shape that cannot be made is refused before the data (here: no such file) is read.
+    for init, shape, message in [(str(drafter), dict(intermediate_size=48), "only be widened from its 64 units"),
+                                 ("target", dict(intermediate_size=32), "only be widened from its 64 units"),
+                                 (str(drafter), dict(draft_vocab_size=65), "only be narrowed from its 64 tokens")]:
+        with pytest.raises(ConfigError, match=message):
+            L.train_drafter(target, tmp_path / "no", steps=1, init=init, mtbench=None, data_cache=tmp_path / "none.npz",
+                            log_dir=tmp_path / "log4", progress=False, **shape)
     with pytest.raises(FileNotFoundError, match="config"):
         L.train_drafter(target, out, steps=1, batch_size=2, seq_len=32, init=str(tmp_path / "nothing"),
                         mtbench=None, data_cache=tmp_path / "data.npz", log_dir=tmp_path / "log2", progress=False)

@@ -148,6 +148,25 @@ def lm_head_columns(lm_head: jax.Array, used: np.ndarray, kept: np.ndarray) -> j
     return jnp.take(lm_head, jnp.asarray(np.searchsorted(used, kept)), axis=1)
 
 
+def check_shape(target_dir: str | Path, init: str, draft_vocab_size: int | None,
+                intermediate_size: int | None) -> None:
+    """Raise ConfigError, before any data or weights load, where the asked shape cannot be made
+    from the init: an MLP narrower than the one it starts from (the target's layers' for a new
+    drafter, else the init drafter's), or more tokens than an init drafter's vocabulary."""
+    if init in INITS:
+        start = ModelConfig.from_json(Path(target_dir) / "config.json").intermediate_size
+        vocab = None
+    else:
+        init_cfg = DraftConfig.from_json(Path(init) / "config.json")
+        start, vocab = init_cfg.intermediate_size, init_cfg.draft_vocab_size
+    if intermediate_size is not None and intermediate_size < start:
+        raise ConfigError(f"--draft-intermediate-size {intermediate_size}: the draft MLP can only be widened from "
+                          f"its {start} units")
+    if vocab is not None and draft_vocab_size is not None and draft_vocab_size > vocab:
+        raise ConfigError(f"--draft-vocab-size {draft_vocab_size}: an init drafter's vocabulary can only be narrowed "
+                          f"from its {vocab} tokens")
+
+
 def load_init_drafter(directory: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, dict, np.ndarray]:
     """A drafter to continue training: (its config, its trainable weights {field: f32}, its d2t
     [N]). It must fit the target and read the target's embedding (training never updates one)."""
@@ -581,6 +600,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
 
     t_start = time.perf_counter()
     log = (lambda *a: print(*a, flush=True))
+    check_shape(target_dir, init, draft_vocab_size, intermediate_size)
     if stop_metric not in STOP_METRICS or patience < 0:
         raise ValueError(f"early stopping: metric one of {sorted(STOP_METRICS)} and patience >= 0 needed, "
                          f"got {stop_metric!r} and {patience}")
