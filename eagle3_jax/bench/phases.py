@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -60,8 +61,11 @@ from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_s
 from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step
 from eagle3_jax.sampling_params import SamplingParams
 
-# The package's source files but the bench's own: where a step's kernels come from (--profile).
-STEP_SOURCES = frozenset(p.name for p in Path(__file__).resolve().parents[1].rglob("*.py") if p.parent.name != "bench")
+
+@functools.cache
+def step_sources() -> frozenset[str]:
+    """The package's source files but the bench's own: where a step's kernels come from (--profile)."""
+    return frozenset(p.name for p in Path(__file__).resolve().parents[1].rglob("*.py") if p.parent.name != "bench")
 
 
 @dataclasses.dataclass
@@ -486,12 +490,13 @@ def phase_8b(
         lower_s = time.perf_counter() - lower_start
         seconds, compiled = compile_lowered(list(lowered.values()))
         compile_s = {"lowering": round(lower_s, 1), f"compiling {len(lowered)} programs at once": round(seconds, 1)}
+        texts = {key: c.as_text() for key, c in zip(lowered, compiled)} if mesh is not None or opts.profile else {}
         if mesh is not None:
-            collectives = {key: hlo_collectives(c.as_text()) for key, c in zip(lowered, compiled)}
+            collectives = {key: hlo_collectives(text) for key, text in texts.items()}
         if opts.profile:  # each program's kernel launches and their source lines, for the profile below
-            sites = {key: (c.as_text().split(",", 1)[0].split()[-1], profile.hlo_kernel_sites(c.as_text()))
-                     for key, c in zip(lowered, compiled)}
-        del lowered, compiled
+            sites = {key: (text.split(",", 1)[0].split()[-1], profile.hlo_kernel_sites(text))
+                     for key, text in texts.items()}
+        del lowered, compiled, texts
         log(f"8b: compiled {len(calls)} programs in {seconds:.1f} s")
     for kind, scfg in scfgs.items():
         state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh, scfg.speculator.slot_layout)
@@ -519,7 +524,7 @@ def phase_8b(
                     module, launches = sites[kind, b]
                     one_call = profile.call_kernels(profile.load_trace(out), opts.calls, module)
                     pairs = profile.align_kernels(launches, one_call)
-                    rows = profile.kernels_by_source(pairs, STEP_SOURCES.__contains__)
+                    rows = profile.kernels_by_source(pairs, step_sources().__contains__)
                     if rows:  # none where the trace shows no GPU (the CPU)
                         by_source[f"{kind.name}, batch {b}"] = rows
                         log(f"8b {kind.name}, batch {b}: per call by source line (us, kernels): "
