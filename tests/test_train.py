@@ -453,6 +453,12 @@ def test_a_widened_mlp_computes_what_it_did(tiny):
     np.testing.assert_array_equal(got["acc_steps"], want["acc_steps"])
     with pytest.raises(ConfigError, match="can only be widened: 32 units asked, it has 64"):
         L.widen_mlp(narrow_w["w_gate_up"], narrow_w["w_down"], 32, jax.random.PRNGKey(0))
+    # A drafter whose MLP starts random (or from "head") may be any width: nothing is read to check it.
+    for init in ("random", "head"):
+        L.check_shape("no such target", init, None, 32)
+        narrow = L.init_draft_from_target(params, L.draft_config_for(cfg, 40, 32), vocab.used, jax.random.PRNGKey(2),
+                                          init)
+        assert narrow["w_down"].shape == (32, cfg.hidden_size)
 
 
 def test_a_narrowed_vocabulary_keeps_the_most_frequent_of_its_tokens():

@@ -151,15 +151,16 @@ def lm_head_columns(lm_head: jax.Array, used: np.ndarray, kept: np.ndarray) -> j
 def check_shape(target_dir: str | Path, init: str, draft_vocab_size: int | None,
                 intermediate_size: int | None) -> None:
     """Raise ConfigError, before any data or weights load, where the asked shape cannot be made
-    from the init: an MLP narrower than the one it starts from (the target's layers' for a new
-    drafter, else the init drafter's), or more tokens than an init drafter's vocabulary."""
-    if init in INITS:
+    from the init: an MLP narrower than the one it starts from (the target's last layer's for
+    init "target", the init drafter's; "head" and "random" start from none), or more tokens than
+    an init drafter's vocabulary."""
+    start, vocab = None, None
+    if init == "target":
         start = ModelConfig.from_json(Path(target_dir) / "config.json").intermediate_size
-        vocab = None
-    else:
+    elif init not in INITS:
         init_cfg = DraftConfig.from_json(Path(init) / "config.json")
         start, vocab = init_cfg.intermediate_size, init_cfg.draft_vocab_size
-    if intermediate_size is not None and intermediate_size < start:
+    if intermediate_size is not None and start is not None and intermediate_size < start:
         raise ConfigError(f"--draft-intermediate-size {intermediate_size}: the draft MLP can only be widened from "
                           f"its {start} units")
     if vocab is not None and draft_vocab_size is not None and draft_vocab_size > vocab:
