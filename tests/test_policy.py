@@ -69,6 +69,26 @@ def test_the_fastest_proposal_runs():
     assert choose(None, weak, [5, 5], policy) == 0  # an unmeasured bucket runs the engine's proposal
 
 
+def test_a_costlier_proposal_must_beat_a_cheaper_one_by_the_margin():
+    """The margin holds between proposals as against the target alone: the cheaper wins near-ties."""
+    cost = BucketCost(0.25, (0.5, 0.375))  # the tree costs 2 decodes, the chain 1.5
+    policy = SpeculationPolicy(margin=0.25)
+    chain = AcceptanceEstimate(mean=2.5, rows=100)  # 6.67 > 1.25 x 4: the chain beats the target alone
+    # The tree at 7.5 beats the chain by 12.5%, less than the margin: the chain runs.
+    assert choose(cost, [AcceptanceEstimate(mean=3.75, rows=100), chain], [5, 5], policy) == 1
+    assert choose(cost, [AcceptanceEstimate(mean=3.75, rows=100), chain], [5, 5], SpeculationPolicy(margin=0.0)) == 0
+    # At 8.5, 27.5% ahead: the tree.
+    assert choose(cost, [AcceptanceEstimate(mean=4.25, rows=100), chain], [5, 5], policy) == 0
+    # Order is by cost, not by the engine's order: the cheaper chain listed first changes nothing.
+    assert choose(BucketCost(0.25, (0.375, 0.5)), [chain, AcceptanceEstimate(mean=3.75, rows=100)], [5, 5],
+                  policy) == 0
+    # A probe of the costlier proposal needs an optimistic rate beyond the margin too: the tree's
+    # 5 / 0.5 = 10 clears 1.25 x 6.67 = 8.33, a longest of 4 (8) does not.
+    stale = AcceptanceEstimate(mean=3.0, rows=100, unmeasured=policy.probe_every)
+    assert choose(cost, [stale, chain], [5, 5], policy) == 0
+    assert choose(cost, [stale, chain], [4, 5], policy) == 1
+
+
 def test_prior_is_every_proposal_accepted():
     est = AcceptanceEstimate.prior(3)
     assert (est.mean, est.rows, est.unmeasured) == (4.0, 0, 0)

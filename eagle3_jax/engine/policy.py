@@ -4,10 +4,13 @@ tree), from measured step costs and each proposal's measured acceptance.
 The rule. At a batch bucket b, one target-only iteration emits one token per row in t0[b]
 seconds; an iteration of proposal i emits L_i tokens per row (its acceptance length, 1..steps+1)
 in t_i[b] seconds. All run the same rows, so the row count cancels: each emits tokens at the rate
-L_i / t_i[b] per row, the target alone at 1 / t0[b]. The fastest runs, the target alone unless a
-proposal beats it by the margin:
+L_i / t_i[b] per row, the target alone at 1 / t0[b]. The fastest runs, but a costlier candidate
+must beat a cheaper one by the margin: from the target alone, the candidates are taken in order
+of cost, each becoming the choice when
 
-    run argmax_i L_i / t_i[b]   if that rate > (1 + margin) / t0[b],   else the target alone.
+    L_i / t_i[b]  >  (1 + margin) x the rate of the choice so far.
+
+With one proposal this is "speculate when L / t[b] > (1 + margin) / t0[b]".
 
 t_i[b] / t0[b] is proposal i's break-even acceptance length at the bucket. It grows with the batch
 (a step stops being memory-bound, so verifying more tokens per row stops being nearly free), and
@@ -18,10 +21,14 @@ iteration in warm-up at context 0 with greedy rows; a long context adds the same
 (the ratios move toward speculation), sampled rows add more to the speculative ones (their draft
 steps and verify sort the vocabulary): for sampled traffic, inject costs measured on it.
 
-The margin (default 5%) keeps the choice on the target's side near break-even: the costs are
-measured medians, the estimates lag the traffic, and every switch costs one iteration whose
-proposals are stale or the other speculator's (see `steps.iterate_head`), so a near-tie is not
-worth flipping for.
+The margin (default 5%) keeps the choice on the cheaper side near break-even: the costs are
+measured medians at context 0, the estimates lag the traffic, and every switch costs one
+iteration whose proposals are stale or the other speculator's (see `steps.iterate_head`), so a
+near-tie is not worth flipping for. Between proposals it matters most where a wide tree nears the
+chain: a tree's verify of T + 1 tokens a row grows dearer with the context faster than the
+chain's, so the costs timed at context 0 flatter it; on the H200 at 8 rows the tree (6, 8, 31)
+and the chain of 4 came within 4% of each other by those costs, and the tree, chosen, ran at
+0.91x the chain end to end (BENCHMARKS.md, "Trees end to end").
 
 The estimate. Tokens emitted per row-iteration of a proposal, averaged: it starts at the prior
 steps+1 (the most optimistic value), so before anything is measured every proposal that could pay
@@ -154,16 +161,22 @@ def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], lon
         return None
     if cost is None:
         return 0
-    best, best_rate = None, (1.0 + policy.margin) / cost.target_only_s
-    for i, (est, t) in enumerate(zip(estimates, cost.speculative_s, strict=True)):
-        if est.mean / t > best_rate:
-            best, best_rate = i, est.mean / t
-    for i, (est, t, most) in enumerate(zip(estimates, cost.speculative_s, longest, strict=True)):
+    times = cost.speculative_s
+    best, best_rate, best_t = None, 1.0 / cost.target_only_s, cost.target_only_s
+    for i in sorted(range(len(estimates)), key=times.__getitem__):  # the cheapest first
+        rate = estimates[i].mean / times[i]
+        if rate > (1.0 + policy.margin) * best_rate:
+            best, best_rate, best_t = i, rate, times[i]
+
+    def bar(i: int) -> float:  # the rate at which proposal i would be the choice
+        return (1.0 + policy.margin) * best_rate if times[i] >= best_t else best_rate
+
+    for i, (est, t, most) in enumerate(zip(estimates, times, longest, strict=True)):
         if i == best:
             continue
-        if est.probing > 0 and _hopeful(est, most, policy) / t > best_rate:
+        if est.probing > 0 and _hopeful(est, most, policy) / t > bar(i):
             return i  # a probe under way, which its remaining rows could still win
-        if est.unmeasured >= policy.probe_every and most / t > best_rate:
+        if est.unmeasured >= policy.probe_every and most / t > bar(i):
             return i  # a probe: a proposal unmeasured for long that could beat the choice
     return best
 
