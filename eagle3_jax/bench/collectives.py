@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.bench.common import Result, log
 from eagle3_jax.bench.costs import LinkCeilings, seconds_per_call
-from eagle3_jax.bench.harness import precompile
 from eagle3_jax.bench.options import ALLREDUCE_FLAGS, Options
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model import llama
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.parallel import sharding
+from eagle3_jax.runner.runner import precompile
 
 # A child process's check that XLA accepts XLA_FLAGS: one psum over the first `tp` devices (argv[1]),
 # so the chosen all-reduce is compiled and run once, on the run's platform.

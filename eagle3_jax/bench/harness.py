@@ -14,7 +14,6 @@ import numpy as np
 from eagle3_jax.bench.common import STEP_PRESETS
 from eagle3_jax.bench.options import Options
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, TreeSpec, default_batch_buckets, smallest_bucket
-from eagle3_jax.runner.runner import Job
 
 
 def draft_config_like(target: ModelConfig, draft_vocab_size: int = 32000) -> DraftConfig:
@@ -78,16 +77,6 @@ def bucket_for(cfg: EngineConfig, batch: int) -> int:
 
 
 # ==== compiling, synthetic rows, timing ===========================================================
-def precompile(jobs: Sequence[Job]) -> float:
-    """Lower and compile the jobs on a thread pool (XLA compiles without holding the GIL); jitted
-    calls with the same shapes then find the executables built. -> seconds."""
-    start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        for future in [pool.submit(lambda j=j: j[0].lower(*j[1], **j[2]).compile()) for j in jobs]:
-            future.result()
-    return time.perf_counter() - start
-
-
 def compile_lowered(lowered: Sequence) -> tuple[float, list]:
     """Compile already lowered programs on a thread pool (as precompile). -> (seconds, executables)."""
     start = time.perf_counter()

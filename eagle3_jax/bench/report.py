@@ -121,7 +121,7 @@ Measured vs derived:
   rounds, timed by gc.callbacks: their time per step, and the full passes); device ms/iter (the
   iterate step alone, back to back, median of rounds: the larger of device time and dispatch time);
   compile s (every shape of the mode compiled on a thread pool); warm-up s (Engine.warmup after
-  that; with --no-parallel-compile it compiles sequentially, as a user's LLM() does); 8b ms/call
+  that, loading them; with --no-parallel-compile it compiles them itself, as a user's LLM() does); 8b ms/call
   (median of rounds, back to back); peer tok/s; memory bandwidth and matmul rate.
 - derived: speedup (tok/s over target-only at the same batch); device idle = 1 - device ms/iter /
   steady step ms (an estimate); with --profile, busy ms/iter = the union of the GPU's kernel intervals

@@ -15,7 +15,9 @@ buffers held here.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from tqdm.auto import tqdm
 
 from eagle3_jax.config import (
     DUMMY_SLOT,
@@ -53,6 +56,19 @@ from eagle3_jax.runner.target import target_model_for
 from eagle3_jax.sampling_params import SamplingParams
 
 Job = tuple[Callable, tuple, dict]  # (jitted function, args, keyword args): one program to compile
+
+
+def precompile(jobs: Sequence[Job], progress: bool = False) -> float:
+    """Lower and compile the jobs on a thread pool (XLA compiles without holding the GIL). The
+    executables go to JAX's persistent compilation cache (where one is set, and the compile took
+    long enough to be kept), where a jitted call with the same shapes then loads them. -> seconds."""
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        futures = [pool.submit(lambda j=j: j[0].lower(*j[1], **j[2]).compile()) for j in jobs]
+        done = concurrent.futures.as_completed(futures)
+        for future in tqdm(done, total=len(futures), desc="compiling", unit="program", disable=not progress):
+            future.result()
+    return time.perf_counter() - start
 
 
 class CompileCounter:
@@ -345,6 +361,14 @@ class ModelRunner:
         jobs += [(prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
                   {"cfg": self.config(self.speculator, greedy)}) for rows, size, greedy in prefills]
         return jobs
+
+    def compile_ahead(self, iterations: Sequence[tuple[int, StepConfig]], prefills: Sequence[tuple[int, int, bool]],
+                      progress: bool = False) -> None:
+        """Compile the fused programs (`compile_jobs`) on a thread pool, so that compile_iteration
+        and compile_prefill then load them from JAX's persistent cache. Without the cache they
+        would compile twice: then nothing is done here."""
+        if jax.config.jax_compilation_cache_dir is not None:
+            precompile(self.compile_jobs(iterations, prefills), progress)
 
     def time_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig, context: int | None = None,
                        calls: int = 3, rounds: int = 3) -> list[float]:
