@@ -190,3 +190,29 @@ def test_forced_proposals_max_tokens_inside_an_accepted_run(forced_llm, eos_case
     assert req.output == ref[:5] and req.finish_reason == "length"
     emitted, accepted = history[-1]
     assert accepted == K and emitted < K + 1  # all K accepted, cut by max_tokens
+
+
+def test_warmup_compiles_ahead_on_a_thread_pool_only_with_the_persistent_cache(tiny_models):
+    """runner.compile_ahead builds every fused program of the warm-up (each a backend compile or a
+    load from JAX's persistent cache, which `LLM` turns on) for the warm-up's runs to load; with no
+    cache to load from it does nothing, so nothing compiles twice."""
+    import jax
+
+    from eagle3_jax.runner.runner import CompileCounter
+
+    engine = make(tiny_models, batch_buckets=(2,)).engine
+    iterations, prefills = engine.programs(greedy=True)
+    jobs = engine.runner.compile_jobs(iterations, prefills)
+    assert len(jobs) == len(iterations) + len(prefills) == 1 + 2
+    cache_dir = jax.config.jax_compilation_cache_dir
+    assert cache_dir is not None  # set by LLM
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        before = CompileCounter.count
+        engine.runner.compile_ahead(iterations, prefills)
+        assert CompileCounter.count == before
+    finally:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+    before = CompileCounter.count
+    engine.runner.compile_ahead(iterations, prefills)
+    assert CompileCounter.count - before >= len(jobs)
