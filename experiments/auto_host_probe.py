@@ -48,7 +48,7 @@ def main() -> None:
     engines = {}  # name -> engine
     for name, speculation in (("A always", "always"), ("B auto", "auto"), ("C always", "always")):
         cfg = sized_engine_config(batches, a.num_draft, 1024, min_bucket=2, speculation=speculation)
-        llm = LLM(target=a.target, draft=a.draft, num_speculative_tokens=a.num_draft, engine_config=cfg, tree=None,
+        llm = LLM(target=a.target, draft=a.draft, num_speculative_tokens=a.num_draft, engine_config=cfg,
                   warmup=False, progress=False)
         precompile(llm.engine.runner.compile_jobs(*llm.engine.programs(greedy=True)))
         llm.engine.warmup(progress=False, greedy=True)

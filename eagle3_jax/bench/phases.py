@@ -191,7 +191,7 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
                             opts.attention, opts.prefill_batch_buckets, opts.gemv, tree),
         fused_iteration=fused)
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
-              engine_config=engine_config, warmup=False, progress=False, tree=tree)
+              engine_config=engine_config, warmup=False, progress=False)
     engine = llm.engine
     # The parallel precompile knows the fused programs; Engine.warmup builds the per-step ones.
     # Greedy programs only: every request here is greedy (a sampling program compiling inside the
@@ -756,7 +756,6 @@ def phase_tp(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
                 tensor_parallel_size=tp,
                 warmup=False,
                 progress=False,
-                tree=None,  # the chain of K: what the check compares
             )
             outs = llm.generate(prompts, params)
             del llm
