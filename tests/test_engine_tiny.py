@@ -200,7 +200,9 @@ def test_warmup_compiles_ahead_on_a_thread_pool_only_with_the_persistent_cache(t
 
     from eagle3_jax.runner.runner import CompileCounter
 
-    engine = make(tiny_models, batch_buckets=(2,)).engine
+    # Shapes no other test builds: a program this process already holds would come back from
+    # JAX's in-memory cache, neither compiled nor loaded.
+    engine = make(tiny_models, batch_buckets=(3,), prefill_buckets=(24,), max_model_len=56).engine
     iterations, prefills = engine.programs(greedy=True)
     jobs = engine.runner.compile_jobs(iterations, prefills)
     assert len(jobs) == len(iterations) + len(prefills) == 1 + 2
