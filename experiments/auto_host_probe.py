@@ -29,7 +29,6 @@ import time
 from eagle3_jax.api import LLM
 from eagle3_jax.bench.harness import sized_engine_config
 from eagle3_jax.bench.phases import load_prompts, run_round
-from eagle3_jax.runner.runner import precompile
 from eagle3_jax.sampling_params import SamplingParams
 
 
@@ -50,7 +49,7 @@ def main() -> None:
         cfg = sized_engine_config(batches, a.num_draft, 1024, min_bucket=2, speculation=speculation)
         llm = LLM(target=a.target, draft=a.draft, num_speculative_tokens=a.num_draft, engine_config=cfg,
                   warmup=False, progress=False)
-        precompile(llm.engine.runner.compile_jobs(*llm.engine.programs(greedy=True)))
+        llm.engine.runner.compile_ahead(*llm.engine.programs(greedy=True))
         llm.engine.warmup(progress=False, greedy=True)
         engines[name] = llm.engine
     prompts, _ = load_prompts(a.questions, llm.encode, llm.engine.step_cfg.target.vocab_size, a.prompts)

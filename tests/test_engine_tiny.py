@@ -192,12 +192,13 @@ def test_forced_proposals_max_tokens_inside_an_accepted_run(forced_llm, eos_case
     assert accepted == K and emitted < K + 1  # all K accepted, cut by max_tokens
 
 
-def test_warmup_compiles_ahead_on_a_thread_pool_only_with_the_persistent_cache(tiny_models):
+def test_warmup_compiles_ahead_on_a_thread_pool_only_with_the_persistent_cache(tiny_models, monkeypatch):
     """runner.compile_ahead builds every fused program of the warm-up (each a backend compile or a
-    load from JAX's persistent cache, which `LLM` turns on) for the warm-up's runs to load; with no
-    cache to load from it does nothing, so nothing compiles twice."""
+    load from JAX's persistent cache, which `LLM` turns on) for the warm-up's runs to load, once;
+    with no cache to load from it does nothing, so nothing compiles twice."""
     import jax
 
+    from eagle3_jax.runner import runner as runner_module
     from eagle3_jax.runner.runner import CompileCounter
 
     # Shapes no other test builds: a program this process already holds would come back from
@@ -218,3 +219,9 @@ def test_warmup_compiles_ahead_on_a_thread_pool_only_with_the_persistent_cache(t
     before = CompileCounter.count
     engine.runner.compile_ahead(iterations, prefills)
     assert CompileCounter.count - before >= len(jobs)
+    # What it built once it skips (the bench builds ahead, then Engine.warmup asks again).
+    asked = []
+    monkeypatch.setattr(runner_module, "precompile", lambda jobs, progress=False: asked.append(len(jobs)) or 0.0)
+    engine.runner.compile_ahead(iterations, prefills)
+    engine.runner.compile_ahead(iterations, engine.programs(greedy=False)[1])
+    assert asked == [0, len(prefills)]  # nothing again; the sampling prefills, new

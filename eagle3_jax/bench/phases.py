@@ -54,7 +54,6 @@ from eagle3_jax.runner.runner import (
     attention_kind,
     gemv_kind,
     iterate_pinned,
-    precompile,
     time_calls,
 )
 from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
@@ -193,10 +192,10 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
               engine_config=engine_config, warmup=False, progress=False)
     engine = llm.engine
-    # The parallel precompile knows the fused programs; Engine.warmup builds the per-step ones.
+    # The fused programs on a thread pool, timed apart (Engine.warmup then loads them); it builds the per-step ones.
     # Greedy programs only: every request here is greedy (a sampling program compiling inside the
     # timed rounds would show in the notes).
-    compile_s = (precompile(engine.runner.compile_jobs(*engine.programs(greedy=True)))
+    compile_s = (engine.runner.compile_ahead(*engine.programs(greedy=True))
                  if opts.parallel_compile and fused else float("nan"))
     warmup_s = engine.warmup(progress=False, greedy=True)
     log(f"{mode}: compiled in {compile_s:.1f} s, Engine.warmup {warmup_s:.1f} s")

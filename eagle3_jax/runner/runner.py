@@ -278,6 +278,7 @@ class ModelRunner:
         # As served: fewer argument buffers per dispatch (the caller's params are untouched).
         self._params, self._draft_params, self._state = model.for_serving(params), draft_params, state
         self._pinned = PinnedBatch(mesh)
+        self._built_ahead: set[tuple] = set()  # the programs `compile_ahead` has built: ("iterate", b, cfg) ...
         CompileCounter.install()
 
     # ---- what runs ---------------------------------------------------------------------------
@@ -363,12 +364,18 @@ class ModelRunner:
         return jobs
 
     def compile_ahead(self, iterations: Sequence[tuple[int, StepConfig]], prefills: Sequence[tuple[int, int, bool]],
-                      progress: bool = False) -> None:
+                      progress: bool = False) -> float:
         """Compile the fused programs (`compile_jobs`) on a thread pool, so that compile_iteration
-        and compile_prefill then load them from JAX's persistent cache. Without the cache they
-        would compile twice: then nothing is done here."""
-        if jax.config.jax_compilation_cache_dir is not None:
-            precompile(self.compile_jobs(iterations, prefills), progress)
+        and compile_prefill then load them from JAX's persistent cache; those this runner has built
+        ahead already are skipped. Without the cache they would compile twice: then nothing is done
+        here. -> seconds."""
+        if jax.config.jax_compilation_cache_dir is None:
+            return 0.0
+        iterations = [job for job in iterations if ("iterate", *job) not in self._built_ahead]
+        prefills = [job for job in prefills if ("prefill", *job) not in self._built_ahead]
+        seconds = precompile(self.compile_jobs(iterations, prefills), progress)
+        self._built_ahead.update([("iterate", *job) for job in iterations] + [("prefill", *job) for job in prefills])
+        return seconds
 
     def time_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig, context: int | None = None,
                        calls: int = 3, rounds: int = 3) -> list[float]:
