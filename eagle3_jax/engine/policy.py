@@ -25,11 +25,10 @@ The margin (default 5%) keeps the choice on the cheaper side near break-even: th
 measured medians at context 0, the estimates lag the traffic, and every switch costs one
 iteration whose proposals are stale or the other speculator's (see `steps.iterate_head`), so a
 near-tie is not worth flipping for. Between proposals it matters most where a wide tree nears the
-chain: a tree's verify of T + 1 tokens a row grows dearer with the context faster than the
-chain's, so the costs timed at context 0 flatter it: on the H200 at 8 rows, with no margin
-between proposals, the tree (6, 8, 31) was chosen over the chain of 4 (the two within 4% by the
-warm-up's costs and the estimates after the run) and ran at 0.91x the chain end to end
-(BENCHMARKS.md, "Trees end to end", run (h)).
+chain: on the H200 at 8 rows the tree (6, 8, 31) and the chain of 4 tie (2.01 against 1.98 tokens a
+row per millisecond of wall time): with no margin between proposals "auto" ran the tree there at
+0.91x the chain end to end; with the margin, still the tree (its estimates, noisy near the tie, put
+it 8% ahead), at 0.98x (BENCHMARKS.md, "Trees end to end", runs (h) and (i)).
 
 The estimate. Tokens emitted per row-iteration of a proposal, averaged: it starts at the prior
 steps+1 (the most optimistic value), so before anything is measured every proposal that could pay
