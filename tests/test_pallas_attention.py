@@ -166,3 +166,54 @@ def test_tree_verify_of_32_tokens_lowers_for_cuda(monkeypatch, heads, kv_heads, 
     if r == 4:
         assert not pallas_attention.supports(33, heads, kv_heads, page, 33)
         assert "xla.gpu.triton" not in lowered(33)
+
+
+def _lower_layers_for_cuda(monkeypatch, num_layers: int) -> str:
+    """`num_layers` SmolLM2-shaped attention layers of a 2 x 16-token verify (enough cached pages
+    for split keys) in one program, lowered for CUDA: the lowered module's text."""
+    monkeypatch.setattr(pallas_attention, "_interpret", lambda: False)
+    b, t, d, heads, kv_heads, hd, page = 2, 16, 576, 9, 3, 64, 16
+    s = jax.ShapeDtypeStruct
+    pages = s((num_layers, 65, page, kv_heads, hd), jnp.bfloat16)
+    inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
+
+    def f(h, wqkv, wo, positions, k, v, table):
+        for layer in range(num_layers):
+            out, k, v = layers.attention_block(h, wqkv, wo, positions, k, v, layer, table, inv_freq=inv_freq,
+                                               attention="pallas")
+            h = h + out
+        return h, k, v
+
+    return jax.jit(f).trace(s((b, t, d), jnp.bfloat16), s((d, kv_heads, heads // kv_heads + 2, hd), jnp.bfloat16),
+                            s((heads * hd, d), jnp.bfloat16), s((b, t), jnp.int32), pages, pages,
+                            s((b, 32), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_lowering_finds_the_triton_dialect_module(monkeypatch):
+    """Lowering the kernels to Triton asks MLIR's bindings for the Triton dialect's module under
+    their search prefix; without `triton_dialect.register` (run when a Pallas module is imported)
+    every value built searched sys.path for it again, about 22,000 failed imports a SmolLM2
+    program, half its lowering time."""
+    import importlib.abc
+    import sys
+
+    searched = []
+
+    class Recorder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            searched.append(name)  # reached only for names not already in sys.modules
+
+    monkeypatch.setattr(sys, "meta_path", [Recorder(), *sys.meta_path])
+    text = _lower_layers_for_cuda(monkeypatch, 1)
+    assert "eagle3_paged_attention" in text
+    assert not [name for name in searched if name.endswith(".tt")]
+
+
+def test_a_program_lowers_the_splits_combine_once():
+    """The combine kernel is the same at every layer, so a program of several layers lowers it
+    once and calls it from each (XLA inlines the calls); the RoPE + KV write and the attention
+    kernels carry their layer in their block specs: one each a layer."""
+    with pytest.MonkeyPatch.context() as mp:
+        text = _lower_layers_for_cuda(mp, 3)
+    assert text.count("xla.gpu.triton") == 3 + 3 + 1
+    assert text.count("call @combine_splits") == 3

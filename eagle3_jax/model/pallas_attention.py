@@ -40,6 +40,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from eagle3_jax.model import triton_dialect
+
+triton_dialect.register()  # before any kernel lowers: halves the lowering time (triton_dialect.py)
+
 # T*R per (row, kv head) tile; larger steps use the XLA form. 128: a tree verify of 32 tokens
 # (96 rows for SmolLM2's R = 3, 128 for the 8B's R = 4).
 MAX_QUERY_ROWS = 128
@@ -312,27 +316,35 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
         compiler_params=_compiler_params(num_warps, num_stages),
         name="eagle3_paged_attention",
     )(q_tiles, qpos, *window, block_table.astype(jnp.int32), k_pages, v_pages)
-    if splits == 1:
-        out = out[:, :, 0]
-    else:  # one more launch: each split weighted by its share of the softmax mass -> [B, G, M, hd]
-        # Over head-dim chunks too: (row, kv head) programs alone are too few to hide the loads.
-        # Over query-row chunks too: one program walking every split of 64 or 128 rows took 8 us
-        # a layer (a SmolLM2 verify of 16 tokens on the H200), more than the attention itself.
-        # Rows past T*R (the tile's padding) are never combined: they are dropped below.
-        chunk, row_chunk = min(COMBINE_CHUNK, hd), min(COMBINE_ROWS, m)
-        out = pl.pallas_call(
-            _combine_kernel,
-            grid=(b, g, -(-rows // row_chunk), hd // chunk),
-            in_specs=[pl.BlockSpec((None, None, splits, row_chunk, chunk), lambda i, j, q, c: (i, j, 0, q, c)),
-                      pl.BlockSpec((None, None, splits, row_chunk), lambda i, j, q, c: (i, j, 0, q))],
-            out_specs=pl.BlockSpec((None, None, row_chunk, chunk), lambda i, j, q, c: (i, j, q, c)),
-            out_shape=jax.ShapeDtypeStruct((b, g, m, hd), q_tiles.dtype),
-            interpret=interpret,
-            compiler_params=_compiler_params(4, num_stages),
-            name="eagle3_attention_combine",
-        )(out, lse)
+    # With splits, one more launch: each split weighted by its share of the softmax mass -> [B, G, M, hd]
+    out = out[:, :, 0] if splits == 1 else combine_splits(out, lse, rows, q_tiles.dtype, num_stages)
     # [B, G, M, hd] -> [B, T, G*R, hd]
     return out[:, :, :rows].reshape(b, g, t, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "dtype", "num_stages"))
+def combine_splits(out: jax.Array, lse: jax.Array, rows: int, dtype, num_stages: int) -> jax.Array:
+    """The splits' outputs out [B, G, S, M, hd] (f32) and log-sum-exps lse [B, G, S, M], each split
+    weighted by its share of the softmax mass -> [B, G, M, hd] in `dtype`; rows: the tile's real
+    query rows (T*R: those past it are padding, never combined). Its own jit, unlike the attention
+    kernel (whose layer is in its block specs): the combine is the same at every layer, so a
+    program lowers its kernel once instead of once a layer."""
+    b, g, splits, m, hd = out.shape
+    # Over head-dim chunks too: (row, kv head) programs alone are too few to hide the loads.
+    # Over query-row chunks too: one program walking every split of 64 or 128 rows took 8 us
+    # a layer (a SmolLM2 verify of 16 tokens on the H200), more than the attention itself.
+    chunk, row_chunk = min(COMBINE_CHUNK, hd), min(COMBINE_ROWS, m)
+    return pl.pallas_call(
+        _combine_kernel,
+        grid=(b, g, -(-rows // row_chunk), hd // chunk),
+        in_specs=[pl.BlockSpec((None, None, splits, row_chunk, chunk), lambda i, j, q, c: (i, j, 0, q, c)),
+                  pl.BlockSpec((None, None, splits, row_chunk), lambda i, j, q, c: (i, j, 0, q))],
+        out_specs=pl.BlockSpec((None, None, row_chunk, chunk), lambda i, j, q, c: (i, j, q, c)),
+        out_shape=jax.ShapeDtypeStruct((b, g, m, hd), dtype),
+        interpret=_interpret(),
+        compiler_params=_compiler_params(4, num_stages),
+        name="eagle3_attention_combine",
+    )(out, lse)
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "block_keys", "num_warps", "num_stages"))
