@@ -429,7 +429,7 @@ def default_batch_buckets(proposals: Sequence[TreeSpec]) -> tuple[int, ...]:
     drafts: from 2 rows up when chains only, from 1 row up for a tree or the target alone. On the
     H200 a lone SmolLM2 request's chain iteration cost more at one row than padded to two (1.15
     against 1.09 ms on the device), its tree iteration less (1.22 against 1.30) and its decode
-    less (0.95 against 1.00; BENCHMARKS.md, "Trees end to end")."""
+    less (0.95 against 1.00; BENCHMARKS.md, "Host overhead")."""
     chains_only = bool(proposals) and all(p.is_chain for p in proposals)
     return (() if chains_only else (1,)) + BATCH_BUCKETS
 

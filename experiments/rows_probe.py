@@ -3,12 +3,11 @@
 
     python3 experiments/rows_probe.py          # GPU: a table, us per projection
 
-Why: in the SmolLM2 step functions at one row (the profile of the tree iteration, BENCHMARKS.md
-"Trees end to end"), XLA runs a one-row dot as an element-wise multiply and a reduction (two
-kernels), and the draft's lm_head [576, 16,384] as a reduction of 9-15 us where the same weight
-read by a Triton GEMM over four rows takes about 4.7. A chain of K drafts K one-row lm_heads an
-iteration; a tree one (its first level). Padding the row to two (a zero row, sliced off after)
-would hand XLA a GEMM.
+Why: in the SmolLM2 step functions at one row (the profile of the tree iteration), XLA runs a
+one-row dot as an element-wise multiply and a reduction (two kernels), and the draft's lm_head
+[576, 16,384] as a reduction of 9-15 us where the same weight read by a Triton GEMM over four rows
+takes about 4.7. A chain of K drafts K one-row lm_heads an iteration; a tree one (its first
+level). Padding the row to two (a zero row, sliced off after) would hand XLA a GEMM.
 
 Method as experiments/gemv_probe.py's: each timed program runs LAYERS dependent projections, each
 on its own copy of the weight, divided by LAYERS; rows 1 as the engine runs it, "1 padded to 2",

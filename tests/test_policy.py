@@ -255,12 +255,12 @@ def _serve(costs: BucketCost, acceptance, iterations: int, policy: SpeculationPo
 
 
 def test_a_tree_that_fell_behind_on_hard_requests_is_chosen_again():
-    """One row, a tree (5, 4, 15) and a chain of 4 at SmolLM2's costs at batch 1 (BENCHMARKS.md,
-    "Trees end to end"). The tree is faster (L 3.6 / 1.46 ms against 2.6 / 1.24) except on a
-    stretch of 3,000 iterations of hard requests (2.8 against 2.54), where the chain takes over.
-    After it, probes measure the tree on the new traffic: with a stale estimate weighing
-    `stale_weight` rows the tree is the choice again within two probes. The rule before (a probe of
-    one fresh measurement, the estimate weighing all its rows) kept running the chain."""
+    """One row, a tree (5, 4, 15) and a chain of 4 at costs like SmolLM2's at batch 1 on the H200.
+    The tree is faster (L 3.6 / 1.46 ms against 2.6 / 1.24) except on a stretch of 3,000
+    iterations of hard requests (2.8 against 2.54), where the chain takes over. After it, probes
+    measure the tree on the new traffic: with a stale estimate weighing `stale_weight` rows the
+    tree is the choice again within two probes. The rule before (a probe of one fresh measurement,
+    the estimate weighing all its rows) kept running the chain."""
     costs = BucketCost(1.10e-3, (1.46e-3, 1.24e-3))
     hard, end = range(2000, 5000), 8000
 

@@ -5,7 +5,8 @@ Why: a tree level takes the top k of the draft's log-softmax for each of its bea
 that into about fourteen small kernels a level (the log-softmax's reductions and subtraction; its
 top k as two sorts, each with a copy before it and a slice after), 1-10 us each on the H200: about
 95 us of a SmolLM2 tree iteration (5, 4, 15) and 130 us of a Llama-3.1-8B one, against 1.33 and
-5.80 ms (BENCHMARKS.md, "Trees end to end" and "Llama-3.1-8B step functions"). Here:
+5.80 ms, measured on the H200 before these kernels (BENCHMARKS.md, "Llama-3.1-8B step
+functions"). Here:
 
   stage 1  a program per (row, chunk of CHUNK entries): the chunk's top k (k passes of max, the
            lowest index among equal values), its max and its sum of exp(x - max);
