@@ -634,3 +634,22 @@ def test_peer_process_group_is_reaped(tmp_path):
     assert not alive()  # killed: the sleep would have run for a minute
     with pytest.raises(subprocess.TimeoutExpired):
         run_isolated([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), timeout=0.5)
+
+
+def test_the_shipped_drafter_serves_smollm2_converted_anywhere(tmp_path):
+    """Without --draft the bench measures the shipped drafter wherever it fits the target, so a
+    SmolLM2-135M-Instruct converted to another directory (as on a GPU machine without the default
+    checkpoint) is not measured with a random drafter; a target it does not fit gets a random one,
+    labelled as such."""
+    from eagle3_jax import assets, presets
+    from eagle3_jax.bench.phases import resolve_draft
+
+    opts = bench.Options.from_args(bench.build_parser().parse_args(["--target", str(tmp_path / "elsewhere")]))
+    smollm2, _ = presets.smollm2_135m()
+    path, label = resolve_draft(opts, smollm2, tmp_path)
+    assert path == assets.DEFAULT_DRAFT
+    assert label == f"trained drafter {assets.DEFAULT_DRAFT.name}"
+    path, label = resolve_draft(opts, TINY, tmp_path)
+    assert path.parent == tmp_path
+    assert label.startswith("RANDOM drafter")
+    assert DraftConfig.from_json(path / "config.json").vocab_size == TINY.vocab_size

@@ -65,7 +65,8 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     g = p.add_argument_group("smollm2 phase: the engine end to end")
     g.add_argument("--target", default=str(assets.DEFAULT_TARGET), help="target checkpoint directory")
     g.add_argument("--draft", default=None,
-                   help="drafter directory or 'random' (default: the shipped drafter if present, else random)")
+                   help="drafter directory or 'random' (default: the shipped drafter where it fits the target, "
+                        "else random)")
     g.add_argument("--questions", default=None,
                    help="MT-bench question.jsonl (default: the packaged asset, fetched when not cached)")
     g.add_argument("--max-model-len", type=int, default=1024)

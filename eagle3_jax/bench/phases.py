@@ -41,7 +41,7 @@ from eagle3_jax.bench.harness import (
     synthetic_rows,
 )
 from eagle3_jax.bench.options import Options
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, TreeSpec
+from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, TreeSpec, check_draft_fits
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
 from eagle3_jax.model import llama
@@ -126,14 +126,18 @@ def load_prompts(questions: str | None, encode, vocab_size: int, count: int) -> 
 
 
 def resolve_draft(opts: Options, target_cfg: ModelConfig, scratch: Path) -> tuple[Path, str]:
-    """The drafter directory and its label. A random drafter is written to `scratch` when asked
-    for, or when no trained one exists."""
+    """The drafter directory and its label: --draft, else the shipped drafter wherever it fits the
+    target (SmolLM2-135M-Instruct converted anywhere, not only to the default directory), else a
+    random one written to `scratch` (also when asked for with "random")."""
     if opts.draft not in (None, "random"):
         return Path(opts.draft), f"drafter {opts.draft}"
     shipped = assets.DEFAULT_DRAFT
-    if (opts.draft is None and (shipped / "config.json").is_file()
-            and opts.target.resolve() == assets.DEFAULT_TARGET.resolve()):
-        return shipped, f"trained drafter {shipped.name}"
+    if opts.draft is None and (shipped / "config.json").is_file():
+        try:  # the shipped drafter stores no embedding: it reads the target's
+            check_draft_fits(target_cfg, DraftConfig.from_json(shipped / "config.json"), has_own_embedding=False)
+            return shipped, f"trained drafter {shipped.name}"
+        except ConfigError:
+            pass
     from eagle3_jax.weights.eagle3 import save_drafter
 
     dcfg = draft_config_like(target_cfg)
@@ -275,6 +279,7 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         draft_dir, draft_label = resolve_draft(opts, target_cfg, Path(scratch))
+        log(f"drafter: {draft_label}")
         rows, source = run_mode(opts, "target-only", None, 0, ceilings, notes)
         results += rows
         for k in opts.num_draft:
