@@ -1,11 +1,8 @@
-"""Model configurations, engine sizing, compiling on a thread pool, synthetic rows."""
+"""Model configurations, engine sizing, synthetic rows."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -76,15 +73,7 @@ def bucket_for(cfg: EngineConfig, batch: int) -> int:
     return smallest_bucket(cfg.batch_buckets, batch)
 
 
-# ==== compiling, synthetic rows, timing ===========================================================
-def compile_lowered(lowered: Sequence) -> tuple[float, list]:
-    """Compile already lowered programs on a thread pool (as precompile). -> (seconds, executables)."""
-    start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-        compiled = list(pool.map(lambda low: low.compile(), lowered))
-    return time.perf_counter() - start, compiled
-
-
+# ==== synthetic rows =========================================================================
 def synthetic_rows(ecfg: EngineConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Slots 1..batch, each with pages of its own: (rows [B], block tables [B, nb])."""
     nb = ecfg.max_blocks_per_seq

@@ -32,7 +32,6 @@ from eagle3_jax.bench.common import Result, collector_pauses, log
 from eagle3_jax.bench.costs import Ceilings, LinkCeilings, iteration_cost, target_cost, tree_iteration_cost
 from eagle3_jax.bench.harness import (
     bucket_for,
-    compile_lowered,
     draft_config_like,
     hf_config_dict,
     own_embedding,
@@ -52,6 +51,7 @@ from eagle3_jax.runner.runner import (
     Job,
     PinnedBatch,
     attention_kind,
+    compile_on_pool,
     gemv_kind,
     iterate_pinned,
     time_calls,
@@ -492,7 +492,7 @@ def phase_8b(
                 lowered[kind, b] = fn.lower(*args, **kw)
             del state
         lower_s = time.perf_counter() - lower_start
-        seconds, compiled = compile_lowered(list(lowered.values()))
+        seconds, compiled = compile_on_pool([low.compile for low in lowered.values()])
         compile_s = {"lowering": round(lower_s, 1), f"compiling {len(lowered)} programs at once": round(seconds, 1)}
         texts = {key: c.as_text() for key, c in zip(lowered, compiled)} if mesh is not None or opts.profile else {}
         if mesh is not None:

@@ -58,17 +58,23 @@ from eagle3_jax.sampling_params import SamplingParams
 Job = tuple[Callable, tuple, dict]  # (jitted function, args, keyword args): one program to compile
 
 
-def precompile(jobs: Sequence[Job], progress: bool = False) -> float:
-    """Lower and compile the jobs on a thread pool (XLA compiles without holding the GIL). The
-    executables go to JAX's persistent compilation cache (where one is set, and the compile took
-    long enough to be kept), where a jitted call with the same shapes then loads them. -> seconds."""
+def compile_on_pool(compiles: Sequence[Callable[[], Any]], progress: bool = False) -> tuple[float, list]:
+    """Run each compile (a thunk returning an executable) on a thread pool: XLA compiles without
+    holding the GIL. -> (seconds, the executables in order)."""
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        futures = [pool.submit(lambda j=j: j[0].lower(*j[1], **j[2]).compile()) for j in jobs]
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(compiles), os.cpu_count() or 1))) as pool:
+        futures = [pool.submit(compile_) for compile_ in compiles]
         done = concurrent.futures.as_completed(futures)
         for future in tqdm(done, total=len(futures), desc="compiling", unit="program", disable=not progress):
             future.result()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, [future.result() for future in futures]
+
+
+def precompile(jobs: Sequence[Job], progress: bool = False) -> float:
+    """Lower and compile the jobs on a thread pool (`compile_on_pool`). The executables go to JAX's
+    persistent compilation cache (where one is set, and the compile took long enough to be kept),
+    where a jitted call with the same shapes then loads them. -> seconds."""
+    return compile_on_pool([lambda j=j: j[0].lower(*j[1], **j[2]).compile() for j in jobs], progress)[0]
 
 
 class CompileCounter:
