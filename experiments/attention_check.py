@@ -3,6 +3,7 @@
 agreement (bf16 inputs, against an f32 evaluation of the XLA form) and time per call.
 
     python3 experiments/attention_check.py
+    python3 experiments/attention_check.py --only "8B verify"     # the cases whose name has this
 
 Each case is one layer's attention of a decode or verify step over a paged pool whose rows hold
 `context` cached tokens. The floor is the bytes a step must read (the valid K and V of every row,
@@ -11,6 +12,7 @@ once) over the device's copy bandwidth measured here; the XLA form reads the who
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -34,6 +36,7 @@ CASES = [
     ("8B decode, 1 row", 1, 1, 8, 4, 128, 512, 68),
     ("8B decode, 1 row, 4000 cached", 1, 1, 8, 4, 128, 4000, 260),
     ("8B verify 8 x 4 (1000 of 2048 cached)", 8, 4, 8, 4, 128, 1000, 128),
+    ("8B verify 8 x 16 (1000 of 2048 cached)", 8, 16, 8, 4, 128, 1000, 128),
 ]
 CPU_CASES = [
     ("SmolLM2 verify K=4, 2 rows", 2, 5, 3, 3, 64, 60, 8),
@@ -60,6 +63,12 @@ def stacked(attend):
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="run the cases whose name contains this text")
+    only = ap.parse_args().only
+    gpu_cases = [case for case in CASES if only in case[0]]
+    if not gpu_cases:
+        ap.error(f"--only {only!r}: no case has it in its name; the cases: {[case[0] for case in CASES]}")
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     bandwidth = costs.copy_bandwidth()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -73,7 +82,7 @@ def main() -> int:
     print("|---|---|---|---|" + "---|" * len(programs) + "---|---|---|")
     xla = jax.jit(layers.paged_attention)
     kernel = jax.jit(pallas_attention.paged_attention)
-    for name, b, t, g, r, hd, context, nb in (CASES if jax.default_backend() == "gpu" else CPU_CASES):
+    for name, b, t, g, r, hd, context, nb in (gpu_cases if jax.default_backend() == "gpu" else CPU_CASES):
         rng = np.random.default_rng(0)
         num_pages = b * nb + 1
         q = jnp.asarray(rng.standard_normal((b, t, g * r, hd)), dtype)
@@ -97,16 +106,16 @@ def main() -> int:
               + " | ".join(f"{u:.1f} ({n})" for u, n in zip(us, splits)) + f" | {us[-1]:.1f} | {floor_us:.2f} | "
               f"{floor_us / best:.0%} |",
               flush=True)
-    block_errors(dtype)
+    block_errors(dtype, gpu_cases)
     return 0
 
 
-def block_errors(dtype) -> None:
+def block_errors(dtype, gpu_cases) -> None:
     """layers.attention_block, kernels (RoPE + KV write + q tiles, then attention) against the XLA
     form, both in `dtype`, each against the XLA form in f32: the block's output and written pages."""
     print("\n| attention block | max abs err XLA | max abs err Pallas | max abs err of written K, Pallas |\n"
           "|---|---|---|---|")
-    for name, b, t, g, r, hd, context, nb in (CASES if jax.default_backend() == "gpu" else CPU_CASES):
+    for name, b, t, g, r, hd, context, nb in (gpu_cases if jax.default_backend() == "gpu" else CPU_CASES):
         rng = np.random.default_rng(1)
         d, num_pages = g * r * hd, b * nb + 1
         x = rng.standard_normal((b, t, d))

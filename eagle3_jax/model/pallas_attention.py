@@ -10,8 +10,9 @@ the valid part is needed. The attention kernel reads only the pages a row has fi
 softmax over blocks of pages, as flash-decoding).
 
 Layout (as `layers.paged_attention`): q [B, T, G*R, hd] (G kv heads, R q heads per kv head, HF
-head order), pages [L, P, page, G, hd] of which a call reads layer `layer` (static: the block
-specs select it, no copy), positions [B, T] contiguous per row (the T new tokens),
+head order), pages [L, P, page, G, hd] of which a call reads layer `layer` (an operand the kernel
+indexes with, not a constant of its block specs: every layer calls the same lowered kernel; a
+program lowers each kernel once, not once a layer), positions [B, T] contiguous per row (the T new tokens),
 block_table [B, nb]. One program per (row, kv head, split): its T*R queries form the M rows of
 the tile (padded to a power of two, at least 16 for the tensor cores); query row m = t*R + r is
 query head g*R + r of token t and sees cached positions <= positions[b, t]. The splits divide
@@ -68,12 +69,14 @@ def supports(num_tokens: int, heads: int, kv_heads: int, page_size: int, window:
 
 def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed: bool):
     # q_ref [M, hd]; qpos_ref [M] i32 (-1: padding row); windowed: win_ref [1 + nw, M] i32
-    # (`window_rows`); table_ref [nb] i32; k_ref, v_ref [P, page, hd] (this program's kv head);
-    # o_ref [M, hd], this split's normalized output (f32 when there are splits to combine);
-    # lse_ref [M] f32, its log-sum-exp.
-    win_ref, (table_ref, k_ref, v_ref, o_ref, lse_ref) = (refs[0], refs[1:]) if windowed else (None, refs)
+    # (`window_rows`); table_ref [nb] i32; layer_ref [1] i32; k_ref, v_ref [L, P, page, hd] (this
+    # program's kv head, every layer); o_ref [M, hd], this split's normalized output (f32 when
+    # there are splits to combine); lse_ref [M] f32, its log-sum-exp.
+    win_ref, (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref) = (
+        (refs[0], refs[1:]) if windowed else (None, refs))
     m, hd = q_ref.shape
-    block_k = pages_per_block * k_ref.shape[1]
+    block_k = pages_per_block * k_ref.shape[2]
+    layer = layer_ref[0]
     q = q_ref[...]
     qpos = qpos_ref[...]
     # The row's key blocks (those holding a position <= max(qpos)) are shared evenly between the
@@ -87,8 +90,8 @@ def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed
     def body(i, carry):
         o, row_max, row_sum = carry
         pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]  # [ppb]
-        k = k_ref[pages].reshape(block_k, hd)
-        v = v_ref[pages].reshape(block_k, hd)
+        k = k_ref[layer, pages].reshape(block_k, hd)
+        v = v_ref[layer, pages].reshape(block_k, hd)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         key_pos = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (m, block_k), 1)
         visible = key_pos <= qpos[:, None]  # [M, block_k]
@@ -174,14 +177,16 @@ def _combine_kernel(o_ref, lse_ref, out_ref):
 def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree: bool):
     # Program (row b, kv head g, token i). qkv_ref [T, R + 2, hd] (R q heads, k, v; not yet
     # rotated); pos_ref [T] where the tokens are stored; tree: rope_ref [T] where they are rotated
-    # (else at pos_ref's); table_ref [nb]; inv_freq_ref [hd/2] f32. Out: q_ref [M, hd], the
-    # rotated queries as the attention tile (row i*R + r; rows past T*R zero); k_ref, v_ref
-    # [P, page, hd], kv head g's pages (aliased to _k_in, _v_in: written in place at the token's slot).
-    rope_ref, (table_ref, inv_freq_ref, _k_in, _v_in, q_ref, k_ref, v_ref) = (
+    # (else at pos_ref's); table_ref [nb]; inv_freq_ref [hd/2] f32; layer_ref [1] i32. Out: q_ref
+    # [M, hd], the rotated queries as the attention tile (row i*R + r; rows past T*R zero); k_ref,
+    # v_ref [L, P, page, hd], kv head g's pages of every layer (aliased to _k_in, _v_in: written in
+    # place at the token's slot of layer layer_ref[0]).
+    rope_ref, (table_ref, inv_freq_ref, layer_ref, _k_in, _v_in, q_ref, k_ref, v_ref) = (
         (refs[0], refs[1:]) if tree else (pos_ref, refs))
     i = pl.program_id(2)
     t, _, hd = qkv_ref.shape
-    half, page_size, nb = hd // 2, k_ref.shape[1], table_ref.shape[0]
+    half, page_size, nb = hd // 2, k_ref.shape[2], table_ref.shape[0]
+    layer = layer_ref[0]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     position = pos_ref[i]
     # RoPE as layers.apply_rope: angles in f32, cos and sin rounded to the model's dtype.
@@ -196,8 +201,8 @@ def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree:
         if j < r:
             q_ref[i * r + j, lo], q_ref[i * r + j, hi] = y1, y2
         else:
-            k_ref[page, slot, lo], k_ref[page, slot, hi] = y1, y2
-    v_ref[page, slot, lo], v_ref[page, slot, hi] = qkv_ref[i, r + 1, lo], qkv_ref[i, r + 1, hi]
+            k_ref[layer, page, slot, lo], k_ref[layer, page, slot, hi] = y1, y2
+    v_ref[layer, page, slot, lo], v_ref[layer, page, slot, hi] = qkv_ref[i, r + 1, lo], qkv_ref[i, r + 1, hi]
 
     @pl.when(i == 0)
     def _():  # padding rows: defined values (their outputs are dropped)
@@ -210,15 +215,22 @@ def query_tile_rows(num_tokens: int, heads_per_kv: int) -> int:
     return max(16, 1 << (num_tokens * heads_per_kv - 1).bit_length())
 
 
-def _layer_pages_spec(pages_shape: tuple[int, ...], layer: int) -> pl.BlockSpec:
-    """Block spec of kv head j's pages [P, page, hd] in layer `layer` of pages [L, P, page, G, hd],
-    for a grid whose second axis is the kv head."""
-    _, num_pages, page_size, _, hd = pages_shape
-    return pl.BlockSpec((None, num_pages, page_size, None, hd), lambda i, j, n: (layer, 0, 0, j, 0))
+def _kv_head_pages_spec(pages_shape: tuple[int, ...]) -> pl.BlockSpec:
+    """Block spec of kv head j's pages of every layer [L, P, page, hd] of pages [L, P, page, G, hd],
+    for a grid whose second axis is the kv head. Every layer, not one: a layer in the spec would be
+    a constant of the lowered kernel, and a program would lower the kernel once a layer (tracing and
+    lowering are most of a warm-up's host time; BENCHMARKS.md, "Start-up"). The kernel indexes its
+    layer from an operand instead; the spec only sets the base pointer, it copies nothing."""
+    num_layers, num_pages, page_size, _, hd = pages_shape
+    return pl.BlockSpec((num_layers, num_pages, page_size, None, hd), lambda i, j, n: (0, 0, 0, j, 0))
+
+
+def _layer_operand(layer) -> jax.Array:
+    return jnp.asarray(layer, jnp.int32).reshape(1)
 
 
 def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
-                   v_pages: jax.Array, layer: int, scratch_page: int,
+                   v_pages: jax.Array, layer, scratch_page: int,
                    rope_positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One kernel for what comes between the qkv projection and attention: rotate q and k, write
     k and v into their pages (in place), lay q out as attention tiles. The XLA form of the same is
@@ -227,9 +239,19 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
 
     qkv [B, T, G, R + 2, hd] (layers.project_qkv's layout, before RoPE); positions [B, T] where
     k and v are stored; block_table [B, nb]; inv_freq [hd/2]; k/v_pages [L, P, page, G, hd], of
-    which layer `layer` is written; rope_positions [B, T] where q and k are rotated (a token tree:
-    a node is stored at length + i but rotated at length + depth; None: at `positions`)
-    -> (q tiles [B, G, M, hd], k_pages, v_pages)."""
+    which layer `layer` (an int or an i32 scalar) is written; rope_positions [B, T] where q and k
+    are rotated (a token tree: a node is stored at length + i but rotated at length + depth; None:
+    at `positions`) -> (q tiles [B, G, M, hd], k_pages, v_pages)."""
+    rope = None if rope_positions is None else rope_positions.astype(jnp.int32)
+    return _rope_and_write(qkv, positions.astype(jnp.int32), rope, block_table.astype(jnp.int32),
+                           jnp.asarray(inv_freq, jnp.float32), _layer_operand(layer), k_pages, v_pages,
+                           scratch_page=scratch_page)
+
+
+@functools.partial(jax.jit, static_argnames=("scratch_page",))
+def _rope_and_write(qkv, positions, rope_positions, block_table, inv_freq, layer, k_pages, v_pages, *,
+                    scratch_page: int):
+    # Its own jit, the layer an operand: every layer of a program calls the one lowered kernel.
     b, t, g, r2, hd = qkv.shape
     r, nb = r2 - 2, block_table.shape[1]
     m = query_tile_rows(t, r)
@@ -237,9 +259,9 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
     # One program per (row, kv head, token): a token's work is a short chain of dependent loads
     # (position, table entry, then the stores); a program per row serialized T of them (8 us a
     # layer for the 8B verify of 8 x 4 on the H200).
-    pages_spec = _layer_pages_spec(k_pages.shape, layer)
+    pages_spec = _kv_head_pages_spec(k_pages.shape)
     positions_spec = pl.BlockSpec((None, t), lambda i, j, n: (i, 0))
-    rope = [rope_positions.astype(jnp.int32)] if tree else []  # [B, T]; the chain's one array serves both
+    rope = [rope_positions] if tree else []  # [B, T]; the chain's one array serves both
     return pl.pallas_call(
         functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page, tree=tree),
         grid=(b, g, t),
@@ -248,32 +270,32 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
                   *[positions_spec] * len(rope),
                   pl.BlockSpec((None, nb), lambda i, j, n: (i, 0)),
                   pl.BlockSpec((hd // 2,), lambda i, j, n: (0,)),
+                  pl.BlockSpec((1,), lambda i, j, n: (0,)),
                   pages_spec, pages_spec],
         out_specs=[pl.BlockSpec((None, None, m, hd), lambda i, j, n: (i, j, 0, 0)), pages_spec, pages_spec],
         out_shape=[jax.ShapeDtypeStruct((b, g, m, hd), qkv.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={4 + len(rope): 1, 5 + len(rope): 2},
+        input_output_aliases={5 + len(rope): 1, 6 + len(rope): 2},
         interpret=_interpret(),
         compiler_params=_compiler_params(1),
         name="eagle3_rope_write_kv",
-    )(qkv, positions.astype(jnp.int32), *rope, block_table.astype(jnp.int32), jnp.asarray(inv_freq, jnp.float32),
-      k_pages, v_pages)
+    )(qkv, positions, *rope, block_table, inv_freq, layer, k_pages, v_pages)
 
 
-def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: int, positions: jax.Array,
+def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer, positions: jax.Array,
                  block_table: jax.Array, heads_per_kv: int, splits: int | None = None, block_keys: int = 64,
                  num_warps: int | None = None, num_stages: int = 1, window_start: jax.Array | None = None,
                  window_mask: jax.Array | None = None) -> jax.Array:
     """Attention of query tiles [B, G, M, hd] (row t*R + r: q head g*R + r of token t) over layer
-    `layer` of the pages [L, P, page, G, hd] (already holding this step's keys); positions [B, T]; block_table
-    [B, nb] -> [B, T, G*R, hd]. `splits`: programs per (row, kv head), each over its share of the
-    row's key blocks (default: `num_splits`; rounded down to a power of two); `block_keys`: keys
-    per loop step; `num_warps`: Triton's warps a program (default 4, 8 past 64 query rows);
-    `num_stages`: Triton's software pipelining of the key-block loop. A split walks
-    only a few blocks, and one stage (no pipelining) ran the 8B verify of 8 x 4 at 11.5-11.7 us a
-    layer against 14.6-15.0 with two, decode at one row 10.0-10.2 against 10.7-11.0 (two sweeps
-    on the H200, BENCHMARKS.md, "Llama-3.1-8B step functions").
+    `layer` (an int or an i32 scalar) of the pages [L, P, page, G, hd] (already holding this step's
+    keys); positions [B, T]; block_table [B, nb] -> [B, T, G*R, hd]. `splits`: programs per (row,
+    kv head), each over its share of the row's key blocks (default: `num_splits`; rounded down to a
+    power of two); `block_keys`: keys per loop step; `num_warps`: Triton's warps a program
+    (default 4, 8 past 64 query rows); `num_stages`: Triton's software pipelining of the key-block
+    loop. A split walks only a few blocks, and one stage (no pipelining) ran the 8B verify of 8 x 4
+    at 11.5-11.7 us a layer against 14.6-15.0 with two, decode at one row 10.0-10.2 against
+    10.7-11.0 (two sweeps on the H200, BENCHMARKS.md, "Llama-3.1-8B step functions").
 
     A token tree: window_start [B] and window_mask [B, T, W] bool as `layers.TreeAttention`'s; a
     query then sees a key at or before its position that is before the window or that its mask
@@ -281,22 +303,37 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r
-    page_size = k_pages.shape[2]
+    # Outside the layer's jit, as the tree's window: the same expressions every layer, computed
+    # once a program (XLA's CSE).
     qpos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), r, axis=1), ((0, 0), (0, m - rows)), constant_values=-1)
-    windowed = window_mask is not None
-    window = [window_rows(window_start, window_mask, r, m)] if windowed else []  # [B, 1 + nw, M]
+    window = None if window_mask is None else window_rows(window_start, window_mask, r, m)  # [B, 1 + nw, M]
     nb = block_table.shape[1]
-    ppb = pages_per_block(nb, page_size, block_keys)
+    ppb = pages_per_block(nb, k_pages.shape[2], block_keys)
     key_blocks = nb // ppb
     splits = num_splits(b, g, key_blocks) if splits is None else num_splits(1, 1, key_blocks, splits)
     # 128 rows: the [M, hd] f32 accumulator alone is 128 registers a thread over 4 warps at hd 128
     # (Triton's flash attention runs 128 query rows with 8).
     num_warps = (4 if m <= 64 else 8) if num_warps is None else num_warps
-    kernel = functools.partial(_kernel, pages_per_block=ppb, scale=1.0 / math.sqrt(hd), windowed=windowed)
+    out = _attend(q_tiles, qpos, window, block_table.astype(jnp.int32), _layer_operand(layer), k_pages, v_pages,
+                  rows=rows, pages_per_block=ppb, splits=splits, num_warps=num_warps, num_stages=num_stages)
+    # [B, G, M, hd] -> [B, T, G*R, hd]
+    return out[:, :, :rows].reshape(b, g, t, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "pages_per_block", "splits", "num_warps", "num_stages"))
+def _attend(q_tiles, qpos, window, block_table, layer, k_pages, v_pages, *, rows: int, pages_per_block: int,
+            splits: int, num_warps: int, num_stages: int) -> jax.Array:
+    # Its own jit, the layer an operand: every layer of a program calls the one lowered kernel.
+    # -> [B, G, M, hd]
+    b, g, m, hd = q_tiles.shape
+    windowed = window is not None
+    kernel = functools.partial(_kernel, pages_per_block=pages_per_block, scale=1.0 / math.sqrt(hd),
+                               windowed=windowed)
     interpret = _interpret()
     if interpret:  # the interpreter reads inputs whole per program (50x slower at 30 layers): one layer only
-        k_pages, v_pages, layer = k_pages[layer][None], v_pages[layer][None], 0
-    pages_spec = _layer_pages_spec(k_pages.shape, layer)
+        k_pages, v_pages, layer = k_pages[layer[0]][None], v_pages[layer[0]][None], jnp.zeros((1,), jnp.int32)
+    pages_spec = _kv_head_pages_spec(k_pages.shape)
+    window = [] if window is None else [window]
     out, lse = pl.pallas_call(
         kernel,
         grid=(b, g, splits),
@@ -304,7 +341,8 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
             pl.BlockSpec((None, None, m, hd), lambda i, j, s: (i, j, 0, 0)),  # q
             pl.BlockSpec((None, m), lambda i, j, s: (i, 0)),  # query positions
             *[pl.BlockSpec((None, w.shape[1], m), lambda i, j, s: (i, 0, 0)) for w in window],  # tree window
-            pl.BlockSpec((None, nb), lambda i, j, s: (i, 0)),  # block table row
+            pl.BlockSpec((None, block_table.shape[1]), lambda i, j, s: (i, 0)),  # block table row
+            pl.BlockSpec((1,), lambda i, j, s: (0,)),  # layer
             pages_spec,  # k pages of kv head j
             pages_spec,  # v pages of kv head j
         ],
@@ -315,20 +353,15 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
         interpret=interpret,
         compiler_params=_compiler_params(num_warps, num_stages),
         name="eagle3_paged_attention",
-    )(q_tiles, qpos, *window, block_table.astype(jnp.int32), k_pages, v_pages)
-    # With splits, one more launch: each split weighted by its share of the softmax mass -> [B, G, M, hd]
-    out = out[:, :, 0] if splits == 1 else combine_splits(out, lse, rows, q_tiles.dtype, num_stages)
-    # [B, G, M, hd] -> [B, T, G*R, hd]
-    return out[:, :, :rows].reshape(b, g, t, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
+    )(q_tiles, qpos, *window, block_table, layer, k_pages, v_pages)
+    # With splits, one more launch: each split weighted by its share of the softmax mass
+    return out[:, :, 0] if splits == 1 else _combine_splits(out, lse, rows, q_tiles.dtype, num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "dtype", "num_stages"))
-def combine_splits(out: jax.Array, lse: jax.Array, rows: int, dtype, num_stages: int) -> jax.Array:
+def _combine_splits(out: jax.Array, lse: jax.Array, rows: int, dtype, num_stages: int) -> jax.Array:
     """The splits' outputs out [B, G, S, M, hd] (f32) and log-sum-exps lse [B, G, S, M], each split
     weighted by its share of the softmax mass -> [B, G, M, hd] in `dtype`; rows: the tile's real
-    query rows (T*R: those past it are padding, never combined). Its own jit, unlike the attention
-    kernel (whose layer is in its block specs): the combine is the same at every layer, so a
-    program lowers its kernel once instead of once a layer."""
+    query rows (T*R: those past it are padding, never combined)."""
     b, g, splits, m, hd = out.shape
     # Over head-dim chunks too: (row, kv head) programs alone are too few to hide the loads.
     # Over query-row chunks too: one program walking every split of 64 or 128 rows took 8 us

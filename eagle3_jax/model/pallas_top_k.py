@@ -78,9 +78,12 @@ def _merge_kernel(values_ref, indices_ref, max_ref, sum_ref, out_values_ref, out
     lse_ref[...] = jnp.full((1,), shift + jnp.log(jnp.sum(part_sum * jnp.exp(part_max - shift))), jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames="k")
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., V] -> (values [..., k] f32, indices [..., k] i32, logsumexp(x) [...] f32): the k
-    largest entries of each row as lax.top_k gives them (module docstring), in two kernels."""
+    largest entries of each row as lax.top_k gives them (module docstring), in two kernels. Its
+    own jit: a tree's levels of one shape call one lowered pair of kernels (lowering is most of a
+    warm-up's host time)."""
     lead, vocab = x.shape[:-1], x.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"top_k: k = {k} outside 1..{vocab}, the row's length")
