@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import assets
-from eagle3_jax.config import EngineConfig, ModelConfig, TreeSpec
+from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig, TreeSpec, default_tree
 from eagle3_jax.engine.engine import Engine
 from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
 from eagle3_jax.parallel import sharding
@@ -80,23 +80,30 @@ class LLM:
     tree: draft EAGLE-2's dynamic tree TreeSpec(steps, top_k, tokens) (sets EngineConfig.tree):
         under speculation "auto" (the default) each batch bucket runs the tree, the chain of
         num_speculative_tokens or the target alone, whichever emits tokens fastest there; under
-        "always", the tree. None keeps engine_config's tree (none by default).
+        "always", the tree. None: no tree, the chain only. "auto" (the default): engine_config's
+        tree if it sets one, else on a GPU the default tree (6, 8, 31) beside the chain under
+        speculation "auto", and none on the CPU or under "always" (`config.default_tree`).
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
-                 tree: TreeSpec | None = None):
+                 tree: TreeSpec | str | None = "auto"):
         engine_config = engine_config or EngineConfig()
-        # K and the tree checked now, before anything loads.
+        if isinstance(tree, str) and tree != "auto":
+            raise ConfigError(f'tree must be a TreeSpec, "auto" or None, got {tree!r}')
+        # K and the tree checked now, before anything loads ("auto" resolved once the drafter is known).
         engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens,
-                                            tree=engine_config.tree if tree is None else tree)
+                                            tree=engine_config.tree if tree == "auto" else tree)
         enable_compilation_cache()
         if target is None:
             target = assets.prepare_default_target(progress=progress)
         target = Path(target)
         if draft == "default":
             draft = assets.DEFAULT_DRAFT if target.resolve() == assets.DEFAULT_TARGET.resolve() else None
+        if tree == "auto":
+            engine_config = dataclasses.replace(
+                engine_config, tree=default_tree(engine_config, draft is not None, jax.default_backend()))
         dtype = dtype or default_dtype()
         mesh = place = None
         if tensor_parallel_size > 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -96,6 +97,13 @@ def tree_spec(text: str) -> TreeSpec:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def tree_choice(text: str) -> TreeSpec | str | None:
+    """--tree: "auto" (LLM's default tree choice), "none" (no tree) or STEPS,TOPK,TOKENS."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return tree_spec(text)
+
+
 def temperature(text: str) -> float:
     value = _float(text)
     if value < 0:
@@ -157,11 +165,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "shipped drafter when the target is the default, else none)")
     p.add_argument("--num-draft", type=num_draft, default=3,
                    help=f"K, draft tokens per iteration, 0..{MAX_SPECULATIVE_TOKENS}")
-    p.add_argument("--tree", type=tree_spec, default=None, metavar="STEPS,TOPK,TOKENS",
+    p.add_argument("--tree", type=tree_choice, default="auto", metavar="STEPS,TOPK,TOKENS|auto|none",
                    help="draft EAGLE-2's dynamic tree: STEPS draft levels (the most proposals an iteration "
-                        "accepts), TOPK beams per level, TOKENS nodes the target verifies, e.g. 4,4,8; with "
+                        "accepts), TOPK beams per level, TOKENS nodes the target verifies, e.g. 6,8,31; with "
                         "--speculation auto each batch size runs the tree, the chain of --num-draft or the "
-                        "target alone, whichever is fastest there (default: the chain of --num-draft)")
+                        "target alone, whichever is fastest there. auto (default): the tree 6,8,31 on a GPU "
+                        "under --speculation auto, none on the CPU; none: the chain of --num-draft only")
     p.add_argument("--max-model-len", type=positive_int, default=2048,
                    help="longest prompt + reply a request may have, in tokens")
     p.add_argument("--speculation", choices=("auto", "always"), default="auto",
@@ -293,15 +302,20 @@ def check_drafter(args) -> None:
 
 
 def _llm(args, num_prompts: int = 1):
+    import jax
+
     from eagle3_jax.api import LLM
-    from eagle3_jax.config import EngineConfig, default_batch_buckets
+    from eagle3_jax.config import EngineConfig, default_batch_buckets, default_tree
 
     check_drafter(args)
     draft = None if args.draft == "none" else args.draft
     # By default powers of two from the engine's smallest default bucket (1, or 2 for a chain) up
     # to the batch: compile only what this run can use.
-    drafting = EngineConfig(num_speculative_tokens=args.num_draft if draft else 0, tree=args.tree if draft else None,
+    drafting = EngineConfig(num_speculative_tokens=args.num_draft if draft else 0,
+                            tree=None if args.tree == "auto" or not draft else args.tree,
                             speculation=args.speculation)
+    if args.tree == "auto":
+        drafting = dataclasses.replace(drafting, tree=default_tree(drafting, draft is not None, jax.default_backend()))
     start = default_batch_buckets(drafting.speculative_proposals)[0]
     top = max(start, 1 << (num_prompts - 1).bit_length())
     buckets = args.batch_buckets or tuple(2 ** i for i in range(start.bit_length() - 1, top.bit_length()))
@@ -310,7 +324,7 @@ def _llm(args, num_prompts: int = 1):
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
                        speculation=args.speculation, speculative_max_batch=args.speculative_max_batch)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
-               tree=args.tree)
+               tree=drafting.tree)
 
 
 def _sampling(args):

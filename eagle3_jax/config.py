@@ -597,3 +597,25 @@ class EngineConfig:
         per_iteration = max(MAX_SPECULATIVE_TOKENS + 1, self.tree.positions_per_iteration if self.tree else 0)
         pages = -(-(self.max_model_len + 2 * per_iteration) // self.page_size)
         return -(-pages // 4) * 4
+
+
+# The tree an engine on a GPU drafts beside its chain unless told otherwise (`default_tree`): the
+# fastest proposal at batch 1 on the H200, 1.20-1.34x the best chain end to end; at 8 rows the two
+# tie, at 64 the chain is the faster, and "auto" runs it there (BENCHMARKS.md, "Trees end to
+# end"). Its programs add about a third to a GPU engine's warm-up ("Start-up").
+DEFAULT_TREE = TreeSpec(6, 8, 31)
+
+
+def default_tree(engine_config: EngineConfig, drafting: bool, backend: str) -> TreeSpec | None:
+    """The tree an engine drafts when its user names none (`LLM(tree="auto")`, `generate --tree
+    auto`): engine_config's own tree if it has one; else DEFAULT_TREE where it can only help,
+    that is when a drafter is loaded with K > 0 under speculation "auto" (which runs the tree only
+    at the buckets where it is the fastest, measured) on an accelerator; else none. Not on the CPU
+    ("cpu" backend), which compiles each program on first use and where a tree's programs cost
+    the most to compile; not under "always" (the user asked for the chain of K everywhere); not
+    with a `step_costs` table (its entries name the engine's proposals, the tree not among them)."""
+    if engine_config.tree is not None:
+        return engine_config.tree
+    wanted = (drafting and engine_config.num_speculative_tokens > 0 and engine_config.speculation == "auto"
+              and engine_config.step_costs is None and backend != "cpu")
+    return DEFAULT_TREE if wanted else None

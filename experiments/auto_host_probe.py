@@ -48,7 +48,7 @@ def main() -> None:
     for name, speculation in (("A always", "always"), ("B auto", "auto"), ("C always", "always")):
         cfg = sized_engine_config(batches, a.num_draft, 1024, min_bucket=2, speculation=speculation)
         llm = LLM(target=a.target, draft=a.draft, num_speculative_tokens=a.num_draft, engine_config=cfg,
-                  warmup=False, progress=False)
+                  tree=None, warmup=False, progress=False)  # the chain alone, as the bench's chain modes
         llm.engine.runner.compile_ahead(*llm.engine.programs(greedy=True))
         llm.engine.warmup(progress=False, greedy=True)
         engines[name] = llm.engine

@@ -12,17 +12,13 @@ not its machine code. Both hold the GIL, so they are the part of a warm-up that 
 thread pool cannot overlap; it also counts the Triton kernels lowered by name, and the failed
 imports during lowering.
 
-Measured on the H200's host (`bench_h200.py --only 8b --step-model smollm2-135m --batches-8b 1,8
---num-draft 4`, before the changes below): 6 programs lowered in 31.6 s, one after another, and
-compiled in 16.0 s, all at once. Here (2-core CPU, jax 0.10.2, bf16; medians of three processes),
-trace + lowering for CUDA, before -> after: the chain of 4 at two rows 1.97 + 5.60 -> 1.07 + 2.22 s,
-the tree (6, 8, 31) at one row 2.89 + 7.83 -> 1.97 + 2.77 s, 2.3x less both. The two changes:
-the Triton dialect's module registered where MLIR's bindings look for it (`model/triton_dialect.py`;
-without it about 9,000 failed imports of it a chain program, and lowering 2.8-3.2 s against
-1.8-2.0 with it, the lowered module byte for byte the same), and the splits' combine kernel
-traced and lowered once a program instead of once a layer (`pallas_attention.combine_splits`).
-What is left: the RoPE + KV-write and attention kernels lower once a layer (their layer is in
-their block specs), 68 of a chain program's 75 Triton kernels. BENCHMARKS.md, "Start-up".
+Here (2-core CPU, jax 0.10.2, bf16; medians of three processes), trace + lowering for CUDA: the
+chain of 4 at two rows 1.97 + 5.60 s at first, 0.47 + 0.46 s now; the tree (6, 8, 31) at one row
+2.89 + 7.83 s, now 0.69 + 0.67 s. What changed: the Triton dialect's module registered where
+MLIR's bindings look for it (`model/triton_dialect.py`; without it about 9,000 failed imports of
+it a chain program), and the kernels' layer an operand rather than a constant of their block
+specs, their calls jitted, so that a program lowers each kernel once rather than once a layer
+(75 Triton kernels in a chain program, now 14). BENCHMARKS.md, "Start-up".
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
     engine_config = sized_engine_config(a.batches, k, a.max_model_len, a.prefill_buckets, min_bucket=1,
                                         speculation=speculation,
                                         attention=a.attention, prefill_batch_buckets=a.prefill_batch_buckets)
-    llm = LLM(target=a.target, draft=draft, num_speculative_tokens=k, engine_config=engine_config, warmup=False,
-              progress=False)
+    llm = LLM(target=a.target, draft=draft, num_speculative_tokens=k, engine_config=engine_config, tree=None,
+              warmup=False, progress=False)
     engine = llm.engine
     warmup_s = engine.warmup(progress=False, greedy=True)  # every request here is greedy
     log(f"{mode}: warm-up {warmup_s:.1f} s")

@@ -376,7 +376,33 @@ def test_cli_tree_flag():
 
     args = cli.build_parser().parse_args(["generate", "--tree", "3,2,5"])
     assert args.tree == TreeSpec(3, 2, 5)
-    assert cli.build_parser().parse_args(["generate"]).tree is None
+    assert cli.build_parser().parse_args(["generate"]).tree == "auto"
+    assert cli.build_parser().parse_args(["generate", "--tree", "none"]).tree is None
+
+
+def test_the_default_tree_joins_only_where_auto_can_choose_it():
+    from eagle3_jax.config import DEFAULT_TREE, default_tree
+
+    chain = EngineConfig(num_speculative_tokens=4)
+    assert default_tree(chain, drafting=True, backend="gpu") == DEFAULT_TREE == TreeSpec(6, 8, 31)
+    assert dataclasses.replace(chain, tree=DEFAULT_TREE).speculative_proposals == (DEFAULT_TREE, TreeSpec.chain(4))
+    # Not on the CPU, without a drafter or K, under "always", or with a cost table naming the chain alone.
+    assert default_tree(chain, drafting=True, backend="cpu") is None
+    assert default_tree(chain, drafting=False, backend="gpu") is None
+    assert default_tree(EngineConfig(num_speculative_tokens=0), drafting=True, backend="gpu") is None
+    assert default_tree(dataclasses.replace(chain, speculation="always"), drafting=True, backend="gpu") is None
+    costed = dataclasses.replace(chain, step_costs=((1, 1e-3, 1.1e-3),))
+    assert default_tree(costed, drafting=True, backend="gpu") is None
+    # A tree the config names is kept, on any backend.
+    named = dataclasses.replace(chain, tree=TreeSpec(3, 2, 5))
+    assert default_tree(named, drafting=True, backend="cpu") == TreeSpec(3, 2, 5)
+
+
+def test_llm_tree_argument_is_a_tree_auto_or_none(tmp_path):
+    from eagle3_jax.api import LLM
+
+    with pytest.raises(ConfigError, match=r"tree must be a TreeSpec, \"auto\" or None, got 'yes'"):
+        LLM(tmp_path / "missing", tree="yes", progress=False)
 
 
 @pytest.mark.parametrize("value, message", [

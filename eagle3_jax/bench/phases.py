@@ -193,8 +193,9 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets, opts.min_bucket, speculation,
                             opts.attention, opts.prefill_batch_buckets, opts.gemv, tree),
         fused_iteration=fused)
+    # tree given, never LLM's "auto": a chain mode under "auto" must not gain the GPU's default tree.
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
-              engine_config=engine_config, warmup=False, progress=False)
+              engine_config=engine_config, warmup=False, progress=False, tree=tree)
     engine = llm.engine
     # The fused programs on a thread pool, timed apart (Engine.warmup then loads them); it builds the per-step ones.
     # Greedy programs only: every request here is greedy (a sampling program compiling inside the
