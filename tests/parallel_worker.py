@@ -351,8 +351,10 @@ def run_engine() -> dict:
     random drafter, K=3) at ENGINE_TPS for both head layouts: tokens per tp; then the same
     engine with forced proposals (`forced_run`; at kvh 8 with target-only steps too); and at
     kvh 8 the collectives of the programs it ran (EAGLE-3 and target-only iterations; at tp 8
-    also the sampling iteration and the prefill)."""
-    from eagle3_jax.config import EngineConfig
+    also the sampling iteration and the prefill). Last, an engine drafting the tree (3, 2, 5)
+    (what a GPU engine drafts beside its chain by default, at another shape) at the same tps:
+    its tokens and the iterations that ran the tree."""
+    from eagle3_jax.config import EngineConfig, TreeSpec
     from eagle3_jax.engine.engine import Engine
 
     out = {}
@@ -379,6 +381,23 @@ def run_engine() -> dict:
         if hlo:
             out["hlo"] = hlo
     out["shapes"] = dict(B=4, K=3, D=64, V=256, layers=small_cfg(8).num_layers)
+    out["tree"] = {}
+    for kvh, tps in ENGINE_TPS.items():
+        cfg = small_cfg(kvh)
+        params = jax.tree.map(jnp.asarray, random_params(cfg))
+        dcfg = small_draft(cfg)
+        dparams = E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding=True)
+        engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
+                                  num_speculative_tokens=3, tree=TreeSpec(3, 2, 5), speculation="always",
+                                  page_size=PAGE, num_pages=64, max_model_len=64)
+        res = {}
+        for tp in tps:
+            engine = Engine(cfg, params, dcfg, dparams, engine_cfg, mesh=S.make_mesh(tp) if tp > 1 else None)
+            reqs = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
+            engine.run(reqs)
+            res[str(tp)] = dict(tokens=[r.output for r in reqs],
+                                tree_iterations=sum(engine.stats.proposal_iterations.get("tree 3,2,5", {}).values()))
+        out["tree"][f"kvh{kvh}"] = res
     return out
 
 

@@ -109,6 +109,18 @@ def test_speculative_engine_tokens_match_tp1(kvh):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kvh", [8, 2])
+def test_tree_engine_tokens_match_tp1(kvh):
+    """An engine drafting a tree serves under tensor parallelism (the XLA attention with the
+    tree's masks, its candidates and KV moves under the partitioner) with tp 1's greedy tokens."""
+    res = worker("engine")["tree"][f"kvh{kvh}"]
+    assert [len(t) for t in res["1"]["tokens"]] == [12, 12, 12]
+    for tp, r in res.items():
+        assert r["tree_iterations"] > 0, f"tp {tp}: the tree never ran"
+        assert r["tokens"] == res["1"]["tokens"], f"tp {tp}: the tree's greedy tokens differ from tp 1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kvh", [8, 2])
 def test_accepted_drafts_match_tp1(kvh):
     """The random drafter's own proposals are all rejected; with proposals forced to the greedy
     continuation (one wrong in turn), iterations accept 3, 2, 1 and 0 of them at every tp, emit
