@@ -12,6 +12,7 @@ prints one JSON object on its last stdout line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -355,50 +356,44 @@ def run_engine() -> dict:
     (what a GPU engine drafts beside its chain by default, at another shape) at the same tps:
     its tokens and the iterations that ran the tree."""
     from eagle3_jax.config import EngineConfig, TreeSpec
-    from eagle3_jax.engine.engine import Engine
 
-    out = {}
+    out = {"tree": {}}
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
+    engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
+                              num_speculative_tokens=3, page_size=PAGE, num_pages=64, max_model_len=64)
+    tree_cfg = dataclasses.replace(engine_cfg, tree=TreeSpec(3, 2, 5), speculation="always")
     for kvh, tps in ENGINE_TPS.items():
         cfg = small_cfg(kvh)
         params = jax.tree.map(jnp.asarray, random_params(cfg))
         dcfg = small_draft(cfg)
-        dparams = E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding=True)
-        engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
-                                  num_speculative_tokens=3, page_size=PAGE, num_pages=64, max_model_len=64)
-        res, hlo = {}, {}
+        models = (cfg, params, dcfg, E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding=True))
+        res, hlo, tree = {}, {}, {}
         for tp in tps:
-            engine = Engine(cfg, params, dcfg, dparams, engine_cfg, mesh=S.make_mesh(tp) if tp > 1 else None)
-            reqs = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
-            engine.run(reqs)
-            tokens = [r.output for r in reqs]
+            engine, tokens = _serve(models, engine_cfg, tp, prompts)
             ref = res["1"]["tokens"] if tp > 1 else tokens
             forced = forced_run(engine, prompts, ref, 3, target_only_every=3 if kvh == 8 else 0)
             res[str(tp)] = dict(tokens=tokens, forced=forced)
             if kvh == 8 and tp > 1:
                 hlo[str(tp)] = program_collectives(engine.runner, sampling_and_prefill=tp == 8)
-        out[f"kvh{kvh}"] = res
+            tree_engine, tree_tokens = _serve(models, tree_cfg, tp, prompts)
+            tree[str(tp)] = dict(tokens=tree_tokens, tree_iterations=sum(
+                tree_engine.stats.proposal_iterations.get(tree_cfg.tree.label, {}).values()))
+        out[f"kvh{kvh}"], out["tree"][f"kvh{kvh}"] = res, tree
         if hlo:
             out["hlo"] = hlo
     out["shapes"] = dict(B=4, K=3, D=64, V=256, layers=small_cfg(8).num_layers)
-    out["tree"] = {}
-    for kvh, tps in ENGINE_TPS.items():
-        cfg = small_cfg(kvh)
-        params = jax.tree.map(jnp.asarray, random_params(cfg))
-        dcfg = small_draft(cfg)
-        dparams = E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding=True)
-        engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
-                                  num_speculative_tokens=3, tree=TreeSpec(3, 2, 5), speculation="always",
-                                  page_size=PAGE, num_pages=64, max_model_len=64)
-        res = {}
-        for tp in tps:
-            engine = Engine(cfg, params, dcfg, dparams, engine_cfg, mesh=S.make_mesh(tp) if tp > 1 else None)
-            reqs = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
-            engine.run(reqs)
-            res[str(tp)] = dict(tokens=[r.output for r in reqs],
-                                tree_iterations=sum(engine.stats.proposal_iterations.get("tree 3,2,5", {}).values()))
-        out["tree"][f"kvh{kvh}"] = res
     return out
+
+
+def _serve(models: tuple, engine_cfg, tp: int, prompts: list[list[int]]):
+    """An engine of models (target config, params, draft config, params) at tp, its greedy
+    replies of 12 tokens to prompts -> (engine, tokens per prompt)."""
+    from eagle3_jax.engine.engine import Engine
+
+    engine = Engine(*models, engine_cfg, mesh=S.make_mesh(tp) if tp > 1 else None)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
+    engine.run(reqs)
+    return engine, [r.output for r in reqs]
 
 
 def program_collectives(runner, sampling_and_prefill: bool) -> dict:
