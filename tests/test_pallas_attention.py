@@ -191,7 +191,7 @@ def _lower_layers_for_cuda(monkeypatch, num_layers: int) -> str:
 
 def test_lowering_finds_the_triton_dialect_module(monkeypatch):
     """Lowering the kernels to Triton asks MLIR's bindings for the Triton dialect's module under
-    their search prefix; without `triton_dialect.register` (run when a Pallas module is imported)
+    their search prefix; without `triton_dialect.register` (run when `eagle3_jax.model` is imported)
     every value built searched sys.path for it again, about 22,000 failed imports a SmolLM2
     program, half its lowering time."""
     import importlib.abc

@@ -41,10 +41,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from eagle3_jax.model import triton_dialect
-
-triton_dialect.register()  # before any kernel lowers: halves the lowering time (triton_dialect.py)
-
 # T*R per (row, kv head) tile; larger steps use the XLA form. 128: a tree verify of 32 tokens
 # (96 rows for SmolLM2's R = 3, 128 for the 8B's R = 4).
 MAX_QUERY_ROWS = 128

@@ -20,10 +20,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from eagle3_jax.model import triton_dialect
-
-triton_dialect.register()  # before any kernel lowers: halves the lowering time (triton_dialect.py)
-
 
 def _kernel(*refs, has_delta: bool, has_weight: bool, eps: float, lanes: int):
     # refs: x [D], (delta [D]), (weight [D]), then outputs sum [D], normed [D]: one row each.

@@ -27,10 +27,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from eagle3_jax.model import triton_dialect
-
-triton_dialect.register()  # before any kernel lowers: halves the lowering time (triton_dialect.py)
-
 CHUNK = 2048  # entries a stage-1 program reads: 8 programs a row of SmolLM2's 16,384-token draft vocabulary
 _NO_INDEX = jnp.iinfo(jnp.int32).max  # past every real index: a slot with no candidate left
 
