@@ -339,6 +339,7 @@ MAX_SPECULATIVE_TOKENS = 16
 SPECULATION_MODES = ("auto", "always")  # EngineConfig.speculation
 ATTENTION_KINDS = ("auto", "xla", "pallas")  # EngineConfig.attention
 GEMV_KINDS = ("xla", "mosaic")  # EngineConfig.gemv
+GEMM_KINDS = ("auto", "triton", "cublas")  # EngineConfig.gemm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,6 +494,17 @@ class EngineConfig:
         (BENCHMARKS.md, "Tried and rejected"), so it is not the default: it is the start of
         projections that take in the kernels around them. Prefills and larger steps use XLA's dots
         either way.
+    gemm: how XLA builds the matrix products of a fused iteration program on a GPU. "triton": its
+        Triton GEMM fusions (XLA's default), which at SmolLM2's width split K and add a reduction
+        kernel after each projection, three a layer. "cublas": cuBLAS's GEMMs (the program compiled
+        with xla_gpu_enable_triton_gemm off). "auto": cuBLAS for a program whose verify holds
+        `steps.CUBLAS_MIN_ROWS` to `steps.CUBLAS_MAX_ROWS` rows (bucket x tokens verified a row) of a
+        target no wider than `steps.CUBLAS_MAX_HIDDEN`, Triton elsewhere. On the H200, SmolLM2's
+        (576 wide) iterations and verifies of 64 to 512 rows ran up to 17% faster on cuBLAS, those
+        of fewer up to 28% slower and those of 2,048 up to 20% slower; Llama-3.1-8B's (4096) moved
+        within 3.5% either way at 64 to 512 rows and lost up to 31% below (BENCHMARKS.md, "GEMMs:
+        Triton or cuBLAS"); widths between are unmeasured. Prefills and the per-step path
+        (fused_iteration False) compile as XLA does by default; other backends ignore the option.
     freeze_heap: after warm-up, collect Python's garbage once and freeze the heap (`gc.freeze`,
         engine.freeze_heap), so that no full pass of the cyclic collector over the loaded
         engine's objects stalls serving. False leaves the collector alone (a test suite
@@ -513,6 +525,7 @@ class EngineConfig:
     max_model_len: int = 2048
     attention: str = "auto"
     gemv: str = "xla"
+    gemm: str = "auto"
     freeze_heap: bool = True
 
     def __post_init__(self):
@@ -522,6 +535,8 @@ class EngineConfig:
                               f"{self.attention!r}")
         if self.gemv not in GEMV_KINDS:
             raise ConfigError(f"{where}: gemv must be one of {', '.join(GEMV_KINDS)}, got {self.gemv!r}")
+        if self.gemm not in GEMM_KINDS:
+            raise ConfigError(f"{where}: gemm must be one of {', '.join(GEMM_KINDS)}, got {self.gemm!r}")
         for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
             buckets = getattr(self, name)
             if name == "batch_buckets" and buckets is None:  # the engine's default, by what it drafts

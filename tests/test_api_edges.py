@@ -87,3 +87,33 @@ def test_invalid_num_speculative_tokens_fails_before_loading(tmp_path, k):
     # The target does not exist: reaching the loader would raise FileNotFoundError instead.
     with pytest.raises(ConfigError, match=f"num_speculative_tokens must be in 0..16, got {k}"):
         LLM(target=tmp_path / "nowhere", num_speculative_tokens=k)
+
+
+def test_gemm_setting_is_checked_and_auto_takes_cublas_only_for_wide_verifies_of_a_narrow_target():
+    """EngineConfig.gemm: a bad value fails by name; "auto" compiles an iteration with cuBLAS's GEMMs
+    from 64 verify rows (bucket x tokens verified a row) of a target at most 2048 wide, where XLA's
+    Triton GEMMs split K into an extra reduction kernel per projection (BENCHMARKS.md, "GEMMs: Triton
+    or cuBLAS"); "triton" and "cublas" hold at every bucket."""
+    from eagle3_jax.config import TreeSpec
+    from eagle3_jax.presets import llama31_8b, smollm2_135m
+    from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step, iteration_gemm
+
+    with pytest.raises(ConfigError, match="gemm must be one of auto, triton, cublas, got 'cutlass'"):
+        EngineConfig(gemm="cutlass")
+    assert EngineConfig().gemm == "auto"
+    (small, small_draft), (wide, wide_draft) = smollm2_135m(), llama31_8b()
+
+    def gemm(target, draft, rows, k=4, tree=None, setting="auto"):
+        cfg = StepConfig(target=target, draft=draft, num_draft=tree.steps if tree else k, tree=tree, gemm=setting)
+        return iteration_gemm(cfg, rows)
+
+    tree = TreeSpec(6, 8, 31)  # 32 tokens verified a row
+    assert [gemm(small, small_draft, b, tree=tree) for b in (1, 2, 8)] == ["triton", "cublas", "cublas"]
+    assert [gemm(small, small_draft, b) for b in (8, 16, 64)] == ["triton", "cublas", "cublas"]  # 5 a row
+    assert [gemm(small, None, b, k=0) for b in (32, 64)] == ["triton", "cublas"]  # the target alone: 1 a row
+    assert {gemm(wide, wide_draft, b, tree=tree) for b in (1, 8, 64)} == {"triton"}  # 4096 wide
+    assert {gemm(wide, wide_draft, b, setting="cublas") for b in (1, 64)} == {"cublas"}
+    assert {gemm(small, small_draft, b, tree=tree, setting="triton") for b in (1, 64)} == {"triton"}
+    cfg = StepConfig(target=small, draft=small_draft, num_draft=6, tree=tree, gemm="auto")
+    assert iterate_in_place_step(cfg, 1) is not iterate_in_place_step(cfg, 2)  # two compilations of one function
+    assert iterate_in_place_step(cfg, 2) is iterate_in_place_step(cfg, 8)

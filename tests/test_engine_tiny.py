@@ -225,3 +225,19 @@ def test_warmup_compiles_ahead_on_a_thread_pool_only_with_the_persistent_cache(t
     engine.runner.compile_ahead(iterations, prefills)
     engine.runner.compile_ahead(iterations, engine.programs(greedy=False)[1])
     assert asked == [0, len(prefills)]  # nothing again; the sampling prefills, new
+
+
+def test_cublas_gemms_serve_every_bucket_without_compiling_after_warmup(tiny_models, alone):
+    """EngineConfig(gemm="cublas"): every iteration program is the one jitted with cuBLAS's GEMMs
+    (a compiler option: on the CPU it changes nothing), warm-up builds those very programs, so
+    serving compiles nothing more, and the replies are the target alone's."""
+    from eagle3_jax.runner.steps import iteration_gemm
+
+    llm = make(tiny_models, warmup=True, gemm="cublas")
+    engine = llm.engine
+    assert {iteration_gemm(engine.iterate_config(b), b) for b in (2, 8)} == {"cublas"}
+    compiled = engine.num_compilations
+    outputs = llm.generate(PROMPTS, greedy(16))
+    assert engine.num_compilations == compiled, "an iteration compiled after warm-up"
+    assert [o.token_ids for o in outputs] == [ref[:16] for ref in alone]
+

@@ -53,16 +53,16 @@ def sized_engine_config(batches: Sequence[int], k: int, max_model_len: int,
                         prefill_buckets: Sequence[int] = (128, 512), min_bucket: int | None = None,
                         speculation: str = "always", attention: str = "auto",
                         prefill_batch_buckets: Sequence[int] | None = None, gemv: str = "xla",
-                        tree: TreeSpec | None = None) -> EngineConfig:
+                        tree: TreeSpec | None = None, gemm: str = "auto") -> EngineConfig:
     """Buckets = the batch sizes, none below `min_bucket` (a smaller batch runs padded to it;
     None: the smallest of the engine's default buckets for this mode, `default_batch_buckets`);
     a KV pool of exactly one full-length row per slot. "always": an EAGLE-3 row measures
     speculation at every batch size. `prefill_batch_buckets` None keeps the engine's default;
-    `tree`: EngineConfig.tree; k = 0 without a tree: the target alone."""
+    `tree`: EngineConfig.tree; k = 0 without a tree: the target alone; `gemm`: EngineConfig.gemm."""
     cfg = EngineConfig(prefill_buckets=tuple(prefill_buckets), num_speculative_tokens=k,
                        max_model_len=max_model_len, speculation=speculation, attention=attention, gemv=gemv,
                        prefill_batch_buckets=tuple(prefill_batch_buckets or EngineConfig.prefill_batch_buckets),
-                       tree=tree)
+                       tree=tree, gemm=gemm)
     if min_bucket is None:
         min_bucket = default_batch_buckets(cfg.speculative_proposals)[0]
     cfg = dataclasses.replace(cfg, batch_buckets=tuple(sorted({max(b, min_bucket) for b in batches})))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from eagle3_jax import assets
 from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHASES
 from eagle3_jax.cli import tree_spec
-from eagle3_jax.config import ATTENTION_KINDS, GEMV_KINDS, TreeSpec
+from eagle3_jax.config import ATTENTION_KINDS, GEMM_KINDS, GEMV_KINDS, TreeSpec
 
 # XLA's all-reduce implementations on GPUs, as XLA_FLAGS set before jax starts its backend
 # (`collectives.use_allreduce`). "default": NCCL. "one-shot": XLA's own kernel for small all-reduces,
@@ -60,6 +60,8 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                    help="paged attention of decode/verify/draft steps (EngineConfig.attention)")
     p.add_argument("--gemv", choices=GEMV_KINDS, default="xla",
                    help="weight projections of steps with few rows (EngineConfig.gemv)")
+    p.add_argument("--gemm", choices=GEMM_KINDS, default="auto",
+                   help="XLA's GEMMs in fused iterations on a GPU: Triton or cuBLAS (EngineConfig.gemm)")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
                    help="weights and KV cache (default: bf16 on accelerators, f32 on the CPU)")
     g = p.add_argument_group("smollm2 phase: the engine end to end")
@@ -161,6 +163,7 @@ class Options:
     parallel_compile: bool
     attention: str = "auto"
     gemv: str = "xla"
+    gemm: str = "auto"
     tp_check_hidden: int = 512
     tp_check_layers: int = 4
     tp_check_vocab: int = 8192
@@ -226,6 +229,7 @@ class Options:
             parallel_compile=a.parallel_compile,
             attention=a.attention,
             gemv=a.gemv,
+            gemm=a.gemm,
             tp_check_hidden=a.tp_check_hidden,
             tp_check_layers=a.tp_check_layers,
             tp_check_vocab=a.tp_check_vocab,

@@ -57,7 +57,15 @@ from eagle3_jax.runner.runner import (
     time_calls,
 )
 from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
-from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step
+from eagle3_jax.runner.steps import (
+    CUBLAS_MAX_HIDDEN,
+    CUBLAS_MIN_ROWS,
+    StepConfig,
+    gemm_for,
+    iterate_in_place_step,
+    iteration_gemm,
+    jit_per_gemm,
+)
 from eagle3_jax.sampling_params import SamplingParams
 
 
@@ -191,7 +199,7 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
 
     engine_config = dataclasses.replace(
         sized_engine_config(opts.batches, k, opts.max_model_len, opts.prefill_buckets, opts.min_bucket, speculation,
-                            opts.attention, opts.prefill_batch_buckets, opts.gemv, tree),
+                            opts.attention, opts.prefill_batch_buckets, opts.gemv, tree, opts.gemm),
         fused_iteration=fused)
     # tree given, never LLM's "auto": a chain mode under "auto" must not gain the GPU's default tree.
     llm = LLM(target=opts.target, draft=draft_dir, num_speculative_tokens=k, dtype=opts.dtype,
@@ -307,7 +315,7 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
             "dtype": jnp.dtype(opts.dtype).name,
             "compile": "parallel precompile, then Engine.warmup" if opts.parallel_compile else "Engine.warmup",
             "paged attention": attention_kind(EngineConfig(attention=opts.attention), None),
-            "few-row projections": opts.gemv}
+            "few-row projections": opts.gemv, "GEMMs": opts.gemm}
     return results, info
 
 
@@ -323,8 +331,8 @@ def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, 
     return kv, jnp.argmax(logits, axis=-1)
 
 
-verify_only = jax.jit(_verify_only, static_argnames=("cfg", "mesh", "attention", "gemv"),
-                      donate_argnames="kv")
+# Compiled as an iteration of the same rows would be (EngineConfig.gemm).
+verify_only = jit_per_gemm(_verify_only, static_argnames=("cfg", "mesh", "attention", "gemv"), donate_argnames="kv")
 
 
 def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
@@ -386,12 +394,13 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
         tokens, positions, tables = jax.device_put((tokens, positions, tables), placement)
 
         kw = {"cfg": scfg.target, "mesh": scfg.mesh, "attention": scfg.attention, "gemv": scfg.gemv}
+        verify = verify_only[gemm_for(scfg.gemm, scfg.target, tokens.size)]
 
         def job(state):
-            return verify_only, (params, state.target_kv, tokens, positions, tables), kw
+            return verify, (params, state.target_kv, tokens, positions, tables), kw
 
         def call(state):
-            kv, out = verify_only(params, state.target_kv, tokens, positions, tables, **kw)
+            kv, out = verify(params, state.target_kv, tokens, positions, tables, **kw)
             return state.replace(target_kv=kv), out
 
         return call, job
@@ -399,7 +408,7 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
     pinned = PinnedBatch(scfg.mesh)
 
     def job(state):
-        return iterate_in_place_step, (params, dparams, state, rows, tables), {"cfg": scfg}
+        return iterate_in_place_step(scfg, len(rows)), (params, dparams, state, rows, tables), {"cfg": scfg}
 
     def call(state):
         state, n = iterate_pinned(params, dparams, state, pinned, rows, tables, scfg)
@@ -419,7 +428,7 @@ def phase_8b(
     itemsize = jnp.dtype(dtype).itemsize
     own = own_embedding(target, draft)
     ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, min_bucket=1, attention=opts.attention,
-                               gemv=opts.gemv)  # the step functions at exactly these batch sizes
+                               gemv=opts.gemv, gemm=opts.gemm)  # the step functions at exactly these batch sizes
     # A round's calls each emit up to the most proposals + 1; the last writes its whole footprint.
     most = max([k] + [spec.steps for spec in opts.trees]) + 1
     footprint = max([k + 1] + [spec.positions_per_iteration for spec in opts.trees])
@@ -452,10 +461,11 @@ def phase_8b(
                            tokens=spec.verify_width)]
     kinds = list(dict.fromkeys(kinds))  # a tree's verify width may equal the chain's
     # Greedy programs: what a batch of greedy requests runs (StepConfig.greedy).
-    attention, gemv = attention_kind(ecfg, mesh), gemv_kind(ecfg, mesh)
+    attention, gemv, gemm = attention_kind(ecfg, mesh), gemv_kind(ecfg, mesh), ecfg.gemm
     notes.append(
         f"8b: paged attention {attention} (--attention {opts.attention}); few-row projections {gemv} "
-        f"(--gemv {opts.gemv})"
+        f"(--gemv {opts.gemv}); GEMMs {gemm} (--gemm {opts.gemm}: under auto, cuBLAS where a call verifies "
+        f"at least {CUBLAS_MIN_ROWS} rows of a target at most {CUBLAS_MAX_HIDDEN} wide)"
     )
     scfgs = {
         kind: StepConfig(
@@ -466,6 +476,7 @@ def phase_8b(
             greedy=True,
             attention=attention,
             gemv=gemv,
+            gemm=gemm,
             tree=kind.tree,
         )
         for kind in kinds
@@ -562,6 +573,8 @@ def phase_8b(
                 "bound": cost.bound(ceilings),
                 "gb": cost.bytes / 1e9,
                 "tflop": cost.flops / 1e12,
+                "gemm": (gemm_for(gemm, target, b * (kind.tokens or k + 1)) if kind.verify_only
+                         else iteration_gemm(scfg, b)),
             }
             if mesh is not None:
                 values.update(

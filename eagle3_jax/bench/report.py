@@ -52,6 +52,7 @@ STEP_COLUMNS = [
     Column("pct_of_floor", "% of floor", "{:.0f}%"),
     Column("bound", "floor set by"),
     Column("gb", "GB (floor)", "{:.1f}"),
+    Column("gemm", "GEMMs"),
     Column("device_busy_ms", "busy ms (profiler)", "{:.2f}"),
     Column("tok_s_assumed", "tok/s at ASSUMED L", "{:.0f}"),
     Column("speedup_assumed", "speedup at ASSUMED L", "{:.2f}x"),

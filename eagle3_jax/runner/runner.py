@@ -222,7 +222,7 @@ def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch
     """One fused iteration with every buffer at a stable address: -> (state, verdicts [B, 2 + K+1]),
     without waiting. The state is donated."""
     slots, tables = pinned.get(slots, tables)
-    state = iterate_in_place_step(params, draft_params, state, slots, tables, cfg=cfg)
+    state = iterate_in_place_step(cfg, len(slots))(params, draft_params, state, slots, tables, cfg=cfg)
     return state, pinned.read_verdicts(state, slots)
 
 
@@ -268,7 +268,7 @@ class ModelRunner:
         main = self.proposals[0] if self.proposals else Chain(0)
         self.step_cfg = StepConfig(target=target, draft=draft if self.proposals else None,
                                    num_draft=main.num_draft_steps, mesh=mesh, attention=attention_kind(cfg, mesh),
-                                   gemv=gemv_kind(cfg, mesh), model=model,
+                                   gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm, model=model,
                                    tree=main.spec if isinstance(main, Tree) else None,
                                    measure_chain=(any(isinstance(p, Tree) for p in self.proposals)
                                                   and any(isinstance(p, Chain) for p in self.proposals)))
@@ -364,7 +364,7 @@ class ModelRunner:
         """The fused iteration and prefill programs as (function, args, kwargs) to lower and compile
         elsewhere (on a thread pool, say); jitted calls with the same shapes then find them built."""
         p, dp, st = self._params, self._draft_params, self._state
-        jobs = [(iterate_in_place_step, (p, dp, st, *self.padding_rows(b)), {"cfg": c}) for b, c in iterations]
+        jobs = [(iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)), {"cfg": c}) for b, c in iterations]
         jobs += [(prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
                   {"cfg": self.config(self.speculator, greedy)}) for rows, size, greedy in prefills]
         return jobs
@@ -408,8 +408,8 @@ class ModelRunner:
         """The fused iteration program at `bucket`, traced (`.lower()` for its HLO, for any platform)
         on padding rows passed as serving passes rows (`PinnedBatch`): the program an iteration
         runs, so `.lower().compile()` finds it built once one ran."""
-        return iterate_in_place_step.trace(self._params, self._draft_params, self._state,
-                                           *self._pinned.get(*self.padding_rows(bucket)), cfg=cfg)
+        return iterate_in_place_step(cfg, bucket).trace(self._params, self._draft_params, self._state,
+                                                        *self._pinned.get(*self.padding_rows(bucket)), cfg=cfg)
 
     def trace_prefill(self, rows: int, size: int, cfg: StepConfig):
         """The prefill program of `rows` x `size` tokens under `cfg`, traced."""

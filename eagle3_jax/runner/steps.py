@@ -61,6 +61,9 @@ class StepConfig:
     greedy: bool = False
     attention: str = "xla"  # paged attention of these steps: "xla" or "pallas" (EngineConfig.attention)
     gemv: str = "xla"  # few-row weight projections: "xla" or "mosaic" (EngineConfig.gemv)
+    # The fused iteration's GEMMs: "triton", "cublas" or "auto", per bucket (EngineConfig.gemm,
+    # `iteration_gemm`).
+    gemm: str = "triton"
     model: TargetModel = LLAMA3  # the target's functions
     # A dynamic tree drafted instead of the chain (never a chain TreeSpec: the runner serves those
     # as Chain); num_draft is then its steps, or 0 in the target-only program.
@@ -318,12 +321,44 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg)
 
 
+# The fused iteration's GEMMs (EngineConfig.gemm). "auto" takes cuBLAS from this many verify rows
+# (bucket x tokens verified a row) for a target at most this wide; XLA's Triton GEMMs elsewhere.
+CUBLAS_MIN_ROWS, CUBLAS_MAX_ROWS = 64, 512
+CUBLAS_MAX_HIDDEN = 2048
+_GEMM_OPTIONS = {"triton": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}  # compiler options
+
+
+def gemm_for(setting: str, target: ModelConfig, verify_rows: int) -> str:
+    """EngineConfig.gemm for one program of `verify_rows` rows verified: "triton" or "cublas"."""
+    if setting != "auto":
+        return setting
+    wide = CUBLAS_MIN_ROWS <= verify_rows <= CUBLAS_MAX_ROWS
+    return "cublas" if wide and target.hidden_size <= CUBLAS_MAX_HIDDEN else "triton"
+
+
+def iteration_gemm(cfg: StepConfig, rows: int) -> str:
+    """The GEMMs of `cfg`'s fused iteration over `rows` rows (a bucket)."""
+    return gemm_for(cfg.gemm, cfg.target, rows * cfg.speculator.verify_width)
+
+
+def jit_per_gemm(fun, **jit_kwargs) -> dict:
+    """`fun` jitted once per GEMM backend, {"triton": ..., "cublas": ...}: XLA takes the choice as a
+    compiler option, fixed per jitted function."""
+    return {gemm: jax.jit(fun, compiler_options=options, **jit_kwargs) for gemm, options in _GEMM_OPTIONS.items()}
+
+
 # One executable per input shape (batch bucket, chunk bucket) and StepConfig; state donated.
 prefill_step = jax.jit(prefill, static_argnames="cfg", donate_argnames="state")
-iterate_in_place_step = jax.jit(iterate_in_place, static_argnames="cfg", donate_argnames="state")
+_iterate_in_place = jit_per_gemm(iterate_in_place, static_argnames="cfg", donate_argnames="state")
 read_verdicts_step = jax.jit(read_verdicts, donate_argnames="buffer", keep_unused=True)
 read_first_token_step = jax.jit(read_first_token, donate_argnames="buffer", keep_unused=True)
 # The per-step path: the same iteration as K + 1 programs, the runner threading the carry.
 iterate_head_step = jax.jit(iterate_head, static_argnames="cfg", donate_argnames="state")
 chain_step_jit = jax.jit(chain_step, static_argnames=("j", "cfg"), donate_argnames=("state", "carry"))
 commit_step = jax.jit(commit_proposals, static_argnames="cfg", donate_argnames="state")
+
+
+def iterate_in_place_step(cfg: StepConfig, rows: int):
+    """The jitted fused iteration of `cfg` over `rows` rows, compiled with its GEMMs (`iteration_gemm`):
+    call it as iterate_in_place(params, draft_params, state, slots, tables, cfg=cfg)."""
+    return _iterate_in_place[iteration_gemm(cfg, rows)]
