@@ -91,9 +91,9 @@ def test_invalid_num_speculative_tokens_fails_before_loading(tmp_path, k):
 
 def test_gemm_setting_is_checked_and_auto_takes_cublas_only_for_wide_verifies_of_a_narrow_target():
     """EngineConfig.gemm: a bad value fails by name; "auto" compiles an iteration with cuBLAS's GEMMs
-    from 64 verify rows (bucket x tokens verified a row) of a target at most 2048 wide, where XLA's
-    Triton GEMMs split K into an extra reduction kernel per projection (BENCHMARKS.md, "GEMMs: Triton
-    or cuBLAS"); "triton" and "cublas" hold at every bucket."""
+    at 64 to 512 verify rows (bucket x tokens verified a row) of a target at most 2048 wide, where
+    XLA's Triton GEMMs split K into an extra reduction kernel per projection (BENCHMARKS.md, "GEMMs:
+    Triton or cuBLAS"); "triton" and "cublas" hold at every bucket."""
     from eagle3_jax.config import TreeSpec
     from eagle3_jax.presets import llama31_8b, smollm2_135m
     from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step, iteration_gemm
@@ -108,11 +108,11 @@ def test_gemm_setting_is_checked_and_auto_takes_cublas_only_for_wide_verifies_of
         return iteration_gemm(cfg, rows)
 
     tree = TreeSpec(6, 8, 31)  # 32 tokens verified a row
-    assert [gemm(small, small_draft, b, tree=tree) for b in (1, 2, 8)] == ["triton", "cublas", "cublas"]
+    assert [gemm(small, small_draft, b, tree=tree) for b in (1, 2, 16, 32)] == ["triton", "cublas", "cublas", "triton"]
     assert [gemm(small, small_draft, b) for b in (8, 16, 64)] == ["triton", "cublas", "cublas"]  # 5 a row
     assert [gemm(small, None, b, k=0) for b in (32, 64)] == ["triton", "cublas"]  # the target alone: 1 a row
     assert {gemm(wide, wide_draft, b, tree=tree) for b in (1, 8, 64)} == {"triton"}  # 4096 wide
-    assert {gemm(wide, wide_draft, b, setting="cublas") for b in (1, 64)} == {"cublas"}
+    assert {gemm(wide, wide_draft, b, setting="cublas") for b in (1, 64)} == {"cublas"}  # 2,048 rows too
     assert {gemm(small, small_draft, b, tree=tree, setting="triton") for b in (1, 64)} == {"triton"}
     cfg = StepConfig(target=small, draft=small_draft, num_draft=6, tree=tree, gemm="auto")
     assert iterate_in_place_step(cfg, 1) is not iterate_in_place_step(cfg, 2)  # two compilations of one function

@@ -86,9 +86,13 @@ def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(tiny_models, 
     """ "auto" with bucket 8's cost injected (speculation 10x dearer: never pays) and bucket 2's
     timed in warm-up, then replaced by one where speculation is cheaper than the target alone:
     bucket 8 runs target-only, bucket 2 speculates, the rows move between them as requests finish,
-    nothing compiles after warm-up and every output equals the target alone."""
+    nothing compiles after warm-up and every output equals the target alone. The steps' served
+    times are left out (`time_served`): the CPU's would decide instead of the table."""
+    import dataclasses
+
     llm = make(tiny_models, warmup=True, speculation="auto", step_costs=((8, 0.010, 0.100), (16, 1.0, 1.0)))
     engine = llm.engine
+    engine.policy = dataclasses.replace(engine.policy, time_served=False)
     compiled = engine.num_compilations
     assert set(engine.step_costs) == {2, 8}  # 16 is no bucket: ignored
     assert engine.step_costs[8] == BucketCost(0.010, 0.100)  # injected, not timed
@@ -241,3 +245,22 @@ def test_cublas_gemms_serve_every_bucket_without_compiling_after_warmup(tiny_mod
     assert engine.num_compilations == compiled, "an iteration compiled after warm-up"
     assert [o.token_ids for o in outputs] == [ref[:16] for ref in alone]
 
+
+def test_auto_replaces_warmup_costs_by_served_step_times_but_not_injected_ones(tiny_models, alone):
+    """Under "auto" a step running the same bucket and choice as the step before, neither with a
+    prefill, is timed; the policy then takes that served time for the choice in place of warm-up's
+    cost (policy.py, "The costs"), and never for a bucket whose costs the user injected."""
+    llm = make(tiny_models, warmup=True, speculation="auto", step_costs=((8, 0.010, 0.100),))
+    engine = llm.engine
+    warm = engine.step_costs[2]
+    outputs = llm.generate(PROMPTS[:2], greedy(40))  # one bucket-2 batch, many steady steps
+    assert [o.token_ids for o in outputs] == [ref[:40] for ref in alone[:2]]
+    served = engine.served[2]
+    assert set(engine.served) == {2} and served  # bucket 8 (injected) never timed
+    assert all(t.samples >= 1 and 0 < t.mean < 5.0 for t in served.values())
+    cost = engine.bucket_cost(2)
+    expect_t0 = served[None].mean if None in served else warm.target_only_s
+    expect_spec = served[0].mean if 0 in served else warm.speculative_s[0]
+    assert (cost.target_only_s, cost.speculative_s) == (expect_t0, (expect_spec,))
+    assert engine.bucket_cost(8) == BucketCost(0.010, 0.100)
+    assert engine.speculation_table()[0].cost == cost

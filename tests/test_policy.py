@@ -13,10 +13,13 @@ from eagle3_jax.engine.policy import (
     AcceptanceEstimate,
     BucketChoice,
     BucketCost,
+    ServedTime,
     SpeculationPolicy,
     choose,
     format_table,
     observe,
+    observe_time,
+    served_cost,
 )
 
 # Binary-exact seconds, so ties are ties: break-even L = 0.375 / 0.25 = 1.5.
@@ -281,3 +284,28 @@ def test_a_tree_that_fell_behind_on_hard_requests_is_chosen_again():
     old = dataclasses.replace(policy, probe_rows=1, stale_weight=10**9)
     stuck, _ = _serve(costs, acceptance, end, old, estimates)
     assert stuck[hard.stop + 512:].count(1) > 0.95 * (end - hard.stop - 512)
+
+
+def test_served_time_is_a_running_mean_then_a_moving_average():
+    policy = SpeculationPolicy(served_window=4)
+    t = None
+    for seconds in (1.0, 2.0, 3.0):
+        t = observe_time(t, seconds, policy)
+    assert (t.mean, t.samples) == (pytest.approx(2.0), 3)
+    t = observe_time(t, 6.0, policy)  # the 4th: still the mean of all
+    assert t.mean == pytest.approx(3.0)
+    t = observe_time(t, 7.0, policy)  # past the window: weight 1/4
+    assert (t.mean, t.samples) == (pytest.approx(4.0), 5)
+
+
+def test_served_cost_replaces_only_the_choices_served():
+    warm = BucketCost(target_only_s=0.010, speculative_s=(0.020, 0.013))
+    assert served_cost(warm, {}) == warm
+    assert served_cost(warm, {1: ServedTime(0.015, 3)}) == BucketCost(0.010, (0.020, 0.015))
+    assert served_cost(warm, {None: ServedTime(0.012), 0: ServedTime(0.016)}) == BucketCost(0.012, (0.016, 0.013))
+    # The served times can turn the choice: the tree (L 4) at 20 ms loses to the chain (L 2.7) at
+    # 13 ms by warm-up's costs, and wins once serving found it at 16 ms and the chain at 15.
+    estimates = [AcceptanceEstimate(mean=4.0, rows=100), AcceptanceEstimate(mean=2.7, rows=100)]
+    policy = SpeculationPolicy()
+    assert choose(warm, estimates, [7, 5], policy) == 1
+    assert choose(served_cost(warm, {0: ServedTime(0.016), 1: ServedTime(0.015)}), estimates, [7, 5], policy) == 0

@@ -10,8 +10,8 @@ is discarded (its pages reserve room for it).
 
 Speculation per bucket: with `EngineConfig.speculation == "auto"` each iteration runs the target
 alone or one of the drafter's proposals (the tree, the chain) by engine/policy.py's rule, from the
-step costs timed in warm-up and each proposal's acceptance length measured from the iterations
-collected here.
+step costs timed in warm-up, replaced by the steps' own times as serving runs each choice, and
+each proposal's acceptance length measured from the iterations collected here.
 """
 
 from __future__ import annotations
@@ -123,7 +123,12 @@ class Engine:
         self.step_costs: dict[int, policy.BucketCost] = {
             int(c[0]): policy.BucketCost(c[1], tuple(c[2:])) for c in cfg.step_costs or ()
             if c[0] in cfg.batch_buckets and self.proposals}
+        self._injected = frozenset(self.step_costs)  # the user's costs: serving does not replace them
         self._drafted = np.full(cfg.max_num_seqs + 1, -1)  # [S] proposal index, or -1
+        # Per bucket, each choice's served time (proposal index, None the target alone), and the
+        # (bucket, choice) of the last step's iteration when that step ran no prefill.
+        self.served: dict[int, dict[int | None, policy.ServedTime]] = {}
+        self._last_steady: tuple[int, int | None] | None = None
 
     @property
     def step_cfg(self) -> StepConfig:
@@ -164,15 +169,27 @@ class Engine:
         admitted = self.scheduler.admit()
         if admitted:
             self._run_prefills(admitted)
-        if self.scheduler.running:
-            self._run_iteration(*self.scheduler.batch())
+        ran = self._run_iteration(*self.scheduler.batch()) if self.scheduler.running else None
         # With new work queued, read only what was dispatched before it (the overlap); with none,
         # drain everything so the loop can end.
         ready = earlier if self.overlap and len(self._pending) > earlier else len(self._pending)
         changed = [req for _ in range(ready) for req in self._postprocess(self._pending.popleft())]
         self.stats.steps += 1
-        self.stats.host_s += time.perf_counter() - start - (self.stats.device_wait_s - waited)
+        took = time.perf_counter() - start
+        self.stats.host_s += took - (self.stats.device_wait_s - waited)
+        self._time_step(None if admitted else ran, took)
         return changed
+
+    def _time_step(self, ran: tuple[int, int | None] | None, seconds: float) -> None:
+        """A step that ran the iteration `ran` (bucket, choice) and no prefill, after a step that
+        ran the same, took `seconds`: in the overlapped loop that is one period of the choice's
+        iterations as served, host work included (policy.py, "The costs")."""
+        timed = self.policy.time_served and self.cfg.speculation == "auto"
+        if ran is not None and ran == self._last_steady and timed and ran[0] not in self._injected:
+            bucket, choice = ran
+            times = self.served.setdefault(bucket, {})
+            times[choice] = policy.observe_time(times.get(choice), seconds, self.policy)
+        self._last_steady = ran
 
     def _run_prefills(self, reqs: list[Request]) -> None:
         """Prefill the requests admitted in this step. A prompt longer than the largest chunk
@@ -229,7 +246,8 @@ class Engine:
         self.stats.dispatch_s += time.perf_counter() - t
         self.stats.prefill_calls += 1
 
-    def _run_iteration(self, reqs: list[Request], slots: np.ndarray, tables: np.ndarray) -> None:
+    def _run_iteration(self, reqs: list[Request], slots: np.ndarray, tables: np.ndarray) -> tuple[int, int | None]:
+        """Dispatch one iteration of the running requests: -> (its bucket, its choice)."""
         bucket = len(slots)
         choice = self.choice(bucket)
         cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs))
@@ -247,6 +265,7 @@ class Engine:
         by_bucket = self.stats.proposal_iterations.setdefault(self._label(choice), {})
         by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
         self._pending.append(_Pending(reqs, verdicts, True, choice, fresh))
+        return bucket, choice
 
     def _postprocess(self, pending: _Pending) -> list[Request]:
         """Read one dispatched program's results and apply them to its requests."""
@@ -341,8 +360,14 @@ class Engine:
             return None
         if self.cfg.speculation == "always":
             return 0
-        return policy.choose(self.step_costs.get(bucket), self.acceptance,
+        return policy.choose(self.bucket_cost(bucket), self.acceptance,
                              [p.num_draft_steps + 1 for p in self.proposals], self.policy)
+
+    def bucket_cost(self, bucket: int) -> policy.BucketCost | None:
+        """The bucket's cost as the policy takes it: warm-up's (or injected), each choice's replaced
+        by its served time once serving has timed it (`policy.served_cost`)."""
+        cost = self.step_costs.get(bucket)
+        return policy.served_cost(cost, self.served[bucket]) if cost is not None and bucket in self.served else cost
 
     def _config(self, choice: int | None, greedy: bool) -> StepConfig:
         return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy)
@@ -359,7 +384,7 @@ class Engine:
 
     def speculation_table(self) -> tuple[policy.BucketChoice, ...]:
         """Every bucket's cost and current choice (`policy_report` prints it)."""
-        return tuple(policy.BucketChoice(b, self.step_costs.get(b), self._label(self.choice(b)))
+        return tuple(policy.BucketChoice(b, self.bucket_cost(b), self._label(self.choice(b)))
                      for b in self.cfg.batch_buckets)
 
     def policy_report(self) -> str:

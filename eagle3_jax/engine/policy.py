@@ -12,6 +12,17 @@ of cost, each becoming the choice when
 
 With one proposal this is "speculate when L / t[b] > (1 + margin) / t0[b]".
 
+The costs. Warm-up times each iteration alone, back to back at context 0 with greedy rows. Serving
+adds the engine's host work per step, which the device hides only where its iteration is the longer:
+on the H200 at 8 rows SmolLM2's chain of 4 took 1.13 ms alone and 1.24 ms a step in serving (the
+host the limit), the tree (6, 8, 31) 1.59 and 1.54 (the device the limit), so warm-up's costs made
+the chain look 1.41x cheaper where serving found it 1.24x, and "auto" ran the chain where the tree
+was 1.23x faster (BENCHMARKS.md, "GEMMs: Triton or cuBLAS"). So the engine also times its steps:
+a step that runs the same choice as the step before, neither with a prefill, is one sample of that
+choice's served time at the bucket (`ServedTime`), and once a choice has one, it replaces warm-up's
+cost of that choice (`served_cost`). A choice that has not run at a bucket keeps warm-up's cost
+until a probe runs it. Costs a user injected (EngineConfig.step_costs) are kept as given.
+
 t_i[b] / t0[b] is proposal i's break-even acceptance length at the bucket. It grows with the batch
 (a step stops being memory-bound, so verifying more tokens per row stops being nearly free), and
 faster for a wide tree than for a chain, while L_i is a property of the drafter, the proposal and
@@ -69,7 +80,7 @@ Everything here is pure: frozen dataclasses in, values out; the engine owns the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +117,8 @@ class SpeculationPolicy:
     probe_every: int = 256  # collected iterations without a measurement before probing
     probe_rows: int = 16  # fresh row-iterations a probe measures before the choice is made again
     stale_weight: int = 32  # row-iterations an estimate unmeasured for probe_every iterations counts as
+    served_window: int = 32  # steady steps a served time's moving average spans (`ServedTime`)
+    time_served: bool = True  # False: the costs stay warm-up's (a test's fixed table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +162,31 @@ def observe(est: AcceptanceEstimate, num_accepted: Sequence[int], measured: Sequ
     for i, length in enumerate(lengths):
         mean += (length - mean) / min(policy.prior_weight + weight + i + 1, policy.window)
     return AcceptanceEstimate(mean=mean, rows=est.rows + len(lengths), weight=weight + len(lengths), probing=probing)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedTime:
+    """Seconds a step of one choice at one bucket took in serving (module docstring, "The costs"):
+    a running mean of the first `served_window` samples, then a moving average. Frozen, as
+    AcceptanceEstimate."""
+
+    mean: float
+    samples: int = 1
+
+
+def observe_time(est: ServedTime | None, seconds: float, policy: SpeculationPolicy) -> ServedTime:
+    """One more steady step of `seconds` (None: the first)."""
+    if est is None:
+        return ServedTime(seconds)
+    n = est.samples + 1
+    return ServedTime(est.mean + (seconds - est.mean) / min(n, policy.served_window), n)
+
+
+def served_cost(cost: BucketCost, served: Mapping[int | None, ServedTime]) -> BucketCost:
+    """The bucket's cost as the decision takes it: each choice's served time where serving has timed
+    it (served[i] proposal i's, served[None] the target alone's), else warm-up's."""
+    return BucketCost(served[None].mean if None in served else cost.target_only_s,
+                      tuple(served[i].mean if i in served else t for i, t in enumerate(cost.speculative_s)))
 
 
 def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], longest: Sequence[int],
