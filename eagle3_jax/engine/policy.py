@@ -13,15 +13,15 @@ of cost, each becoming the choice when
 With one proposal this is "speculate when L / t[b] > (1 + margin) / t0[b]".
 
 The costs. Warm-up times each iteration alone, back to back at context 0 with greedy rows. Serving
-adds the engine's host work per step, which the device hides only where its iteration is the longer:
-on the H200 at 8 rows SmolLM2's chain of 4 took 1.13 ms alone and 1.24 ms a step in serving (the
-host the limit), the tree (6, 8, 31) 1.59 and 1.54 (the device the limit), so warm-up's costs made
-the chain look 1.41x cheaper where serving found it 1.24x, and "auto" ran the chain where the tree
-was 1.23x faster (BENCHMARKS.md, "GEMMs: Triton or cuBLAS"). So the engine also times its steps:
-a step that runs the same choice as the step before, neither with a prefill, is one sample of that
-choice's served time at the bucket (`ServedTime`), and once a choice has one, it replaces warm-up's
-cost of that choice (`served_cost`). A choice that has not run at a bucket keeps warm-up's cost
-until a probe runs it. Costs a user injected (EngineConfig.step_costs) are kept as given.
+adds the engine's host work per step, which the device hides only where its iteration is the longer.
+On the H200 at 8 rows, in one run, warm-up timed SmolLM2's tree (6, 8, 31) at 1.98 ms and its chain
+of 4 at 1.31, where serving's steps took 1.54 and 1.24 (the chain's iteration is shorter than the
+host's step, the tree's is not), and "auto" ran the chain where the tree was 1.23x faster
+(BENCHMARKS.md, "Trees end to end"). So the engine also times its steps: a step that runs the same
+choice as the step before, neither with a prefill, is one sample of that choice's served time at
+the bucket (`ServedTime`), and once a choice has one, it replaces warm-up's cost of that choice
+(`served_cost`). A choice that has not run at a bucket keeps warm-up's cost until a probe runs it.
+Costs a user injected (EngineConfig.step_costs) are kept as given.
 
 t_i[b] / t0[b] is proposal i's break-even acceptance length at the bucket. It grows with the batch
 (a step stops being memory-bound, so verifying more tokens per row stops being nearly free), and
@@ -36,10 +36,10 @@ The margin (default 5%) keeps the choice on the cheaper side near break-even: th
 measured medians at context 0, the estimates lag the traffic, and every switch costs one
 iteration whose proposals are stale or the other speculator's (see `steps.iterate_head`), so a
 near-tie is not worth flipping for. Between proposals it matters most where a wide tree nears the
-chain: on the H200 at 8 rows the tree (6, 8, 31) and the chain of 4 tie (2.01 against 1.98 tokens a
-row per millisecond of wall time): with no margin between proposals "auto" ran the tree there at
-0.91x the chain end to end; with the margin, still the tree (its estimates, noisy near the tie, put
-it 8% ahead), at 0.98x (BENCHMARKS.md, "Trees end to end", runs (h) and (i)).
+chain: on the H200 at 8 rows, before the cuBLAS GEMMs made the tree the faster there, the tree
+(6, 8, 31) and the chain of 4 tied (2.01 against 1.98 tokens a row per millisecond of wall time):
+with no margin between proposals "auto" ran the tree at 0.91x the chain end to end; with the
+margin, at 0.97-0.98x the faster (BENCHMARKS.md, "Trees end to end").
 
 The estimate. Tokens emitted per row-iteration of a proposal, averaged: it starts at the prior
 steps+1 (the most optimistic value), so before anything is measured every proposal that could pay
@@ -70,7 +70,7 @@ left unmeasured that long describes older traffic than the choice's, so when its
 measured again it first counts as only `stale_weight` row-iterations: a probe's rows then move it
 a good part of the way, as they must. Without that, a proposal whose estimate fell behind on a
 stretch of hard requests stayed behind: a probe's few rows, each weighing 1/window, barely moved
-it, and an engine whose tree paid ran the chain (BENCHMARKS.md, "Trees end to end"). The cost is
+it, and an engine whose tree paid ran the chain (tests/test_policy.py simulates it). The cost is
 bounded by the probe's iterations (probe_rows / rows per iteration, plus the stale one) in every
 `probe_every`.
 
