@@ -59,6 +59,7 @@ from eagle3_jax.runner.runner import (
 from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
 from eagle3_jax.runner.steps import (
     CUBLAS_MAX_HIDDEN,
+    CUBLAS_MAX_ROWS,
     CUBLAS_MIN_ROWS,
     StepConfig,
     gemm_for,
@@ -382,6 +383,12 @@ class StepKind:  # hashable: keys the phase's programs
     tokens: int | None = None  # a verify's tokens per row (None: K + 1)
 
 
+def step_gemm(kind: StepKind, scfg: StepConfig, batch: int, new_tokens: int) -> str:
+    """The GEMMs a step of `kind` at `batch` rows compiles with (EngineConfig.gemm): a verify alone
+    as an iteration verifying the same rows would."""
+    return gemm_for(scfg.gemm, scfg.target, batch * new_tokens) if kind.verify_only else iteration_gemm(scfg, batch)
+
+
 def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarray, tables: np.ndarray,
               new_tokens: int, context: int) -> tuple[Callable, Callable[[DeviceState], Job]]:
     """(state -> (state, out)) for one kind of step at one batch, and its precompile job."""
@@ -394,7 +401,7 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
         tokens, positions, tables = jax.device_put((tokens, positions, tables), placement)
 
         kw = {"cfg": scfg.target, "mesh": scfg.mesh, "attention": scfg.attention, "gemv": scfg.gemv}
-        verify = verify_only[gemm_for(scfg.gemm, scfg.target, tokens.size)]
+        verify = verify_only[step_gemm(kind, scfg, len(rows), new_tokens)]
 
         def job(state):
             return verify, (params, state.target_kv, tokens, positions, tables), kw
@@ -465,7 +472,7 @@ def phase_8b(
     notes.append(
         f"8b: paged attention {attention} (--attention {opts.attention}); few-row projections {gemv} "
         f"(--gemv {opts.gemv}); GEMMs {gemm} (--gemm {opts.gemm}: under auto, cuBLAS where a call verifies "
-        f"at least {CUBLAS_MIN_ROWS} rows of a target at most {CUBLAS_MAX_HIDDEN} wide)"
+        f"{CUBLAS_MIN_ROWS} to {CUBLAS_MAX_ROWS} rows of a target at most {CUBLAS_MAX_HIDDEN} wide)"
     )
     scfgs = {
         kind: StepConfig(
@@ -573,8 +580,7 @@ def phase_8b(
                 "bound": cost.bound(ceilings),
                 "gb": cost.bytes / 1e9,
                 "tflop": cost.flops / 1e12,
-                "gemm": (gemm_for(gemm, target, b * (kind.tokens or k + 1)) if kind.verify_only
-                         else iteration_gemm(scfg, b)),
+                "gemm": step_gemm(kind, scfg, b, kind.tokens or k + 1),
             }
             if mesh is not None:
                 values.update(
