@@ -114,7 +114,7 @@ def test_observe_counts_only_measured_rows():
     est = observe(AcceptanceEstimate.prior(3), [0, 3, 2], [True, False, False], policy)
     assert est.mean == pytest.approx((4 + 1) / 2)
     assert est.rows == 1
-    with pytest.raises(ValueError, match="shorter"):
+    with pytest.raises(ValueError, match="one flag per row"):
         observe(est, [0, 1], [True], policy)  # one flag per row
 
 
