@@ -13,7 +13,7 @@ Method as experiments/gemv_probe.py's: each timed program runs LAYERS dependent 
 on its own copy of the weight, divided by LAYERS; rows 1 as the engine runs it, "1 padded to 2",
 and 2 and 4 real rows for reference.
 
-Measured on the H200 (jax 0.11.2, 2026-12-04), us per projection, one row against one row padded
+Measured on the H200 (jax 0.11.2), us per projection, one row against one row padded
 to two: the drafter's lm_head 14.09 / 10.72, its qkv 11.39 / 8.25, the target's down 7.48 / 5.69,
 its lm_head in this layout 75.48 / 18.97 (the engine's is the embedding, [V, H], and runs as a
 GEMM at one row: 16.9 us in the decode's profile); but the target's qkv 9.36 / 12.34, o 9.54 /
