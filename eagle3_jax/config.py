@@ -615,7 +615,7 @@ class EngineConfig:
 
 
 # The tree an engine on a GPU drafts beside its chain unless told otherwise (`default_tree`): the
-# fastest proposal at batch 1 on the H200, 1.20-1.34x the best chain end to end, and 1.10x at 8
+# fastest proposal at batch 1 on the H200, 1.20-1.43x the best chain end to end, and 1.21x at 8
 # rows; at 64 the chain is the faster, and "auto" runs it there (BENCHMARKS.md, "Trees end to
 # end"). Its programs add about a third to a GPU engine's warm-up ("Start-up").
 DEFAULT_TREE = TreeSpec(6, 8, 31)
