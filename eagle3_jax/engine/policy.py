@@ -157,8 +157,9 @@ def observe(est: AcceptanceEstimate, num_accepted: Sequence[int], measured: Sequ
     num_accepted, measured = np.asarray(num_accepted), np.asarray(measured, bool)
     if num_accepted.shape != measured.shape:
         raise ValueError(f"{measured.size} measured flags for {num_accepted.size} rows: one flag per row")
-    lengths = (num_accepted[measured] + 1).tolist()  # [m] Python ints: a loop over numpy scalars
-    if not lengths:                                   # took 70 us of the host's step at 64 rows
+    # [m] as Python ints: a loop over numpy scalars took 70 us of the host's step at 64 rows.
+    lengths = (num_accepted[measured] + 1).tolist()
+    if not lengths:
         return dataclasses.replace(est, unmeasured=est.unmeasured + 1)
     m = len(lengths)
     weight, probing = est.weight, max(est.probing - m, 0)
@@ -168,7 +169,7 @@ def observe(est: AcceptanceEstimate, num_accepted: Sequence[int], measured: Sequ
     # window: a running mean of the first r rows (one sum), then steps of 1/window.
     n = policy.prior_weight + weight  # row-iterations the mean stands for before these rows
     r = min(max(policy.window - 1 - n, 0), m)
-    mean = (est.mean * n + sum(lengths[:r])) / (n + r)
+    mean = (est.mean * n + sum(lengths[:r])) / (n + r) if r else est.mean
     for length in lengths[r:]:
         mean += (length - mean) / policy.window
     return AcceptanceEstimate(mean=mean, rows=est.rows + m, weight=weight + m, probing=probing)
