@@ -146,6 +146,25 @@ def test_observe_becomes_a_moving_average_past_the_window():
     assert est.rows == 203
 
 
+def test_observe_of_many_rows_equals_one_row_at_a_time():
+    """A batch of rows moves the estimate as the same rows one iteration each, also when the batch
+    crosses from the running mean into the window's moving average."""
+    policy = SpeculationPolicy(prior_weight=2, window=8)
+    rows = [1, 1, 1, 0, 3, 1, 2, 2, 0, 3]
+    together = observe(AcceptanceEstimate.prior(3), rows, [True] * len(rows), policy)
+    one_by_one = AcceptanceEstimate.prior(3)
+    for accepted in rows:
+        one_by_one = observe(one_by_one, [accepted], [True], policy)
+    assert together.mean == pytest.approx(one_by_one.mean)
+    assert (together.rows, together.weight) == (one_by_one.rows, one_by_one.weight) == (10, 10)
+    # Rows 0..4 (n = 3..7) are a running mean with the prior's 2: (2 x 4 + 2 + 2 + 2 + 1 + 4) / 7;
+    # from row 5 n reaches the window, and each row moves the mean by an eighth of its error.
+    expected = 19 / 7
+    for accepted in rows[5:]:
+        expected += (accepted + 1 - expected) / 8
+    assert together.mean == pytest.approx(expected)
+
+
 def test_speculate_measured_bucket_follows_the_policy_margin():
     est = AcceptanceEstimate(mean=1.55, rows=100)
     assert not speculate(COST, est, 3, SpeculationPolicy(margin=0.05))  # 1.55 < 1.05 x 1.5
