@@ -19,11 +19,10 @@ three repetitions, wall seconds for 64 prompts: batch 8 A 1.212, B 1.243, C 1.27
 0.337, B 0.333, C 0.335 (host ms per step 1.26 / 1.19 / 1.33 and 2.04 / 1.93 / 1.95). Verdict: the
 policy is not the cause; two engines with the same settings differ by as much as auto and always do.
 
-The same with the tree (`--tree 6,8,31 --batches 8 --prompts 32`; A and C
-serve the tree always, B "auto" with the chain of K beside it): wall seconds for 32 prompts, A
-0.568, B 0.583, C 0.584 (host ms per step 1.394 / 1.458 / 1.361); B ran the tree in every
-iteration but two of the chain in its first repetition. B again sits between the two engines
-that serve the tree always.
+The same with the tree (`--tree 6,8,31 --batches 8 --prompts 32`; A and C serve the tree always,
+B "auto" with the chain of K beside it): wall seconds for 32 prompts, A 0.568, B 0.583, C 0.584
+(host ms per step 1.394 / 1.458 / 1.361); B ran the tree in every iteration but two of the chain
+in its first repetition. B again sits between the two engines that serve the tree always.
 """
 
 from __future__ import annotations
