@@ -332,6 +332,27 @@ def test_chain_acceptance_proxy():
     assert O.TTT_STEPS == 6
 
 
+def test_chain_walk_counts_what_the_engine_counts():
+    # Prompt x_0..x_2, reply x_3..x_9: base t is valid while x_{t+2} is a reply token (t = 1..7).
+    valid = np.zeros((2, 12), bool)
+    valid[0, 1:8] = True
+    hits = np.zeros((3, 2, 12), bool)  # [S, B, T]
+    hits[0, 0, [2, 5, 6]] = True
+    hits[1, 0, [2, 3, 6]] = True
+    hits[2, 0, 2] = True
+    # The prefill gives x_3; iteration at base 2 accepts 2 of K=2 (x_4, x_5) and emits x_6; at
+    # base 5 accepts 1 (x_7), emits x_8; at base 7 accepts none, emits x_9; base 8 is past the
+    # reply. Step 1's hit at base 3 is never reached. Row 1 has no reply.
+    iterations, emitted, accepted_at = O.chain_walk(hits, valid, 2)
+    assert (iterations, emitted, accepted_at.tolist()) == (3, 6, [2, 1])
+    # K=3: base 2 accepts all three (x_4..x_6) and emits x_7; base 6 accepts x_8 and x_9 (the
+    # last token) and counts its bonus token too, as the engine counts before cutting at a stop.
+    iterations, emitted, accepted_at = O.chain_walk(hits, valid, 3)
+    assert (iterations, emitted, accepted_at.tolist()) == (2, 7, [2, 2, 1])
+    # The uniform proxy over every valid base reads higher than the walk (bases 2, 5, 6 hit at step 0).
+    assert float(O.chain_acceptance(jnp.asarray(hits[:2]), jnp.asarray(valid))[0]) == pytest.approx(3 / 7)
+
+
 def test_early_stopping_stops_at_the_right_evaluation():
     losses = [3.0, 2.5, 2.4, 2.41, 2.39, 2.45, 2.5, 2.6, 2.2]
 

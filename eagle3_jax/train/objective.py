@@ -39,7 +39,11 @@ Acceptance proxy (`chain_acceptance`): with every input teacher-forced, a greedy
 proposals from base t would accept its first j + 1 when steps 0..j all hit; accept_j is the
 share of bases (whose S predicted tokens are all assistant tokens) where they do, and
 1 + sum_{j<K} accept_j the chain's acceptance length. It ignores that a sampled row's tokens are
-not the target's argmax, so it tracks MT-bench's greedy acceptance rather than equals it.
+not the target's argmax, so it tracks MT-bench's greedy acceptance rather than equals it. It also
+counts every base alike, where the engine starts an iteration only where the last one stopped:
+after a miss, the token the draft missed. `chain_walk` walks the engine's iterations over the
+same hits; on a greedy reply it is the engine's own count (BENCHMARKS.md, "Where acceptance is
+lost": the uniform proxy reads about 0.3 above it at K = 4).
 """
 
 from __future__ import annotations
@@ -205,14 +209,15 @@ def ttt_hiddens(params: DraftParams, cfg: DraftConfig, embed: jax.Array, capture
 def ttt_loss(params: DraftParams, cfg: DraftConfig, embed: jax.Array, captures: jax.Array,
              tokens: jax.Array, loss_mask: jax.Array, p: jax.Array, in_vocab: jax.Array,
              num_steps: int = TTT_STEPS, step_weight: float = STEP_WEIGHT, draft_ids: jax.Array | None = None,
-             reach_top_k: int = 0) -> tuple[jax.Array, dict]:
+             reach_top_k: int = 0, per_position: bool = False) -> tuple[jax.Array, dict]:
     """The weighted TTT loss of one batch.
 
     Arguments as `ttt_hiddens`, plus loss_mask [B, T] (assistant tokens) and p [B, T, N],
     in_vocab [B, T] from `target_distribution`; with `reach_top_k` > 0, draft_ids [B, T] (each
     token's draft id, -1 outside the draft vocabulary; `draft_ids_of`): step j's loss counts only
     bases whose data tokens steps 0..j-1 proposed within their top `reach_top_k` (module docstring).
-    -> (scalar loss, {"loss_steps": [S], "acc_steps": [S], "accept_steps": [S] (`chain_acceptance`)}).
+    -> (scalar loss, {"loss_steps": [S], "acc_steps": [S], "accept_steps": [S] (`chain_acceptance`)}),
+    with `per_position` also "hits" [S, B, T] and "valid" [B, T] (step 0's denominator) for `chain_walk`.
     """
     if reach_top_k > 0 and draft_ids is None:
         raise ValueError("reach_top_k needs draft_ids")
@@ -233,7 +238,10 @@ def ttt_loss(params: DraftParams, cfg: DraftConfig, embed: jax.Array, captures: 
     losses, accs = jnp.stack(losses), jnp.stack(accs)
     accept = chain_acceptance(jnp.stack(hits), jnp.all(jnp.stack(denoms), axis=0))
     weights = jnp.asarray([step_weight ** j for j in range(num_steps)], jnp.float32)
-    return jnp.sum(weights * losses), {"loss_steps": losses, "acc_steps": accs, "accept_steps": accept}
+    aux = {"loss_steps": losses, "acc_steps": accs, "accept_steps": accept}
+    if per_position:
+        aux.update(hits=jnp.stack(hits), valid=denoms[0])
+    return jnp.sum(weights * losses), aux
 
 
 def draft_ids_of(tokens: jax.Array, used: jax.Array, vocab_size: int) -> jax.Array:
@@ -249,3 +257,35 @@ def chain_acceptance(hits: jax.Array, valid: jax.Array) -> jax.Array:
     of a chain's proposal j + 1 (its acceptance length at K proposals: 1 + the sum of the first K)."""
     run = jnp.cumprod(hits.astype(jnp.float32), axis=0)  # [S, B, T]: steps 0..j all hit
     return jnp.sum(run * valid, axis=(1, 2)) / jnp.maximum(jnp.sum(valid), 1)
+
+
+def chain_walk(hits: np.ndarray, valid: np.ndarray, k: int) -> tuple[int, int, np.ndarray]:
+    """The engine's greedy chain of k proposals, walked over teacher-forced hits (host numpy).
+
+    hits [S >= k, B, T] bool (`ttt_loss`: step j's argmax is the target's at base t, a reply
+    token there), valid [B, T] bool (base t's step 0 predicts a reply token: step 0's accuracy
+    denominator). Each row's first iteration is at the base after its first valid one (the
+    prefill gives the first reply token); an iteration at base t accepts the leading hits of
+    steps 0..k-1 there and emits them and the target's own token, so the next is at base
+    t + accepted + 1; the row ends at a base that is not valid (its last token was emitted). On a
+    greedy reply every draft's inputs are then the data's, as in the TTT, so this is what the
+    engine would count on it, short of an iteration running past a reply cut at max_tokens.
+    -> (iterations, emitted, accepted_at [k]): `RequestMetrics`' sums over the rows.
+    """
+    hits, valid = np.asarray(hits, bool), np.asarray(valid, bool)
+    b, t = valid.shape
+    accepted = np.cumprod(hits[:k], axis=0).sum(axis=0)  # [B, T] leading hits at each base
+    rows = np.arange(b)
+    base = np.argmax(valid, axis=1) + 1
+    alive = valid.any(axis=1)
+    iterations, emitted, accepted_at = 0, 0, np.zeros(k, np.int64)
+    while True:
+        at = np.minimum(base, t - 1)
+        alive &= (base < t) & valid[rows, at]
+        if not alive.any():
+            return iterations, emitted, accepted_at
+        a = accepted[rows, at][alive]
+        iterations += int(alive.sum())
+        emitted += int(a.sum()) + len(a)
+        accepted_at += (a[:, None] > np.arange(k)).sum(axis=0)
+        base = base + accepted[rows, at] + 1
