@@ -157,7 +157,8 @@ def run(a, argv: list[str], ap: argparse.ArgumentParser) -> int:
         e = record["eval"]
         print(f"HELD-OUT (step {e['step']}) top-1 accuracy per TTT step: "
               + " ".join(f"{x:.3f}" for x in e["acc_steps"])
-              + f"; chain acceptance proxy at K = {a.ttt_steps}: {e['accept_length']:.3f}")
+              + f"; chain acceptance at K = {a.ttt_steps}: proxy {e['accept_length']:.3f}, the engine's walk "
+              f"{e['walk_length']:.3f}")
     return 0
 
 

@@ -317,6 +317,44 @@ def test_ttt_equals_inference_chain(tiny):
             np.testing.assert_allclose(h[:, 0], hs[j][:, t], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_chain_walk_over_the_ttt_hits_counts_what_the_engine_counted(tiny_models):
+    """The engine's greedy replies (a chain of 3, f32), then the training's evaluation over the
+    same rows: `objective.chain_walk` of its hits gives each reply's iterations exactly, and its
+    accepted drafts short only by what the last iteration accepted past max_tokens."""
+    from eagle3_jax import LLM, SamplingParams
+    from eagle3_jax.config import EngineConfig
+    from eagle3_jax.weights.llama import load_llama
+
+    target_dir, drafters = tiny_models
+    k, max_tokens = 3, 40
+    llm = LLM(target_dir, drafters["shared"], num_speculative_tokens=k, warmup=False, progress=False,
+              engine_config=EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), max_model_len=64,
+                                         speculation="always", freeze_heap=False))
+    prompts = [[(5 * i + j) % 12 for j in range(3 + 4 * i)] for i in range(4)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    tcfg, target = load_llama(target_dir, dtype=jnp.float32)
+    dcfg, trainable, d2t = L.load_init_drafter(drafters["shared"], tcfg)
+    tcfg = tcfg.with_capture_layers(dcfg.capture_layer_ids) if dcfg.capture_layer_ids else tcfg
+    used = np.arange(len(d2t)) + d2t
+    t2d = np.zeros(tcfg.vocab_size, bool)
+    t2d[used] = True
+    vocab = {"used": jnp.asarray(used, jnp.int32), "t2d": jnp.asarray(t2d), "d2t": jnp.asarray(d2t, jnp.int32)}
+    evaluate = L.make_eval_step(tcfg, dcfg, L.HParams(steps=1, batch_size=4, seq_len=64, ttt_steps=k), jnp.float32)
+    rows = D.pad_examples([(np.asarray([*p, *o.token_ids], np.int32), np.arange(len(p) + max_tokens) >= len(p))
+                           for p, o in zip(prompts, outputs)], 64, 0)
+    m = jax.device_get(evaluate(trainable, target, vocab, {"tokens": rows.tokens, "loss_mask": rows.loss_mask}))
+    accepted_some = 0
+    for r, o in enumerate(outputs):
+        iterations, emitted, accepted_at = O.chain_walk(m["hits"][:, r:r + 1], m["valid"][r:r + 1], k)
+        assert iterations == o.metrics.iterations
+        assert 0 <= o.metrics.emitted - emitted <= k
+        assert all(0 <= a - b <= 1 for a, b in zip(o.metrics.accepted_at, accepted_at.tolist()))
+        accepted_some += int(accepted_at.sum())
+    assert accepted_some > 0  # the walk saw accepted drafts, not only misses
+
+
 def test_reach_mask_counts_only_what_inference_reaches(tiny):
     """With reach_top_k = k, step j's loss is the CE over the bases where every earlier step had
     the data's next token within its top k; accuracy stays over every base."""
@@ -507,6 +545,7 @@ def test_training_continues_from_a_drafter(tmp_path):
     assert rec["vocab"] == {"size": 64, "coverage": 0.0}
     assert [e["step"] for e in rec["evals"]] == [1, 2, 3] and rec["stopped_early"] and rec["eval"]["step"] == 1
     assert len({e["loss"] for e in rec["evals"]}) == 1 and len(rec["eval"]["accept_steps"]) == O.TTT_STEPS
+    assert rec["eval"]["walk_lengths"] == [1.0] * O.TTT_STEPS  # no reply token is a draft token: every draft missed
     before, after = load_file(drafter / "model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys()
     for name in before:

@@ -48,6 +48,7 @@ from eagle3_jax.train import regenerate
 from eagle3_jax.train.objective import (
     STEP_WEIGHT,
     TTT_STEPS,
+    chain_walk,
     draft_ids_of,
     target_distribution,
     target_pass,
@@ -207,7 +208,7 @@ def init_state(trainable: dict, hp: HParams) -> dict:
             "step": jnp.zeros((), jnp.int32)}
 
 
-def _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype):
+def _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype, per_position: bool = False):
     """The batch's TTT loss as a function of the trainable parameters (target pass done once)."""
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     captures, logits = target_pass(target_params, tcfg, tokens)
@@ -216,7 +217,8 @@ def _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype):
 
     def loss_fn(tr):
         return ttt_loss(draft_params(tr, vocab["d2t"], dtype), dcfg, target_params.embed, captures, tokens,
-                        loss_mask, p, in_vocab, hp.ttt_steps, hp.step_weight, draft_ids, hp.reach_top_k)
+                        loss_mask, p, in_vocab, hp.ttt_steps, hp.step_weight, draft_ids, hp.reach_top_k,
+                        per_position)
     return loss_fn
 
 
@@ -240,8 +242,10 @@ def make_train_step(tcfg: ModelConfig, dcfg: DraftConfig, hp: HParams, dtype):
 
 
 def make_eval_step(tcfg: ModelConfig, dcfg: DraftConfig, hp: HParams, dtype):
+    """-> jitted evaluate(trainable, target_params, vocab, batch) -> the loss, `ttt_loss`'s metrics
+    and its per-position hits and valid bases (for `objective.chain_walk`)."""
     def evaluate(trainable, target_params, vocab, batch):
-        loss, aux = _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype)(trainable)
+        loss, aux = _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype, per_position=True)(trainable)
         return {"loss": loss, **aux}
 
     return jax.jit(evaluate)
@@ -530,16 +534,25 @@ def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_che
 
 def evaluate(eval_step, trainable: dict, run: Run) -> dict:
     """Mean loss, per-step loss, accuracy and chain acceptance (`objective.chain_acceptance`) over
-    the held-out rows (full batches only); with "accept_length", the proxy's acceptance length of
-    a chain of hp.ttt_steps proposals. {} when no full batch is held out."""
-    out, b = [], run.hp.batch_size
+    the held-out rows (full batches only); "accept_length", the proxy's acceptance length of a
+    chain of hp.ttt_steps proposals; "walk_lengths", the acceptance length of chains of
+    K = 1..hp.ttt_steps walked as the engine runs them over the same hits (`objective.chain_walk`:
+    on greedy rows the engine's own figure, which the proxy overstates), and "walk_length" its
+    last. {} when no full batch is held out."""
+    out, b, k = [], run.hp.batch_size, run.hp.ttt_steps
+    walks = np.zeros((k, 2), np.int64)  # per K: iterations, emitted
     for lo in range(0, len(run.held.tokens) - b + 1, b):
         batch = {"tokens": run.held.tokens[lo:lo + b], "loss_mask": run.held.loss_mask[lo:lo + b]}
-        out.append(_host(eval_step(trainable, run.target, run.dev_vocab, jax.device_put(batch))))
+        m = jax.device_get(eval_step(trainable, run.target, run.dev_vocab, jax.device_put(batch)))
+        hits, valid = m.pop("hits"), m.pop("valid")
+        walks += [chain_walk(hits, valid, j + 1)[:2] for j in range(k)]
+        out.append(_host(m))
     if not out:
         return {}
-    mean = {k: np.mean([e[k] for e in out], axis=0).tolist() for k in out[0]}
-    return {**mean, "accept_length": acceptance_length(mean["accept_steps"])}
+    mean = {key: np.mean([e[key] for e in out], axis=0).tolist() for key in out[0]}
+    walk_lengths = (walks[:, 1] / np.maximum(walks[:, 0], 1)).tolist()
+    return {**mean, "accept_length": acceptance_length(mean["accept_steps"]), "walk_lengths": walk_lengths,
+            "walk_length": walk_lengths[-1]}
 
 
 def acceptance_length(accept_steps: Sequence[float], k: int | None = None) -> float:
@@ -547,7 +560,8 @@ def acceptance_length(accept_steps: Sequence[float], k: int | None = None) -> fl
     return 1.0 + float(sum(accept_steps[:k]))
 
 
-STOP_METRICS = {"loss": ("loss", "min"), "accept": ("accept_length", "max")}  # flag -> (evaluation key, better)
+# flag -> (evaluation key, better)
+STOP_METRICS = {"loss": ("loss", "min"), "accept": ("accept_length", "max"), "walk": ("walk_length", "max")}
 
 
 def best_evaluation(values: Sequence[float], mode: str, min_delta: float = 0.0) -> int:
@@ -671,6 +685,7 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
         log(f"held-out at step {evals[-1]['step']}: loss {e['loss']:.4f}, acc per step "
             + " ".join(f"{a:.3f}" for a in e["acc_steps"]) + ", chain acceptance proxy "
             + " ".join(f"{acceptance_length(e['accept_steps'], k):.2f}" for k in range(1, run.hp.ttt_steps + 1))
+            + ", the engine's walk " + " ".join(f"{x:.2f}" for x in e["walk_lengths"])
             + " (K = 1.." + str(run.hp.ttt_steps) + ")" + (" best" if best and patience else ""))
         if best and patience:
             export(st)
@@ -801,7 +816,8 @@ def add_evaluation_arguments(ap, ckpt_every: int, eval_rows: int) -> None:
                     help="stop after N evaluations in a row without improvement and write the best evaluated "
                     "drafter (default 0: run every step, write the last)")
     ap.add_argument("--early-stop-metric", choices=sorted(STOP_METRICS), default="loss",
-                    help="what --patience watches: the held-out loss, or the chain acceptance proxy (default loss)")
+                    help="what --patience watches: the held-out loss, the chain acceptance proxy (accept), or the "
+                         "chain walked as the engine runs it (walk; default loss)")
     ap.add_argument("--early-stop-min-delta", type=float, default=0.0,
                     help="an evaluation improves only when it beats the best by more than this")
 
