@@ -596,14 +596,14 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
 
     The held-out rows are evaluated at every checkpoint (`ckpt_every` steps) and at the end: loss,
-    per-step accuracy and the chain acceptance proxy (`evaluate`). With `patience` > 0 training
-    stops once that many evaluations in a row have not improved `stop_metric` ("loss", lower is
-    better, or "accept", the proxy's acceptance length, higher is better) by more than
-    `min_delta`, and the drafter written is the best evaluated one (written whenever one is
-    best); with 0 it runs every step and writes the last. `draft_vocab_size`: the draft
-    vocabulary's tokens (None: DRAFT_VOCAB_SIZE, or the `init` drafter's; fewer than that:
-    `narrow_vocab`). `intermediate_size`: the draft MLP's width (None: the target's layers', or
-    the `init` drafter's; wider than that: `widen_mlp`).
+    per-step accuracy, the chain acceptance proxy and the chain walked as the engine runs it
+    (`evaluate`). With `patience` > 0 training stops once that many evaluations in a row have not
+    improved `stop_metric` ("loss", lower is better; "accept", the proxy's acceptance length, or
+    "walk", the walk's, higher is better) by more than `min_delta`, and the drafter written is
+    the best evaluated one (written whenever one is best); with 0 it runs every step and writes
+    the last. `draft_vocab_size`: the draft vocabulary's tokens (None: DRAFT_VOCAB_SIZE, or the
+    `init` drafter's; fewer than that: `narrow_vocab`). `intermediate_size`: the draft MLP's
+    width (None: the target's layers', or the `init` drafter's; wider than that: `widen_mlp`).
 
     With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
     throw-away copy of the state after compiling), counted from this call's start and leaving
@@ -747,9 +747,9 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
             f"assistant tokens/s) on {throughput['device']}"
             + (f", peak memory {throughput['peak_memory_gib']:.1f} GiB" if throughput["peak_memory_gib"] else ""))
     if evaluation:
-        log("held-out: loss {:.3f}, acc per step {}, chain acceptance proxy {:.3f} at K = {}".format(
-            evaluation["loss"], " ".join(f"{a:.3f}" for a in evaluation["acc_steps"]), evaluation["accept_length"],
-            run.hp.ttt_steps))
+        log("held-out: loss {:.3f}, acc per step {}, chain acceptance at K = {}: proxy {:.3f}, the engine's "
+            "walk {:.3f}".format(evaluation["loss"], " ".join(f"{a:.3f}" for a in evaluation["acc_steps"]),
+                                 run.hp.ttt_steps, evaluation["accept_length"], evaluation["walk_length"]))
     log(f"drafter written to {out_dir}; log and plot in {log_dir}; total {rec['total_seconds']:.0f} s")
     return rec
 
