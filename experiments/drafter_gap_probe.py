@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3_jax import LLM, SamplingParams, assets
 from eagle3_jax.config import EngineConfig
-from eagle3_jax.model.eagle3 import draft_logits
 from eagle3_jax.train import data as D
 from eagle3_jax.train import loop
 from eagle3_jax.train import objective as O
@@ -126,23 +125,13 @@ def engine_acceptance(outputs, labels: list[str]) -> dict:
     return out
 
 
-def per_position(tcfg, dcfg, steps: int):
-    """-> jitted f(trainable, target, vocab, tokens [B, T], loss_mask [B, T]) -> (hits [S, B, T],
-    valid [B, T], confidence [B, T]): each TTT step's argmax hit at each base (`objective.ttt_loss`'s),
-    step 0's denominator, and the target's own top-1 probability of the token step 0 predicts."""
+def target_confidence(tcfg):
+    """-> jitted f(target, tokens [B, T]) -> [B, T]: the target's own top-1 probability of the token
+    step 0 predicts at each base (x_{t+2}, from its distribution at t + 1: `objective.step_targets`)."""
 
-    def f(trainable, target, vocab, tokens, loss_mask):
-        captures, logits = O.target_pass(target, tcfg, tokens)
-        p, in_vocab = O.target_distribution(logits, vocab["used"], vocab["t2d"])
-        params = loop.draft_params(trainable, vocab["d2t"], jnp.float32)
-        hits, valid = [], None
-        for j, h in enumerate(O.ttt_hiddens(params, dcfg, target.embed, captures, tokens, steps)):
-            _, step_p, counted, denom = O.step_targets(tokens, loss_mask, p, in_vocab, j)
-            hits.append((jnp.argmax(draft_logits(params, dcfg, h), -1) == jnp.argmax(step_p, -1)) & counted)
-            valid = denom if valid is None else valid
-        # Step 0 at base t predicts x_{t+2} from the target's distribution at t + 1 (objective.step_targets).
-        confidence = O.shift_left(jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1), 1)
-        return jnp.stack(hits), valid, confidence
+    def f(target, tokens):
+        _, logits = O.target_pass(target, tcfg, tokens)
+        return O.shift_left(jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1), 1)
 
     return jax.jit(f)
 
@@ -163,10 +152,10 @@ def teacher_forced(target_dir: str, draft_dir: str, sets: dict[str, list[tuple[n
     vocab = {"used": jnp.asarray(used, jnp.int32), "t2d": jnp.asarray(t2d), "d2t": jnp.asarray(d2t, jnp.int32)}
     hp = loop.HParams(steps=1, batch_size=batch, seq_len=ROW_BUCKETS[-1], ttt_steps=steps)
     evaluate = loop.make_eval_step(tcfg, dcfg, hp, jnp.float32)
-    positions = per_position(tcfg, dcfg, steps)
+    confidence_of = target_confidence(tcfg)
     out = {}
     for name, rows in sets.items():
-        out[name] = tf = _teacher_forced(evaluate, positions, trainable, target, vocab, rows, k, batch)
+        out[name] = tf = _teacher_forced(evaluate, confidence_of, trainable, target, vocab, rows, k, batch)
         bins = " ".join(f"{b['target_top1'][0]:.1f}+: {b['share']:.2f} at {b['draft_top1']:.3f}"
                         for b in tf["confidence_bins"])
         log(f"{name} teacher-forced: top-1 by step {' '.join(f'{x:.3f}' for x in tf['acc_steps'])}; every base "
@@ -177,7 +166,7 @@ def teacher_forced(target_dir: str, draft_dir: str, sets: dict[str, list[tuple[n
     return out
 
 
-def _teacher_forced(evaluate, positions, trainable, target, vocab, rows, k: int, batch: int) -> dict:
+def _teacher_forced(evaluate, confidence_of, trainable, target, vocab, rows, k: int, batch: int) -> dict:
     rows = sorted(rows, key=lambda r: len(r[0]))
     sums, weight = defaultdict(float), 0.0
     iterations, emitted, accepted_at = 0, 0, np.zeros(k)
@@ -194,8 +183,9 @@ def _teacher_forced(evaluate, positions, trainable, target, vocab, rows, k: int,
         for key in ("acc_steps", "accept_steps"):
             sums[key] = sums[key] + w * np.asarray(m[key])
         weight += w
-        hits, valid, conf = jax.device_get(positions(trainable, target, vocab, ex.tokens, ex.loss_mask))
+        hits, valid = m["hits"], m["valid"]
         n, e, at = O.chain_walk(hits, valid, k)
+        conf = jax.device_get(confidence_of(target, ex.tokens))
         iterations, emitted, accepted_at = iterations + n, emitted + e, accepted_at + at
         confidence.append(conf[valid])
         step0.append(hits[0][valid])
