@@ -43,7 +43,7 @@ not the target's argmax, so it tracks MT-bench's greedy acceptance rather than e
 counts every base alike, where the engine starts an iteration only where the last one stopped:
 after a miss, the token the draft missed. `chain_walk` walks the engine's iterations over the
 same hits; on a greedy reply it is the engine's own count (BENCHMARKS.md, "Where acceptance is
-lost": the uniform proxy reads about 0.3 above it at K = 4).
+lost": the uniform proxy reads 0.3-0.4 above it at K = 4).
 """
 
 from __future__ import annotations
