@@ -148,10 +148,7 @@ def teacher_forced(target_dir: str, draft_dir: str, sets: dict[str, list[tuple[n
     dcfg, trainable, d2t = loop.load_init_drafter(draft_dir, tcfg)
     if dcfg.capture_layer_ids is not None:
         tcfg = tcfg.with_capture_layers(dcfg.capture_layer_ids)
-    used = np.arange(len(d2t)) + d2t
-    t2d = np.zeros(tcfg.vocab_size, bool)
-    t2d[used] = True
-    vocab = {"used": jnp.asarray(used, jnp.int32), "t2d": jnp.asarray(t2d), "d2t": jnp.asarray(d2t, jnp.int32)}
+    vocab = loop.device_vocab(D.vocab_from_d2t(d2t, np.zeros(tcfg.vocab_size)))
     hp = loop.HParams(steps=1, batch_size=batch, seq_len=ROW_BUCKETS[-1], ttt_steps=steps)
     evaluate = loop.make_eval_step(tcfg, dcfg, hp, jnp.float32)
     confidence_of = target_confidence(tcfg)

@@ -35,8 +35,7 @@ def tiny():
     counts = np.bincount(np.asarray(jnp.argmax(logits, -1)).ravel(), minlength=V)
     vocab = D.build_draft_vocab(counts + 1, 40)
     dcfg = L.draft_config_for(cfg, 40)
-    dev_vocab = {"used": jnp.asarray(vocab.used), "t2d": jnp.asarray(vocab.t2d),
-                 "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
+    dev_vocab = L.device_vocab(vocab)
     batch = {"tokens": tokens, "loss_mask": jnp.ones(tokens.shape, bool)}
     return cfg, params, dcfg, vocab, dev_vocab, batch
 
@@ -337,10 +336,7 @@ def test_chain_walk_over_the_ttt_hits_counts_what_the_engine_counted(tiny_models
     tcfg, target = load_llama(target_dir, dtype=jnp.float32)
     dcfg, trainable, d2t = L.load_init_drafter(drafters["shared"], tcfg)
     tcfg = tcfg.with_capture_layers(dcfg.capture_layer_ids) if dcfg.capture_layer_ids else tcfg
-    used = np.arange(len(d2t)) + d2t
-    t2d = np.zeros(tcfg.vocab_size, bool)
-    t2d[used] = True
-    vocab = {"used": jnp.asarray(used, jnp.int32), "t2d": jnp.asarray(t2d), "d2t": jnp.asarray(d2t, jnp.int32)}
+    vocab = L.device_vocab(D.vocab_from_d2t(d2t, np.zeros(tcfg.vocab_size)))
     evaluate = L.make_eval_step(tcfg, dcfg, L.HParams(steps=1, batch_size=4, seq_len=64, ttt_steps=k), jnp.float32)
     rows = D.pad_examples([(np.asarray([*p, *o.token_ids], np.int32), np.arange(len(p) + max_tokens) >= len(p))
                            for p, o in zip(prompts, outputs)], 64, 0)

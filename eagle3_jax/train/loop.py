@@ -457,11 +457,16 @@ def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int |
                                       jax.random.PRNGKey(hp.seed)))
         log(f"init: the MLP widened from {dcfg.intermediate_size} to {hp.intermediate_size} units")
         dcfg = dataclasses.replace(dcfg, intermediate_size=hp.intermediate_size)
-    dev_vocab = {"used": jnp.asarray(vocab.used, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
-                 "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
+    dev_vocab = device_vocab(vocab)
     batches = D.Batches(train, hp.batch_size, hp.seed, hp.length_buckets)
     dcfg = dcfg or draft_config_for(tcfg, len(vocab.used), hp.intermediate_size)
     return Run(tcfg, target, dcfg, hp, vocab, dev_vocab, train, batches, held, ckpt_dir, resuming, init_weights)
+
+
+def device_vocab(vocab: D.DraftVocab) -> dict:
+    """The vocabulary as the train and eval steps take it: used [N] int32, t2d [V] bool, d2t [N] int32."""
+    return {"used": jnp.asarray(vocab.used, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
+            "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
 
 
 def save_run_meta(run: Run) -> None:
