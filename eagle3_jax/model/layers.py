@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.config import Llama3RopeScaling
-from eagle3_jax.model import mosaic_gemv, pallas_attention, pallas_norm
+from eagle3_jax.model import invariant_attention, invariant_gemm, mosaic_gemv, pallas_attention, pallas_norm
 
 SCRATCH_PAGE = 0
 
@@ -102,7 +102,10 @@ def project(x: jax.Array, w: jax.Array, gemv: str = "xla", out_dtype=None) -> ja
     """A weight projection: x [..., K] @ w [K, *out] -> [..., *out] (out_dtype, default x's).
 
     gemv "mosaic" runs the Mosaic GPU kernel where the product fits it (a few rows: decode, verify
-    and draft steps; model/mosaic_gemv.py), else XLA's dot, which "xla" always runs."""
+    and draft steps; model/mosaic_gemv.py), else XLA's dot, which "xla" always runs; "invariant"
+    the batch-invariant GEMM at every row count (model/invariant_gemm.py)."""
+    if gemv == "invariant":
+        return invariant_gemm.project(x, w, out_dtype)
     rows, k, n = math.prod(x.shape[:-1]), x.shape[-1], math.prod(w.shape[1:])
     if gemv == "mosaic" and mosaic_gemv.supports(rows, k, n, x.dtype):
         return mosaic_gemv.project(x, w, out_dtype)
@@ -227,14 +230,18 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
     Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs). Head
     counts come from wqkv's shape. attention "pallas" runs the Pallas kernels where the step fits
     them (few new tokens per row, a tree's window not too wide: `pallas_attention.supports`),
-    else the XLA form, which "xla" always runs. gemv: `project`'s.
+    else the XLA form, which "xla" always runs; "invariant" the batch-invariant kernel for any
+    step (model/invariant_attention.py). gemv: `project`'s.
     tree: the tokens' RoPE positions and window mask when they form a token tree; `positions`
     then only say where their keys and values are stored.
     """
     b, t, _ = h.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
     window = 0 if tree is None else tree.window_mask.shape[2]
-    if attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2], window):
+    if attention == "invariant":
+        out, k_pages, v_pages = invariant_attention.attention(
+            fused_qkv(h, wqkv, gemv), positions, block_table, inv_freq, k_pages, v_pages, layer, SCRATCH_PAGE, tree)
+    elif attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2], window):
         # Two kernels after the projection: RoPE + KV write + q tiles, then attention. A tree's
         # window is packed to bits outside them: the same expression every layer, computed once (CSE).
         qkv = fused_qkv(h, wqkv, gemv)  # [B, T, G, R + 2, hd]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.config import ModelConfig
+from eagle3_jax.model import invariant_gemm
 from eagle3_jax.model.layers import (
     TreeAttention,
     add_rms_norm,
@@ -116,14 +117,15 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             gemv: str = "xla", tree: TreeAttention | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] ->
     (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache).
-    attention: "xla" or "pallas" (layers.attention_block; "pallas" also runs each residual add
-    and the norm after it as one kernel, layers.add_rms_norm); pin_kv: applied to the cache after
-    each layer's write (tensor parallelism: `sharding.cache_pin`); gemv: "xla" or "mosaic", the
+    attention: "xla", "pallas" or "invariant" (layers.attention_block; "pallas" and "invariant"
+    also run each residual add and the norm after it as one kernel, a program per row,
+    layers.add_rms_norm); pin_kv: applied to the cache after
+    each layer's write (tensor parallelism: `sharding.cache_pin`); gemv: "xla", "mosaic" or "invariant", the
     weight projections' kernel where the step has few rows (layers.project); tree: the tokens'
     RoPE positions and attention window when they form a token tree (layers.TreeAttention;
     `positions` are then where their keys and values are stored)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    eps, kernel = cfg.rms_norm_eps, attention == "pallas"  # the Pallas kernels go together
+    eps, kernel = cfg.rms_norm_eps, attention in ("pallas", "invariant")  # the Pallas kernels go together
     x = params.embed[tokens]  # [B, T, D]
     delta = None  # what the previous layer's MLP adds to x, added in the next norm's kernel
     captured = {}  # layer id -> its input [B, T, D]
@@ -143,8 +145,10 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
 
 
 def logits(params: LlamaParams, hidden: jax.Array, gemv: str = "xla") -> jax.Array:
-    """hidden [..., D] (final-normed) -> f32 logits [..., V]. gemv as `forward`'s, for an untied
-    lm_head [D, V] (a tied one is read as embed [V, D], XLA's dot either way)."""
+    """hidden [..., D] (final-normed) -> f32 logits [..., V]. gemv as `forward`'s (a tied lm_head
+    is read as embed [V, D]: XLA's dot, or the invariant GEMM under "invariant")."""
+    if params.lm_head is None and gemv == "invariant":
+        return invariant_gemm.project(hidden, params.embed, jnp.float32, transposed=True)
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
     return project(hidden, params.lm_head, gemv, out_dtype=jnp.float32)

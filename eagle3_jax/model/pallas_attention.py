@@ -170,11 +170,12 @@ def _combine_kernel(o_ref, lse_ref, out_ref):
     out_ref[...] = (acc / den[:, None]).astype(out_ref.dtype)
 
 
-def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree: bool):
+def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree: bool, per_token: bool):
     # Program (row b, kv head g, token i). qkv_ref [T, R + 2, hd] (R q heads, k, v; not yet
     # rotated); pos_ref [T] where the tokens are stored; tree: rope_ref [T] where they are rotated
     # (else at pos_ref's); table_ref [nb]; inv_freq_ref [hd/2] f32; layer_ref [1] i32. Out: q_ref
-    # [M, hd], the rotated queries as the attention tile (row i*R + r; rows past T*R zero); k_ref,
+    # [M, hd], the rotated queries as the attention tile (row i*R + r; rows past T*R zero), or
+    # per_token: [T, RT, hd], a tile of each token's R heads (rows past R zero); k_ref,
     # v_ref [L, P, page, hd], kv head g's pages of every layer (aliased to _k_in, _v_in: written in
     # place at the token's slot of layer layer_ref[0]).
     rope_ref, (table_ref, inv_freq_ref, layer_ref, _k_in, _v_in, q_ref, k_ref, v_ref) = (
@@ -194,16 +195,29 @@ def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree:
     for j in range(r + 1):  # the q heads, then k
         x1, x2 = qkv_ref[i, j, lo], qkv_ref[i, j, hi]
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        if j < r:
+        if j < r and per_token:
+            q_ref[i, j, lo], q_ref[i, j, hi] = y1, y2
+        elif j < r:
             q_ref[i * r + j, lo], q_ref[i * r + j, hi] = y1, y2
         else:
             k_ref[layer, page, slot, lo], k_ref[layer, page, slot, hi] = y1, y2
     v_ref[layer, page, slot, lo], v_ref[layer, page, slot, hi] = qkv_ref[i, r + 1, lo], qkv_ref[i, r + 1, hi]
 
+    if per_token:  # the token's padding rows: defined values (their outputs are dropped)
+        for row in range(r, q_ref.shape[1]):
+            q_ref[i, row, :] = jnp.zeros((hd,), q_ref.dtype)
+        return
+
     @pl.when(i == 0)
     def _():  # padding rows: defined values (their outputs are dropped)
         for row in range(t * r, q_ref.shape[0]):
             q_ref[row, :] = jnp.zeros((hd,), q_ref.dtype)
+
+
+def token_tile_rows(heads_per_kv: int) -> int:
+    """RT, the rows of one token's query tile (`rope_and_write(per_token=True)`): its R heads
+    padded to a power of two >= 16 (tensor cores)."""
+    return max(16, 1 << (heads_per_kv - 1).bit_length())
 
 
 def query_tile_rows(num_tokens: int, heads_per_kv: int) -> int:
@@ -227,7 +241,8 @@ def _layer_operand(layer) -> jax.Array:
 
 def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
                    v_pages: jax.Array, layer, scratch_page: int,
-                   rope_positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   rope_positions: jax.Array | None = None,
+                   per_token: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One kernel for what comes between the qkv projection and attention: rotate q and k, write
     k and v into their pages (in place), lay q out as attention tiles. The XLA form of the same is
     four to six small kernels a layer (RoPE, the KV scatters, q's transpose and padding), each
@@ -237,21 +252,25 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
     k and v are stored; block_table [B, nb]; inv_freq [hd/2]; k/v_pages [L, P, page, G, hd], of
     which layer `layer` (an int or an i32 scalar) is written; rope_positions [B, T] where q and k
     are rotated (a token tree: a node is stored at length + i but rotated at length + depth; None:
-    at `positions`) -> (q tiles [B, G, M, hd], k_pages, v_pages)."""
+    at `positions`) -> (q tiles [B, G, M, hd], k_pages, v_pages); per_token: q tiles
+    [B, G, T, RT, hd], one per token (`token_tile_rows`; model/invariant_attention.py's layout)."""
     rope = None if rope_positions is None else rope_positions.astype(jnp.int32)
     return _rope_and_write(qkv, positions.astype(jnp.int32), rope, block_table.astype(jnp.int32),
                            jnp.asarray(inv_freq, jnp.float32), _layer_operand(layer), k_pages, v_pages,
-                           scratch_page=scratch_page)
+                           scratch_page=scratch_page, per_token=per_token)
 
 
-@functools.partial(jax.jit, static_argnames=("scratch_page",))
+@functools.partial(jax.jit, static_argnames=("scratch_page", "per_token"))
 def _rope_and_write(qkv, positions, rope_positions, block_table, inv_freq, layer, k_pages, v_pages, *,
-                    scratch_page: int):
+                    scratch_page: int, per_token: bool):
     # Its own jit, the layer an operand: every layer of a program calls the one lowered kernel.
     b, t, g, r2, hd = qkv.shape
     r, nb = r2 - 2, block_table.shape[1]
-    m = query_tile_rows(t, r)
     tree = rope_positions is not None
+    if per_token:
+        q_block, q_shape = (None, None, t, token_tile_rows(r), hd), (b, g, t, token_tile_rows(r), hd)
+    else:
+        q_block, q_shape = (None, None, query_tile_rows(t, r), hd), (b, g, query_tile_rows(t, r), hd)
     # One program per (row, kv head, token): a token's work is a short chain of dependent loads
     # (position, table entry, then the stores); a program per row serialized T of them (8 us a
     # layer for the 8B verify of 8 x 4 on the H200).
@@ -259,7 +278,7 @@ def _rope_and_write(qkv, positions, rope_positions, block_table, inv_freq, layer
     positions_spec = pl.BlockSpec((None, t), lambda i, j, n: (i, 0))
     rope = [rope_positions] if tree else []  # [B, T]; the chain's one array serves both
     return pl.pallas_call(
-        functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page, tree=tree),
+        functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page, tree=tree, per_token=per_token),
         grid=(b, g, t),
         in_specs=[pl.BlockSpec((None, t, None, r2, hd), lambda i, j, n: (i, 0, j, 0, 0)),
                   positions_spec,
@@ -268,8 +287,8 @@ def _rope_and_write(qkv, positions, rope_positions, block_table, inv_freq, layer
                   pl.BlockSpec((hd // 2,), lambda i, j, n: (0,)),
                   pl.BlockSpec((1,), lambda i, j, n: (0,)),
                   pages_spec, pages_spec],
-        out_specs=[pl.BlockSpec((None, None, m, hd), lambda i, j, n: (i, j, 0, 0)), pages_spec, pages_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, g, m, hd), qkv.dtype),
+        out_specs=[pl.BlockSpec(q_block, lambda i, j, n: (i, j) + (0,) * (len(q_block) - 2)), pages_spec, pages_spec],
+        out_shape=[jax.ShapeDtypeStruct(q_shape, qkv.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={5 + len(rope): 1, 6 + len(rope): 2},
@@ -351,10 +370,10 @@ def _attend(q_tiles, qpos, window, block_table, layer, k_pages, v_pages, *, rows
         name="eagle3_paged_attention",
     )(q_tiles, qpos, *window, block_table, layer, k_pages, v_pages)
     # With splits, one more launch: each split weighted by its share of the softmax mass
-    return out[:, :, 0] if splits == 1 else _combine_splits(out, lse, rows, q_tiles.dtype, num_stages)
+    return out[:, :, 0] if splits == 1 else combine_splits(out, lse, rows, q_tiles.dtype, num_stages)
 
 
-def _combine_splits(out: jax.Array, lse: jax.Array, rows: int, dtype, num_stages: int) -> jax.Array:
+def combine_splits(out: jax.Array, lse: jax.Array, rows: int, dtype, num_stages: int) -> jax.Array:
     """The splits' outputs out [B, G, S, M, hd] (f32) and log-sum-exps lse [B, G, S, M], each split
     weighted by its share of the softmax mass -> [B, G, M, hd] in `dtype`; rows: the tile's real
     query rows (T*R: those past it are padding, never combined)."""

@@ -1,0 +1,169 @@
+"""Batch-invariant paged attention: a token's output is bit for bit the same in a decode, a chain's
+or a tree's verify, or a prefill chunk, at any batch size.
+
+Why a kernel apart from model/pallas_attention.py: that kernel shares a tile between a row's
+tokens and splits a row's keys by how many programs the batch leaves, so a token's softmax is
+summed in an order that depends on the tokens and rows beside it. Here:
+- one program per (row, kv head, token, split): the token's R query heads form the tile's rows
+  (padded to RT = 16, `pallas_attention.token_tile_rows`), the same tile a decode runs;
+- keys are walked in blocks of BLOCK_KEYS by the position they hold in the token's own sequence
+  (0 .. its position), and splits cover fixed ranges of BLOCKS_PER_SPLIT blocks: the order of
+  every sum is fixed by positions, not by the batch, the table width or the other queries;
+- a token tree's node reads its ancestors at the positions decode would have stored them at (the
+  root's position + depth), gathered from where the verify stored them: the keys, their order and
+  their blocks are the decode's, so a tree verify's logits equal the decode's of the same path;
+- masked keys weigh exactly zero and an empty split exactly nothing in the combine.
+RoPE and the KV write are `pallas_attention.rope_and_write`'s (one program per token already).
+Off the GPU the kernels run in Pallas' interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from eagle3_jax.model import pallas_attention
+
+BLOCK_KEYS = 64  # keys per loop step
+BLOCKS_PER_SPLIT = 8  # a split's fixed range: 512 key positions
+_MASKED = -1e30  # finite: a row that sees nothing must not produce NaN
+
+
+def _kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool):
+    # Program (row, kv head, token t, split s). q_ref [RT, hd]: token t's query heads; vpos_ref [T]
+    # i32: each token's position in its own sequence (a tree node's root + depth); windowed:
+    # path_ref [1 + W]: the window's start, then where the node's ancestor at depth d (d = 0 ..
+    # its depth) is stored, as an offset from the start; table_ref [nb]; layer_ref [1];
+    # k_ref, v_ref [L, P * page, hd]: kv head's slots of every layer. Out: o_ref [RT, hd] (f32
+    # when splits are combined), lse_ref [RT].
+    path_ref, (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref) = (
+        (refs[0], refs[1:]) if windowed else (None, refs))
+    rows, hd = q_ref.shape
+    nb = table_ref.shape[0]
+    q, layer = q_ref[...], layer_ref[0]
+    vpos = vpos_ref[pl.program_id(2)]
+    capacity = nb * page_size // BLOCK_KEYS  # key blocks the table holds (a padded row's position can run off it)
+    first = pl.program_id(3) * BLOCKS_PER_SPLIT
+    end = jnp.minimum(jnp.minimum(first + BLOCKS_PER_SPLIT, vpos // BLOCK_KEYS + 1), capacity)
+
+    def body(i, carry):
+        o, row_max, row_sum = carry
+        key_pos = i * BLOCK_KEYS + jax.lax.iota(jnp.int32, BLOCK_KEYS)  # in the token's sequence
+        stored = key_pos
+        if windowed:  # a tree node's ancestors: stored elsewhere in the window
+            start = path_ref[0]
+            depth = key_pos - start
+            offset = path_ref[1 + jnp.clip(depth, 0, path_ref.shape[0] - 2)]
+            stored = jnp.where(depth >= 0, start + offset, key_pos)
+        page = table_ref[jnp.clip(stored // page_size, 0, nb - 1)]
+        slot = page * page_size + stored % page_size
+        k, v = k_ref[layer, slot], v_ref[layer, slot]  # [BLOCK_KEYS, hd]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where((key_pos <= vpos)[None, :], s, _MASKED)  # [RT, BLOCK_KEYS]
+        new_max = jnp.maximum(row_max, s.max(axis=1))
+        correction = jnp.exp(row_max - new_max)
+        p = jnp.exp(s - new_max[:, None])
+        row_sum = row_sum * correction + p.sum(axis=1)
+        o = o * correction[:, None] + jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return o, new_max, row_sum
+
+    init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, row_max, row_sum = jax.lax.fori_loop(first, end, body, init)
+    o_ref[...] = (o / jnp.maximum(row_sum, 1e-30)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
+
+
+def ancestor_paths(window_start: jax.Array, window_mask: jax.Array) -> jax.Array:
+    """A tree's window as the kernel reads it: window_start [B], window_mask [B, T, W] bool (node t
+    sees offset j iff j is t or an ancestor; ancestors are stored before descendants) -> [B, T,
+    1 + W] i32: the start, then the offset of t's ancestor at depth d for d = 0 .. depth(t) (0, the
+    root, past it: in range, and masked by the node's own position)."""
+    b, t, w = window_mask.shape
+    rank = jnp.cumsum(window_mask, axis=-1, dtype=jnp.int32)  # [B, T, W]: ancestors up to offset j
+    at_depth = window_mask[:, :, None, :] & (rank[:, :, None, :] == jnp.arange(1, w + 1)[:, None])  # [B, T, d, j]
+    offsets = jnp.sum(jnp.where(at_depth, jnp.arange(w), 0), axis=-1, dtype=jnp.int32)  # [B, T, W]
+    start = jnp.broadcast_to(window_start.astype(jnp.int32)[:, None, None], (b, t, 1))
+    return jnp.concatenate([start, offsets], axis=-1)
+
+
+def num_splits(num_blocks: int, page_size: int) -> int:
+    """Splits of every program over a table of num_blocks pages: fixed ranges of the key positions
+    the table can hold, so the same for every step of an engine."""
+    return -(-(num_blocks * page_size // BLOCK_KEYS) // BLOCKS_PER_SPLIT)
+
+
+def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
+              v_pages: jax.Array, layer, scratch_page: int, tree=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RoPE, the KV write and attention for any number of tokens a row. qkv [B, T, G, R + 2, hd]
+    (`layers.fused_qkv`); positions [B, T] where the tokens are stored; block_table [B, nb];
+    k/v_pages [L, P, page, G, hd]; tree: a `layers.TreeAttention` or None ->
+    (out [B, T, G*R, hd], k_pages, v_pages)."""
+    b, t, g, r2, hd = qkv.shape
+    r = r2 - 2
+    rope = None if tree is None else tree.rope_positions
+    tiles, k_pages, v_pages = pallas_attention.rope_and_write(
+        qkv, positions, block_table, inv_freq, k_pages, v_pages, layer, scratch_page, rope, per_token=True)
+    vpos = (positions if tree is None else tree.rope_positions).astype(jnp.int32)
+    paths = None if tree is None else ancestor_paths(tree.window_start, tree.window_mask)
+    out = _attend(tiles, vpos, paths, block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+                  k_pages, v_pages)  # [B, G, T, RT, hd]
+    return out[:, :, :, :r].transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd), k_pages, v_pages
+
+
+@jax.jit
+def _attend(tiles, vpos, paths, block_table, layer, k_pages, v_pages) -> jax.Array:
+    # Its own jit, the layer an operand: every layer of a program calls the one lowered kernel.
+    # tiles [B, G, T, RT, hd] -> [B, G, T, RT, hd]
+    b, g, t, rt, hd = tiles.shape
+    num_layers, num_pages, page_size = k_pages.shape[:3]
+    splits = num_splits(block_table.shape[1], page_size)
+    interpret = _interpret()
+    if interpret:  # the interpreter reads inputs whole per program: one layer only
+        k_pages, v_pages, layer = k_pages[layer[0]][None], v_pages[layer[0]][None], jnp.zeros((1,), jnp.int32)
+        num_layers = 1
+    # Slots rather than pages: a key is gathered by its own slot (a tree's ancestors are not contiguous).
+    k_slots = k_pages.reshape(num_layers, num_pages * page_size, g, hd)
+    v_slots = v_pages.reshape(num_layers, num_pages * page_size, g, hd)
+    slots_spec = pl.BlockSpec((num_layers, num_pages * page_size, None, hd), lambda i, j, n, s: (0, 0, j, 0))
+    windowed = paths is not None
+    path = [paths] if windowed else []
+    out, lse = pl.pallas_call(
+        functools.partial(_kernel, page_size=page_size, scale=1.0 / math.sqrt(hd), windowed=windowed),
+        grid=(b, g, t, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, None, rt, hd), lambda i, j, n, s: (i, j, n, 0, 0)),  # the token's tile
+            pl.BlockSpec((None, t), lambda i, j, n, s: (i, 0)),  # the row's token positions
+            *[pl.BlockSpec((None, None, p.shape[2]), lambda i, j, n, s: (i, n, 0)) for p in path],
+            pl.BlockSpec((None, block_table.shape[1]), lambda i, j, n, s: (i, 0)),
+            pl.BlockSpec((1,), lambda i, j, n, s: (0,)),
+            slots_spec, slots_spec,
+        ],
+        out_specs=[pl.BlockSpec((None, None, None, rt, hd), lambda i, j, n, s: (i, j, s, n, 0)),
+                   pl.BlockSpec((None, None, None, rt), lambda i, j, n, s: (i, j, s, n))],
+        out_shape=[jax.ShapeDtypeStruct((b, g, splits, t * rt, hd), tiles.dtype if splits == 1 else jnp.float32),
+                   jax.ShapeDtypeStruct((b, g, splits, t * rt), jnp.float32)],
+        interpret=interpret,
+        compiler_params=_compiler_params(),
+        name="eagle3_invariant_attention",
+    )(tiles, vpos, *path, block_table, layer, k_slots, v_slots)
+    # Each split weighted by its softmax mass, in split order, row by row.
+    out = pallas_attention.combine_splits(out, lse, t * rt, tiles.dtype, 1) if splits > 1 else out[:, :, 0]
+    return out.reshape(b, g, t, rt, hd)
+
+
+def _compiler_params():
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=4, num_stages=1)
+
+
+def _interpret() -> bool:
+    """Pallas' interpreter off the GPU. (Tests that lower the kernels for CUDA on a CPU machine
+    replace this with False.)"""
+    return jax.default_backend() != "gpu"
