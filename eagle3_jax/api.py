@@ -83,13 +83,18 @@ class LLM:
         "always", the tree. None: no tree, the chain only. "auto" (the default): engine_config's
         tree if it sets one, else on a GPU the default tree (6, 8, 31) beside the chain under
         speculation "auto", and none on the CPU or under "always" (`config.default_tree`).
+    batch_invariant: sets EngineConfig.batch_invariant (None: engine_config's): the target's
+        kernels compute each token alike in any batch and any step, so greedy output is the target
+        alone's bit for bit on a GPU in bf16 too.
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
-                 tree: TreeSpec | str | None = "auto"):
+                 tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None):
         engine_config = engine_config or EngineConfig()
+        if batch_invariant is not None:
+            engine_config = dataclasses.replace(engine_config, batch_invariant=batch_invariant)
         if isinstance(tree, str) and tree != "auto":
             raise ConfigError(f'tree must be a TreeSpec, "auto" or None, got {tree!r}')
         # K and the tree checked now, before anything loads ("auto" resolved once the drafter is known).

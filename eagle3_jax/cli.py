@@ -182,6 +182,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-buckets", type=sizes, default=None,
                    help="comma-separated decode batch sizes to compile (default: powers of two up to what "
                         "the prompts need)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the target's kernels compute each token alike at any batch size and in any step, so "
+                        "greedy output equals the target alone's bit for bit on a GPU too "
+                        "(EngineConfig.batch_invariant)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -322,7 +326,8 @@ def _llm(args, num_prompts: int = 1):
     # Prompts per prefill call: likewise, no more than this run has.
     rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
-                       speculation=args.speculation, speculative_max_batch=args.speculative_max_batch)
+                       speculation=args.speculation, speculative_max_batch=args.speculative_max_batch,
+                       batch_invariant=args.batch_invariant)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
                tree=drafting.tree)
 

@@ -505,6 +505,16 @@ class EngineConfig:
         within 3.5% either way at 64 to 512 rows and lost up to 31% below (BENCHMARKS.md, "GEMMs:
         Triton or cuBLAS"); widths between are unmeasured. Prefills and the per-step path
         (fused_iteration False) compile as XLA does by default; other backends ignore the option.
+    batch_invariant: the target's every op computes a token's row in an order that does not
+        depend on the rows beside it, the batch bucket, the program (prefill chunk, decode, chain
+        or tree verify) or the tokens per row: matrix products in one fixed tile schedule
+        (model/invariant_gemm.py), attention walking each token's keys in fixed position blocks
+        (model/invariant_attention.py), the residual add and norm a program per row. Greedy
+        output is then token-identical to the target alone, and a seeded request reproduces alone
+        or in any batch, on a GPU in bf16 as on the CPU; without it a bf16 near-tie can round
+        differently in another batch shape. The drafter keeps `attention` and `gemv` (its numerics
+        change only what is accepted). One device only (no tensor parallelism yet); the cost is in
+        BENCHMARKS.md, "Batch invariance".
     freeze_heap: after warm-up, collect Python's garbage once and freeze the heap (`gc.freeze`,
         engine.freeze_heap), so that no full pass of the cyclic collector over the loaded
         engine's objects stalls serving. False leaves the collector alone (a test suite
@@ -527,6 +537,7 @@ class EngineConfig:
     gemv: str = "xla"
     gemm: str = "auto"
     freeze_heap: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self):
         where = "engine config"
@@ -537,6 +548,8 @@ class EngineConfig:
             raise ConfigError(f"{where}: gemv must be one of {', '.join(GEMV_KINDS)}, got {self.gemv!r}")
         if self.gemm not in GEMM_KINDS:
             raise ConfigError(f"{where}: gemm must be one of {', '.join(GEMM_KINDS)}, got {self.gemm!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"{where}: batch_invariant must be True or False, got {self.batch_invariant!r}")
         for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
             buckets = getattr(self, name)
             if name == "batch_buckets" and buckets is None:  # the engine's default, by what it drafts

@@ -112,6 +112,15 @@ def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
     return "pallas" if jax.default_backend() == "gpu" and mesh is None else "xla"
 
 
+def batch_invariant(cfg: EngineConfig, mesh: Mesh | None) -> bool:
+    """EngineConfig.batch_invariant, checked: its kernels run on one device (a pallas_call is not
+    partitioned by XLA's sharding propagation)."""
+    if cfg.batch_invariant and mesh is not None:
+        raise ConfigError("engine config: batch_invariant does not run under tensor parallelism yet "
+                          "(use batch_invariant=False with tp > 1)")
+    return cfg.batch_invariant
+
+
 def gemv_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
     """EngineConfig.gemv, checked: the Mosaic GPU kernel needs a Hopper GPU (wgmma, TMA copies)
     and one device (a kernel is not partitioned by XLA's sharding propagation)."""
@@ -269,6 +278,7 @@ class ModelRunner:
         self.step_cfg = StepConfig(target=target, draft=draft if self.proposals else None,
                                    num_draft=main.num_draft_steps, mesh=mesh, attention=attention_kind(cfg, mesh),
                                    gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm, model=model,
+                                   batch_invariant=batch_invariant(cfg, mesh),
                                    tree=main.spec if isinstance(main, Tree) else None,
                                    measure_chain=(any(isinstance(p, Tree) for p in self.proposals)
                                                   and any(isinstance(p, Chain) for p in self.proposals)))

@@ -71,11 +71,22 @@ class StepConfig:
     # A tree's verify also says what the draft's top-1 chain would have accepted (`Tree.accept`),
     # for an engine serving a chain beside its tree; without one it leaves -1 and computes nothing.
     measure_chain: bool = False
+    # The target's forward and logits in the batch-invariant kernels (EngineConfig.batch_invariant);
+    # the drafter keeps `attention` and `gemv`: its numerics change proposals, never the output.
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.tree is not None and (self.tree.is_chain or self.num_draft not in (0, self.tree.steps)):
             raise ConfigError(f"step config: tree {self.tree} needs num_draft {self.tree.steps} (or 0) and a "
                               f"non-chain tree, got num_draft {self.num_draft}")
+
+    @property
+    def target_attention(self) -> str:
+        return "invariant" if self.batch_invariant else self.attention
+
+    @property
+    def target_gemv(self) -> str:
+        return "invariant" if self.batch_invariant else self.gemv
 
     @property
     def speculative(self) -> bool:
@@ -108,15 +119,15 @@ def _target(params, cfg: StepConfig, tokens, positions, kv, block_tables, tree=N
     """Target forward with the residual stream replicated across tensor-parallel devices; `tree`
     (a layers.TreeAttention, or None for the causal mask) as the speculator's layout gives it."""
     extra = {} if tree is None else {"tree": tree}
-    hidden, captures, kv = cfg.model.forward(params, cfg.target, tokens, positions, kv, block_tables, cfg.attention,
-                                             cfg.pin_target_kv(), cfg.gemv, **extra)
+    hidden, captures, kv = cfg.model.forward(params, cfg.target, tokens, positions, kv, block_tables,
+                                             cfg.target_attention, cfg.pin_target_kv(), cfg.target_gemv, **extra)
     return (*replicate((hidden, captures), cfg.mesh), kv)
 
 
 def _logits(params, cfg: StepConfig, hidden):
     """Target logits [..., V], vocab-sharded under tensor parallelism where a greedy program needs
     only an argmax (per-shard (max, index) pairs move, not the logits)."""
-    return vocab_logits(cfg.model.logits(params, hidden, cfg.gemv), cfg.mesh, gather=not cfg.greedy)
+    return vocab_logits(cfg.model.logits(params, hidden, cfg.target_gemv), cfg.mesh, gather=not cfg.greedy)
 
 
 def _finish(state: DeviceState, cfg: StepConfig) -> DeviceState:
