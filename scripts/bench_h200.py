@@ -21,8 +21,9 @@ functions; prints the tables and writes bench.md, bench.json and bench.png to --
 `eagle3-jax bench` flag passes through (`--help` lists them); the flags below are this script's.
 
 The device machine has no network, so what the run reads must travel with the working tree:
-  - the target: checkpoints/smollm2-135m-instruct (converted), or the SmolLM2 GGUF given with
-    --gguf (one file, or its parts in order), converted here first (needs the `gguf` package);
+  - the target: --target (default: the converted one in the user's cache, assets.DEFAULT_TARGET),
+    or the SmolLM2 GGUF given with --gguf (one file, or its parts in order), converted there first
+    (needs the `gguf` package);
   - the MT-bench questions: --questions FILE, else .stage/question.jsonl when present, else the
     cached asset (~/.cache/eagle3_jax): without one of these the run stops before using the GPU.
 Budget (defaults): 8 MT-bench prompts at batch 1 (8 rounds), 4 rounds of 2 at batch 2, 2 of 4 at
