@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_jax.config import MAX_SPECULATIVE_TOKENS, ConfigError, TreeSpec
+from eagle3_jax.config import MAX_SPECULATIVE_TOKENS, ConfigError, TreeSpec, parse_tree, parse_tree_spec
 
 PROG = "eagle3-jax"
 # transformers advises on every import that PyTorch is missing; torch is optional here.
@@ -84,24 +84,20 @@ def num_draft(text: str) -> int:
 
 
 def tree_spec(text: str) -> TreeSpec:
-    """"4,4,8" -> TreeSpec(steps=4, top_k=4, tokens=8)."""
+    """"4,4,8" -> TreeSpec(steps=4, top_k=4, tokens=8) (`config.parse_tree_spec`)."""
     try:
-        steps, top_k, tokens = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not STEPS,TOPK,TOKENS (three integers, e.g. 4,4,8)") from None
-    if not 1 <= steps <= MAX_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"steps {steps} is outside 1..{MAX_SPECULATIVE_TOKENS}")
-    try:
-        return TreeSpec(steps, top_k, tokens)
+        return parse_tree_spec(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def tree_choice(text: str) -> TreeSpec | str | None:
-    """--tree: "auto" (LLM's default tree choice), "none" (no tree) or STEPS,TOPK,TOKENS."""
-    if text in ("auto", "none"):
-        return None if text == "none" else text
-    return tree_spec(text)
+    """--tree: "auto" (LLM's default tree choice), "none" (no tree) or STEPS,TOPK,TOKENS, as
+    `LLM(tree=...)` takes them (`config.parse_tree`)."""
+    try:
+        return parse_tree(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def temperature(text: str) -> float:

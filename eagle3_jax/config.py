@@ -621,6 +621,32 @@ class EngineConfig:
 DEFAULT_TREE = TreeSpec(6, 8, 31)
 
 
+def parse_tree_spec(text: str) -> TreeSpec:
+    """"6,8,31" -> TreeSpec(steps=6, top_k=8, tokens=31); ConfigError naming what is wrong."""
+    try:
+        steps, top_k, tokens = (int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{text!r} is not STEPS,TOPK,TOKENS (three integers, e.g. 6,8,31)") from None
+    if not 1 <= steps <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"steps {steps} is outside 1..{MAX_SPECULATIVE_TOKENS}")
+    return TreeSpec(steps, top_k, tokens)
+
+
+def parse_tree(value: TreeSpec | str | None) -> TreeSpec | str | None:
+    """A tree as `LLM(tree=...)` and `--tree` take it: a TreeSpec or "STEPS,TOPK,TOKENS" (that
+    tree), "auto" (returned as is: `default_tree` decides once the drafter is known), None or
+    "none" (None: no tree, the chain only). ConfigError for anything else."""
+    if value is None or isinstance(value, TreeSpec):
+        return value
+    if not isinstance(value, str) or ("," not in value and value.strip() not in ("auto", "none")):
+        raise ConfigError(f'tree must be a TreeSpec, "STEPS,TOPK,TOKENS" (e.g. "6,8,31"), "auto", "none" or None, '
+                          f"got {value!r}")
+    text = value.strip()
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return parse_tree_spec(text)
+
+
 def default_tree(engine_config: EngineConfig, drafting: bool, backend: str) -> TreeSpec | None:
     """The tree an engine drafts when its user names none (`LLM(tree="auto")`, `generate --tree
     auto`): engine_config's own tree if it has one; else DEFAULT_TREE where it can only help,

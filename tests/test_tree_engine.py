@@ -401,8 +401,29 @@ def test_the_default_tree_joins_only_where_auto_can_choose_it():
 def test_llm_tree_argument_is_a_tree_auto_or_none(tmp_path):
     from eagle3_jax.api import LLM
 
-    with pytest.raises(ConfigError, match=r"tree must be a TreeSpec, \"auto\" or None, got 'yes'"):
+    with pytest.raises(ConfigError, match=r"tree must be a TreeSpec, \"STEPS,TOPK,TOKENS\" .* got 'yes'"):
         LLM(tmp_path / "missing", tree="yes", progress=False)
+    # The CLI's spelling is taken, and checked before anything loads.
+    with pytest.raises(ConfigError, match="tokens must be at most the 6 candidates of steps=2, top_k=2, got 7"):
+        LLM(tmp_path / "missing", tree="2,2,7", progress=False)
+    with pytest.raises(ConfigError, match=r"steps 17 is outside 1\.\.16"):
+        LLM(tmp_path / "missing", tree="17,1,17", progress=False)
+    for accepted in ("3,2,5", "none", "auto"):  # past the tree: the missing target is what fails
+        with pytest.raises(FileNotFoundError):
+            LLM(tmp_path / "missing", tree=accepted, progress=False)
+
+
+@pytest.mark.parametrize("value, tree", [
+    ("6,8,31", TreeSpec(6, 8, 31)), (" 3, 2, 5 ", TreeSpec(3, 2, 5)), ("auto", "auto"), ("none", None),
+    (None, None), (TreeSpec(4, 1, 4), TreeSpec(4, 1, 4)),
+])
+def test_llm_and_cli_parse_a_tree_alike(value, tree):
+    from eagle3_jax import cli
+    from eagle3_jax.config import parse_tree
+
+    assert parse_tree(value) == tree
+    if isinstance(value, str):
+        assert cli.tree_choice(value) == tree
 
 
 @pytest.mark.parametrize("value, message", [
