@@ -252,29 +252,35 @@ def _has_weights(directory: Path) -> bool:
     return any(directory.glob("*.safetensors")) or (directory / "pytorch_model.bin").is_file()
 
 
+def check_target_dir(target: Path, flag: str = "--target", default: str = "leave --target out for the default "
+                     "SmolLM2-135M-Instruct") -> None:
+    """A target directory exists and holds config.json and safetensors (cheap: no tensor is read)."""
+    what = "a target directory is a Hugging Face Llama checkpoint: config.json and model.safetensors"
+    if not target.is_dir():
+        raise UsageError(f"{flag} {target}: no such directory ({what}; {default})")
+    if not (target / "config.json").is_file():
+        raise UsageError(f"{flag} {target}: no config.json in it ({what})")
+    if not any(target.glob("*.safetensors")):
+        raise UsageError(f"{flag} {target}: no model.safetensors in it ({what})")
+
+
+def check_drafter_dir(draft: Path, flag: str = "--draft", instead: str = "--draft none runs the target alone") -> None:
+    """A drafter directory exists and holds config.json and weights (cheap: no tensor is read)."""
+    what = f"a drafter directory holds config.json and model.safetensors (or pytorch_model.bin); {instead}"
+    if not draft.is_dir():
+        raise UsageError(f"{flag} {draft}: no such directory ({what})")
+    if not (draft / "config.json").is_file():
+        raise UsageError(f"{flag} {draft}: no config.json in it ({what})")
+    if not _has_weights(draft):
+        raise UsageError(f"{flag} {draft}: no model.safetensors or pytorch_model.bin in it ({what})")
+
+
 def check_paths(args) -> None:
-    """Directories named by flags exist and hold what they must (cheap: no tensor is read)."""
+    """Directories named by flags exist and hold what they must."""
     if args.target is not None:
-        target = Path(args.target)
-        if not target.is_dir():
-            raise UsageError(f"--target {target}: no such directory (a target directory holds config.json and "
-                             "model.safetensors; leave --target out for the default SmolLM2-135M-Instruct)")
-        if not (target / "config.json").is_file():
-            raise UsageError(f"--target {target}: no config.json in it (a target directory is a Hugging Face "
-                             "Llama checkpoint: config.json and model.safetensors)")
-        if not any(target.glob("*.safetensors")):
-            raise UsageError(f"--target {target}: no model.safetensors in it (a target directory is a Hugging "
-                             "Face Llama checkpoint: config.json and model.safetensors)")
+        check_target_dir(Path(args.target))
     if args.draft not in ("default", "none"):
-        draft = Path(args.draft)
-        what = ("a drafter directory holds config.json and model.safetensors (or pytorch_model.bin); "
-                "--draft none runs the target alone")
-        if not draft.is_dir():
-            raise UsageError(f"--draft {draft}: no such directory ({what})")
-        if not (draft / "config.json").is_file():
-            raise UsageError(f"--draft {draft}: no config.json in it ({what})")
-        if not _has_weights(draft):
-            raise UsageError(f"--draft {draft}: no model.safetensors or pytorch_model.bin in it ({what})")
+        check_drafter_dir(Path(args.draft))
 
 
 def check_drafter(args) -> None:
@@ -514,4 +520,7 @@ def _run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The imported module's main: its UsageError is the one bench and train-draft raise.
+    from eagle3_jax import cli
+
+    sys.exit(cli.main())
