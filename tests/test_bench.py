@@ -159,6 +159,8 @@ def report(tmp_path_factory):
     save_drafter(init_draft_params(dcfg, jax.random.PRNGKey(1), jnp.float32), dcfg, draft)
     out = root / "out"
     argv = [
+        "--only",
+        "smollm2,8b,peer",  # every default phase of an accelerator, on tiny shapes (the CPU's default is smollm2)
         "--out-dir",
         str(out),
         "--target",
