@@ -123,6 +123,20 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                    help="XLA's GEMMs in fused iterations on a GPU: Triton or cuBLAS (EngineConfig.gemm)")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
                    help="weights and KV cache (default: bf16 on accelerators, f32 on the CPU)")
+    _add_phase_arguments(p)
+    p.add_argument("--peer-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    return p
+
+
+def _add_phase_arguments(p: argparse.ArgumentParser) -> None:
+    """Each phase's flags, and the timing's, in groups of their own."""
+    for add in (_add_smollm2_arguments, _add_step_arguments, _add_tp_arguments, _add_peer_arguments,
+                _add_timing_arguments):
+        add(p)
+
+
+def _add_smollm2_arguments(p: argparse.ArgumentParser) -> None:
+    """The smollm2 phase's flags."""
     g = p.add_argument_group("smollm2 phase: the engine end to end")
     g.add_argument("--target", default=str(assets.DEFAULT_TARGET), help="target checkpoint directory")
     g.add_argument("--draft", default=None,
@@ -134,6 +148,10 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     g.add_argument("--prefill-buckets", type=sizes, default=(128, 512))
     g.add_argument("--prefill-batch-buckets", type=optional_sizes, default=None,
                    help="prompts per prefill call compiled (EngineConfig.prefill_batch_buckets; empty: its default)")
+
+
+def _add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """The 8b phase's flags."""
     g = p.add_argument_group("8b phase: step functions on synthetic state")
     g.add_argument("--step-model", default=LLAMA31_8B,
                    help=f"'{LLAMA31_8B}', '{LLAMA33_70B}' (with its 70B-layout drafter), or a checkpoint "
@@ -148,6 +166,10 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     g.add_argument("--max-model-len-8b", type=positive_int, default=1024, help="sizes the block tables")
     g.add_argument("--assumed-acceptance", type=positive_float, default=3.0,
                    help="acceptance length L ASSUMED (not measured) for the throughput it would give")
+
+
+def _add_tp_arguments(p: argparse.ArgumentParser) -> None:
+    """The tp phase's flags."""
     g = p.add_argument_group("tp phase: TP=N vs TP=1 greedy tokens; all-reduce bandwidth")
     g.add_argument("--tp-check-hidden", type=positive_int, default=512,
                    help="hidden size of the small f32 Llama (8 heads, 2 kv heads, intermediate 2x; its drafter: half "
@@ -165,6 +187,10 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                         "one-shot (" + ALLREDUCE_FLAGS["one-shot"][0] + "), nvshmem ("
                         + ALLREDUCE_FLAGS["nvshmem"][0] + "); set in XLA_FLAGS before jax starts, after checking "
                         "that this jax's XLA knows the flag")
+
+
+def _add_peer_arguments(p: argparse.ArgumentParser) -> None:
+    """The peer phase's flags."""
     g = p.add_argument_group("peer phase: Hugging Face transformers")
     g.add_argument("--peer-batches", type=sizes, default=(1,), help="e.g. 1,8 (each batch size compiles again)")
     g.add_argument("--peer-prompts", type=positive_int, default=None,
@@ -172,6 +198,10 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
     g.add_argument("--peer-8b", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the step model's shapes (random weights) at batch 1 (not with --tp > 1)")
     g.add_argument("--peer-timeout", type=positive_float, default=420.0, help="seconds before the peer is abandoned")
+
+
+def _add_timing_arguments(p: argparse.ArgumentParser) -> None:
+    """How steps are timed and the ceilings measured."""
     g = p.add_argument_group("timing")
     g.add_argument("--calls", type=positive_int, default=10, help="back-to-back calls per timed round of a step")
     g.add_argument("--rounds", type=positive_int, default=5, help="timed rounds; the median is reported")
@@ -186,8 +216,6 @@ def build_parser(prog: str = "eagle3-jax bench") -> argparse.ArgumentParser:
                         "(device busy time per call, the kernel families it went to and, with the precompile, its "
                         "kernels by the source line of the step's code that made them); in the smollm2 phase "
                         "one more round per row (device busy time per iteration, and device idle)")
-    p.add_argument("--peer-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    return p
 
 
 @dataclasses.dataclass(frozen=True)
