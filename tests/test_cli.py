@@ -282,6 +282,20 @@ def test_bench_defaults_fit_the_machine(monkeypatch):
     assert (given.batches, given.phases) == ((2, 8), ("smollm2",))
 
 
+def test_bench_8b_phase_that_would_not_fit_the_host_is_refused(capsys, monkeypatch):
+    """On the CPU the 8b phase's weights are host memory: Llama-3.1-8B in f32 (32 GB) is refused on
+    a 24 GB machine before anything is allocated; SmolLM2's shapes are not."""
+    from eagle3_jax.bench.options import Options, build_parser
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 24 * 10**9 // 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    line = main_error(capsys, "bench", "--only", "8b")
+    assert line.startswith("eagle3-jax bench: error: --only 8b: the random weights of --step-model llama3.1-8b take "
+                           "32 GB (f32) and this machine has 24 GB: on the CPU give --step-model smollm2-135m"), line
+    assert Options.from_args(build_parser().parse_args(["--only", "8b", "--step-model", "smollm2-135m"])).tp == 1
+
+
 @pytest.fixture(scope="module")
 def tiny_target_with_tokenizer(tiny_target) -> Path:
     (tiny_target / "tokenizer.json").write_text("{}")  # only its presence is checked before loading

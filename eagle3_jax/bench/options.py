@@ -26,7 +26,8 @@ from eagle3_jax.cli import (
     sizes,
     tree_spec,
 )
-from eagle3_jax.config import ATTENTION_KINDS, GEMM_KINDS, GEMV_KINDS, TreeSpec
+from eagle3_jax.config import ATTENTION_KINDS, GEMM_KINDS, GEMV_KINDS, ModelConfig, TreeSpec
+from eagle3_jax.parallel.plan import target_weight_bytes
 
 # XLA's all-reduce implementations on GPUs, as XLA_FLAGS set before jax starts its backend
 # (`collectives.use_allreduce`). "default": NCCL. "one-shot": XLA's own kernel for small all-reduces,
@@ -271,11 +272,13 @@ class Options:
     def from_args(cls, a: argparse.Namespace) -> Options:
         """The options of parsed flags, each machine default resolved (`MACHINE_DEFAULTS`), checked
         together: UsageError naming the flag and what to do, before anything loads."""
-        machine = 0 if accelerator_installed() else 1
+        on_cpu = not accelerator_installed()
         for name, defaults in MACHINE_DEFAULTS.items():
             if getattr(a, name) is None:
-                setattr(a, name, defaults[machine])
+                setattr(a, name, defaults[on_cpu])
         check_flags(a)
+        if on_cpu and "8b" in a.only:
+            check_host_memory(a)
         return cls(
             phases=a.only,
             out_dir=Path(a.out_dir),
@@ -379,3 +382,19 @@ def check_step_inputs(a: argparse.Namespace) -> None:
     if a.context + a.calls * most + footprint > a.max_model_len_8b:
         raise UsageError(f"--context {a.context} + {a.calls} calls x {most} tokens + {footprint} exceed "
                          f"--max-model-len-8b {a.max_model_len_8b}: raise it, or lower --context or --calls")
+
+
+def check_host_memory(a: argparse.Namespace) -> None:
+    """On the CPU the 8b phase's random weights live in host memory (f32 unless --dtype bf16):
+    refused when the step model's alone would take most of it."""
+    if a.step_model in STEP_PRESETS:
+        target = STEP_PRESETS[a.step_model]()[0]
+    else:
+        target = ModelConfig.from_json(Path(a.step_model) / "config.json")
+    dtype_bytes = 2 if a.dtype == "bf16" else 4
+    need = target_weight_bytes(target, 1, dtype_bytes)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > 0.75 * have:
+        raise UsageError(f"--only 8b: the random weights of --step-model {a.step_model} take {need / 1e9:.0f} GB "
+                         f"({'bf16' if dtype_bytes == 2 else 'f32'}) and this machine has {have / 1e9:.0f} GB: on "
+                         "the CPU give --step-model smollm2-135m, or a smaller checkpoint's directory")
