@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import assets
-from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig, TreeSpec, default_tree
+from eagle3_jax.config import EngineConfig, ModelConfig, TreeSpec, default_tree, parse_tree
 from eagle3_jax.engine.engine import Engine
 from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
 from eagle3_jax.parallel import sharding
@@ -77,12 +77,14 @@ class LLM:
         steady latency matters and "auto" speculation times each bucket, and not on the CPU, where
         compiling every shape takes minutes and a short run needs only a few.
     num_speculative_tokens: K, the chain's proposals (0: the target alone).
-    tree: draft EAGLE-2's dynamic tree TreeSpec(steps, top_k, tokens) (sets EngineConfig.tree):
+    tree: draft EAGLE-2's dynamic tree TreeSpec(steps, top_k, tokens), or "steps,top_k,tokens"
+        as `--tree` takes it (sets EngineConfig.tree):
         under speculation "auto" (the default) each batch bucket runs the tree, the chain of
         num_speculative_tokens or the target alone, whichever emits tokens fastest there; under
         "always", the tree. None: no tree, the chain only. "auto" (the default): engine_config's
         tree if it sets one, else on a GPU the default tree (6, 8, 31) beside the chain under
         speculation "auto", and none on the CPU or under "always" (`config.default_tree`).
+        "none" is None (`config.parse_tree`).
     batch_invariant: sets EngineConfig.batch_invariant (None: engine_config's): the target's
         kernels compute each token alike in any batch and any step, so greedy output is the target
         alone's bit for bit on a GPU in bf16 too.
@@ -95,8 +97,7 @@ class LLM:
         engine_config = engine_config or EngineConfig()
         if batch_invariant is not None:
             engine_config = dataclasses.replace(engine_config, batch_invariant=batch_invariant)
-        if isinstance(tree, str) and tree != "auto":
-            raise ConfigError(f'tree must be a TreeSpec, "auto" or None, got {tree!r}')
+        tree = parse_tree(tree)
         # K and the tree checked now, before anything loads ("auto" resolved once the drafter is known).
         engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens,
                                             tree=engine_config.tree if tree == "auto" else tree)

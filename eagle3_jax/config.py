@@ -444,6 +444,8 @@ class EngineConfig:
         `default_batch_buckets` for what it drafts, up to 64 rows: from 2 for chains only (one
         request runs padded to two rows, where the chain's iteration is the cheaper), from 1 for a
         tree or the target alone.
+    max_num_seqs: the most requests running at once (the slots), at most the largest batch
+        bucket; None: the largest batch bucket.
     prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
         largest bucket.
     prefill_batch_buckets: prompts per prefill call compiled (each with every chunk bucket). The
@@ -457,9 +459,9 @@ class EngineConfig:
         tree: the target verifies `tokens` nodes in one forward and a row accepts up to `steps` of
         them. It is the engine's proposal ("always" runs it at every bucket), and "auto" chooses
         per bucket among the tree, the chain of K (when K > 0) and the target alone
-        (`speculative_proposals`). TreeSpec(K, 1, K) is the chain of K: it replaces
-        num_speculative_tokens and runs the chain's programs. Trees run as fused iterations only
-        (fused_iteration True).
+        (`speculative_proposals`). TreeSpec(K, 1, K) is the chain of K: it stands for
+        num_speculative_tokens K and runs the chain's programs (the `resolved` config says so).
+        Trees run as fused iterations only (fused_iteration True).
     speculation: "auto" chooses per bucket, and per iteration, what emits tokens fastest there:
         the target alone or one of `speculative_proposals`, from the measured cost of each
         iteration at the bucket (timed in warm-up, or `step_costs`) and each proposal's
@@ -473,13 +475,13 @@ class EngineConfig:
     step_costs: (bucket, target-only seconds, then seconds of each speculative proposal in the
         order of `speculative_proposals`) per batch bucket, e.g. from `eagle3-jax bench`, for
         "auto"; buckets it lacks are timed in warm-up, entries for other batch sizes are
-        ignored. None times every bucket.
+        ignored. None times every bucket. Kept as tuples, so the config stays hashable.
     fused_iteration: one program per iteration (True), or the driver dispatching the verify and
         each draft step as programs of their own, threading the draft's hidden state (False; a
         chain only).
     page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable);
         num_pages None sizes it for every slot at min(max_model_len, 1024) tokens plus one
-        request at max_model_len. Requests that do not fit wait; none is refused for it.
+        request at max_model_len (`resolved`). Requests that do not fit wait; none is refused for it.
     max_model_len: longest prompt + output a request may have.
     attention: paged attention of decode, verify and draft steps. "pallas": one Pallas kernel per
         layer that reads only the pages a row has filled (model/pallas_attention.py; interpreted,
@@ -519,9 +521,13 @@ class EngineConfig:
         engine.freeze_heap), so that no full pass of the cyclic collector over the loaded
         engine's objects stalls serving. False leaves the collector alone (a test suite
         that builds many engines skips the pass, 0.4 s or more each on a CPU machine).
+
+    Every field keeps the value it is given; what follows from them is a property, or is filled in
+    by `resolved()`, the copy the engine serves.
     """
 
     batch_buckets: tuple[int, ...] | None = None
+    max_num_seqs: int | None = None
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     prefill_batch_buckets: tuple[int, ...] = (1, 8)
     num_speculative_tokens: int = 3
@@ -566,9 +572,6 @@ class EngineConfig:
             if not self.fused_iteration and not self.tree.is_chain:
                 raise ConfigError(f"{where}: fused_iteration=False does not run a tree ({self.tree} runs as "
                                   "fused iterations only): use fused_iteration=True, or a chain")
-            if self.tree.is_chain:  # the chain of K, served as one
-                object.__setattr__(self, "num_speculative_tokens", self.tree.steps)
-                object.__setattr__(self, "tree", None)
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
                               f"{self.num_speculative_tokens}")
@@ -580,7 +583,7 @@ class EngineConfig:
         if self.step_costs is not None:
             # A tuple of tuples, so the config stays hashable whatever sequence it was given as.
             width = 2 + len(self.speculative_proposals)
-            costs = tuple((int(c[0]), *(float(t) for t in c[1:])) for c in self.step_costs)
+            costs = tuple(tuple(c) for c in self.step_costs)
             if wrong := [c for c in costs if len(c) != width]:
                 names = ", ".join(p.label for p in self.speculative_proposals)
                 raise ConfigError(f"{where}: step_costs entries are (bucket, target-only seconds, then seconds of "
@@ -591,25 +594,42 @@ class EngineConfig:
             if len({c[0] for c in costs}) != len(costs):
                 raise ConfigError(f"{where}: step_costs lists a bucket twice: {costs}")
             object.__setattr__(self, "step_costs", costs)
-        if self.num_pages is None:
-            typical = -(-min(self.max_model_len, 1024) // self.page_size)
-            object.__setattr__(self, "num_pages", self.max_num_seqs * typical + self.max_blocks_per_seq + 1)
-        if self.num_pages < 2:
+        if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"{where}: num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
+        largest = (self.batch_buckets or BATCH_BUCKETS)[-1]
+        if self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= largest:
+            raise ConfigError(f"{where}: max_num_seqs must be in 1..{largest} (the largest batch bucket runs them "
+                              f"all), got {self.max_num_seqs}; add a larger bucket to batch_buckets for more")
+
+    def resolved(self) -> EngineConfig:
+        """The config as the engine serves it (the engine makes it once): a chain-shaped tree as
+        the chain of its steps (tree None, num_speculative_tokens its steps), max_num_seqs and
+        num_pages filled in. A resolved config resolves to itself."""
+        tree, k = self._drafted
+        seqs = self.max_num_seqs or (self.batch_buckets or BATCH_BUCKETS)[-1]
+        served = dataclasses.replace(self, tree=tree, num_speculative_tokens=k, max_num_seqs=seqs)
+        if served.num_pages is not None:
+            return served
+        typical = -(-min(self.max_model_len, 1024) // self.page_size)
+        return dataclasses.replace(served, num_pages=seqs * typical + served.max_blocks_per_seq + 1)
 
     @property
-    def max_num_seqs(self) -> int:
-        return (self.batch_buckets or BATCH_BUCKETS)[-1]
+    def _drafted(self) -> tuple[TreeSpec | None, int]:
+        """(the tree drafted, the chain's K): a chain-shaped tree is the chain of its steps."""
+        if self.tree is not None and self.tree.is_chain:
+            return None, self.tree.steps
+        return self.tree, self.num_speculative_tokens
 
     @property
     def speculative_proposals(self) -> tuple[TreeSpec, ...]:
         """What a bucket may draft with a drafter, the engine's proposal first (a chain as
         TreeSpec.chain(K)): the tree, and in "auto" the chain of K beside it; else the chain of K
         (none when K is 0). "auto" also has the target alone."""
-        chain = (TreeSpec.chain(self.num_speculative_tokens),) if self.num_speculative_tokens else ()
-        if self.tree is None:
+        tree, k = self._drafted
+        chain = (TreeSpec.chain(k),) if k else ()
+        if tree is None:
             return chain
-        return (self.tree, *chain) if self.speculation == "auto" else (self.tree,)
+        return (tree, *chain) if self.speculation == "auto" else (tree,)
 
     @property
     def max_proposals(self) -> int:
@@ -622,7 +642,8 @@ class EngineConfig:
         # each, for the largest K, so the pool's size does not depend on K (a tree may write
         # further: TreeSpec.positions_per_iteration); a multiple of 4 pages, so the attention
         # kernel reads the table 4 pages at a time without running past it.
-        per_iteration = max(MAX_SPECULATIVE_TOKENS + 1, self.tree.positions_per_iteration if self.tree else 0)
+        tree = self._drafted[0]
+        per_iteration = max(MAX_SPECULATIVE_TOKENS + 1, tree.positions_per_iteration if tree else 0)
         pages = -(-(self.max_model_len + 2 * per_iteration) // self.page_size)
         return -(-pages // 4) * 4
 
@@ -632,6 +653,32 @@ class EngineConfig:
 # rows; at 64 the chain is the faster, and "auto" runs it there (BENCHMARKS.md, "Trees end to
 # end"). Its programs add about a third to a GPU engine's warm-up ("Start-up").
 DEFAULT_TREE = TreeSpec(6, 8, 31)
+
+
+def parse_tree_spec(text: str) -> TreeSpec:
+    """"6,8,31" -> TreeSpec(steps=6, top_k=8, tokens=31); ConfigError naming what is wrong."""
+    try:
+        steps, top_k, tokens = (int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{text!r} is not STEPS,TOPK,TOKENS (three integers, e.g. 6,8,31)") from None
+    if not 1 <= steps <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"steps {steps} is outside 1..{MAX_SPECULATIVE_TOKENS}")
+    return TreeSpec(steps, top_k, tokens)
+
+
+def parse_tree(value: TreeSpec | str | None) -> TreeSpec | str | None:
+    """A tree as `LLM(tree=...)` and `--tree` take it: a TreeSpec or "STEPS,TOPK,TOKENS" (that
+    tree), "auto" (returned as is: `default_tree` decides once the drafter is known), None or
+    "none" (None: no tree, the chain only). ConfigError for anything else."""
+    if value is None or isinstance(value, TreeSpec):
+        return value
+    if not isinstance(value, str) or ("," not in value and value.strip() not in ("auto", "none")):
+        raise ConfigError(f'tree must be a TreeSpec, "STEPS,TOPK,TOKENS" (e.g. "6,8,31"), "auto", "none" or None, '
+                          f"got {value!r}")
+    text = value.strip()
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return parse_tree_spec(text)
 
 
 def default_tree(engine_config: EngineConfig, drafting: bool, backend: str) -> TreeSpec | None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Is the speculation policy ("auto") what makes its bench rows slower on the host?
 
-    python3 experiments/auto_host_probe.py --target checkpoints/smollm2-135m-instruct \
+    python3 experiments/auto_host_probe.py --target ~/.cache/eagle3_jax/checkpoints/smollm2-135m-instruct \
         --draft checkpoints/smollm2-135m-eagle3 --questions question.jsonl [--tree 6,8,31]
 
 In the bench each mode is an engine of its own, built and timed one after another, and the chain's

@@ -21,8 +21,9 @@ functions; prints the tables and writes bench.md, bench.json and bench.png to --
 `eagle3-jax bench` flag passes through (`--help` lists them); the flags below are this script's.
 
 The device machine has no network, so what the run reads must travel with the working tree:
-  - the target: checkpoints/smollm2-135m-instruct (converted), or the SmolLM2 GGUF given with
-    --gguf (one file, or its parts in order), converted here first (needs the `gguf` package);
+  - the target: --target (default: the converted one in the user's cache, assets.DEFAULT_TARGET),
+    or the SmolLM2 GGUF given with --gguf (one file, or its parts in order), converted there first
+    (needs the `gguf` package);
   - the MT-bench questions: --questions FILE, else .stage/question.jsonl when present, else the
     cached asset (~/.cache/eagle3_jax): without one of these the run stops before using the GPU.
 Budget (defaults): 8 MT-bench prompts at batch 1 (8 rounds), 4 rounds of 2 at batch 2, 2 of 4 at
@@ -96,7 +97,8 @@ def main() -> int:
     p.add_argument("--target", default=str(assets.DEFAULT_TARGET))
     p.add_argument("-h", "--help", action="store_true")
     ours, rest = p.parse_known_args()
-    from eagle3_jax import bench
+    from eagle3_jax import bench, cli
+    from eagle3_jax.bench.common import DEFAULT_PHASES
 
     if ours.help:
         p.print_help()
@@ -108,12 +110,12 @@ def main() -> int:
     if smi:
         print(subprocess.run([smi, "--query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem,driver_version",
                               "--format=csv"], capture_output=True, text=True).stdout, flush=True)
-    only = bench.build_parser().parse_known_args(rest)[0].only
+    only = bench.build_parser().parse_known_args(rest)[0].only or DEFAULT_PHASES  # this script runs on a GPU
     argv = ["--target", ours.target, *rest]
     if "smollm2" in only or "peer" in only:
         prepare_target(Path(ours.target), ours.gguf)
         argv += ["--questions", find_questions(ours.questions)]
-    rc = bench.main(argv)
+    rc = cli.main(["bench", *argv])  # its mistakes in one line, as `eagle3-jax bench`
     print(f"bench_h200: {time.perf_counter() - start:.0f} s in all", flush=True)
     return rc
 

@@ -53,8 +53,8 @@ import numpy as np
 from eagle3_jax import assets
 from eagle3_jax.bench.common import Column, Result, markdown_table
 from eagle3_jax.bench.harness import sized_engine_config
-from eagle3_jax.bench.options import sorted_ints
 from eagle3_jax.bench.phases import load_prompts, request_latencies
+from eagle3_jax.cli import sizes
 from eagle3_jax.config import ATTENTION_KINDS, EngineConfig
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
@@ -242,10 +242,10 @@ def main() -> int:
     ap.add_argument("--num-draft", type=int, default=3, help="K of the EAGLE-3 modes")
     ap.add_argument("--speculation", default="always,auto",
                     help="EAGLE-3 modes beside target-only: EngineConfig.speculation values (empty: none)")
-    ap.add_argument("--batches", type=sorted_ints, default=(2, 4, 8, 16, 32),
+    ap.add_argument("--batches", type=sizes, default=(2, 4, 8, 16, 32),
                     help="batch buckets compiled; the largest is how many requests run at once")
-    ap.add_argument("--prefill-buckets", type=sorted_ints, default=(128, 512))
-    ap.add_argument("--prefill-batch-buckets", type=sorted_ints, default=None,
+    ap.add_argument("--prefill-buckets", type=sizes, default=(128, 512))
+    ap.add_argument("--prefill-batch-buckets", type=sizes, default=None,
                     help="prompts per prefill call compiled (EngineConfig.prefill_batch_buckets; default: its default)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--attention", default="auto", choices=ATTENTION_KINDS, help="EngineConfig.attention")

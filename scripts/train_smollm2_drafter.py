@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from eagle3_jax import assets  # noqa: E402
 from eagle3_jax.config import ConfigError  # noqa: E402
 from eagle3_jax.train import data, loop, regenerate  # noqa: E402
+from eagle3_jax.train.config import TrainConfig  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,16 +137,16 @@ def run(a, argv: list[str], ap: argparse.ArgumentParser) -> int:
         files = [log_dir / f"data_{a.seq_len}.shard{i}of{processes}.npz" for i in range(processes)]
         data_files = in_processes(argv + ["--magpie-file", a.magpie_file], a.regen_gpus, a.regen_processes_per_gpu,
                                   log_dir, "regenerate", files, ["--prepare-only"], "--data-cache")
-    budget = a.time_budget_s - (time.perf_counter() - T0) if a.time_budget_s > 0 else None
+    budget = max(a.time_budget_s - (time.perf_counter() - T0), 1.0) if a.time_budget_s > 0 else None
     buckets = tuple(b for b in a.length_buckets or () if b < a.seq_len) + (a.seq_len,)
-    record = loop.train_drafter(
-        target, a.out or log_dir / "draft", draft_vocab_size=a.draft_vocab_size, steps=a.steps,
+    config = TrainConfig(
+        draft_vocab_size=a.draft_vocab_size, intermediate_size=a.draft_intermediate_size, init=a.init, steps=a.steps,
         batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, reach_top_k=a.ttt_reach_top_k,
-        seed=a.seed, sharegpt=a.sharegpt,
-        mtbench=mtbench, ckpt_dir=a.ckpt_dir, log_dir=log_dir, time_budget_s=budget, dtype=a.dtype,
-        ckpt_every=a.ckpt_every, eval_rows=a.eval_rows, data_cache=data_files, max_conversations=a.max_conversations,
-        init=a.init, regen=spec, length_buckets=buckets, patience=a.patience, stop_metric=a.early_stop_metric,
-        min_delta=a.early_stop_min_delta, intermediate_size=a.draft_intermediate_size, progress=not a.no_progress)
+        seed=a.seed, length_buckets=buckets, time_budget_s=budget, dtype=a.dtype, sharegpt=a.sharegpt,
+        mtbench=mtbench, max_conversations=a.max_conversations, data_cache=data_files, regen=spec,
+        ckpt_dir=a.ckpt_dir, log_dir=log_dir, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows, patience=a.patience,
+        stop_metric=a.early_stop_metric, min_delta=a.early_stop_min_delta, progress=not a.no_progress)
+    record = loop.train_drafter(target, a.out or log_dir / "draft", config)
     tp = record["throughput"]
     if record["data"]["provenance"]:
         print(regenerate.format_provenance(record["data"]["provenance"]))

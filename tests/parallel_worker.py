@@ -238,7 +238,7 @@ def _runner(cfg: ModelConfig, dcfg: DraftConfig | None, tp: int, own_embedding: 
 
     engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
                               num_speculative_tokens=3 if dcfg else 0, page_size=PAGE, num_pages=64,
-                              max_model_len=64)
+                              max_model_len=64).resolved()  # as an engine hands it to its runner
     dparams = None if dcfg is None else E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding)
     return ModelRunner(cfg, jax.tree.map(jnp.asarray, random_params(cfg)), dcfg, dparams, engine_cfg, S.make_mesh(tp))
 

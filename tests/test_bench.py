@@ -27,6 +27,7 @@ import pytest
 from conftest import CyclicGarbage
 
 from eagle3_jax import bench
+from eagle3_jax.cli import UsageError
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.model.llama import init_params
@@ -158,6 +159,8 @@ def report(tmp_path_factory):
     save_drafter(init_draft_params(dcfg, jax.random.PRNGKey(1), jnp.float32), dcfg, draft)
     out = root / "out"
     argv = [
+        "--only",
+        "smollm2,8b,peer",  # every default phase of an accelerator, on tiny shapes (the CPU's default is smollm2)
         "--out-dir",
         str(out),
         "--target",
@@ -564,10 +567,10 @@ def test_allreduce_option_errors():
 
     assert parse("--only", "8b", "--tp", "2", "--allreduce", "nvshmem").allreduce == "nvshmem"
     assert parse("--only", "8b").allreduce == "default"
-    with pytest.raises(SystemExit, match=r"^--allreduce: unknown implementation 'two-shot'; choose from default, "
+    with pytest.raises(UsageError, match=r"^--allreduce: unknown implementation 'two-shot'; choose from default, "
                                          r"one-shot, nvshmem$"):
         parse("--only", "8b", "--tp", "2", "--allreduce", "two-shot")
-    with pytest.raises(SystemExit, match=r"^--allreduce one-shot chooses the all-reduce of a tensor-parallel run: "
+    with pytest.raises(UsageError, match=r"^--allreduce one-shot chooses the all-reduce of a tensor-parallel run: "
                                          r"give --tp N with N >= 2$"):
         parse("--only", "8b", "--allreduce", "one-shot")
 
@@ -644,7 +647,11 @@ def test_the_shipped_drafter_serves_smollm2_converted_anywhere(tmp_path):
     from eagle3_jax import assets, presets
     from eagle3_jax.bench.phases import resolve_draft
 
-    opts = bench.Options.from_args(bench.build_parser().parse_args(["--target", str(tmp_path / "elsewhere")]))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text(json.dumps(presets.SMOLLM2_135M))
+    (elsewhere / "model.safetensors").touch()  # what the bench checks before loading: the file is there
+    opts = bench.Options.from_args(bench.build_parser().parse_args(["--target", str(elsewhere)]))
     smollm2, _ = presets.smollm2_135m()
     path, label = resolve_draft(opts, smollm2, tmp_path)
     assert path == assets.DEFAULT_DRAFT

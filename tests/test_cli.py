@@ -217,6 +217,131 @@ def test_convert_draft_without_torch_says_to_install_it(tmp_path):
     assert "eagle3-jax convert-draft` on a machine" not in line  # not "run the command you just ran"
 
 
+# ---- bench and train-draft ----------------------------------------------------------------------
+def main_error(capsys, *argv: str) -> str:
+    """The single stderr line of `eagle3-jax ARGV` run in this process, which must exit with 2."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse's errors exit from inside parsing
+        code = e.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, lines)
+    return lines[0]
+
+
+def test_bench_mistakes_are_one_line_before_anything_starts(tmp_path):
+    """A subprocess each: exit 2, one line, and JAX never started a backend (nothing allocated)."""
+    for args, message in [
+        (("--target", str(tmp_path / "nope")), f"eagle3-jax bench: error: --target {tmp_path / 'nope'}: no such "
+                                               "directory"),
+        (("--only", "8b", "--step-draft", str(tmp_path)), f"eagle3-jax bench: error: --step-draft {tmp_path}: no "
+                                                          "drafter config.json there"),
+    ]:
+        proc, seconds = run_cli("bench", *args, report_loaded=True)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert lines[0].startswith(message), lines[0]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["backend"] is False
+        assert seconds < 2 * FLAG_SECONDS
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--batches", "0"), "argument --batches: '0': 0 must be at least 1"),
+    (("--batches", "1,x"), "argument --batches: '1,x': 'x' is not an integer"),
+    (("--num-draft", "0"), "argument --num-draft: '0': K must be at least 1 (the target alone always runs)"),
+    (("--num-draft", "2,17"), "argument --num-draft: '2,17': K = 17 is outside 0..16"),
+    (("--only", "smollm2,gpu"), "argument --only: 'smollm2,gpu': choose phases from smollm2, 8b, peer, tp"),
+    (("--prompts", "-1"), "argument --prompts: -1 must be at least 1"),
+    (("--tree", "2,2,7"), "argument --tree: tokens must be at most the 6 candidates of steps=2, top_k=2, got 7"),
+    (("--only", "tp"), "--only tp compares TP=N with TP=1: give --tp N with N >= 2"),
+    (("--questions", "/nonexistent/question.jsonl"), "--questions /nonexistent/question.jsonl: no such file"),
+    (("--only", "8b", "--step-model", "nope"), "--step-model nope: neither a preset"),
+    (("--only", "8b", "--context", "1000"), "--context 1000 + 10 calls x 4 tokens + 4 exceed --max-model-len-8b 1024"),
+])
+def test_bench_flag_mistakes(capsys, args, message):
+    line = main_error(capsys, "bench", *args)
+    assert line.startswith(f"eagle3-jax bench: error: {message}"), line
+
+
+def test_bench_defaults_fit_the_machine(monkeypatch):
+    """On the CPU the bench leaves out the 8b phase (a random Llama-3.1-8B: 32 GB in f32) and the
+    peer, and runs short; on an accelerator it runs the full defaults. Told by JAX_PLATFORMS here,
+    without starting a backend."""
+    from eagle3_jax.bench.options import Options, build_parser
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    cpu = Options.from_args(build_parser().parse_args([]))
+    assert (cpu.phases, cpu.batches, cpu.prompts, cpu.max_tokens) == (("smollm2",), (1, 2, 4), 2, 32)
+    assert (cpu.bandwidth_gb, cpu.matmul_size) == (0.25, 1024)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    gpu = Options.from_args(build_parser().parse_args([]))
+    assert (gpu.phases, gpu.batches, gpu.prompts, gpu.max_tokens) == (("smollm2", "8b", "peer"),
+                                                                      (1, 2, 4, 8, 16, 32, 64), 8, 256)
+    assert (gpu.bandwidth_gb, gpu.matmul_size) == (4.0, 8192)
+    given = Options.from_args(build_parser().parse_args(["--batches", "8,2", "--only", "smollm2"]))
+    assert (given.batches, given.phases) == ((2, 8), ("smollm2",))
+
+
+def test_bench_8b_phase_that_would_not_fit_the_host_is_refused(capsys, monkeypatch):
+    """On the CPU the 8b phase's weights are host memory: Llama-3.1-8B in f32 (32 GB) is refused on
+    a 24 GB machine before anything is allocated; SmolLM2's shapes are not."""
+    from eagle3_jax.bench.options import Options, build_parser
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 24 * 10**9 // 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    line = main_error(capsys, "bench", "--only", "8b")
+    assert line.startswith("eagle3-jax bench: error: --only 8b: the random weights of --step-model llama3.1-8b take "
+                           "32 GB (f32) and this machine has 24 GB: on the CPU give --step-model smollm2-135m"), line
+    assert Options.from_args(build_parser().parse_args(["--only", "8b", "--step-model", "smollm2-135m"])).tp == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_target_with_tokenizer(tiny_target) -> Path:
+    (tiny_target / "tokenizer.json").write_text("{}")  # only its presence is checked before loading
+    return tiny_target
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--steps", "0"), "argument --steps: 0 must be at least 1"),
+    (("--lr", "-1"), "train config: lr must be 0 or more, got -1.0"),
+    (("--warmup-frac", "1.5"), "train config: warmup_frac must be in [0, 1), got 1.5"),
+    (("--length-buckets", "0,8"), "train config: length_buckets must be positive lengths, got (0, 8)"),
+    (("--dtype", "fp8"), "argument --dtype: invalid choice: 'fp8'"),
+    (("--init", "/nonexistent/drafter"), "--init /nonexistent/drafter: no such directory"),
+    (("--sharegpt", "/nonexistent/sharegpt.json"), "--sharegpt /nonexistent/sharegpt.json: no such file"),
+    (("--regenerate", "--magpie", "5", "--no-prompt-filters"), "Magpie requests need the prompt filters"),
+])
+def test_train_draft_flag_mistakes(capsys, tiny_target_with_tokenizer, tmp_path, args, message):
+    line = main_error(capsys, "train-draft", "--target", str(tiny_target_with_tokenizer), "--out",
+                      str(tmp_path / "out"), *args)
+    assert line.startswith(f"eagle3-jax train-draft: error: {message}"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_draft_target_mistakes(capsys, tiny_target, tmp_path):
+    line = main_error(capsys, "train-draft", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert line.startswith(f"eagle3-jax train-draft: error: --target {tmp_path / 'nope'}: no such directory"), line
+    assert "eagle3-jax prepare" in line  # what to do
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(tiny_target / name)
+    line = main_error(capsys, "train-draft", "--target", str(bare), "--out", str(tmp_path / "out"))
+    assert line.startswith(f"eagle3-jax train-draft: error: --target {bare}: no tokenizer in it"), line
+    assert main_error(capsys, "train-draft", "--target", str(bare)).endswith(
+        "the following arguments are required: --out (see eagle3-jax train-draft --help)")
+
+
+def test_train_draft_mistake_in_a_subprocess_starts_nothing(tmp_path):
+    proc, seconds = run_cli("train-draft", "--target", str(tmp_path), "--out", str(tmp_path / "out"),
+                            report_loaded=True)
+    assert f"eagle3-jax train-draft: error: --target {tmp_path}: no config.json in it" in proc.stderr
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["backend"] is False
+    assert seconds < 2 * FLAG_SECONDS
+
+
 # ---- plan: presets and paths -------------------------------------------------------------------
 def test_plan_takes_bench_presets_and_shipped_configs():
     by_name, _ = run_cli("plan", "--target", "llama3.1-8b", "--tp", "1", "2")

@@ -264,7 +264,7 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     from eagle3_jax.config import DraftConfig
     from eagle3_jax.runner.state import init_state
 
-    engine_cfg = EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256)
+    engine_cfg = EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256).resolved()
     shallow = dataclasses.replace(smollm2_cfg, num_layers=2, capture_layer_ids=(0, 1, 1))
     states = {
         cfg.num_layers: jax.eval_shape(

@@ -356,6 +356,13 @@ def test_plan_70b(tp):
     assert p["max_kv_tokens"] == p["kv_budget"] // p["kv_bytes_per_token"]
 
 
+def test_plan_dtype_bytes_sizes_every_float_weight():
+    """The bytes per weight asked for apply to the bf16 leaves too (d2t, int32, keeps its 4)."""
+    target = llama70b()
+    assert plan_mod.target_weight_bytes(target, 1, 4) == 2 * plan_mod.target_weight_bytes(target, 1, 2)
+    assert plan_mod.target_weight_bytes(target, 1, 4) == 4 * 70_553_706_496
+
+
 def test_plan_scaling_and_table():
     plans = [plan_mod.plan_memory(llama70b(), drafter70b(), tp, max_batch=8, max_len=8192, page_size=16)
              for tp in (1, 2, 4, 8)]

@@ -18,6 +18,7 @@ from eagle3_jax.train import data as D
 from eagle3_jax.train import loop as L
 from eagle3_jax.train import objective as O
 from eagle3_jax.train import prompts as P
+from eagle3_jax.train.config import TrainConfig
 
 V, H = 64, 32
 
@@ -535,9 +536,9 @@ def test_training_continues_from_a_drafter(tmp_path):
     pairs = [(rng.integers(128, 256, 24).astype(np.int32), np.arange(24) >= 8) for _ in range(12)]
     D.save_examples(D.pad_examples(pairs, 32, 0), tmp_path / "data.npz")
     out = tmp_path / "continued"
-    rec = L.train_drafter(target, out, steps=6, batch_size=2, seq_len=32, lr=0.0, init=str(drafter), mtbench=None,
-                          data_cache=tmp_path / "data.npz", eval_rows=2, log_dir=tmp_path / "log", ckpt_every=1,
-                          patience=2, progress=False)
+    rec = L.train_drafter(target, out, TrainConfig(steps=6, batch_size=2, seq_len=32, lr=0.0, init=str(drafter),
+                                                   mtbench=None, data_cache=tmp_path / "data.npz", eval_rows=2,
+                                                   log_dir=tmp_path / "log", ckpt_every=1, patience=2, progress=False))
     assert rec["vocab"] == {"size": 64, "coverage": 0.0}
     assert [e["step"] for e in rec["evals"]] == [1, 2, 3] and rec["stopped_early"] and rec["eval"]["step"] == 1
     assert len({e["loss"] for e in rec["evals"]}) == 1 and len(rec["eval"]["accept_steps"]) == O.TTT_STEPS
@@ -551,9 +552,10 @@ def test_training_continues_from_a_drafter(tmp_path):
     # lm_head rows of the 32 tokens kept (none in the data: the lowest ids) and every other weight
     # as they were, the new units' down rows zero; the config says so, and it loads for the target.
     reshaped = tmp_path / "reshaped"
-    L.train_drafter(target, reshaped, steps=2, batch_size=2, seq_len=32, lr=0.0, init=str(drafter), mtbench=None,
-                    data_cache=tmp_path / "data.npz", eval_rows=2, log_dir=tmp_path / "log3", intermediate_size=96,
-                    draft_vocab_size=32, progress=False)
+    L.train_drafter(target, reshaped, TrainConfig(steps=2, batch_size=2, seq_len=32, lr=0.0, init=str(drafter),
+                                                  mtbench=None, data_cache=tmp_path / "data.npz", eval_rows=2,
+                                                  log_dir=tmp_path / "log3", intermediate_size=96, draft_vocab_size=32,
+                                                  progress=False))
     grown = load_file(reshaped / "model.safetensors")
     config = json.loads((reshaped / "config.json").read_text())
     assert (config["intermediate_size"], config["draft_vocab_size"]) == (96, 32)
@@ -574,8 +576,10 @@ def test_training_continues_from_a_drafter(tmp_path):
                                  ("target", dict(intermediate_size=32), "only be widened from its 64 units"),
                                  (str(drafter), dict(draft_vocab_size=65), "only be narrowed from its 64 tokens")]:
         with pytest.raises(ConfigError, match=message):
-            L.train_drafter(target, tmp_path / "no", steps=1, init=init, mtbench=None, data_cache=tmp_path / "none.npz",
-                            log_dir=tmp_path / "log4", progress=False, **shape)
+            L.train_drafter(target, tmp_path / "no", TrainConfig(steps=1, init=init, mtbench=None,
+                                                                 data_cache=tmp_path / "none.npz",
+                                                                 log_dir=tmp_path / "log4", progress=False, **shape))
     with pytest.raises(FileNotFoundError, match="config"):
-        L.train_drafter(target, out, steps=1, batch_size=2, seq_len=32, init=str(tmp_path / "nothing"),
-                        mtbench=None, data_cache=tmp_path / "data.npz", log_dir=tmp_path / "log2", progress=False)
+        L.train_drafter(target, out, TrainConfig(steps=1, batch_size=2, seq_len=32, init=str(tmp_path / "nothing"),
+                                                 mtbench=None, data_cache=tmp_path / "data.npz",
+                                                 log_dir=tmp_path / "log2", progress=False))

@@ -306,10 +306,10 @@ def test_regeneration_flags():
     assert (spec.turns, spec.temperatures, spec.replies_per_prompt, spec.magpie, spec.filters) == (
         None, (0.0, 0.7, 1.0), 2, 5, P.PromptFilters())
     assert parse("--regen-turns", "2", "--no-prompt-filters").filters is None
-    with pytest.raises(SystemExit, match="Magpie requests need the prompt filters"):
+    with pytest.raises(D.DataError, match="Magpie requests need the prompt filters"):
         parse("--magpie", "5", "--no-prompt-filters")
     assert parse("--min-ascii-letters", "0.8").filters == P.PromptFilters(min_ascii_letters=0.8)
-    with pytest.raises(SystemExit, match=r"replies per prompt must be in 1\.\.3"):
+    with pytest.raises(D.DataError, match=r"replies per prompt must be in 1\.\.3"):
         parse("--regen-temperatures", "0,0.7,1", "--regen-replies-per-prompt", "4")
     for bad in (["--regen-turns", "0"], ["--magpie", "-1"], ["--min-ascii-letters", "2"]):
         with pytest.raises(SystemExit):

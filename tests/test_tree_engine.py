@@ -316,8 +316,9 @@ def test_bad_tree_specs_name_the_field(args, message):
 def test_engine_config_tree():
     cfg = EngineConfig(tree=TreeSpec(4, 4, 8), num_speculative_tokens=2)
     assert cfg.num_speculative_tokens == 2 and cfg.max_proposals == 4  # K: the chain "auto" may choose
-    chain = EngineConfig(tree=TreeSpec.chain(3), fused_iteration=False)  # the chain of 3: it replaces K
-    assert chain.num_speculative_tokens == 3 and chain.tree is None
+    chain = EngineConfig(tree=TreeSpec.chain(3), fused_iteration=False)  # the chain of 3: it stands for K
+    assert chain.tree == TreeSpec.chain(3) and chain.speculative_proposals == (TreeSpec.chain(3),)
+    assert chain.resolved().num_speculative_tokens == 3 and chain.resolved().tree is None
     # Two iterations of a tree's footprint fit the block tables: (6, 8, 31) writes 47 positions past the length.
     wide = EngineConfig(tree=TreeSpec(6, 8, 31), page_size=16, max_model_len=2048)
     assert TreeSpec(6, 8, 31).positions_per_iteration == 47
@@ -330,6 +331,45 @@ def test_engine_config_tree():
         EngineConfig(tree=TreeSpec(2, 2, 3), fused_iteration=False)
 
 
+def test_engine_config_keeps_the_values_given():
+    """Fields stay as given (a chain-shaped tree, no pool size, no slot count); what follows from
+    them is a property, or the resolved copy the engine serves, which resolves to itself."""
+    cfg = EngineConfig(tree=TreeSpec(4, 1, 4), batch_buckets=(2, 8), max_model_len=64, page_size=16)
+    assert cfg.tree == TreeSpec(4, 1, 4) and cfg.num_speculative_tokens == 3
+    assert (cfg.num_pages, cfg.max_num_seqs) == (None, None)
+    assert cfg.speculative_proposals == (TreeSpec.chain(4),) and cfg.max_proposals == 4
+    served = cfg.resolved()
+    assert (served.tree, served.num_speculative_tokens, served.max_num_seqs) == (None, 4, 8)
+    assert served.num_pages == 8 * 4 + served.max_blocks_per_seq + 1  # 8 slots of 64 tokens, one full row more
+    assert served.resolved() == served and cfg.resolved() == served
+    given = EngineConfig(step_costs=[[2, 0.01, 0.02]], num_pages=40)
+    assert given.step_costs == ((2, 0.01, 0.02),) and given.resolved().num_pages == 40
+
+
+def test_max_num_seqs_is_set_and_checked():
+    assert EngineConfig().max_num_seqs is None and EngineConfig(batch_buckets=(2, 8)).resolved().max_num_seqs == 8
+    cfg = EngineConfig(batch_buckets=(2, 8), max_num_seqs=5, page_size=4, num_pages=64, max_model_len=64)
+    assert cfg.max_num_seqs == 5 and cfg.resolved().max_num_seqs == 5
+    assert Scheduler(cfg, VOCAB, 3).block_tables.shape[0] == 6  # five slots and the dummy
+    for buckets, seqs in (((2, 8), 9), (None, 65), ((2, 8), 0)):
+        bound = 8 if buckets else 64
+        with pytest.raises(ConfigError, match=rf"max_num_seqs must be in 1\.\.{bound} \(the largest batch bucket runs "
+                                              rf"them all\), got {seqs}"):
+            EngineConfig(batch_buckets=buckets, max_num_seqs=seqs)
+
+
+@pytest.mark.slow
+def test_engine_serves_a_chain_shaped_tree_and_fewer_slots(tiny_models, reference):
+    """TreeSpec(4, 1, 4) runs the chain of 4; max_num_seqs 3 under a bucket of 4 serves the four
+    prompts three at a time. Greedy output is the target alone's either way."""
+    llm = make(tiny_models[0], tiny_models[1]["shared"], TreeSpec(4, 1, 4), max_num_seqs=3)
+    engine = llm.engine
+    assert engine.runner.speculator == Chain(4) and engine.runner.step_cfg.tree is None
+    assert (engine.cfg.tree, engine.cfg.num_speculative_tokens, engine.cfg.max_num_seqs) == (None, 4, 3)
+    assert engine.scheduler.block_tables.shape[0] == 4
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference
+
+
 def test_default_buckets_follow_what_the_engine_drafts(tiny_models):
     """Given no batch_buckets the engine takes `default_batch_buckets` for its proposals: a lone
     request runs on one row with a tree or the target alone, padded to two with chains only."""
@@ -337,7 +377,7 @@ def test_default_buckets_follow_what_the_engine_drafts(tiny_models):
     assert default_batch_buckets((TreeSpec.chain(4),)) == rest
     assert default_batch_buckets((TreeSpec(5, 4, 15), TreeSpec.chain(4))) == (1, *rest)
     assert default_batch_buckets(()) == (1, *rest)
-    assert EngineConfig().batch_buckets is None and EngineConfig().max_num_seqs == 64
+    assert EngineConfig().batch_buckets is None and EngineConfig().resolved().max_num_seqs == 64
     target, drafters = tiny_models
     for draft, tree, first in ((drafters["shared"], TreeSpec(3, 2, 5), 1), (drafters["shared"], None, 2),
                                (None, None, 1), (drafters["shared"], TreeSpec.chain(3), 2)):
@@ -401,8 +441,29 @@ def test_the_default_tree_joins_only_where_auto_can_choose_it():
 def test_llm_tree_argument_is_a_tree_auto_or_none(tmp_path):
     from eagle3_jax.api import LLM
 
-    with pytest.raises(ConfigError, match=r"tree must be a TreeSpec, \"auto\" or None, got 'yes'"):
+    with pytest.raises(ConfigError, match=r"tree must be a TreeSpec, \"STEPS,TOPK,TOKENS\" .* got 'yes'"):
         LLM(tmp_path / "missing", tree="yes", progress=False)
+    # The CLI's spelling is taken, and checked before anything loads.
+    with pytest.raises(ConfigError, match="tokens must be at most the 6 candidates of steps=2, top_k=2, got 7"):
+        LLM(tmp_path / "missing", tree="2,2,7", progress=False)
+    with pytest.raises(ConfigError, match=r"steps 17 is outside 1\.\.16"):
+        LLM(tmp_path / "missing", tree="17,1,17", progress=False)
+    for accepted in ("3,2,5", "none", "auto"):  # past the tree: the missing target is what fails
+        with pytest.raises(FileNotFoundError):
+            LLM(tmp_path / "missing", tree=accepted, progress=False)
+
+
+@pytest.mark.parametrize("value, tree", [
+    ("6,8,31", TreeSpec(6, 8, 31)), (" 3, 2, 5 ", TreeSpec(3, 2, 5)), ("auto", "auto"), ("none", None),
+    (None, None), (TreeSpec(4, 1, 4), TreeSpec(4, 1, 4)),
+])
+def test_llm_and_cli_parse_a_tree_alike(value, tree):
+    from eagle3_jax import cli
+    from eagle3_jax.config import parse_tree
+
+    assert parse_tree(value) == tree
+    if isinstance(value, str):
+        assert cli.tree_choice(value) == tree
 
 
 @pytest.mark.parametrize("value, message", [

@@ -1,7 +1,7 @@
-"""`python -m eagle3_jax.bench`: the benchmark (also the peer's child process)."""
+"""`python -m eagle3_jax.bench`: the benchmark (also the peer's child process), as `eagle3-jax bench`."""
 
 import sys
 
-from eagle3_jax.bench.main import main
+from eagle3_jax.cli import main
 
-sys.exit(main())
+sys.exit(main(["bench", *sys.argv[1:]]))

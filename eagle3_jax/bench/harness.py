@@ -56,7 +56,8 @@ def sized_engine_config(batches: Sequence[int], k: int, max_model_len: int,
                         tree: TreeSpec | None = None, gemm: str = "auto") -> EngineConfig:
     """Buckets = the batch sizes, none below `min_bucket` (a smaller batch runs padded to it;
     None: the smallest of the engine's default buckets for this mode, `default_batch_buckets`);
-    a KV pool of exactly one full-length row per slot. "always": an EAGLE-3 row measures
+    a KV pool of exactly one full-length row per slot; resolved (`EngineConfig.resolved`), as the
+    runner takes it. "always": an EAGLE-3 row measures
     speculation at every batch size. `prefill_batch_buckets` None keeps the engine's default;
     `tree`: EngineConfig.tree; k = 0 without a tree: the target alone; `gemm`: EngineConfig.gemm."""
     cfg = EngineConfig(prefill_buckets=tuple(prefill_buckets), num_speculative_tokens=k,
@@ -65,7 +66,7 @@ def sized_engine_config(batches: Sequence[int], k: int, max_model_len: int,
                        tree=tree, gemm=gemm)
     if min_bucket is None:
         min_bucket = default_batch_buckets(cfg.speculative_proposals)[0]
-    cfg = dataclasses.replace(cfg, batch_buckets=tuple(sorted({max(b, min_bucket) for b in batches})))
+    cfg = dataclasses.replace(cfg, batch_buckets=tuple(sorted({max(b, min_bucket) for b in batches}))).resolved()
     return dataclasses.replace(cfg, num_pages=1 + cfg.max_num_seqs * cfg.max_blocks_per_seq)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from eagle3_jax import assets
 from eagle3_jax.bench import profile
 from eagle3_jax.bench.collectives import allreduce_shapes, measure_links, use_allreduce
 from eagle3_jax.bench.common import Result, log
@@ -27,6 +28,7 @@ from eagle3_jax.bench.options import Options, build_parser
 from eagle3_jax.bench.peer import peer_worker, phase_peer
 from eagle3_jax.bench.phases import phase_8b, phase_smollm2, phase_tp
 from eagle3_jax.bench.report import device_name, plot, report_markdown, summary_ratios
+from eagle3_jax.cli import UsageError
 from eagle3_jax.parallel import sharding
 
 
@@ -71,7 +73,7 @@ def run(opts: Options, command: str) -> tuple[dict, list[Result], dict, list[str
         try:
             mesh = sharding.make_mesh(opts.tp)
         except sharding.ShardingError as e:
-            raise SystemExit(f"--tp: {e}") from None
+            raise UsageError(f"--tp: {e}") from None
         t = time.perf_counter()
         target, _ = step_models(opts)
         link, rows, info["allreduce"] = measure_links(
@@ -108,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(out_path).write_text(json.dumps(peer_worker(json.loads(Path(spec_path).read_text()))))
         return 0
     opts = Options.from_args(args)
+    if opts.target == assets.DEFAULT_TARGET and {"smollm2", "peer"} & set(opts.phases):
+        assets.prepare_default_target()  # as LLM() does: downloaded and converted on first use
     if opts.profile:
         profile.keep_command_buffers()  # before the first use of a device
     use_allreduce(opts.allreduce, opts.tp)  # XLA_FLAGS too: checked in a child process, then set

