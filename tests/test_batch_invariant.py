@@ -1,0 +1,155 @@
+"""Batch invariance (EngineConfig.batch_invariant): each token's logits are bit for bit the same
+whatever the rows beside it, the tokens per row and the program (decode, chain or tree verify,
+prefill chunk). The kernels run in Pallas' interpreter here, with the same fixed blocks as on a GPU;
+the last test lowers them for CUDA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TEST_ENGINE, TINY
+
+from eagle3_jax.config import ConfigError, EngineConfig
+from eagle3_jax.model import invariant_attention, invariant_gemm, layers, llama, pallas_attention
+from eagle3_jax.runner.tree import tree_from_parents, verify_attention
+
+INVARIANT = dict(attention="invariant", gemv="invariant")
+
+
+@pytest.mark.parametrize("k, n, transposed", [(96, 192, False), (32, 12, True), (2048, 64, False)])
+def test_gemm_rows_do_not_depend_on_the_rows_beside_them(k, n, transposed):
+    """Every row of x[:m] @ w equals the same row of the 64-row product, m = 1..64, in bf16; the
+    last shape splits K (`k_splits`: its 64 columns are one tile), the second pads a tiny vocabulary."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, k), jnp.float32).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.PRNGKey(1), (n, k) if transposed else (k, n))).astype(jnp.bfloat16)
+    full = np.asarray(invariant_gemm.matmul(x, w, out_dtype=jnp.float32, transposed=transposed))
+    ref = np.asarray(x, np.float32) @ np.asarray(w.T if transposed else w, np.float32)
+    np.testing.assert_allclose(full, ref, rtol=1e-4, atol=1e-4)
+    assert invariant_gemm.k_splits(k, n) == (2 if k == 2048 else 1)
+    for m in range(1, 65):
+        part = np.asarray(invariant_gemm.matmul(x[:m], w, out_dtype=jnp.float32, transposed=transposed))
+        assert np.array_equal(part, full[:m]), m
+
+
+def _tiny(dtype, tied: bool):
+    cfg = TINY.__class__(**{**TINY.__dict__, "tie_word_embeddings": tied})
+    params = llama.init_params(cfg, jax.random.PRNGKey(0), dtype)
+    # Weights 10x the init's: logits spread over several units, where bf16's ulps are coarse.
+    return cfg, jax.tree.map(lambda a: (a * 10).astype(a.dtype) if a.ndim > 1 else a, params)
+
+
+def _run(cfg, params, tokens, chunks, kinds, cache=None, start=0, table=None):
+    """Logits [B, sum(chunks), V] of `tokens` fed in chunks of these sizes from position `start`."""
+    b = tokens.shape[0]
+    table = jnp.arange(1, 1 + b * 8, dtype=jnp.int32).reshape(b, 8) if table is None else table
+    if cache is None:
+        cache = llama.KVCache.zeros(cfg.num_layers, 1 + b * 8, 16, cfg.num_kv_heads, cfg.head_dim, params.embed.dtype)
+    outs, p = [], start
+    for c in chunks:
+        pos = jnp.broadcast_to(jnp.arange(p, p + c), (b, c))
+        hidden, _, cache = llama.forward(params, cfg, tokens[:, p - start:p - start + c], pos, cache, table,
+                                         kinds["attention"], None, kinds["gemv"])
+        outs.append(llama.logits(params, hidden, kinds["gemv"]))
+        p += c
+    return np.asarray(jnp.concatenate(outs, axis=1)), cache
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_verify_and_prefill_chunks_give_the_same_logits_in_bf16(tied):
+    """One prompt fed as one prefill, in uneven chunks (verifies of several tokens) and token by
+    token (decode): the same bf16 logits bit for bit, in a batch of 2 and alone; and close to the
+    XLA kernels' (which round differently, so not equal)."""
+    cfg, params = _tiny(jnp.bfloat16, tied)
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 20), 0, cfg.vocab_size)
+    prefill, _ = _run(cfg, params, tokens, [20], INVARIANT)
+    decode, _ = _run(cfg, params, tokens, [1] * 20, INVARIANT)
+    chunks, _ = _run(cfg, params, tokens, [5, 4, 3, 8], INVARIANT)
+    alone, _ = _run(cfg, params, tokens[1:], [7, 13], INVARIANT)
+    assert np.array_equal(prefill, decode) and np.array_equal(chunks, decode)
+    assert np.array_equal(alone[0], decode[1])
+    xla, _ = _run(cfg, params, tokens, [20], dict(attention="xla", gemv="xla"))
+    assert np.abs(xla - prefill).max() < 0.1 * np.abs(xla).max()
+
+
+def test_tree_verify_equals_decoding_each_path():
+    """A tree verify (nodes stored at length + index, rotated at length + depth) gives every node
+    the logits a decode of its root-to-node path gives, bit for bit in bf16: the kernel reads a
+    node's ancestors where decode stores them. Checked on three paths of one tree, two rows."""
+    cfg, params = _tiny(jnp.bfloat16, tied=False)
+    context = jax.random.randint(jax.random.PRNGKey(4), (2, 10), 0, cfg.vocab_size)
+    _, cache = _run(cfg, params, context, [10], INVARIANT)
+    parent = jnp.array([[-1, 0, 0, 1, 2, 3, 1]] * 2, jnp.int32)
+    tokens = jax.random.randint(jax.random.PRNGKey(7), (2, 7), 0, cfg.vocab_size)
+    tree = tree_from_parents(tokens, parent, 4)
+    stored, attention = verify_attention(tree, jnp.full((2,), 10, jnp.int32))
+    table = jnp.arange(1, 17, dtype=jnp.int32).reshape(2, 8)
+    hidden, _, _ = llama.forward(params, cfg, tokens, stored, cache, table, tree=attention, **INVARIANT)
+    verified = np.asarray(llama.logits(params, hidden, "invariant"))
+    for path in ([0, 1, 3, 5], [0, 2, 4], [0, 1, 6]):
+        decoded, _ = _run(cfg, params, tokens[:, path], [1] * len(path), INVARIANT, cache=cache, start=10)
+        assert np.array_equal(decoded, verified[:, path]), path
+
+
+def test_ancestor_paths_list_each_nodes_ancestors_by_depth():
+    parent = jnp.array([[-1, 0, 0, 1, 2, 3]], jnp.int32)
+    tree = tree_from_parents(jnp.zeros((1, 6), jnp.int32), parent, 4)
+    paths = np.asarray(invariant_attention.ancestor_paths(jnp.array([30]), tree.mask))
+    assert paths[0, :, 0].tolist() == [30] * 6  # the window's start
+    assert paths[0, 5, 1:5].tolist() == [0, 1, 3, 5]  # node 5: root, 1, 3, itself
+    assert paths[0, 4, 1:4].tolist() == [0, 2, 4]
+    assert paths[0, 0, 1] == 0
+
+
+def test_invariant_kernels_lower_for_cuda(monkeypatch):
+    """A SmolLM2-shaped layer of a tree verify of 32 tokens in the invariant kernels lowers to
+    Triton for CUDA: RoPE + KV write, the attention and the three projections' GEMMs, no XLA dot."""
+    for module in (pallas_attention, invariant_attention, invariant_gemm):
+        monkeypatch.setattr(module, "_interpret", lambda: False)
+    b, t, d, heads, kv_heads, hd = 2, 32, 576, 9, 3, 64
+    s = jax.ShapeDtypeStruct
+    pages = s((2, 65, 16, kv_heads, hd), jnp.bfloat16)
+    inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
+    tree = layers.TreeAttention(s((b, t), jnp.int32), s((b,), jnp.int32), s((b, t, t), jnp.bool_))
+
+    def f(h, wqkv, wo, positions, k, v, table, tree):
+        return layers.attention_block(h, wqkv, wo, positions, k, v, 1, table, inv_freq=inv_freq, tree=tree,
+                                      **INVARIANT)
+
+    text = jax.jit(f).trace(s((b, t, d), jnp.bfloat16), s((d, kv_heads, heads // kv_heads + 2, hd), jnp.bfloat16),
+                            s((heads * hd, d), jnp.bfloat16), s((b, t), jnp.int32), pages, pages,
+                            s((b, 64), jnp.int32), tree).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("eagle3_rope_write_kv", "eagle3_invariant_attention", "eagle3_attention_combine",
+                 "eagle3_invariant_gemm"):
+        assert name in text, name
+    assert "stablehlo.dot_general" not in text
+
+
+def test_batch_invariant_must_be_a_bool():
+    with pytest.raises(ConfigError, match="batch_invariant must be True or False"):
+        EngineConfig(batch_invariant="yes")
+
+
+@pytest.mark.slow
+def test_engine_greedy_and_seeded_outputs_alone_and_batched_in_bf16(tiny_models):
+    """The engine in bf16 with batch_invariant: the chain's greedy replies equal the target
+    alone's, and every request's reply (greedy or seeded) is the same alone as in the batch."""
+    from eagle3_jax.api import LLM
+    from eagle3_jax.sampling_params import SamplingParams
+
+    target, drafts = tiny_models
+    prompts = [[1, 5, 7, 3, 9], [4, 4, 8, 1, 6, 2, 11, 3], [7, 1], [3, 9, 10, 5, 5, 1]]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=i) for i in range(len(prompts))]
+    replies = {}
+    for name, draft in (("target", None), ("chain", drafts["shared"])):
+        llm = LLM(target=target, draft=draft, num_speculative_tokens=3, dtype=jnp.bfloat16, warmup=False,
+                  engine_config=EngineConfig(**{**TEST_ENGINE, "batch_invariant": True}), progress=False)
+        for mode, params in (("greedy", greedy), ("seeded", seeded)):
+            batch = [o.token_ids for o in llm.generate(prompts, params)]
+            alone = [llm.generate([p], params if mode == "greedy" else params[i])[0].token_ids
+                     for i, p in enumerate(prompts)]
+            assert alone == batch, (name, mode)
+            replies[name, mode] = batch
+    assert replies["chain", "greedy"] == replies["target", "greedy"]
