@@ -87,7 +87,7 @@ class LLM:
         "none" is None (`config.parse_tree`).
     batch_invariant: sets EngineConfig.batch_invariant (None: engine_config's): the target's
         kernels compute each token alike in any batch and any step, so greedy output is the target
-        alone's bit for bit on a GPU in bf16 too.
+        alone's in bf16 too (EngineConfig's docstring says where that is checked).
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",

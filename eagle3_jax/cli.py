@@ -180,7 +180,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "the prompts need)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the target's kernels compute each token alike at any batch size and in any step, so "
-                        "greedy output equals the target alone's bit for bit on a GPU too "
+                        "greedy output equals the target alone's bit for bit in bf16 too "
                         "(EngineConfig.batch_invariant)")
 
 

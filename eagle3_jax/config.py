@@ -511,12 +511,14 @@ class EngineConfig:
         depend on the rows beside it, the batch bucket, the program (prefill chunk, decode, chain
         or tree verify) or the tokens per row: matrix products in one fixed tile schedule
         (model/invariant_gemm.py), attention walking each token's keys in fixed position blocks
-        (model/invariant_attention.py), the residual add and norm a program per row. Greedy
-        output is then token-identical to the target alone, and a seeded request reproduces alone
-        or in any batch, on a GPU in bf16 as on the CPU; without it a bf16 near-tie can round
-        differently in another batch shape. The drafter keeps `attention` and `gemv` (its numerics
-        change only what is accepted). One device only (no tensor parallelism yet); the cost is in
-        BENCHMARKS.md, "Batch invariance".
+        (model/invariant_attention.py), the residual add and norm a program per row. A token's
+        logits are then the same bit for bit in a decode, a verify and a prefill, alone or in a
+        batch, so greedy speculation is token-identical to the target alone in bf16 too; without it
+        a bf16 near-tie can round differently in another batch shape. Checked on the CPU, where the
+        kernels run in Pallas' interpreter over the same fixed blocks (tests/test_batch_invariant.py);
+        on a GPU they compile to Triton, and `scripts/invariance_h200.py` checks the equality and
+        times the cost there, not yet run. The drafter keeps `attention` and `gemv` (its numerics
+        change only what is accepted). One device only (no tensor parallelism yet).
     freeze_heap: after warm-up, collect Python's garbage once and freeze the heap (`gc.freeze`,
         engine.freeze_heap), so that no full pass of the cyclic collector over the loaded
         engine's objects stalls serving. False leaves the collector alone (a test suite

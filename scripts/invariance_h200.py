@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Batch invariance on a GPU, checked and priced: BENCHMARKS.md's "Batch invariance" is its runs.
+"""Batch invariance on a GPU, checked and priced (EngineConfig.batch_invariant): the bitwise checks and costs
+BENCHMARKS.md is to report, one phase a call.
 
     python3 scripts/invariance_h200.py --phase 8b --out-dir "$OUT"
     python3 scripts/invariance_h200.py --phase smollm2 --target T --out-dir "$OUT"

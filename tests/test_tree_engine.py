@@ -391,7 +391,8 @@ def test_default_buckets_follow_what_the_engine_drafts(tiny_models):
 def test_llm_checks_its_tree_before_loading(tmp_path):
     from eagle3_jax.api import LLM
 
-    with pytest.raises(ConfigError, match="engine config: tree must be a TreeSpec"):
+    with pytest.raises(ConfigError, match=r'^tree must be a TreeSpec, "STEPS,TOPK,TOKENS" \(e.g. "6,8,31"\), "auto", '
+                                          r'"none" or None, got \[3, 2, 5\]$'):
         LLM(tmp_path / "missing", tree=[3, 2, 5], progress=False)
 
 
