@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TEST_ENGINE, TINY
 
-from eagle3_jax.config import ConfigError, EngineConfig
+from eagle3_jax.config import ConfigError, EngineConfig, TreeSpec
 from eagle3_jax.model import invariant_attention, invariant_gemm, layers, llama, pallas_attention
 from eagle3_jax.runner.tree import tree_from_parents, verify_attention
 
@@ -133,8 +133,8 @@ def test_batch_invariant_must_be_a_bool():
 
 @pytest.mark.slow
 def test_engine_greedy_and_seeded_outputs_alone_and_batched_in_bf16(tiny_models):
-    """The engine in bf16 with batch_invariant: the chain's greedy replies equal the target
-    alone's, and every request's reply (greedy or seeded) is the same alone as in the batch."""
+    """The engine in bf16 with batch_invariant: the chain's and the tree's greedy replies equal the
+    target alone's, and every request's reply (greedy or seeded) is the same alone as in the batch."""
     from eagle3_jax.api import LLM
     from eagle3_jax.sampling_params import SamplingParams
 
@@ -143,13 +143,14 @@ def test_engine_greedy_and_seeded_outputs_alone_and_batched_in_bf16(tiny_models)
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     seeded = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=i) for i in range(len(prompts))]
     replies = {}
-    for name, draft in (("target", None), ("chain", drafts["shared"])):
+    for name, draft, tree in (("target", None, None), ("chain", drafts["shared"], None),
+                              ("tree", drafts["shared"], TreeSpec(3, 2, 5))):
         llm = LLM(target=target, draft=draft, num_speculative_tokens=3, dtype=jnp.bfloat16, warmup=False,
-                  engine_config=EngineConfig(**{**TEST_ENGINE, "batch_invariant": True}), progress=False)
+                  engine_config=EngineConfig(**{**TEST_ENGINE, "batch_invariant": True}), progress=False, tree=tree)
         for mode, params in (("greedy", greedy), ("seeded", seeded)):
             batch = [o.token_ids for o in llm.generate(prompts, params)]
             alone = [llm.generate([p], params if mode == "greedy" else params[i])[0].token_ids
                      for i, p in enumerate(prompts)]
             assert alone == batch, (name, mode)
             replies[name, mode] = batch
-    assert replies["chain", "greedy"] == replies["target", "greedy"]
+    assert replies["chain", "greedy"] == replies["target", "greedy"] == replies["tree", "greedy"]
