@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from eagle3_jax.model import pallas_attention
+from eagle3_jax.model.pallas_attention import MASKED
 
 BLOCK_KEYS = 64  # keys per loop step
 BLOCKS_PER_SPLIT = 8  # a split's fixed range: 512 key positions
-_MASKED = -1e30  # finite: a row that sees nothing must not produce NaN
 
 
 def _kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool):
@@ -51,7 +51,6 @@ def _kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool
     end = jnp.minimum(jnp.minimum(first + BLOCKS_PER_SPLIT, vpos // BLOCK_KEYS + 1), capacity)
 
     def body(i, carry):
-        o, row_max, row_sum = carry
         key_pos = i * BLOCK_KEYS + jax.lax.iota(jnp.int32, BLOCK_KEYS)  # in the token's sequence
         stored = key_pos
         if windowed:  # a tree node's ancestors: stored elsewhere in the window
@@ -63,20 +62,10 @@ def _kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool
         slot = page * page_size + stored % page_size
         k, v = k_ref[layer, slot], v_ref[layer, slot]  # [BLOCK_KEYS, hd]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        s = jnp.where((key_pos <= vpos)[None, :], s, _MASKED)  # [RT, BLOCK_KEYS]
-        new_max = jnp.maximum(row_max, s.max(axis=1))
-        correction = jnp.exp(row_max - new_max)
-        p = jnp.exp(s - new_max[:, None])
-        row_sum = row_sum * correction + p.sum(axis=1)
-        o = o * correction[:, None] + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return o, new_max, row_sum
+        return pallas_attention.online_softmax_step(carry, jnp.where((key_pos <= vpos)[None, :], s, MASKED), v)
 
-    init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    o, row_max, row_sum = jax.lax.fori_loop(first, end, body, init)
-    o_ref[...] = (o / jnp.maximum(row_sum, 1e-30)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
+    init = pallas_attention.online_softmax_init(rows, hd)
+    pallas_attention.write_split(jax.lax.fori_loop(first, end, body, init), o_ref, lse_ref)
 
 
 def ancestor_paths(window_start: jax.Array, window_mask: jax.Array) -> jax.Array:

@@ -52,7 +52,7 @@ MAX_WINDOW = 64
 TARGET_PROGRAMS = 256
 COMBINE_CHUNK = 32  # head-dim lanes per program of the combine: 4 programs per (row, kv head) at hd 128
 COMBINE_ROWS = 16  # query rows per program of the combine (a tile holds 16 to 128)
-_MASKED = -1e30  # finite: a padded query row sees nothing and must not produce NaN
+MASKED = -1e30  # finite: a padded query row sees nothing and must not produce NaN
 
 
 def supports(num_tokens: int, heads: int, kv_heads: int, page_size: int, window: int = 0) -> bool:
@@ -84,7 +84,6 @@ def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed
     end = jnp.minimum(first + per_split, row_blocks)
 
     def body(i, carry):
-        o, row_max, row_sum = carry
         pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]  # [ppb]
         k = k_ref[layer, pages].reshape(block_k, hd)
         v = v_ref[layer, pages].reshape(block_k, hd)
@@ -93,19 +92,36 @@ def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed
         visible = key_pos <= qpos[:, None]  # [M, block_k]
         if windowed:
             visible = visible & _in_window(win_ref, key_pos)
-        s = jnp.where(visible, s, _MASKED)
-        new_max = jnp.maximum(row_max, s.max(axis=1))
-        correction = jnp.exp(row_max - new_max)
-        p = jnp.exp(s - new_max[:, None])
-        row_sum = row_sum * correction + p.sum(axis=1)
-        o = o * correction[:, None] + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return o, new_max, row_sum
+        return online_softmax_step(carry, jnp.where(visible, s, MASKED), v)
 
-    init = (jnp.zeros((m, hd), jnp.float32), jnp.full((m,), _MASKED, jnp.float32), jnp.zeros((m,), jnp.float32))
-    o, row_max, row_sum = jax.lax.fori_loop(first, end, body, init)
-    # A row that saw nothing here (an empty split; every key masked, which leaves row_max at
-    # _MASKED) gets a log-sum-exp near _MASKED: it weighs nothing when the splits are combined.
+    write_split(jax.lax.fori_loop(first, end, body, online_softmax_init(m, hd)), o_ref, lse_ref)
+
+
+def online_softmax_init(rows: int, hd: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An online softmax before its first key block: (output [rows, hd], row max, row sum) in f32."""
+    return (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), MASKED, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_step(carry, s: jax.Array, v: jax.Array):
+    """One key block: carry (`online_softmax_init`'s), scores s [rows, block] f32 (MASKED where
+    not seen), values v [block, hd] -> carry. A fully masked block leaves the carry exactly as it
+    was (its weights are exact zeros, its correction exactly 1)."""
+    o, row_max, row_sum = carry
+    new_max = jnp.maximum(row_max, s.max(axis=1))
+    correction = jnp.exp(row_max - new_max)
+    p = jnp.exp(s - new_max[:, None])
+    row_sum = row_sum * correction + p.sum(axis=1)
+    o = o * correction[:, None] + jax.lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return o, new_max, row_sum
+
+
+def write_split(carry, o_ref, lse_ref) -> None:
+    """A split's normalized output and log-sum-exp from its online softmax's carry. A row that saw
+    nothing here (an empty split; every key masked, which leaves its max at MASKED) gets a
+    log-sum-exp near MASKED: it weighs nothing when the splits are combined."""
+    o, row_max, row_sum = carry
     o_ref[...] = (o / jnp.maximum(row_sum, 1e-30)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
 
