@@ -166,11 +166,11 @@ def _same(replies: list, reference: list) -> int:
     return sum(a == b for a, b in zip(replies, reference))
 
 
-def phase_smollm2(out: dict, target: str, questions: list[str], kinds: list[str]) -> None:
+def phase_smollm2(out: dict, target: str, questions: list[str], kinds: list[str], max_tokens: int) -> None:
     from eagle3_jax.sampling_params import SamplingParams
 
-    greedy = SamplingParams(max_tokens=256)
-    sampled = [SamplingParams(max_tokens=256, temperature=0.8, seed=i) for i in range(len(questions))]
+    greedy = SamplingParams(max_tokens=max_tokens)
+    sampled = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i) for i in range(len(questions))]
     rows = []
     for kind in kinds:
         ref = {}
@@ -196,15 +196,15 @@ def phase_smollm2(out: dict, target: str, questions: list[str], kinds: list[str]
     out["equality"] = rows
 
 
-def phase_speed(out: dict, target: str, questions: list[str]) -> None:
+def phase_speed(out: dict, target: str, questions: list[str], max_tokens: int, batches: tuple[int, ...]) -> None:
     from eagle3_jax.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=256, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for proposal in ("target", "chain", "tree"):
         for kind in ("default", "invariant"):
             llm = _llm(target, kind, proposal)
-            for b in (1, 8, 64):
+            for b in batches:
                 prompts = questions[:8] if b == 1 else questions[:b]
                 warm = [llm.generate(prompts[:1] if b == 1 else prompts, params)]  # compiles these shapes
                 del warm
@@ -226,22 +226,24 @@ def main() -> None:
     p.add_argument("--target", help="converted SmolLM2 directory")
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
     p.add_argument("--prompts", type=int, default=80)
-    p.add_argument("--batches", default="1,8,64", help="8b: rows of the steps checked and timed")
+    p.add_argument("--batches", default="1,8,64", help="8b, speed: rows of the steps checked and timed")
+    p.add_argument("--max-tokens", type=int, default=256, help="smollm2, speed: tokens a reply")
     p.add_argument("--kinds", default="invariant,default")
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
     out: dict = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                      date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    batches = tuple(int(b) for b in args.batches.split(","))
     if args.phase == "8b":
-        phase_8b(out, tuple(int(b) for b in args.batches.split(",")))
+        phase_8b(out, batches)
     else:
         path = Path(args.questions) if args.questions else assets.fetch(assets.MTBENCH)
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         questions = [json.loads(line)["turns"][0] for line in lines][:args.prompts]
         if args.phase == "smollm2":
-            phase_smollm2(out, args.target, questions, args.kinds.split(","))
+            phase_smollm2(out, args.target, questions, args.kinds.split(","), args.max_tokens)
         else:
-            phase_speed(out, args.target, questions)
+            phase_speed(out, args.target, questions, args.max_tokens, batches)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.out_dir) / f"{args.phase}.json").write_text(json.dumps(out, indent=1))
 
