@@ -159,7 +159,7 @@ def _llm(target: str, kind: str, proposal: str):
     tree = TreeSpec(6, 8, 31) if proposal == "tree" else None
     cfg = EngineConfig(speculation="always", batch_invariant=kind == "invariant", max_model_len=1024)
     return LLM(target=target, draft=draft, num_speculative_tokens=4 if draft else 0, engine_config=cfg,
-               warmup=False, progress=False, tree=tree)
+               dtype=jnp.bfloat16, warmup=False, progress=False, tree=tree)
 
 
 def _same(replies: list, reference: list) -> int:
