@@ -626,36 +626,37 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path, config: TrainConf
     run, state, train_step, compile_s, step_s = _start_run(target_dir, ckpt_dir, c, dtype, log)
     if c.time_budget_s is not None and not run.resuming:
         run = _fit_budget(run, c, c.time_budget_s - (time.perf_counter() - t_start), step_s, log)
-    session = _Session(run, c, out_dir, log_dir, checkpoint_manager(ckpt_dir), make_eval_step(run.tcfg, run.dcfg,
-                       run.hp, dtype), regenerate.read_provenance(_cache_paths(c.data_cache)), log)
-    state = session.resume(state)
+    eval_step = make_eval_step(run.tcfg, run.dcfg, run.hp, dtype)
+    books = _Bookkeeping(run, c, out_dir, log_dir, checkpoint_manager(ckpt_dir), eval_step,
+                         regenerate.read_provenance(_cache_paths(c.data_cache)), log)
+    state = books.resume(state)
     first = int(state["step"])
-    if should_stop(session.values(), c.patience, session.mode, c.min_delta):
+    if should_stop(books.values(), c.patience, books.mode, c.min_delta):
         log(f"resume: the run had stopped early at step {first}")
         train_s, slots, seen, paused = 0.0, 0, 0, 0.0
     else:
-        state, train_s, slots, seen, paused = train_loop(train_step, state, run, session.history,
-                                                         on_checkpoint=session.checkpoint, ckpt_every=c.ckpt_every,
-                                                         progress=c.progress)
+        state, train_s, slots, seen, paused = train_loop(train_step, state, run, books.history,
+                                                         on_checkpoint=books.checkpoint,
+                                                         ckpt_every=c.ckpt_every, progress=c.progress)
     done = int(state["step"]) - first
     if done > 0:
-        save_state(session.manager, state)
-    evaluation, stopped_early = session.finish(state)
+        save_state(books.manager, state)
+    evaluation, stopped_early = books.finish(state)
     per_s = lambda x: x / train_s if done else 0.0
     throughput = {"steps": done, "train_seconds": train_s, "steps_per_second": per_s(done),
                   "tokens_per_second": per_s(slots), "assistant_tokens_per_second": per_s(seen),
                   "checkpoint_and_eval_seconds": paused,
                   "compile_seconds": compile_s, "device": jax.devices()[0].device_kind, "dtype": str(dtype),
                   "peak_memory_gib": _peak_memory_gib()}
-    rec = session.record(throughput=throughput, eval=evaluation, stopped_early=stopped_early,
+    rec = books.record(throughput=throughput, eval=evaluation, stopped_early=stopped_early,
                          total_seconds=time.perf_counter() - t_start)
-    if session.history:
-        plot_history(session.history, log_dir / "train_curves.png", f"EAGLE-3 drafter for {Path(target_dir).name}")
+    if books.history:
+        plot_history(books.history, log_dir / "train_curves.png", f"EAGLE-3 drafter for {Path(target_dir).name}")
     _log_summary(rec, run, out_dir, log_dir, log)
     return rec
 
 
-class _Session:
+class _Bookkeeping:
     """One `train_drafter` call's checkpoints, evaluations, exports and log, as the loop reaches them."""
 
     def __init__(self, run: Run, c: TrainConfig, out_dir: Path, log_dir: Path, manager, eval_step, provenance,
