@@ -50,7 +50,7 @@ from eagle3_jax.runner.tree import tree_from_parents, verify_attention  # noqa: 
 KINDS = {"invariant": ("invariant", "invariant"), "default": ("pallas", "xla")}  # (attention, gemv)
 
 
-def _step_fn(cfg, kind: str, with_tree: bool):
+def _step_fn(cfg, kind: str):
     attention, gemv = KINDS[kind]
 
     def step(params, tokens, positions, cache, table, tree=None):
@@ -77,14 +77,13 @@ def phase_8b(out: dict, batches: tuple[int, ...]) -> None:
     steps, caches = {}, {}
 
     def run(cfg, params, kind, b, tokens, positions, tree=None):
-        key = (cfg.num_layers, kind, tree is not None)
+        key = (cfg.num_layers, kind)  # one jitted step (it traces once per shape) and one cache each
         if key not in steps:
-            steps[key] = _step_fn(cfg, kind, tree is not None)
-        if key[:2] not in caches:
-            caches[key[:2]] = llama.KVCache.zeros(cfg.num_layers, max_b * blocks + 1, page, cfg.num_kv_heads,
-                                                  cfg.head_dim, jnp.bfloat16)
-        logits, caches[key[:2]] = steps[key](params, jnp.asarray(tokens), jnp.asarray(positions), caches[key[:2]],
-                                             jnp.asarray(table_all[:b]), *([tree] if tree is not None else []))
+            steps[key] = _step_fn(cfg, kind)
+            caches[key] = llama.KVCache.zeros(cfg.num_layers, max_b * blocks + 1, page, cfg.num_kv_heads,
+                                              cfg.head_dim, jnp.bfloat16)
+        logits, caches[key] = steps[key](params, jnp.asarray(tokens), jnp.asarray(positions), caches[key],
+                                         jnp.asarray(table_all[:b]), tree)
         return logits
 
     rows = []

@@ -5,6 +5,8 @@ the last test lowers them for CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,7 @@ def test_gemm_rows_do_not_depend_on_the_rows_beside_them(k, n, transposed):
 
 
 def _tiny(dtype, tied: bool):
-    cfg = TINY.__class__(**{**TINY.__dict__, "tie_word_embeddings": tied})
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
     params = llama.init_params(cfg, jax.random.PRNGKey(0), dtype)
     # Weights 10x the init's: logits spread over several units, where bf16's ulps are coarse.
     return cfg, jax.tree.map(lambda a: (a * 10).astype(a.dtype) if a.ndim > 1 else a, params)
