@@ -77,6 +77,8 @@ class LLM:
         steady latency matters and "auto" speculation times each bucket, and not on the CPU, where
         compiling every shape takes minutes and a short run needs only a few.
     num_speculative_tokens: K, the chain's proposals (0: the target alone).
+    speculator: sets EngineConfig.speculator (None: engine_config's): "eagle3" drafts with the
+        drafter; "ngram" proposes by prompt lookup and needs none (a "default" draft is then None).
     tree: draft EAGLE-2's dynamic tree TreeSpec(steps, top_k, tokens), or "steps,top_k,tokens"
         as `--tree` takes it (sets EngineConfig.tree):
         under speculation "auto" (the default) each batch bucket runs the tree, the chain of
@@ -93,8 +95,11 @@ class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
-                 tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None):
+                 tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None,
+                 speculator: str | None = None):
         engine_config = engine_config or EngineConfig()
+        if speculator is not None:
+            engine_config = dataclasses.replace(engine_config, speculator=speculator)
         if batch_invariant is not None:
             engine_config = dataclasses.replace(engine_config, batch_invariant=batch_invariant)
         tree = parse_tree(tree)
@@ -105,8 +110,9 @@ class LLM:
         if target is None:
             target = assets.prepare_default_target(progress=progress)
         target = Path(target)
-        if draft == "default":
-            draft = assets.DEFAULT_DRAFT if target.resolve() == assets.DEFAULT_TARGET.resolve() else None
+        if draft == "default":  # the shipped EAGLE-3 head, for the default target
+            shipped = target.resolve() == assets.DEFAULT_TARGET.resolve() and engine_config.speculator == "eagle3"
+            draft = assets.DEFAULT_DRAFT if shipped else None
         if tree == "auto":
             engine_config = dataclasses.replace(
                 engine_config, tree=default_tree(engine_config, draft is not None, jax.default_backend()))

@@ -161,6 +161,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "shipped drafter when the target is the default, else none)")
     p.add_argument("--num-draft", type=num_draft, default=3,
                    help=f"K, draft tokens per iteration, 0..{MAX_SPECULATIVE_TOKENS}")
+    p.add_argument("--speculator", default="eagle3", metavar="NAME",
+                   help="what drafts: eagle3 (the drafter: a chain of K, or the tree) or ngram (prompt lookup: "
+                        "K tokens copied from earlier in the text, no drafter) (default: %(default)s)")
     p.add_argument("--tree", type=tree_choice, default="auto", metavar="STEPS,TOPK,TOKENS|auto|none",
                    help="draft EAGLE-2's dynamic tree: STEPS draft levels (the most proposals an iteration "
                         "accepts), TOPK beams per level, TOKENS nodes the target verifies, e.g. 6,8,31; with "
@@ -314,12 +317,18 @@ def _llm(args, num_prompts: int = 1):
 
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig, default_batch_buckets, default_tree
+    from eagle3_jax.runner.speculators import SPECULATORS
 
+    if args.speculator not in SPECULATORS:
+        raise UsageError(f"--speculator {args.speculator}: not one of {', '.join(SPECULATORS)}")
+    if args.speculator != "eagle3" and args.draft == "default":
+        args.draft = "none"  # the shipped drafter is an EAGLE-3 head
     check_drafter(args)
     draft = None if args.draft == "none" else args.draft
+    speculates = draft is not None or args.speculator != "eagle3"
     # By default powers of two from the engine's smallest default bucket (1, or 2 for a chain) up
     # to the batch: compile only what this run can use.
-    drafting = EngineConfig(num_speculative_tokens=args.num_draft if draft else 0,
+    drafting = EngineConfig(num_speculative_tokens=args.num_draft if speculates else 0, speculator=args.speculator,
                             tree=None if args.tree == "auto" or not draft else args.tree,
                             speculation=args.speculation)
     if args.tree == "auto":
@@ -331,7 +340,7 @@ def _llm(args, num_prompts: int = 1):
     rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
                        speculation=args.speculation, speculative_max_batch=args.speculative_max_batch,
-                       batch_invariant=args.batch_invariant)
+                       batch_invariant=args.batch_invariant, speculator=args.speculator)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
                tree=drafting.tree)
 

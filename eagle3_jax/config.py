@@ -455,6 +455,9 @@ class EngineConfig:
         H200 a burst of 32 SmolLM2 requests then waited 86 ms for its first tokens, against 49 ms
         in 5 calls with (1, 8) (BENCHMARKS.md, "Serving with arrivals").
     num_speculative_tokens: K, the proposals of the chain (0 = the target alone).
+    speculator: what drafts the proposals. "eagle3": the EAGLE-3 drafter (a chain of K, or the
+        tree below); "ngram": prompt lookup, K tokens copied from what followed the latest earlier
+        occurrence of the row's last 1 to 4 tokens, no drafter (runner/speculators/ngram.py).
     tree: None drafts the chain of K. A TreeSpec(steps, top_k, tokens) drafts EAGLE-2's dynamic
         tree: the target verifies `tokens` nodes in one forward and a row accepts up to `steps` of
         them. It is the engine's proposal ("always" runs it at every bucket), and "auto" chooses
@@ -533,6 +536,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     prefill_batch_buckets: tuple[int, ...] = (1, 8)
     num_speculative_tokens: int = 3
+    speculator: str = "eagle3"
     tree: TreeSpec | None = None
     speculation: str = "auto"
     speculative_max_batch: int | None = None
@@ -556,6 +560,8 @@ class EngineConfig:
             raise ConfigError(f"{where}: gemv must be one of {', '.join(GEMV_KINDS)}, got {self.gemv!r}")
         if self.gemm not in GEMM_KINDS:
             raise ConfigError(f"{where}: gemm must be one of {', '.join(GEMM_KINDS)}, got {self.gemm!r}")
+        if not isinstance(self.speculator, str):
+            raise ConfigError(f"{where}: speculator must be a name (\"eagle3\", \"ngram\"), got {self.speculator!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError(f"{where}: batch_invariant must be True or False, got {self.batch_invariant!r}")
         for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):

@@ -27,7 +27,7 @@ from eagle3_jax.model import eagle3 as E
 from eagle3_jax.model import llama as L
 from eagle3_jax.parallel import sharding as S
 from eagle3_jax.runner import sampling, steps
-from eagle3_jax.runner.speculator import Chain
+from eagle3_jax.runner.speculators import Chain, DraftStart
 from eagle3_jax.sampling_params import SamplingParams
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -210,12 +210,13 @@ def run_draft_programs(tp: int, batch: int, t: int, blocks: int) -> dict:
     bts = jax.ShapeDtypeStruct((batch, blocks), jnp.int32)
     chain = Chain(3)
     row = sampling.row_sampling_from_params([SamplingParams(temperature=0.7)] * batch, [0] * batch)
-    carry = jax.eval_shape(lambda: chain.start(jnp.zeros((batch, dcfg.hidden_size)), jnp.zeros(batch, jnp.int32),
-                                               jnp.zeros(batch, jnp.int32), row, jnp.zeros((batch, 2), jnp.uint32),
-                                               dcfg.draft_vocab_size))
+    zeros = jnp.zeros(batch, jnp.int32)
+    at = DraftStart(token=zeros, position=zeros, h=jnp.zeros((batch, dcfg.hidden_size)), history=None, row=row,
+                    keys=jnp.zeros((batch, 2), jnp.uint32))
+    carry = jax.eval_shape(lambda: chain.start(steps.DraftContext(dcfg, "xla", "xla", False, None), at))
     out = {}
     for greedy in (True, False):
-        scfg = steps.StepConfig(target=cfg, draft=dcfg, num_draft=3, mesh=mesh, greedy=greedy)
+        scfg = steps.StepConfig(target=cfg, draft=dcfg, speculator=chain, mesh=mesh, greedy=greedy)
 
         def extend(dp, tokens, captures, positions, kv, bt, index, scfg=scfg):
             return steps._draft_extend(dp, scfg, None, tokens, captures, positions, kv, bt, index)

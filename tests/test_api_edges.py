@@ -96,6 +96,7 @@ def test_gemm_setting_is_checked_and_auto_takes_cublas_only_for_wide_verifies_of
     Triton or cuBLAS"); "triton" and "cublas" hold at every bucket."""
     from eagle3_jax.config import TreeSpec
     from eagle3_jax.presets import llama31_8b, smollm2_135m
+    from eagle3_jax.runner.speculators import Chain, Tree
     from eagle3_jax.runner.steps import StepConfig, iterate_in_place_step, iteration_gemm
 
     with pytest.raises(ConfigError, match="gemm must be one of auto, triton, cublas, got 'cutlass'"):
@@ -104,7 +105,7 @@ def test_gemm_setting_is_checked_and_auto_takes_cublas_only_for_wide_verifies_of
     (small, small_draft), (wide, wide_draft) = smollm2_135m(), llama31_8b()
 
     def gemm(target, draft, rows, k=4, tree=None, setting="auto"):
-        cfg = StepConfig(target=target, draft=draft, num_draft=tree.steps if tree else k, tree=tree, gemm=setting)
+        cfg = StepConfig(target=target, draft=draft, speculator=Tree(tree) if tree else Chain(k), gemm=setting)
         return iteration_gemm(cfg, rows)
 
     tree = TreeSpec(6, 8, 31)  # 32 tokens verified a row
@@ -114,6 +115,6 @@ def test_gemm_setting_is_checked_and_auto_takes_cublas_only_for_wide_verifies_of
     assert {gemm(wide, wide_draft, b, tree=tree) for b in (1, 8, 64)} == {"triton"}  # 4096 wide
     assert {gemm(wide, wide_draft, b, setting="cublas") for b in (1, 64)} == {"cublas"}  # 2,048 rows too
     assert {gemm(small, small_draft, b, tree=tree, setting="triton") for b in (1, 64)} == {"triton"}
-    cfg = StepConfig(target=small, draft=small_draft, num_draft=6, tree=tree, gemm="auto")
+    cfg = StepConfig(target=small, draft=small_draft, speculator=Tree(tree), gemm="auto")
     assert iterate_in_place_step(cfg, 1) is not iterate_in_place_step(cfg, 2)  # two compilations of one function
     assert iterate_in_place_step(cfg, 2) is iterate_in_place_step(cfg, 8)

@@ -172,7 +172,7 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     one per sampled distribution: the verify and each of the K draft tokens). The driver picks
     the program from the requests' parameters."""
     engine = spec_llm.engine
-    k = engine.step_cfg.num_draft
+    k = engine.step_cfg.speculator.max_accepted
     bucket = engine.cfg.batch_buckets[1]  # padded rows: the same program as real ones
 
     def branches(cfg) -> int:
@@ -203,7 +203,7 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     changes, and the verdicts stay in the state until a gather of their own copies them out, into
     two buffers per bucket taken in turn (nothing may be allocated between iterations either)."""
     engine = spec_llm.engine
-    k = engine.step_cfg.num_draft
+    k = engine.step_cfg.speculator.max_accepted
     bucket = engine.cfg.batch_buckets[1]
     slots = np.full(bucket, DUMMY_SLOT, np.int32)
     tables = np.zeros((bucket, engine.cfg.max_blocks_per_seq), np.int32)
@@ -262,13 +262,15 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     H200), so the KV cache is one array for K and one for V whatever the depth: a 30-layer target's
     state has as many buffers as a 2-layer one's, and layer l's pages are row l of them."""
     from eagle3_jax.config import DraftConfig
+    from eagle3_jax.runner.speculators import Chain
     from eagle3_jax.runner.state import init_state
 
     engine_cfg = EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256).resolved()
     shallow = dataclasses.replace(smollm2_cfg, num_layers=2, capture_layer_ids=(0, 1, 1))
     states = {
         cfg.num_layers: jax.eval_shape(
-            lambda c=cfg: init_state(c, DraftConfig.like_target(c, 64), engine_cfg, jax.numpy.bfloat16)
+            lambda c=cfg: init_state(c, DraftConfig.like_target(c, 64), engine_cfg, jax.numpy.bfloat16,
+                                     Chain(4).slot_layout)
         )
         for cfg in (smollm2_cfg, shallow)
     }

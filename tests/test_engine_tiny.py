@@ -13,6 +13,7 @@ from eagle3_jax import SamplingParams
 from eagle3_jax.config import EngineConfig
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.policy import BucketCost
+from eagle3_jax.runner.speculators import Chain
 
 # Every test here builds and runs engines: seconds to tens of seconds each on 2 CPU cores.
 pytestmark = pytest.mark.slow
@@ -72,7 +73,7 @@ def test_speculation_switched_off_past_a_batch_size_stays_lossless(tiny_models, 
     """Bucket 8 runs the target alone, bucket 2 speculates: as requests finish, the same rows move
     between the two and every output still equals the target alone."""
     llm = make(tiny_models, speculative_max_batch=2)
-    assert llm.engine.iterate_config(8).num_draft == 0 and llm.engine.iterate_config(2).num_draft == 3
+    assert llm.engine.iterate_config(8).speculator == Chain(0) and llm.engine.iterate_config(2).speculator == Chain(3)
     lengths = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
     outputs = llm.generate(PROMPTS[:10], [greedy(n) for n in lengths])
     assert [o.token_ids for o in outputs] == [ref[:n] for ref, n in zip(alone, lengths)]

@@ -20,7 +20,7 @@ from conftest import TINY_VOCAB
 from eagle3_jax import SamplingParams, TreeSpec
 from eagle3_jax.config import ConfigError, EngineConfig, default_batch_buckets
 from eagle3_jax.engine.scheduler import Scheduler
-from eagle3_jax.runner.speculator import Chain, Tree
+from eagle3_jax.runner.speculators import Chain, Tree
 
 VOCAB = TINY_VOCAB
 # Mixed lengths in one batch: one prompt of 19 tokens is prefilled in two chunks of the 16-token bucket.
@@ -69,9 +69,9 @@ def test_greedy_tree_is_token_identical_to_the_target_alone(tiny_models, referen
     llm = make(target, drafters[drafter], spec, max_model_len=128, num_pages=128)
     runner = llm.engine.runner
     if spec.is_chain:  # served as the chain: the same programs as num_speculative_tokens=3
-        assert runner.speculator == Chain(3) and runner.step_cfg.tree is None
+        assert runner.speculator == Chain(3)
     else:
-        assert runner.speculator == Tree(spec) and runner.step_cfg.num_draft == spec.steps
+        assert runner.speculator == Tree(spec)
     outputs = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outputs] == reference
     for o in outputs:
@@ -364,7 +364,7 @@ def test_engine_serves_a_chain_shaped_tree_and_fewer_slots(tiny_models, referenc
     prompts three at a time. Greedy output is the target alone's either way."""
     llm = make(tiny_models[0], tiny_models[1]["shared"], TreeSpec(4, 1, 4), max_num_seqs=3)
     engine = llm.engine
-    assert engine.runner.speculator == Chain(4) and engine.runner.step_cfg.tree is None
+    assert engine.runner.speculator == Chain(4)
     assert (engine.cfg.tree, engine.cfg.num_speculative_tokens, engine.cfg.max_num_seqs) == (None, 4, 3)
     assert engine.scheduler.block_tables.shape[0] == 4
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference

@@ -56,11 +56,13 @@ from eagle3_jax.runner.runner import (
     iterate_pinned,
     time_calls,
 )
+from eagle3_jax.runner.speculators import Chain, eagle3_proposal
 from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
 from eagle3_jax.runner.steps import (
     CUBLAS_MAX_HIDDEN,
     CUBLAS_MAX_ROWS,
     CUBLAS_MIN_ROWS,
+    TARGET_ALONE,
     StepConfig,
     gemm_for,
     iterate_in_place_step,
@@ -253,8 +255,9 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         if ceilings is not None:
             ran = engine.iterate_config(bucket)
             itemsize = jnp.dtype(opts.dtype).itemsize
-            cost = (iteration_cost(target, draft, ran.num_draft, bucket, context, itemsize) if ran.tree is None
-                    else tree_iteration_cost(target, draft, ran.tree, bucket, context, itemsize))
+            spec = ran.speculator.spec if ran.speculative else None
+            cost = (tree_iteration_cost(target, draft, spec, bucket, context, itemsize) if spec and not spec.is_chain
+                    else iteration_cost(target, draft, ran.speculator.max_accepted, bucket, context, itemsize))
             values["floor_ms"] = 1e3 * cost.floor_s(ceilings)
         results.append(Result("smollm2", mode, b, values))
         log(f"{mode}, batch {b}: {values['tok_s']:.0f} tok/s, acceptance length {values['acceptance_length']:.2f}, "
@@ -337,7 +340,7 @@ verify_only = jit_per_gemm(_verify_only, static_argnames=("cfg", "mesh", "attent
 
 
 def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
-                    mesh: Mesh | None = None, layout: SlotLayout | None = None) -> DeviceState:
+                    mesh: Mesh | None = None, layout: SlotLayout = TARGET_ALONE.slot_layout) -> DeviceState:
     """init_state with random KV (never time on zeros), random last tokens and proposals (a tree's
     nodes all under the root: its parents stay 0). Under a mesh, in the layout the engine keeps
     (state_shardings), each KV page array created on its shards. layout: the slots' (init_state's)."""
@@ -358,7 +361,7 @@ def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: Engine
 
 
 def _sharded_synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
-                             mesh: Mesh, layout: SlotLayout | None) -> DeviceState:
+                             mesh: Mesh, layout: SlotLayout) -> DeviceState:
     shapes = jax.eval_shape(lambda: init_state(target, draft, ecfg, dtype, layout))
     where = state_shardings(shapes, target, draft, mesh)
     k_target, k_draft, k_slots = jax.random.split(jax.random.PRNGKey(2), 3)
@@ -470,13 +473,12 @@ def phase_8b(
         kind: StepConfig(
             target=target,
             draft=draft if kind.num_draft else None,
-            num_draft=kind.num_draft,
+            speculator=eagle3_proposal(kind.tree) if kind.tree else Chain(kind.num_draft),
             mesh=mesh,
             greedy=True,
             attention=attention,
             gemv=gemv,
             gemm=gemm,
-            tree=kind.tree,
         )
         for kind in kinds
     }

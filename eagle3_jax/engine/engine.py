@@ -31,11 +31,8 @@ from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, default_ba
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.runner.runner import PADDING_PARAMS, ModelRunner, PrefillInputs
-from eagle3_jax.runner.speculator import Chain, Tree
-from eagle3_jax.runner.steps import StepConfig, split_verdicts
+from eagle3_jax.runner.steps import TARGET_ALONE, StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
-
-TARGET_ALONE = Chain(0)  # the iteration that verifies the last token alone
 
 
 @dataclasses.dataclass
@@ -110,7 +107,7 @@ class Engine:
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
-        most = max((p.num_draft_steps for p in self.proposals), default=0)  # the most proposals accepted
+        most = max((p.max_accepted for p in self.proposals), default=0)
         self.scheduler = Scheduler(cfg, target.vocab_size, most, self.runner.positions_per_iteration)
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
@@ -120,7 +117,7 @@ class Engine:
         # proposal whose proposals it holds fresh, drafted at its current position (-1 after a
         # target-only iteration: the next verify checks stale proposals, no measure of the drafter).
         self.policy = policy.SpeculationPolicy()
-        self.acceptance = tuple(policy.AcceptanceEstimate.prior(p.num_draft_steps) for p in self.proposals)
+        self.acceptance = tuple(policy.AcceptanceEstimate.prior(p.max_accepted) for p in self.proposals)
         self.step_costs: dict[int, policy.BucketCost] = {
             int(c[0]): policy.BucketCost(c[1], tuple(c[2:])) for c in cfg.step_costs or ()
             if c[0] in cfg.batch_buckets and self.proposals}
@@ -306,8 +303,8 @@ class Engine:
         for i, (est, proposal) in enumerate(zip(self.acceptance, self.proposals)):
             if i == pending.proposal:
                 est = policy.observe(est, accepted, measured, self.policy)
-            elif isinstance(ran, Tree) and isinstance(proposal, Chain):
-                est = policy.observe(est, np.minimum(top1, proposal.k), measured & (top1 >= 0), self.policy)
+            elif ran is not None and ran.measures_top1_chain and proposal.top1_chain:
+                est = policy.observe(est, np.minimum(top1, proposal.top1_chain), measured & (top1 >= 0), self.policy)
             else:
                 est = policy.observe(est, accepted, np.zeros_like(measured), self.policy)
             estimates.append(est)
@@ -362,7 +359,7 @@ class Engine:
         if self.cfg.speculation == "always":
             return 0
         return policy.choose(self.bucket_cost(bucket), self.acceptance,
-                             [p.num_draft_steps + 1 for p in self.proposals], self.policy)
+                             [p.max_accepted + 1 for p in self.proposals], self.policy)
 
     def bucket_cost(self, bucket: int) -> policy.BucketCost | None:
         """The bucket's cost as the policy takes it: warm-up's (or injected), each choice's replaced
@@ -374,7 +371,7 @@ class Engine:
         return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy)
 
     def _label(self, choice: int | None) -> str:
-        return "target-only" if choice is None else self.proposals[choice].spec.label
+        return "target-only" if choice is None else self.proposals[choice].label
 
     def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
         """The iteration's config for a batch bucket: its choice's proposal, or none when it runs
@@ -390,7 +387,7 @@ class Engine:
 
     def policy_report(self) -> str:
         """The speculation table and each proposal's acceptance estimate, as plain text."""
-        labels = [p.spec.label for p in self.proposals]
+        labels = [p.label for p in self.proposals]
         return policy.format_table(self.speculation_table(), list(zip(labels, self.acceptance)))
 
     # ---- compilation -------------------------------------------------------------------------

@@ -33,14 +33,13 @@ from eagle3_jax.config import (
     DraftConfig,
     EngineConfig,
     ModelConfig,
-    TreeSpec,
     check_draft_fits,
     check_proposal_fits,
 )
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
 from eagle3_jax.runner import sampling
-from eagle3_jax.runner.speculator import Chain, Tree
+from eagle3_jax.runner.speculators import Chain, Speculator, speculators_for
 from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
 from eagle3_jax.runner.steps import (
     StepConfig,
@@ -254,12 +253,6 @@ def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: De
     return state, samples
 
 
-def speculator_for(spec: TreeSpec) -> Chain | Tree:
-    """The speculator of a proposal: TreeSpec(K, 1, K) is the chain of K (its programs), any other
-    the dynamic tree."""
-    return Chain(spec.steps) if spec.is_chain else Tree(spec)
-
-
 class ModelRunner:
     """The target and drafter on the device, their state, and the programs that step it."""
 
@@ -267,21 +260,18 @@ class ModelRunner:
                  cfg: EngineConfig, mesh: Mesh | None = None):
         if draft is not None:
             check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
-            for spec in cfg.speculative_proposals:
-                check_proposal_fits(spec, draft)
         self.cfg = cfg
-        # What an iteration may draft, the engine's proposal first; none without a drafter.
-        self.proposals: tuple[Chain | Tree, ...] = tuple(
-            speculator_for(spec) for spec in (cfg.speculative_proposals if draft is not None else ()))
+        # What an iteration may draft, the engine's proposal first (EngineConfig.speculator).
+        self.proposals: tuple[Speculator, ...] = speculators_for(cfg, draft)
+        for proposal in self.proposals:
+            if proposal.uses_drafter:
+                check_proposal_fits(proposal.spec, draft)
         model = target_model_for(target)
         main = self.proposals[0] if self.proposals else Chain(0)
-        self.step_cfg = StepConfig(target=target, draft=draft if self.proposals else None,
-                                   num_draft=main.num_draft_steps, mesh=mesh, attention=attention_kind(cfg, mesh),
-                                   gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm, model=model,
-                                   batch_invariant=batch_invariant(cfg, mesh),
-                                   tree=main.spec if isinstance(main, Tree) else None,
-                                   measure_chain=(any(isinstance(p, Tree) for p in self.proposals)
-                                                  and any(isinstance(p, Chain) for p in self.proposals)))
+        drafting = any(p.uses_drafter for p in self.proposals)
+        self.step_cfg = StepConfig(target=target, draft=draft if drafting else None, speculator=main, mesh=mesh,
+                                   attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm,
+                                   model=model, batch_invariant=batch_invariant(cfg, mesh))
         # Room in the slots for each proposal's pending state.
         layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
         state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
@@ -299,9 +289,8 @@ class ModelRunner:
 
     # ---- what runs ---------------------------------------------------------------------------
     @property
-    def speculator(self) -> Chain | Tree:
-        """The engine's proposal: the tree of EngineConfig.tree, else the chain of K (of 0, the
-        target alone, without a drafter). Prefills draft it."""
+    def speculator(self) -> Speculator:
+        """The engine's proposal (Chain(0), the target alone, where it serves none). Prefills draft it."""
         return self.step_cfg.speculator
 
     @property
@@ -309,11 +298,10 @@ class ModelRunner:
         """KV positions past a row's length the widest of the proposals writes per iteration."""
         return max(p.positions_per_iteration for p in self.proposals or (self.speculator,))
 
-    def config(self, proposal: Chain | Tree, greedy: bool) -> StepConfig:
+    def config(self, proposal: Speculator, greedy: bool) -> StepConfig:
         """The step config of one program: the iteration verifying and drafting `proposal` (one of
         `proposals`, or Chain(0): the target alone), greedy or sampling."""
-        tree = proposal.spec if isinstance(proposal, Tree) else None
-        return dataclasses.replace(self.step_cfg, num_draft=proposal.num_draft_steps, tree=tree, greedy=greedy)
+        return dataclasses.replace(self.step_cfg, speculator=proposal, greedy=greedy)
 
     @property
     def num_compilations(self) -> int:
@@ -324,7 +312,7 @@ class ModelRunner:
     def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None]) -> None:
         """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
         (None: its params carry a seed); the greedy program when every row is greedy."""
-        row = sampling.row_sampling_from_params(params, seeds, tree=isinstance(self.speculator, Tree))
+        row = sampling.row_sampling_from_params(params, seeds, tree=self.speculator.point_mass)
         cfg = self.config(self.speculator, greedy=all(p.greedy for p in params))
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from eagle3_jax.config import DUMMY_SLOT, ConfigError, DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import DUMMY_SLOT, DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner.sampling import RowSampling
 
@@ -46,26 +46,30 @@ class Slots:
     # A tree's shape: node i+1's parent in the verify layout (0: the root, the last token; parents
     # before children). None for a chain, whose proposal j follows j-1.
     parents: jax.Array | None = None  # [S, T] i32
-    # Which speculator drafted the pending proposals (its `kind`; 0: none yet). An engine that
-    # switches between a tree and a chain verifies only its own kind's: the other's are laid out
-    # differently (runner/speculator.py).
+    # Which speculator drafted the pending proposals (its `kind`; 0: none yet): a verify checks
+    # only its own kind's (runner/speculators/).
     drafted_by: jax.Array | None = None  # [S] i32
+    # The row's tokens by position, prompt and generated, through the last token; kept for a
+    # speculator that drafts from them (`SlotLayout.history`), else None.
+    history: jax.Array | None = None  # [S, M] i32
 
 
 class SlotLayout(NamedTuple):
-    """What a speculator keeps per slot between iterations (`Chain.slot_layout`, `Tree.slot_layout`)."""
+    """What a speculator keeps per slot between iterations (`Speculator.slot_layout`)."""
 
     proposals: int  # Slots.drafts columns
     q_rows: int  # Slots.draft_probs rows per slot (a chain's q; a tree keeps none)
     parents: bool  # whether Slots.parents is kept (a tree)
     emitted: int  # Slots.emitted columns: the most tokens one iteration emits
+    history: bool = False  # whether Slots.history is kept (prompt lookup)
 
     @staticmethod
     def union(layouts) -> SlotLayout:
         """The slots of an engine serving several speculators: room for each one's proposals."""
         layouts = list(layouts)
         return SlotLayout(proposals=max(x.proposals for x in layouts), q_rows=max(x.q_rows for x in layouts),
-                          parents=any(x.parents for x in layouts), emitted=max(x.emitted for x in layouts))
+                          parents=any(x.parents for x in layouts), emitted=max(x.emitted for x in layouts),
+                          history=any(x.history for x in layouts))
 
 
 @struct.dataclass
@@ -76,15 +80,9 @@ class DeviceState:
 
 
 def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineConfig,
-               dtype, layout: SlotLayout | None = None) -> DeviceState:
-    """The zeroed state; `layout` is the served speculator's (`ModelRunner` passes it). None: a
-    chain of the engine's K (of 0 without a drafter)."""
-    s, k = engine.max_num_seqs + 1, engine.num_speculative_tokens if draft else 0
-    if layout is None:
-        if draft is not None and engine.tree is not None and not engine.tree.is_chain:
-            raise ConfigError(f"init_state: engine config tree {engine.tree} needs the tree's slot layout "
-                              "(pass layout=Tree(spec).slot_layout)")
-        layout = SlotLayout(proposals=k, q_rows=k, parents=False, emitted=k + 1)
+               dtype, layout: SlotLayout) -> DeviceState:
+    """The zeroed state, the slots laid out for `layout` (the served speculators', `SlotLayout.union`)."""
+    s = engine.max_num_seqs + 1
     vd = draft.draft_vocab_size if draft else 1
     pages = (engine.num_pages, engine.page_size)
     target_kv = KVCache.zeros(target.num_layers, *pages, target.num_kv_heads, target.head_dim, dtype)
@@ -101,8 +99,14 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
     slots = Slots(last_token=zeros_i(), length=zeros_i(), drafts=jnp.zeros((s, layout.proposals), jnp.int32),
                   draft_probs=jnp.zeros((s, layout.q_rows, vd), jnp.float32), sampling=sampling,
                   num_generated=zeros_i(), accepted=jnp.zeros((s, 2), jnp.int32),
-                  emitted=jnp.zeros((s, layout.emitted), jnp.int32), parents=parents, drafted_by=zeros_i())
+                  emitted=jnp.zeros((s, layout.emitted), jnp.int32), parents=parents, drafted_by=zeros_i(),
+                  history=jnp.zeros((s, history_width(engine)), jnp.int32) if layout.history else None)
     return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
+
+
+def history_width(engine: EngineConfig) -> int:
+    """Slots.history columns: every position a row's block table can hold."""
+    return engine.max_blocks_per_seq * engine.page_size
 
 
 def with_lengths(state: DeviceState, rows, length: int) -> DeviceState:

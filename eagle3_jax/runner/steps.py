@@ -14,7 +14,7 @@ state (the KV pool is updated in place):
                             captures), the draft steps of the next proposal. No host round trip inside.
 
 What is verified, how it is accepted and drafted, is the speculator's (`StepConfig.speculator`,
-runner/speculator.py); the target is called through `StepConfig.model` (runner/target.py).
+runner/speculators/); the target is called through `StepConfig.model` (runner/target.py).
 
 The same iteration also exists as K + 1 programs (`iterate_head`, `chain_step` per proposal,
 `commit_proposals`), dispatched back to back by the runner with the `DraftCarry` pytree threaded
@@ -30,15 +30,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig, TreeSpec
+from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
 from eagle3_jax.model import eagle3
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.parallel.sharding import cache_pin, draft_cache_pin, replicate, vocab_logits
 from eagle3_jax.runner import sampling
-from eagle3_jax.runner.speculator import Chain, DraftCarry, DraftContext, Tree
+from eagle3_jax.runner.speculators import Chain, DraftCarry, DraftContext, DraftStart, Speculator
 from eagle3_jax.runner.state import DUMMY_SLOT, DeviceState, Slots, state_shardings
 from eagle3_jax.runner.target import LLAMA3, TargetModel
+
+TARGET_ALONE = Chain(0)  # the iteration that verifies the last token alone
 
 # Independent PRNG streams under each (row key, tokens generated) pair.
 _STREAM_DRAFT, _STREAM_VERIFY, _STREAM_FIRST = 0, 1, 2
@@ -49,36 +51,25 @@ class StepConfig:
     """Static part of every step function (hashable: one executable per distinct value)."""
 
     target: ModelConfig
-    draft: DraftConfig | None
-    num_draft: int  # K; 0 without a drafter
+    draft: DraftConfig | None  # the EAGLE-3 drafter, None where none is loaded
+    # What this program verifies and drafts (runner/speculators/); Chain(0): the target alone.
+    speculator: Speculator = TARGET_ALONE
     mesh: Mesh | None = None  # tensor parallelism: pins the Megatron layout of activations
     # Every row of the batch is greedy: argmax only, no sampling code. The host knows each
     # request's parameters, so it picks the program, as vLLM's sampler checks `all_greedy` on the
-    # host. Deciding on the device instead (`lax.cond(all(greedy), ...)`) costs a host-device
-    # synchronization per cond on the GPU: XLA's ConditionalThunk copies the predicate to the host
-    # and blocks until the stream reaches it, which stalls the overlapped loop K + 1 times an
-    # iteration. The steps below branch only on this static flag.
+    # host: a `lax.cond` on the device would copy its predicate to the host and block the stream.
     greedy: bool = False
     attention: str = "xla"  # paged attention of these steps: "xla" or "pallas" (EngineConfig.attention)
     gemv: str = "xla"  # few-row weight projections: "xla" or "mosaic" (EngineConfig.gemv)
-    # The fused iteration's GEMMs: "triton", "cublas" or "auto", per bucket (EngineConfig.gemm,
-    # `iteration_gemm`).
-    gemm: str = "triton"
+    gemm: str = "triton"  # the fused iteration's GEMMs: "triton", "cublas" or "auto" (`iteration_gemm`)
     model: TargetModel = LLAMA3  # the target's functions
-    # A dynamic tree drafted instead of the chain (never a chain TreeSpec: the runner serves those
-    # as Chain); num_draft is then its steps, or 0 in the target-only program.
-    tree: TreeSpec | None = None
-    # A tree's verify also says what the draft's top-1 chain would have accepted (`Tree.accept`),
-    # for an engine serving a chain beside its tree; without one it leaves -1 and computes nothing.
-    measure_chain: bool = False
     # The target's forward and logits in the batch-invariant kernels (EngineConfig.batch_invariant);
     # the drafter keeps `attention` and `gemv`: its numerics change proposals, never the output.
     batch_invariant: bool = False
 
     def __post_init__(self):
-        if self.tree is not None and (self.tree.is_chain or self.num_draft not in (0, self.tree.steps)):
-            raise ConfigError(f"step config: tree {self.tree} needs num_draft {self.tree.steps} (or 0) and a "
-                              f"non-chain tree, got num_draft {self.num_draft}")
+        if self.speculative and self.speculator.uses_drafter and self.draft is None:
+            raise ConfigError(f"step config: {self.speculator.label} drafts with the EAGLE-3 head; draft is None")
 
     @property
     def target_attention(self) -> str:
@@ -90,15 +81,8 @@ class StepConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.draft is not None and self.num_draft > 0
-
-    @property
-    def speculator(self) -> Chain | Tree:
-        """The proposal's shape: the tree when this program speculates with one, else a chain of K
-        (of 0 when this program runs the target alone)."""
-        if self.speculative and self.tree is not None:
-            return Tree(self.tree)
-        return Chain(self.num_draft if self.speculative else 0)
+        """This program drafts a proposal (whether or not a drafter is loaded)."""
+        return self.speculator.num_draft_steps > 0
 
     @property
     def draft_context(self) -> DraftContext:
@@ -154,6 +138,12 @@ def _draft_extend(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array
     return jnp.take_along_axis(h, index[:, None, None], axis=1)[:, 0], draft_kv
 
 
+def _record(history: jax.Array, positions: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """history [B, M] with tokens [B, T] written at positions [B, T] where valid [B, T]."""
+    columns = jnp.where(valid, positions, history.shape[1])  # out of range: dropped
+    return history.at[jnp.arange(history.shape[0])[:, None], columns].set(tokens, mode="drop")
+
+
 def _gather(tree, rows: jax.Array):
     return jax.tree_util.tree_map(lambda x: x[rows], tree)
 
@@ -179,19 +169,20 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     """
     spec = cfg.speculator
     s = _gather(state.slots, rows)
-    # [B, W] each; the mask: None (a chain's causal one) or a tree's TreeAttention
+    # [B, W] each; the mask: None (causal) or a tree's TreeAttention
     tokens, positions, mask = spec.verify_layout(s)
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
     logits = _logits(params, cfg, hidden)  # [B, W, V]
-    # emitted, path [B, E] (E = spec.emitted_width); path None where the accepted tokens were
-    # verified where they stay (a chain)
+    # emitted, path [B, E]; path None where the accepted tokens were verified where they stay
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
-                                         _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size,
-                                         cfg.measure_chain)
+                                         _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
     target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)  # the accepted KV at length..length+n
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
-    draft_kv, carry = state.draft_kv, None
+    kept = ({} if s.history is None else
+            {"history": _record(s.history, s.length[:, None] + 1 + jnp.arange(emitted.shape[1]), emitted,
+                                jnp.arange(emitted.shape[1]) <= n[:, None])})
+    draft_kv, carry, h_last = state.draft_kv, None, None
     if cfg.draft is not None:
         # Draft extend: position t pairs capture t with the token at t+1, for t = length..length+n.
         # It runs in target-only programs too (one position), so the draft's KV has no holes when
@@ -201,13 +192,14 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, ext_tokens, ext_captures, ext_positions,
                                          draft_kv, block_tables, n)  # h at length + n
     if cfg.speculative:
-        carry = spec.start(h_last, last, s.length + n, s.sampling, _keys(s.sampling.key, num_generated, _STREAM_DRAFT),
-                           s.draft_probs.shape[-1])
-        carry, draft_kv = spec.draft_step(cfg.draft_context, dparams, params.embed, carry, draft_kv, block_tables, 0)
+        at = DraftStart(token=last, position=s.length + n, h=h_last, history=kept.get("history"), row=s.sampling,
+                        keys=_keys(s.sampling.key, num_generated, _STREAM_DRAFT))
+        carry, draft_kv = spec.draft_step(cfg.draft_context, dparams, params.embed, spec.start(cfg.draft_context, at),
+                                          draft_kv, block_tables, 0)
     width = state.slots.emitted.shape[1]  # the engine's widest verify; a target-only iteration emits 1
     slots = _write_slots(state.slots, rows, last_token=last, length=s.length + n + 1, num_generated=num_generated,
                          accepted=jnp.stack([n, top1], axis=1),
-                         emitted=jnp.pad(emitted, ((0, 0), (0, width - emitted.shape[1]))))
+                         emitted=jnp.pad(emitted, ((0, 0), (0, width - emitted.shape[1]))), **kept)
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted, carry
 
 
@@ -309,16 +301,23 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
              else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
                                          sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))  # [P]
     spec = cfg.speculator
-    draft_kv = state.draft_kv
-    if cfg.speculative:
+    kept = {}
+    if state.slots.history is not None:  # the chunk's tokens, and the first generated one after them
+        valid = jnp.arange(t) < num_valid[:, None]
+        history = _record(state.slots.history[slot], positions, tokens, valid)
+        kept["history"] = _record(history, length[:, None], first[:, None], jnp.ones_like(valid[:, :1]))
+    draft_kv, h_last = state.draft_kv, None
+    if cfg.draft is not None:
         # next_tokens holds -1 where the token the target just produced belongs (last chunk).
         shifted = jnp.where(next_tokens < 0, first[:, None], next_tokens)
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, shifted, captures, positions, draft_kv,
                                          block_table, last_idx)
+    if cfg.speculative:
         # One token generated so far (`first`): the same key schedule as every later iteration.
-        carry = spec.start(h_last, first, length - 1, row, _keys(row.key, 1, _STREAM_DRAFT),
-                           state.slots.draft_probs.shape[-1])
-        carry, draft_kv = spec.propose(cfg.draft_context, dparams, params.embed, carry, draft_kv, block_table)
+        at = DraftStart(token=first, position=length - 1, h=h_last, history=kept.get("history"), row=row,
+                        keys=_keys(row.key, 1, _STREAM_DRAFT))
+        carry, draft_kv = spec.propose(cfg.draft_context, dparams, params.embed, spec.start(cfg.draft_context, at),
+                                       draft_kv, block_table)
 
     def zeros(x):  # the rows' share of a per-slot buffer, zeroed
         return None if x is None else jnp.zeros((p, *x.shape[1:]), x.dtype)
@@ -326,7 +325,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     slots = _write_slots(state.slots, slot, last_token=first, length=length, drafts=zeros(state.slots.drafts),
                          draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=jnp.ones_like(length),
                          accepted=zeros(state.slots.accepted), emitted=zeros(state.slots.emitted),
-                         parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length))
+                         parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length), **kept)
     if cfg.speculative:
         slots = spec.commit(slots, slot, carry, cfg.greedy)  # the first proposal, as an iteration leaves it
     return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg)

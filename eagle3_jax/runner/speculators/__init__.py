@@ -1,0 +1,54 @@
+"""Speculators: what an iteration proposes, and how the target verifies it (`protocol.Speculator`).
+
+  chain.py         EAGLE-3's chain of K draft tokens (Chain(0): the target alone)
+  dynamic_tree.py  EAGLE-2's dynamic tree, drafted by the same head
+  ngram.py         prompt lookup: K tokens copied from the row's own history, no drafter
+
+`EngineConfig.speculator` names one of SPECULATORS; its entry gives the proposals an engine serves,
+its own first. An engine may serve two side by side (the tree and the chain: "auto" picks per
+bucket); the slots then hold room for either (`SlotLayout.union`), and each commit tags its
+proposal with its `kind` (`Slots.drafted_by`), so a verify treats a row whose pending proposal
+another kind drafted as having none. A proposal of the verify's own kind is verified even when
+stale (drafted before some target-only iterations): each was drawn as its rule requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, TreeSpec
+from eagle3_jax.runner.speculators import ngram
+from eagle3_jax.runner.speculators.chain import Chain, DraftCarry
+from eagle3_jax.runner.speculators.dynamic_tree import Tree
+from eagle3_jax.runner.speculators.protocol import DraftContext, DraftStart, Speculator
+
+__all__ = ["SPECULATORS", "Chain", "DraftCarry", "DraftContext", "DraftStart", "Speculator", "Tree",
+           "eagle3_proposal", "speculators_for"]
+
+
+def eagle3_proposal(spec: TreeSpec, measure_chain: bool = False) -> Speculator:
+    """The drafter's proposal of shape `spec`: TreeSpec(K, 1, K) is the chain of K."""
+    return Chain(spec.steps) if spec.is_chain else Tree(spec, measure_chain)
+
+
+def eagle3_proposals(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[Speculator, ...]:
+    """EngineConfig.speculative_proposals drafted by the EAGLE-3 head; none without one. A tree
+    served beside a chain measures the chain on its own verifies."""
+    if draft is None:
+        return ()
+    specs = cfg.speculative_proposals
+    both = any(s.is_chain for s in specs) and not all(s.is_chain for s in specs)
+    return tuple(eagle3_proposal(spec, measure_chain=both) for spec in specs)
+
+
+# name -> (engine config, drafter or None) -> the proposals served, the engine's own first
+SPECULATORS: dict[str, Callable[[EngineConfig, DraftConfig | None], tuple[Speculator, ...]]] = {
+    "eagle3": eagle3_proposals,
+    "ngram": ngram.proposals,
+}
+
+
+def speculators_for(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[Speculator, ...]:
+    if cfg.speculator not in SPECULATORS:
+        raise ConfigError(f"speculator must be one of {', '.join(SPECULATORS)}, got {cfg.speculator!r}")
+    return SPECULATORS[cfg.speculator](cfg, draft)

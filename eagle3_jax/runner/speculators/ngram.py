@@ -1,0 +1,97 @@
+"""Prompt lookup: K proposals copied from the row's own history, no drafter.
+
+The proposal is what followed the latest earlier occurrence of the row's last n tokens, for the
+longest n in max_n..1 that occurs; past the last token the match repeats with its period (the
+distance between the occurrence and the row's end), so a loop of d tokens is proposed whole.
+A row with no match proposes its last token K times (verified, and rejected, like any other).
+
+It is a chain in everything the target sees (verify, accept, KV), drafted in one step on the
+device from `Slots.history`, which the step functions keep when a speculator's layout asks.
+Its proposals are a function of the context (point mass), so sampled rows accept by the one-hot
+or the coupled rule, both lossless, and no q is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig
+from eagle3_jax.runner.speculators.chain import Chain
+from eagle3_jax.runner.speculators.protocol import DraftContext, DraftStart
+from eagle3_jax.runner.state import SlotLayout
+
+
+@struct.dataclass
+class NGramCarry:
+    history: jax.Array  # [B, M] the row's tokens by position
+    last: jax.Array  # [B] the position of the row's last token
+    drafts: jax.Array  # [B, K]
+
+
+def latest_match(history: jax.Array, last: jax.Array, n: int) -> jax.Array:
+    """history [B, M], last [B] -> [B] the end position j < last of the latest occurrence of
+    history[last-n+1 .. last] (j its last token), -1 where none occurs."""
+    m = history.shape[1]
+    ends = jnp.arange(m)
+    match = (ends >= n - 1) & (ends < last[:, None]) & (last[:, None] >= n - 1)  # [B, M]
+    for i in range(n):  # token i back from the end of each candidate window
+        suffix = jnp.take_along_axis(history, jnp.maximum(last - i, 0)[:, None], axis=1)  # [B, 1]
+        shifted = jnp.pad(history, ((0, 0), (i, 0)), constant_values=-1)[:, :m]  # shifted[:, j] = history[:, j - i]
+        match &= shifted == suffix
+    return jnp.max(jnp.where(match, ends, -1), axis=1)
+
+
+def lookup(history: jax.Array, last: jax.Array, k: int, max_n: int) -> jax.Array:
+    """history [B, M], last [B] -> the K proposals [B, K] for positions last+1..last+K."""
+    end = jnp.full_like(last, -1)
+    for n in range(max_n, 0, -1):  # the longest n that occurs wins
+        end = jnp.where(end < 0, latest_match(history, last, n), end)
+    period = jnp.maximum(last - end, 1)  # [B]
+    index = end[:, None] + 1 + jnp.arange(k) % period[:, None]  # [B, K]
+    index = jnp.where(end[:, None] >= 0, index, last[:, None])
+    return jnp.take_along_axis(history, index, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NGram(Chain):
+    """K proposals by prompt lookup over suffixes of up to max_n tokens."""
+
+    max_n: int = 4
+    kind = 3
+    uses_drafter = False
+    point_mass = True
+    top1_chain = 0  # not the drafter's chain: a tree's verify says nothing of it
+
+    @property
+    def label(self) -> str:
+        return f"ngram K={self.k}"
+
+    @property
+    def num_draft_steps(self) -> int:
+        return 1 if self.k else 0
+
+    @property
+    def slot_layout(self) -> SlotLayout:
+        return SlotLayout(proposals=self.k, q_rows=0, parents=False, emitted=self.k + 1, history=True)
+
+    def start(self, ctx: DraftContext, at: DraftStart) -> NGramCarry:
+        return NGramCarry(history=at.history, last=at.position + 1,
+                          drafts=jnp.zeros((at.token.shape[0], self.k), jnp.int32))
+
+    def draft_step(self, ctx: DraftContext, dparams, target_embed: jax.Array, carry: NGramCarry, draft_kv,
+                   block_table: jax.Array, j: int) -> tuple[NGramCarry, object]:
+        return carry.replace(drafts=lookup(carry.history, carry.last, self.k, self.max_n)), draft_kv
+
+
+def proposals(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[NGram, ...]:
+    """The n-gram speculator of an engine: K = num_speculative_tokens (none for 0)."""
+    if draft is not None:
+        raise ConfigError("speculator ngram drafts from the prompt and needs no drafter: pass draft=None")
+    if cfg.tree is not None and not cfg.tree.is_chain:
+        raise ConfigError(f"speculator ngram proposes a chain; tree {cfg.tree.label} needs the EAGLE-3 drafter")
+    k = cfg.resolved().num_speculative_tokens
+    return (NGram(k),) if k else ()
