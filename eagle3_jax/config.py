@@ -521,7 +521,8 @@ class EngineConfig:
         kernels run in Pallas' interpreter over the same fixed blocks (tests/test_batch_invariant.py);
         on a GPU they compile to Triton, and `scripts/invariance_h200.py` checks the equality and
         times the cost there, not yet run. The drafter keeps `attention` and `gemv` (its numerics
-        change only what is accepted). One device only (no tensor parallelism yet).
+        change only what is accepted). Under tensor parallelism the target runs per device, its
+        row-parallel sums added in rank order (tests/test_parallel.py, on 8 CPU devices).
     freeze_heap: after warm-up, collect Python's garbage once and freeze the heap (`gc.freeze`,
         engine.freeze_heap), so that no full pass of the cyclic collector over the loaded
         engine's objects stalls serving. False leaves the collector alone (a test suite

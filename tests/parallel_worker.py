@@ -8,6 +8,7 @@ prints one JSON object on its last stdout line.
     python tests/parallel_worker.py hlo           # collectives of compiled verify / draft programs
     python tests/parallel_worker.py layout        # shard shapes vs jax; params_from_hf(place=...)
     python tests/parallel_worker.py engine        # the engine's tokens and programs (ENGINE_TPS)
+    python tests/parallel_worker.py invariant     # batch-invariant logits per device at tp 2, 4
 """
 
 from __future__ import annotations
@@ -412,8 +413,52 @@ def program_collectives(runner, sampling_and_prefill: bool) -> dict:
     return res
 
 
+def run_invariant() -> dict:
+    """The batch-invariant target per device (steps.StepConfig.per_device) at tp 2 and 4, in bf16:
+    logits of one prompt as one prefill, in verify-sized chunks and token by token, in a batch of
+    two and alone; each compared bit for bit with the decode's, and to tp 1's within rounding."""
+    cfg = small_cfg(8)
+    params = jax.tree.map(lambda x: jnp.asarray(x * (4 if x.ndim > 1 else 1), jnp.bfloat16), random_params(cfg, 5))
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+    page, blocks = 16, 2
+
+    def logits(params, tokens, positions, cache, table, scfg):
+        hidden, _, cache = steps._target(params, scfg, tokens, positions, cache, table)
+        return steps._logits(params, scfg, hidden), cache
+
+    step = jax.jit(logits, static_argnames="scfg", donate_argnames="cache")
+
+    def run(tp: int, rows: np.ndarray, chunks: list[int]) -> np.ndarray:
+        mesh = S.make_mesh(tp) if tp > 1 else None
+        scfg = steps.StepConfig(target=cfg, draft=None, mesh=mesh, batch_invariant=True)
+        shape = (cfg.num_layers, 1 + len(rows) * blocks, page, cfg.num_kv_heads, cfg.head_dim)
+        cache = L.KVCache(k=jnp.zeros(shape, jnp.bfloat16), v=jnp.zeros(shape, jnp.bfloat16))
+        p = params
+        if mesh is not None:
+            p = S.shard_params(params, mesh, S.llama_param_specs(cfg, tp))
+            cache = S.shard_params(cache, mesh, S.llama_cache_specs(cfg, tp))
+        table, outs, start = block_tables(len(rows), blocks), [], 0
+        for c in chunks:
+            pos = np.broadcast_to(np.arange(start, start + c, dtype=np.int32), (len(rows), c))
+            out, cache = step(p, rows[:, start:start + c], pos, cache, table, scfg=scfg)
+            outs.append(np.asarray(out.astype(jnp.float32)))
+            start += c
+        return np.concatenate(outs, axis=1)
+
+    one = run(1, tokens, [12])
+    out = {}
+    for tp in (2, 4):
+        decode = run(tp, tokens, [1] * 12)
+        out[str(tp)] = dict(prefill_equal=bool(np.array_equal(run(tp, tokens, [12]), decode)),
+                            verify_equal=bool(np.array_equal(run(tp, tokens, [5, 4, 3]), decode)),
+                            alone_equal=bool(np.array_equal(run(tp, tokens[1:], [3, 9])[0], decode[1])),
+                            rel_to_tp1=rel(decode, one))
+    return out
+
+
 if __name__ == "__main__":
     task = sys.argv[1]
-    result = {"equivalence": run_equivalence, "hlo": run_hlo, "layout": run_layout, "engine": run_engine}[task]()
+    result = {"equivalence": run_equivalence, "hlo": run_hlo, "layout": run_layout, "engine": run_engine,
+              "invariant": run_invariant}[task]()
     result["device_count"] = jax.device_count()
     print(json.dumps(result))

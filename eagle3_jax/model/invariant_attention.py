@@ -46,7 +46,7 @@ def _kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool
     nb = table_ref.shape[0]
     q, layer = q_ref[...], layer_ref[0]
     vpos = vpos_ref[pl.program_id(2)]
-    capacity = nb * page_size // BLOCK_KEYS  # key blocks the table holds (a padded row's position can run off it)
+    capacity = -(-nb * page_size // BLOCK_KEYS)  # key blocks the table holds (a padded row's position can run off it)
     first = pl.program_id(3) * BLOCKS_PER_SPLIT
     end = jnp.minimum(jnp.minimum(first + BLOCKS_PER_SPLIT, vpos // BLOCK_KEYS + 1), capacity)
 
@@ -84,7 +84,7 @@ def ancestor_paths(window_start: jax.Array, window_mask: jax.Array) -> jax.Array
 def num_splits(num_blocks: int, page_size: int) -> int:
     """Splits of every program over a table of num_blocks pages: fixed ranges of the key positions
     the table can hold, so the same for every step of an engine."""
-    return -(-(num_blocks * page_size // BLOCK_KEYS) // BLOCKS_PER_SPLIT)
+    return -(-num_blocks * page_size // (BLOCK_KEYS * BLOCKS_PER_SPLIT))
 
 
 def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,

@@ -111,10 +111,34 @@ def fold_norm_gains(params: LlamaParams) -> LlamaParams:
     return params.replace(layers=layers)
 
 
+def sum_shards(x: jax.Array, tp_axis: str | None) -> jax.Array:
+    """Inside shard_map over `tp_axis`: the sum of every device's x, added in rank order whatever
+    the shape (an all-reduce may pick its algorithm, and so its order, by message size)."""
+    if tp_axis is None:
+        return x
+    parts = jax.lax.all_gather(x, tp_axis)  # [tp, ...]
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
+
+
+def embed_tokens(embed: jax.Array, tokens: jax.Array, vocab_size: int, tp_axis: str | None) -> jax.Array:
+    """tokens [B, T] -> [B, T, D]; inside shard_map over `tp_axis` with a vocab-split embed [V/tp, D],
+    each device looks up its own ids and the one nonzero row per token is summed (exact)."""
+    if tp_axis is None or embed.shape[0] == vocab_size:
+        return embed[tokens]
+    rows = embed.shape[0]
+    local = tokens - jax.lax.axis_index(tp_axis) * rows
+    here = (local >= 0) & (local < rows)
+    return sum_shards(jnp.where(here[..., None], embed[jnp.clip(local, 0, rows - 1)], 0), tp_axis)
+
+
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, block_table: jax.Array, attention: str = "xla",
             pin_kv: Callable[[KVCache], KVCache] | None = None,
-            gemv: str = "xla", tree: TreeAttention | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+            gemv: str = "xla", tree: TreeAttention | None = None,
+            tp_axis: str | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] ->
     (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache).
     attention: "xla", "pallas" or "invariant" (layers.attention_block; "pallas" and "invariant"
@@ -123,10 +147,12 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
     each layer's write (tensor parallelism: `sharding.cache_pin`); gemv: "xla", "mosaic" or "invariant", the
     weight projections' kernel where the step has few rows (layers.project); tree: the tokens'
     RoPE positions and attention window when they form a token tree (layers.TreeAttention;
-    `positions` are then where their keys and values are stored)."""
+    `positions` are then where their keys and values are stored); tp_axis: the forward runs per
+    device inside shard_map over this mesh axis, on the Megatron shards of the weights and the
+    cache, and adds the row-parallel partial sums in rank order (`sum_shards`)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     eps, kernel = cfg.rms_norm_eps, attention in ("pallas", "invariant")  # the Pallas kernels go together
-    x = params.embed[tokens]  # [B, T, D]
+    x = embed_tokens(params.embed, tokens, cfg.vocab_size, tp_axis)  # [B, T, D]
     delta = None  # what the previous layer's MLP adds to x, added in the next norm's kernel
     captured = {}  # layer id -> its input [B, T, D]
     for i, layer in enumerate(params.layers):
@@ -137,8 +163,8 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             h, layer.wqkv, layer.wo, positions, cache.k, cache.v, i, block_table, inv_freq=inv_freq,
             attention=attention, gemv=gemv, tree=tree)
         cache = KVCache(k=k_pages, v=v_pages) if pin_kv is None else pin_kv(KVCache(k=k_pages, v=v_pages))
-        x, h = add_rms_norm(x, attn, layer.mlp_norm, eps, kernel)
-        delta = swiglu(h, layer.w_gate_up, layer.w_down, gemv)
+        x, h = add_rms_norm(x, sum_shards(attn, tp_axis), layer.mlp_norm, eps, kernel)
+        delta = sum_shards(swiglu(h, layer.w_gate_up, layer.w_down, gemv), tp_axis)
     captures = jnp.concatenate([captured[i] for i in cfg.capture_layer_ids], axis=-1)
     _, hidden = add_rms_norm(x, delta, params.norm, eps, kernel)
     return hidden, captures, cache

@@ -137,6 +137,11 @@ def _vocab_ok(v: int, tp: int) -> bool:
     return v % tp == 0
 
 
+def vocab_split(vocab_size: int, mesh: Mesh) -> bool:
+    """Whether the embedding and lm_head are vocab-parallel on `mesh` (else replicated)."""
+    return _vocab_ok(vocab_size, mesh.shape[TP])
+
+
 def _layer_specs(q_heads: int, kv_heads: int, intermediate: int, tp: int, where: str) -> dict:
     _check("num_attention_heads", q_heads, tp, where)
     _check("intermediate_size", intermediate, tp, where)
@@ -231,6 +236,14 @@ def spec_at(specs: Any, path: Sequence[str | int]) -> P:
     if not _is_spec(node):
         raise KeyError(f"no PartitionSpec at path {tuple(path)} (found {node!r})")
     return node
+
+
+def specs_like(params: Any, specs: Any) -> Any:
+    """`specs` pruned to the leaves `params` holds (served weights have no norm gains: folded)."""
+    def key(entry):
+        return entry.idx if hasattr(entry, "idx") else entry.name
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: spec_at(specs, [key(e) for e in path]), params)
 
 
 def make_place(mesh: Mesh, specs: Any) -> Callable[[np.ndarray, tuple], jax.Array]:

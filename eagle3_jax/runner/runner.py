@@ -1,16 +1,12 @@
-"""The device runner: everything on the device, behind a few calls.
+"""The device runner: `ModelRunner` owns the served weights, the donated `DeviceState`, the
+buffers pinned per batch bucket and the compiled steps (one executable per shape and
+`StepConfig`). It dispatches prefills and iterations without waiting, and compiles and times them
+on padding rows; what to run, and when, is the engine's.
 
-`ModelRunner` owns the served weights, the `DeviceState` the step functions thread and donate,
-the buffers pinned per batch bucket, and the compiled steps (jax.jit keeps one executable per
-shape and `StepConfig`: the table of programs per batch bucket). It dispatches prefills and
-iterations without waiting for them, and compiles and times them on padding rows. What to run,
-and when, is the engine's (engine/engine.py); nothing else holds the device state.
-
-Every buffer an iteration touches keeps its device address from call to call: XLA launches the
-program as a CUDA graph and rewrites the nodes of any moved buffer first, which costs as much
-host time as the SmolLM2 iteration takes on the device (BENCHMARKS.md, "Host overhead"). So the
-state is donated, the per-call arguments live in `PinnedBatch`, and the results are copied into
-buffers held here.
+Every buffer an iteration touches keeps its device address from call to call: the CUDA graph XLA
+launches is rewritten for any moved buffer, at a host cost as large as a SmolLM2 iteration
+(BENCHMARKS.md, "Host overhead"). So the state is donated, the per-call arguments live in
+`PinnedBatch`, and results are copied into buffers held here.
 """
 
 from __future__ import annotations
@@ -111,12 +107,13 @@ def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
     return "pallas" if jax.default_backend() == "gpu" and mesh is None else "xla"
 
 
-def batch_invariant(cfg: EngineConfig, mesh: Mesh | None) -> bool:
-    """EngineConfig.batch_invariant, checked: its kernels run on one device (a pallas_call is not
-    partitioned by XLA's sharding propagation)."""
-    if cfg.batch_invariant and mesh is not None:
-        raise ConfigError("engine config: batch_invariant does not run under tensor parallelism yet "
-                          "(use batch_invariant=False with tp > 1)")
+def batch_invariant(cfg: EngineConfig, target: ModelConfig, mesh: Mesh | None) -> bool:
+    """EngineConfig.batch_invariant, checked: under tensor parallelism the target runs per device,
+    each holding whole kv groups (`steps.StepConfig.per_device`)."""
+    tp = 1 if mesh is None else mesh.shape[sharding.TP]
+    if cfg.batch_invariant and not sharding.kv_heads_split(target.num_kv_heads, tp):
+        raise ConfigError(f"engine config: batch_invariant under tensor parallelism needs the {target.num_kv_heads} "
+                          f"kv heads split evenly over tp={tp} (use batch_invariant=False, or a tp dividing them)")
     return cfg.batch_invariant
 
 
@@ -168,16 +165,9 @@ _overwrite = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)
 
 
 class PinnedBatch:
-    """The iteration's per-call arguments, slots [B] and block tables [B, nb], kept on the device at
-    one address per bucket; two buffers per bucket its verdicts are copied into in turn; and one
-    buffer per slot a prefill's first token is copied into.
-
-    A host array passed as an argument is a new device buffer on every call. So one device copy
-    per bucket is overwritten in place (a donated copy, a program with no graph of its own) only
-    when the scheduler's values change: a request joined or left. Nor may anything be allocated
-    between two iterations (`steps.read_verdicts`), so the verdicts and first tokens go into
-    buffers held here, written over.
-    """
+    """The iteration's slots [B] and block tables [B, nb] at one device address per bucket,
+    overwritten in place only when they change (a host array passed in would be a new buffer every
+    call); two verdict buffers per bucket, used in turn; one first-token buffer per slot."""
 
     def __init__(self, mesh: Mesh | None):
         self._placement = sharding.replicated_placement(mesh)  # like every per-row input under tp
@@ -199,10 +189,8 @@ class PinnedBatch:
         return device
 
     def read_verdicts(self, state: DeviceState, rows: jax.Array) -> jax.Array:
-        """The verdicts [B, 2 + K+1] of the iteration just dispatched over `rows` [B] (from `get`),
-        without waiting. They go into the bucket's older buffer, so each array returned here must
-        be read (or dropped) before the bucket's next iteration but one: that call writes over it,
-        and reading it after raises "Array has been deleted"."""
+        """The verdicts [B, 2 + E] of the iteration just dispatched over `rows` [B], without
+        waiting, in the bucket's older buffer: read them before the bucket's next iteration but one."""
         pair = self._verdicts.get(rows.shape[0])
         if pair is None:
             empty = np.zeros((rows.shape[0], 2 + state.slots.emitted.shape[1]), np.int32)
@@ -212,10 +200,9 @@ class PinnedBatch:
         return verdicts
 
     def read_first_token(self, state: DeviceState, slot: int) -> jax.Array:
-        """The first token [1] the prefill just dispatched sampled into `slot`, without waiting.
-        One buffer per slot rather than two taken in turn: a slot is admitted again only after its
-        request finished, and a request finishes only once its first token was read. So each
-        array returned here must be read (or dropped) before the slot's next prefill."""
+        """The first token [1] the prefill just dispatched sampled into `slot`, without waiting:
+        read it before the slot's next prefill (one buffer a slot suffices: a slot is reused only
+        after its request, which read its first token, finished)."""
         if not self._first_tokens:  # every slot's at once: none is allocated while serving
             held = [(np.array([s], np.int32), np.zeros(1, np.int32)) for s in range(state.slots.last_token.shape[0])]
             self._first_tokens = [list(pair) for pair in jax.device_put(held, self._placement, may_alias=False)]
@@ -271,7 +258,7 @@ class ModelRunner:
         drafting = any(p.uses_drafter for p in self.proposals)
         self.step_cfg = StepConfig(target=target, draft=draft if drafting else None, speculator=main, mesh=mesh,
                                    attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm,
-                                   model=model, batch_invariant=batch_invariant(cfg, mesh))
+                                   model=model, batch_invariant=batch_invariant(cfg, target, mesh))
         # Room in the slots for each proposal's pending state.
         layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
         state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype, layout)

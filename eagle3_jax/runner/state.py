@@ -1,13 +1,8 @@
 """The device-resident state the step functions thread (and donate) from call to call.
 
-`Slots` is our Eagle3ResourceManager: per-slot device buffers that carry everything one
-speculative iteration hands to the next, so nothing goes back to the host between draft steps or
-between iterations. The hidden states themselves never leave the compiled iteration: the
-verify's captures feed the draft extend inside the same executable; what crosses iterations is
-the proposals, their draft distribution q, the last token and the length.
-
-Slot 0 is the dummy slot: padded batch rows read and write it, and its block table row is all
-scratch pages, so padding never touches a real request.
+`Slots` carries what one iteration hands the next (proposals, q, last token, length), so nothing
+returns to the host in between; the hidden states never leave the compiled iteration. Slot 0 is
+the dummy slot padded rows read and write; its block table row is all scratch pages.
 """
 
 from __future__ import annotations
@@ -36,22 +31,12 @@ class Slots:
     draft_probs: jax.Array  # [S, K, V_draft] f32, q a chain's proposals were drawn from ([S, 0, Vd]: a tree)
     sampling: RowSampling  # [S] per-row parameters and base PRNG keys
     num_generated: jax.Array  # [S] i32, tokens emitted so far (keys fold it in)
-    # The last iteration's verdict per slot, left here for the host to copy out (`read_verdicts`)
-    # rather than returned: a returned array is a new buffer every call (see steps.iterate_in_place).
-    # [S, 2] i32: the proposals accepted, then what a chain of the draft's top-1 tokens would have
-    # accepted of them (`Tree.accept`'s top1_accepted; a chain's: the first column; -1: not
-    # measured, a tree's in an engine with no chain beside it, or a draft-q row)
-    accepted: jax.Array
-    emitted: jax.Array  # [S, K+1] i32, emitted[:accepted[:, 0] + 1] are the tokens it emitted (K: a tree's steps)
-    # A tree's shape: node i+1's parent in the verify layout (0: the root, the last token; parents
-    # before children). None for a chain, whose proposal j follows j-1.
-    parents: jax.Array | None = None  # [S, T] i32
-    # Which speculator drafted the pending proposals (its `kind`; 0: none yet): a verify checks
-    # only its own kind's (runner/speculators/).
-    drafted_by: jax.Array | None = None  # [S] i32
-    # The row's tokens by position, prompt and generated, through the last token; kept for a
-    # speculator that drafts from them (`SlotLayout.history`), else None.
-    history: jax.Array | None = None  # [S, M] i32
+    # The last iteration's verdicts, left for the host to copy out (steps.iterate_in_place):
+    accepted: jax.Array  # [S, 2] i32: proposals accepted, then the top-1 chain's (`Speculator.accept`)
+    emitted: jax.Array  # [S, E] i32: emitted[:accepted[:, 0] + 1] are the tokens it emitted
+    parents: jax.Array | None = None  # [S, T] i32: a tree's node i+1's parent in the verify layout (0: root)
+    drafted_by: jax.Array | None = None  # [S] i32: the `kind` of the pending proposal (0: none yet)
+    history: jax.Array | None = None  # [S, M] i32: the row's tokens by position (`SlotLayout.history`)
 
 
 class SlotLayout(NamedTuple):

@@ -1,25 +1,15 @@
-"""The compiled, fixed-shape step functions: our CUDA graphs.
+"""The compiled, fixed-shape step functions: our CUDA graphs. Each is a pure function of the
+donated `DeviceState` (the KV pool is updated in place), one executable per shape bucket:
 
-Two executables per shape bucket, both pure `DeviceState -> DeviceState` functions that donate the
-state (the KV pool is updated in place):
+  prefill(chunks [P, T])  the target and the drafter over one chunk of each of P prompts; on a
+                          prompt's last chunk, the first token and the first proposal too.
+  iterate(rows [B])       verify, accept, extend the drafter over the accepted positions (with the
+                          target's captures), draft the next proposal. No host round trip inside.
 
-  prefill(chunks [P, T])    target prefill of one chunk of each of P prompts + the draft prefill
-                            over the same chunks (ids shifted left by one, the target's captures);
-                            on a prompt's last chunk it also samples the first token (left in the
-                            slot's last_token, `read_first_token` copies it out) and drafts the
-                            first proposal (K tokens, or a tree).
-  iterate(rows [B])         one whole speculative iteration: target verify of K+1 tokens (a tree's
-                            T+1), lossless acceptance, draft extend over the accepted positions
-                            (overwriting the draft KV its own proposal wrote, with the target's
-                            captures), the draft steps of the next proposal. No host round trip inside.
-
-What is verified, how it is accepted and drafted, is the speculator's (`StepConfig.speculator`,
-runner/speculators/); the target is called through `StepConfig.model` (runner/target.py).
-
-The same iteration also exists as K + 1 programs (`iterate_head`, `chain_step` per proposal,
-`commit_proposals`), dispatched back to back by the runner with the `DraftCarry` pytree threaded
-between them, for `EngineConfig(fused_iteration=False)`: both paths run the same functions. A
-chain only: a tree's levels change the carry's shape, so a tree runs fused (EngineConfig says so).
+What is verified, accepted and drafted is the speculator's (`StepConfig.speculator`,
+runner/speculators/); the target is `StepConfig.model` (runner/target.py). A chain's iteration
+also runs as K + 1 programs with the draft carry threaded by the runner (`iterate_head`,
+`chain_step`, `commit_proposals`; `EngineConfig(fused_iteration=False)`), on the same functions.
 """
 
 from __future__ import annotations
@@ -29,12 +19,23 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
 from eagle3_jax.model import eagle3
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
-from eagle3_jax.parallel.sharding import cache_pin, draft_cache_pin, replicate, vocab_logits
+from eagle3_jax.parallel.sharding import (
+    REPLICATED,
+    TP,
+    cache_pin,
+    draft_cache_pin,
+    llama_cache_specs,
+    replicate,
+    specs_like,
+    vocab_logits,
+    vocab_split,
+)
 from eagle3_jax.runner import sampling
 from eagle3_jax.runner.speculators import Chain, DraftCarry, DraftContext, DraftStart, Speculator
 from eagle3_jax.runner.state import DUMMY_SLOT, DeviceState, Slots, state_shardings
@@ -80,6 +81,11 @@ class StepConfig:
         return "invariant" if self.batch_invariant else self.gemv
 
     @property
+    def per_device(self) -> bool:
+        """The target runs per device under shard_map (batch-invariant kernels under a mesh)."""
+        return self.batch_invariant and self.mesh is not None
+
+    @property
     def speculative(self) -> bool:
         """This program drafts a proposal (whether or not a drafter is loaded)."""
         return self.speculator.num_draft_steps > 0
@@ -100,30 +106,55 @@ class StepConfig:
 
 
 def _target(params, cfg: StepConfig, tokens, positions, kv, block_tables, tree=None):
-    """Target forward with the residual stream replicated across tensor-parallel devices; `tree`
-    (a layers.TreeAttention, or None for the causal mask) as the speculator's layout gives it."""
+    """Target forward, its residual stream replicated under tensor parallelism; `tree`: the
+    speculator's mask (a layers.TreeAttention; None: causal)."""
     extra = {} if tree is None else {"tree": tree}
+    if cfg.per_device:
+        return _per_device_target(params, cfg, tokens, positions, kv, block_tables, extra)
     hidden, captures, kv = cfg.model.forward(params, cfg.target, tokens, positions, kv, block_tables,
                                              cfg.target_attention, cfg.pin_target_kv(), cfg.target_gemv, **extra)
     return (*replicate((hidden, captures), cfg.mesh), kv)
 
 
+def _per_device_target(params, cfg: StepConfig, tokens, positions, kv, block_tables, extra: dict):
+    """The batch-invariant forward under tensor parallelism: run per device (shard_map) on the
+    weights' and the cache's shards, its kernels on local shapes, the row-parallel partials summed
+    in rank order (`llama.sum_shards`): a pallas_call is not split by XLA's partitioner."""
+    tp = cfg.mesh.shape[TP]
+    cache = llama_cache_specs(cfg.target, tp)
+
+    def body(params, tokens, positions, kv, block_tables, extra):
+        return cfg.model.forward(params, cfg.target, tokens, positions, kv, block_tables, "invariant", None,
+                                 "invariant", tp_axis=TP, **extra)
+
+    specs = (specs_like(params, cfg.model.param_specs(cfg.target, tp)), REPLICATED, REPLICATED, cache, REPLICATED,
+             jax.tree.map(lambda _: REPLICATED, extra))
+    return jax.shard_map(body, mesh=cfg.mesh, in_specs=specs, out_specs=(REPLICATED, REPLICATED, cache),
+                         check_vma=False)(params, tokens, positions, kv, block_tables, extra)
+
+
 def _logits(params, cfg: StepConfig, hidden):
     """Target logits [..., V], vocab-sharded under tensor parallelism where a greedy program needs
     only an argmax (per-shard (max, index) pairs move, not the logits)."""
-    return vocab_logits(cfg.model.logits(params, hidden, cfg.target_gemv), cfg.mesh, gather=not cfg.greedy)
+    if cfg.per_device:  # each device's vocabulary slice, in the invariant GEMM
+        specs = specs_like(params, cfg.model.param_specs(cfg.target, cfg.mesh.shape[TP]))
+        split = P(*[None] * (hidden.ndim - 1), TP) if vocab_split(cfg.target.vocab_size, cfg.mesh) else REPLICATED
+        logits = jax.shard_map(lambda p, h: cfg.model.logits(p, h, "invariant"), mesh=cfg.mesh,
+                               in_specs=(specs, REPLICATED), out_specs=split, check_vma=False)(params, hidden)
+    else:
+        logits = cfg.model.logits(params, hidden, cfg.target_gemv)
+    return vocab_logits(logits, cfg.mesh, gather=not cfg.greedy)
 
 
 def _finish(state: DeviceState, cfg: StepConfig) -> DeviceState:
-    """The state leaves in the layout it came in, so donation lines up and nothing recompiles."""
+    """The state leaves in its input layout, so donation lines up and nothing recompiles."""
     if cfg.mesh is None:
         return state
     return jax.lax.with_sharding_constraint(state, state_shardings(state, cfg.target, cfg.draft, cfg.mesh))
 
 
 def _keys(row_key: jax.Array, num_generated, stream: int) -> jax.Array:
-    """Per-row PRNG keys [B, 2] for one (tokens generated so far, stream) pair: a row's randomness
-    never depends on what else is in the batch, and the streams are independent."""
+    """Per-row keys [B, 2] of (tokens generated so far, stream): independent of the batch."""
     return sampling.fold_in_rows(sampling.fold_in_rows(row_key, num_generated), stream)
 
 
@@ -149,8 +180,7 @@ def _gather(tree, rows: jax.Array):
 
 
 def _write_slots(slots: Slots, rows: jax.Array, **values: jax.Array) -> Slots:
-    """The named fields' rows set (each field's values [B, ...]); the other fields untouched.
-    Only what changed is written: each field is a scatter kernel of its own."""
+    """The named fields' rows set (values [B, ...]); only those are written (a scatter each)."""
     slots = slots.replace(**{name: jax.tree.map(lambda x, v: x.at[rows].set(v), getattr(slots, name), v)
                              for name, v in values.items()})
     # Padded rows all wrote the dummy slot: reset it so its positions never grow.
@@ -161,11 +191,8 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
                  cfg: StepConfig):
     """Verify, accept, extend the draft, and run the first draft step.
 
-    rows [B], block_tables [B, nb] -> (state, num_accepted [B] i32, emitted [B, W] i32, carry):
-    row b emitted emitted[b, :num_accepted[b] + 1]; entries after are padding. The slots also keep
-    each row's top1_accepted (`Tree.accept`) beside num_accepted, for the host. `carry` is None
-    when this program runs the target alone; else the draft continues from it (`chain_step`)
-    and `commit_proposals` stores its proposals.
+    rows [B], block_tables [B, nb] -> (state, num_accepted [B], emitted [B, E], carry): row b
+    emitted emitted[b, :num_accepted[b] + 1]. carry: None when the program drafts nothing.
     """
     spec = cfg.speculator
     s = _gather(state.slots, rows)
@@ -212,8 +239,7 @@ def chain_step(dparams: DraftParams, target_embed: jax.Array, state: DeviceState
 
 
 def commit_proposals(state: DeviceState, rows: jax.Array, carry: DraftCarry, cfg: StepConfig) -> DeviceState:
-    """Store the proposals (a chain's with, in a sampling program, their q; a tree's nodes and
-    parents) for the next iteration to verify."""
+    """Store the proposal for the next iteration to verify."""
     slots = cfg.speculator.commit(state.slots, rows, carry, cfg.greedy)
     return _finish(state.replace(slots=slots), cfg)
 
@@ -231,42 +257,30 @@ def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.A
 
 def iterate_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
                      block_tables: jax.Array, cfg: StepConfig) -> DeviceState:
-    """`iterate` as the engine runs it: the verdicts stay in the slots (`Slots.accepted`,
-    `Slots.emitted`), so the program's only output is the donated state, which XLA aliases to its
-    input. Why: XLA runs the program as a CUDA graph (a command buffer) that records the address of
-    every buffer it touches, and rewrites the nodes that touch a buffer whose address changed before
-    the next launch. A returned array is a new buffer on every call; so is a host array passed in.
-    That rewrite costs about as much host time as a SmolLM2 iteration takes on the device
-    (BENCHMARKS.md, "Host overhead"). `read_verdicts` copies the verdicts out, into buffers of
-    their own for the same reason."""
+    """`iterate` with the verdicts left in the slots, so the only output is the donated state,
+    aliased to its input. Why: the CUDA graph XLA launches records every buffer's address and is
+    rewritten when one moves, and a returned array is a new buffer each call (BENCHMARKS.md,
+    "Host overhead"). `read_verdicts` copies them out."""
     return iterate(params, dparams, state, rows, block_tables, cfg)[0]
 
 
 def read_verdicts(buffer: jax.Array, accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> jax.Array:
-    """The rows' verdicts, copied out of the slots in one array, so the host reads them with one
-    device-to-host copy: accepted [S, 2] (`Slots.accepted`), emitted [S, K+1], rows [B] -> verdicts
-    [B, 2 + K+1]: the proposals accepted, top1_accepted, then the tokens emitted (`split_verdicts`).
-
-    Written over `buffer` [B, 2 + K+1] (donated; only its address is used), so the program
-    allocates nothing. Why: a device buffer allocated between two iterations, even one this small,
-    can move the next iteration's temporary buffer, and XLA then updates every node of its CUDA
-    graph before the launch (BENCHMARKS.md, "Host overhead")."""
+    """accepted [S, 2], emitted [S, E], rows [B] -> verdicts [B, 2 + E] (`split_verdicts`), one
+    array for one device-to-host copy. Written over the donated `buffer`, so nothing is allocated
+    between iterations (a new buffer can move the next iteration's temporaries)."""
     del buffer
     return jnp.concatenate([accepted[rows], emitted[rows]], axis=1)
 
 
 def read_first_token(buffer: jax.Array, last_token: jax.Array, slot: jax.Array) -> jax.Array:
-    """The first token a prefill sampled into `slot` [1], copied out of the slots: last_token [S]
-    -> [1]. Written over `buffer` [1] (donated; only its address is used), so the program
-    allocates nothing, for the reason `read_verdicts` gives: a prefill admitted between two
-    iterations would otherwise leave a new buffer on the device, kept until the host reads it."""
+    """last_token [S], slot [1] -> the first token a prefill sampled there [1], written over the
+    donated `buffer` (as `read_verdicts`)."""
     del buffer
     return last_token[slot]
 
 
 def split_verdicts(verdicts):
-    """verdicts [B, 2 + K+1] (`read_verdicts`; a device or host array) -> (num_accepted [B],
-    top1_accepted [B] (`Tree.accept`), emitted [B, K+1]): row b emitted emitted[b, :num_accepted[b] + 1]."""
+    """verdicts [B, 2 + E] -> (num_accepted [B], top1 [B] (`Speculator.accept`), emitted [B, E])."""
     return verdicts[:, 0], verdicts[:, 1], verdicts[:, 2:]
 
 
@@ -276,19 +290,13 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
             cfg: StepConfig) -> DeviceState:
     """Prefill one chunk of each of P prompts, row p into `slot[p]`.
 
-    tokens [P, T] (row p padded after num_valid[p]), next_tokens [P, T]: the same ids shifted left
-    by one; entry num_valid-1 of a row is the next prompt token, or -1 on the prompt's last chunk,
-    where the sampled first token goes; start [P]: position of each row's tokens[0]; block_table
-    [P, nb]; row: each request's sampling parameters [P]. Padding rows (a bucket larger than the
-    prompts admitted) name the dummy slot with num_valid 1 and an all-scratch block table.
-    -> state, its only output (aliased to the donated input: nothing new stays on the device). The
-    slot's state is written on every chunk; the last chunk's write is the one that stays, its
-    `last_token` the first generated token (`read_first_token` copies it out).
+    tokens [P, T] (padded after num_valid [P]); next_tokens [P, T]: the ids shifted left by one,
+    -1 at the last chunk's end, where the sampled first token goes; start [P]: the position of
+    tokens[:, 0]; block_table [P, nb]; row [P]. Padding rows name the dummy slot. The slot's
+    state is written on every chunk; the last chunk's stays, its `last_token` the first token.
     """
-    # XLA's dots for every projection of a prefill, whatever its rows: the KV and hidden states a
-    # prompt leaves must not depend on how many prompts shared its call (a call of one 32-token
-    # chunk fits the Mosaic GEMV, eight of them do not), or EAGLE-3 and the target alone could
-    # part ways at a near tie.
+    # XLA's dots whatever the rows, so the KV a prompt leaves does not depend on how many prompts
+    # shared its call (the Mosaic GEMV takes one chunk, not eight).
     cfg = dataclasses.replace(cfg, gemv="xla")
     p, t = tokens.shape
     positions = start[:, None] + jnp.arange(t)  # [P, T]
