@@ -137,14 +137,9 @@ def _digest(text: str) -> bytes:
 # ----------------------------------------------------------------------------- MT-bench
 
 class MTBenchGuard:
-    """Whether a text overlaps an MT-bench turn (every turn of every question).
-
-    A text is caught when its word sequence (`words`) equals a turn's, contains one, or is
-    contained in one (on word boundaries) with at least `min_words` words (so "continue" or "more",
-    frequent follow-ups, are not caught for appearing in a question), or when the word n-grams it
-    shares with one turn are more than `share` of the smaller of the two n-gram sets. A text with no
-    word is never caught.
-    """
+    """Whether a text's words (`words`) equal an MT-bench turn's, contain one, are contained in one
+    with at least `min_words` words (so "continue" is not caught), or share more than `share` of
+    the smaller n-gram set with one."""
 
     def __init__(self, questions: Iterable[dict], n: int = 8, share: float = 0.1, min_words: int = 4):
         self.turns = [" ".join(words(t)) for q in questions for t in q["turns"]]
@@ -203,10 +198,8 @@ def empty_counts() -> dict[str, dict[str, int]]:
 
 def select_prompts(candidates: Iterable[Prompt], filters: PromptFilters | None,
                    mtbench: MTBenchGuard | None) -> tuple[list[Prompt], dict[str, dict[str, int]]]:
-    """-> (the kept prompts in input order, {source: {"candidates", each of FILTERS, "kept": count}}).
-
-    `filters` None keeps every prompt (only counting them); `mtbench` None skips that check.
-    A user message's checks are computed once however many prompts repeat it as context."""
+    """-> (the kept prompts in input order, {source: {"candidates", each of FILTERS, "kept": count}});
+    `filters` None keeps every prompt, `mtbench` None skips that check."""
     counts = empty_counts()
     seen_exact: set[bytes] = set()
     seen_near: set[tuple[bytes, str]] = set()
