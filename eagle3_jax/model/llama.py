@@ -91,11 +91,9 @@ def _fold_layer(layer: LayerParams) -> LayerParams:
 
 
 def fold_norm_gains(params: LlamaParams) -> LlamaParams:
-    """Each layer's two RMSNorm gains multiplied into the rows of the projection after them:
-    rms_norm(x, g) @ W == rms_norm(x, None) @ (g[:, None] * W). The engine serves folded weights:
-    two fewer buffers a layer for the host to dispatch (BENCHMARKS.md, "Host overhead"). In bf16
-    the weight is rounded once after the multiply. Folded layers pass through; the folded weights
-    are new arrays."""
+    """Each layer's RMSNorm gains multiplied into the projection after them: rms_norm(x, g) @ W ==
+    rms_norm(x, None) @ (g[:, None] * W). The engine serves folded weights, two fewer buffers a
+    layer to dispatch (BENCHMARKS.md, "Host overhead"); folded layers pass through."""
     layers = tuple(layer if layer.attn_norm is None else _fold_layer(layer) for layer in params.layers)
     return params.replace(layers=layers)
 
@@ -105,9 +103,8 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             pin_kv: Callable[[KVCache], KVCache] | None = None,
             gemv: str = "xla", tree: TreeAttention | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] -> (final normed hidden [B, T, D], captures
-    [B, T, n_capture * D], cache). attention, tree: `layers.attention_block`'s ("pallas" and
-    "invariant" also fuse each residual add and norm); gemv: `layers.project`'s; pin_kv: applied
-    to the cache after each layer's write (`sharding.cache_pin`)."""
+    [B, T, n_capture * D], cache). attention, tree, gemv: `layers.attention_block`'s; pin_kv:
+    applied to the cache after each layer's write (`sharding.cache_pin`)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     eps, kernel = cfg.rms_norm_eps, attention in ("pallas", "invariant")
     x = params.embed[tokens]  # [B, T, D]

@@ -1,8 +1,6 @@
-"""Weight projections of few rows (decode, verify and draft steps) as one Pallas Mosaic GPU kernel
-each, for Hopper GPUs. At a few rows a projection streams its weight once, and a kernel of our own
-could later take in the small kernels around it; for now it is the product alone, and slower in
-whole steps than XLA's dots, mostly for lack of programmatic dependent launch in jax's runtime
-(BENCHMARKS.md, "Tried and rejected"). Hence opt-in (EngineConfig.gemv).
+"""Weight projections of few rows (decode, verify, draft steps) as one Pallas Mosaic GPU kernel
+each, for Hopper. Opt-in (EngineConfig.gemv): in whole steps it is slower than XLA's dots, mostly
+for lack of programmatic dependent launch in jax's runtime (BENCHMARKS.md, "Tried and rejected").
 
 A grid of (N / tile_n column tiles, S splits of K); program (j, s) pipelines its K range through
 shared memory with TMA copies and multiplies with wgmma. The weight tile is wgmma's 64-row operand
@@ -25,8 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 MAX_ROWS = 64  # wgmma's narrow side
-_SMEM_BUDGET = 192 * 1024  # bytes of pipeline stages per program: with the output tile (<= 32 KB), under 227 KB
-_PROGRAMS = 264  # split K until the grid has about two programs per multiprocessor (132), no more
+_SMEM_BUDGET = 192 * 1024  # pipeline stages per program: with the output tile, under 227 KB
+_PROGRAMS = 264  # split K up to about two programs per multiprocessor (132)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,8 +31,7 @@ MASKED = -1e30  # finite: a padded query row sees nothing and must not produce N
 
 
 def supports(num_tokens: int, heads: int, kv_heads: int, page_size: int, window: int = 0) -> bool:
-    """Whether a step of `num_tokens` new tokens per row fits the kernels; window: a token tree's
-    W (0: no tree)."""
+    """Whether a step fits the kernels; window: a token tree's W (0: no tree)."""
     rows = num_tokens * (heads // kv_heads)
     return (rows <= MAX_QUERY_ROWS and window <= MAX_WINDOW and page_size >= 16
             and page_size & (page_size - 1) == 0)
@@ -96,8 +95,7 @@ def write_split(carry, o_ref, lse_ref) -> None:
 
 
 def _in_window(win_ref, key_pos: jax.Array) -> jax.Array:
-    """win_ref [1 + nw, M] (`window_rows`), key_pos [M, block_k] -> [M, block_k] bool: the key is
-    before the row's window, or its bit in the row's mask words is set (none past them)."""
+    """key_pos [M, block_k] -> [M, block_k] bool: before the row's window, or its mask bit set."""
     rel = key_pos - win_ref[0][:, None]  # offset in the window
     word, bit = jnp.right_shift(rel, 5), jnp.bitwise_and(rel, 31)
     seen = rel < 0
@@ -108,9 +106,8 @@ def _in_window(win_ref, key_pos: jax.Array) -> jax.Array:
 
 
 def window_rows(window_start: jax.Array, window_mask: jax.Array, heads_per_kv: int, m: int) -> jax.Array:
-    """window_start [B], window_mask [B, T, W] bool -> [B, 1 + nw, M] i32, nw = ceil(W / 32): row 0
-    the window start, row 1 + w bits 32w .. 32w + 31 of query row m's mask (padding rows clear).
-    Words, so that the kernel tests a key against nw registers instead of gathering W bools."""
+    """window_start [B], window_mask [B, T, W] -> [B, 1 + nw, M] i32: the start, then query row m's
+    mask as nw = ceil(W / 32) words, which the kernel tests in registers instead of gathering."""
     b, t, w = window_mask.shape
     nw = -(-w // 32)
     bits = jnp.pad(window_mask, ((0, 0), (0, 0), (0, 32 * nw - w))).reshape(b, t, nw, 32).astype(jnp.uint32)
@@ -152,10 +149,9 @@ def _combine_kernel(o_ref, lse_ref, out_ref):
 
 
 def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree: bool, per_token: bool):
-    # Program (row, kv head g, token i). qkv_ref [T, R + 2, hd] (q heads, k, v); pos_ref [T] where
-    # stored; rope_ref [T] where rotated (tree); table_ref [nb]; inv_freq_ref [hd/2] f32. Out: q_ref
-    # [M, hd] (row i*R + r), or per_token [T, RT, hd]; k_ref, v_ref [L, P, page, hd], aliased to
-    # _k_in, _v_in and written in place.
+    # Program (row, kv head, token i). qkv_ref [T, R + 2, hd]; pos_ref, rope_ref [T]; table_ref
+    # [nb]; inv_freq_ref [hd/2]. Out: q_ref [M, hd] (row i*R + r) or per_token [T, RT, hd]; k_ref,
+    # v_ref [L, P, page, hd], aliased to _k_in, _v_in.
     rope_ref, (table_ref, inv_freq_ref, layer_ref, _k_in, _v_in, q_ref, k_ref, v_ref) = (
         (refs[0], refs[1:]) if tree else (pos_ref, refs))
     i = pl.program_id(2)
@@ -203,8 +199,7 @@ def query_tile_rows(num_tokens: int, heads_per_kv: int) -> int:
 
 
 def _kv_head_pages_spec(pages_shape: tuple[int, ...]) -> pl.BlockSpec:
-    """Kv head j's pages of every layer [L, P, page, hd], for a grid whose second axis is the kv
-    head: every layer, so that the layer stays an operand (module docstring); nothing is copied."""
+    """Kv head j's pages of every layer [L, P, page, hd] (the layer an operand: module docstring)."""
     num_layers, num_pages, page_size, _, hd = pages_shape
     return pl.BlockSpec((num_layers, num_pages, page_size, None, hd), lambda i, j, n: (0, 0, 0, j, 0))
 
@@ -266,18 +261,16 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
                  block_table: jax.Array, heads_per_kv: int, splits: int | None = None, block_keys: int = 64,
                  num_warps: int | None = None, num_stages: int = 1, window_start: jax.Array | None = None,
                  window_mask: jax.Array | None = None) -> jax.Array:
-    """Query tiles [B, G, M, hd] over layer `layer` of the pages [L, P, page, G, hd] (already
-    holding this step's keys); positions [B, T]; block_table [B, nb] -> [B, T, G*R, hd]. `splits`:
-    programs per (row, kv head) (default `num_splits`); `num_stages` 1: a split walks few blocks,
-    and pipelining them was slower (BENCHMARKS.md, "Llama-3.1-8B step functions"). A token tree's
-    window_start [B] and window_mask [B, T, W] as `layers.TreeAttention`'s; the mask must mark
-    nothing stored after the query."""
+    """Query tiles [B, G, M, hd] over layer `layer` of the pages [L, P, page, G, hd] (holding this
+    step's keys); positions [B, T]; block_table [B, nb] -> [B, T, G*R, hd]. num_stages 1: a split
+    walks few blocks, and pipelining them was slower (BENCHMARKS.md, "Llama-3.1-8B step
+    functions"). window_start, window_mask: `layers.TreeAttention`'s."""
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r
     # Outside the layer's jit: the same expressions every layer, computed once a program (CSE).
     qpos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), r, axis=1), ((0, 0), (0, m - rows)), constant_values=-1)
-    window = None if window_mask is None else window_rows(window_start, window_mask, r, m)  # [B, 1 + nw, M]
+    window = None if window_mask is None else window_rows(window_start, window_mask, r, m)
     nb = block_table.shape[1]
     ppb = pages_per_block(nb, k_pages.shape[2], block_keys)
     key_blocks = nb // ppb
@@ -298,7 +291,7 @@ def _attend(q_tiles, qpos, window, block_table, layer, k_pages, v_pages, *, rows
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, scale=1.0 / math.sqrt(hd),
                                windowed=windowed)
     interpret = _interpret()
-    if interpret:  # the interpreter reads inputs whole per program (50x slower at 30 layers): one layer only
+    if interpret:  # the interpreter reads inputs whole per program: one layer only
         k_pages, v_pages, layer = k_pages[layer[0]][None], v_pages[layer[0]][None], jnp.zeros((1,), jnp.int32)
     pages_spec = _kv_head_pages_spec(k_pages.shape)
     window = [] if window is None else [window]
