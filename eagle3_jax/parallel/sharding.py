@@ -46,11 +46,11 @@ from eagle3_jax.model.llama import KVCache, LayerParams, LlamaParams
 
 TP = "tp"
 REPLICATED = P()  # hidden states [B, T, D], captures [B, T, n * D], tokens, positions, block tables
-COLUMN = P(None, TP)  # [in, out] split on out
-QKV_GROUPS = P(None, TP, None, None)  # wqkv [D, G, R + 2, hd] split on the kv groups
-GATE_UP = P(None, None, TP)  # w_gate_up [D, 2, I] split on I
-ROW = P(TP, None)  # [in, out] split on in
-VOCAB_ROWS = P(TP, None)  # embedding [V, D] split on V
+COLUMN = P(None, TP)  # the weights' specs: the module docstring's table
+QKV_GROUPS = P(None, TP, None, None)
+GATE_UP = P(None, None, TP)
+ROW = P(TP, None)
+VOCAB_ROWS = P(TP, None)
 LOGITS = P(None, None, TP)  # logits [B, T, V] as the vocab-parallel lm_head leaves them
 
 
@@ -102,17 +102,16 @@ def llama_param_specs(cfg: ModelConfig, tp: int) -> LlamaParams:
         cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp, "target"))
     vocab = _vocab_ok(cfg.vocab_size, tp)
     return LlamaParams(
-        embed=VOCAB_ROWS if vocab else REPLICATED,  # [V, D]
+        embed=VOCAB_ROWS if vocab else REPLICATED,
         layers=tuple(layer for _ in range(cfg.num_layers)),
         norm=REPLICATED,
         # Tied: logits use `embed` [V, D] itself, whose V split already makes them vocab-parallel.
-        lm_head=None if cfg.tie_word_embeddings else (COLUMN if vocab else REPLICATED),  # [D, V]
+        lm_head=None if cfg.tie_word_embeddings else (COLUMN if vocab else REPLICATED),
     )
 
 
 def draft_holds_embedding(own_embedding: bool, tp: int) -> bool:
-    """Whether the drafter holds an embedding table on each device: its own, or at tp > 1 a
-    replicated copy of the target's (`place_draft`)."""
+    """Whether the drafter holds an embedding: its own, or at tp > 1 a copy of the target's."""
     return own_embedding or tp > 1
 
 
@@ -179,8 +178,7 @@ def spec_at(specs: Any, path: Sequence[str | int]) -> P:
 
 
 def make_place(mesh: Mesh, specs: Any) -> Callable[[np.ndarray, tuple], jax.Array]:
-    """A `place(host_array, path)` for `weights.llama.params_from_hf`: each device receives only
-    its slice, so a 70B checkpoint never sits whole on one device."""
+    """A `place(host_array, path)` for `weights.llama.params_from_hf`: each device gets its slice."""
 
     def place(x: np.ndarray, path: tuple) -> jax.Array:
         sharding = NamedSharding(mesh, spec_at(specs, path))
@@ -241,8 +239,7 @@ def replicate(tree: Any, mesh: Mesh | None) -> Any:
 
 def vocab_logits(logits: jax.Array, mesh: Mesh | None, *, gather: bool = True) -> jax.Array:
     """Logits [..., V] pinned vocab-sharded where the lm_head makes them, then with `gather` one
-    all-gather so that sort-based sampling runs locally (left sharded, top-p costs dozens of small
-    collectives). An argmax can take gather=False: it moves per-shard (max, index) pairs."""
+    all-gather, so that top-p runs locally; an argmax needs no gather."""
     if mesh is None:
         return logits
     v = logits.shape[-1]
@@ -255,9 +252,8 @@ def vocab_logits(logits: jax.Array, mesh: Mesh | None, *, gather: bool = True) -
 
 
 def cache_pin(mesh: Mesh | None, num_kv_heads: int):
-    """The model's `pin_kv` under tp: pins the KV cache to `kv_cache_specs` after each layer's
-    write (None without a mesh). Unpinned, Shardy could shard the writes like the new k and v and
-    all-gather the whole cache; pinned, only the new k, v [B, T, kvh, hd] move."""
+    """The model's `pin_kv` under tp: the KV cache pinned to `kv_cache_specs` after each write, so
+    that only the new k, v [B, T, kvh, hd] move, never the whole cache (None without a mesh)."""
     if mesh is None:
         return None
     shardings = named(mesh, kv_cache_specs(num_kv_heads, mesh.shape[TP]))
