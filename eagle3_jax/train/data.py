@@ -344,8 +344,7 @@ def sharegpt_conversations(sharegpt_path: str | Path, *, mtbench: Iterable[dict]
 def sharegpt_counted(sharegpt_path: str | Path, *, mtbench: Iterable[dict] | None,
                      max_conversations: int | None = None, expect_records: int | None = SHAREGPT_WHOLE_RECORDS,
                      log=print) -> tuple[list[list[dict]], dict[str, int]]:
-    """`sharegpt_conversations` and what it read: {"records", "usable" (after role mapping and
-    alternation checks), "mtbench_exact" (conversations dropped), "conversations" (returned)}."""
+    """`sharegpt_conversations` and {"records", "usable", "mtbench_exact", "conversations"} counts."""
     records = load_sharegpt(sharegpt_path, expect=expect_records)
     log(f"sharegpt: {len(records)} whole conversations in {sharegpt_path}")
     convs = [m for m in map(to_messages, records) if m is not None]

@@ -87,8 +87,7 @@ class HParams:
 # ----------------------------------------------------------------------------- model set-up
 
 def draft_config_for(target: ModelConfig, draft_vocab_size: int, intermediate_size: int | None = None) -> DraftConfig:
-    """A one-layer drafter shaped like the target's layers (its MLP `intermediate_size` wide when
-    given), reading its default captures."""
+    """A one-layer drafter shaped like the target's layers, reading its default captures."""
     return DraftConfig.like_target(target, draft_vocab_size, intermediate_size=intermediate_size or
                                    target.intermediate_size)
 
@@ -648,8 +647,7 @@ class _Bookkeeping:
         save_drafter(draft_params(st["params"], self.run.dev_vocab["d2t"], jnp.float32), self.run.dcfg, self.out_dir)
 
     def evaluate_at(self, st) -> bool:
-        """Evaluate the held-out rows, write the drafter when it is the best yet (early stopping
-        on) and say whether training should stop."""
+        """Evaluate, write the drafter when it is the best yet (early stopping), say whether to stop."""
         c, k = self.c, self.run.hp.ttt_steps
         e = evaluate(self.eval_step, st["params"], self.run)
         if not e:
@@ -686,8 +684,7 @@ class _Bookkeeping:
         return stop
 
     def finish(self, state: dict) -> tuple[dict, bool]:
-        """(the evaluation of the drafter written, whether training stopped early), the last step
-        evaluated and, without early stopping, its drafter written."""
+        """-> (the evaluation of the drafter written, whether training stopped early)."""
         if not self.evals or self.evals[-1]["step"] != int(state["step"]):
             self.evaluate_at(state)
         stopped_early = int(state["step"]) < self.run.hp.steps
@@ -702,8 +699,7 @@ class _Bookkeeping:
 
 
 def _start_run(target_dir, ckpt_dir: Path, c: TrainConfig, dtype, log) -> tuple[Run, dict, object, float, float]:
-    """The run's target, data and first state, and its train step compiled and timed: (run, state,
-    train_step, compile seconds, seconds per step)."""
+    """-> (run, first state, train_step compiled, compile seconds, seconds per step)."""
 
     def examples():
         return prepare_data(target_dir, c.seq_len, sharegpt=c.sharegpt, mtbench=c.mtbench, data_cache=c.data_cache,
@@ -726,8 +722,7 @@ def _start_run(target_dir, ckpt_dir: Path, c: TrainConfig, dtype, log) -> tuple[
 
 
 def _fit_budget(run: Run, c: TrainConfig, seconds_left: float, step_s: float, log) -> Run:
-    """The run with as many steps as fit the seconds left, after a reserve for export, plot and
-    exit, the eval compile, and at each checkpoint and the end the evaluation and the saving."""
+    """The run with as many steps as fit the seconds left, less a reserve for evaluations and export."""
     n_eval = len(run.held.tokens) // run.hp.batch_size
     checkpoints = 1 + c.time_budget_s / step_s / max(c.ckpt_every, 1)
     reserve = 25.0 + (2.0 + n_eval * step_s) * checkpoints
@@ -799,8 +794,7 @@ def add_shape_arguments(ap) -> None:
 
 
 def add_evaluation_arguments(ap, ckpt_every: int, eval_rows: int) -> None:
-    """Training-time test depth, checkpoints, held-out evaluation and early stopping flags (also
-    scripts/train_smollm2_drafter.py's)."""
+    """TTT depth, checkpoint, evaluation and early stopping flags (also scripts/train_smollm2_drafter.py's)."""
     ap.add_argument("--ttt-steps", type=regenerate.positive_int, default=TTT_STEPS,
                     help=f"training-time test steps: the proposal depth trained (default {TTT_STEPS}, the deepest "
                     "chain or tree the engine serves)")

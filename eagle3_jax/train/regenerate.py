@@ -204,9 +204,8 @@ def _log_total(replies: dict, start: float, examples: int, log) -> None:
 def magpie_requests(llm, prefix_ids: Sequence[int], numbers: Sequence[int], *, seed: int = 0,
                     temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 192, progress: bool = True,
                     log=print) -> list[dict]:
-    """Requests the target writes after its chat template's user header (`prompts.magpie_prefix_ids`),
-    one per number (its sampling seed), streamed through `LLM.generate_iter`.
-    -> [{"n", "request" (text or None), "outcome" (one of prompts.MAGPIE_OUTCOMES), "tokens"}] by n."""
+    """Requests the target writes after its user header, one per number (its sampling seed) ->
+    [{"n", "request" (text or None), "outcome" (prompts.MAGPIE_OUTCOMES), "tokens"}] by n."""
     start = time.perf_counter()
     numbers = list(numbers)
     tok = llm.tokenizer
@@ -327,10 +326,7 @@ def _magpie_records(llm, spec: RegenerateSpec, progress: bool, log) -> list[dict
 def regenerate_data(target_dir: str | Path, sharegpt: str | Path, seq_len: int, spec: RegenerateSpec, *,
                     mtbench, max_conversations: int | None, expect_records: int | None, progress: bool = True,
                     log=print) -> tuple[D.Examples, dict]:
-    """This process's shard (`spec.shard`) of the self-distilled data: ShareGPT's user turns and
-    Magpie requests (`spec`), filtered, answered by the target in `target_dir`.
-    `expect_records` checks the ShareGPT file's whole records (`data.sharegpt_counted`).
-    -> (Examples, provenance)."""
+    """This process's shard (`spec.shard`) of the self-distilled data -> (Examples, provenance)."""
     _check_lengths(spec.max_prompt_tokens, spec.max_new_tokens, seq_len)
     convs, read = D.sharegpt_counted(sharegpt, mtbench=mtbench, max_conversations=max_conversations,
                                      expect_records=expect_records, log=log)
@@ -340,8 +336,7 @@ def regenerate_data(target_dir: str | Path, sharegpt: str | Path, seq_len: int, 
 
 def self_distill(llm, conversations: Sequence[list[dict]], sharegpt_read: dict, seq_len: int, spec: RegenerateSpec,
                  *, mtbench, progress: bool = True, log=print) -> tuple[D.Examples, dict]:
-    """`regenerate_data` on loaded conversations and an `LLM` (or anything with its `tokenizer`,
-    `engine.eos_token_ids` and `generate_iter`)."""
+    """`regenerate_data` on loaded conversations and an `LLM`."""
     start = time.perf_counter()
     candidates = P.sharegpt_prompts(conversations, spec.turns)
     magpie = None
@@ -398,8 +393,7 @@ def self_distill(llm, conversations: Sequence[list[dict]], sharegpt_read: dict, 
 
 
 def spec_record(spec: RegenerateSpec) -> dict:
-    """The spec as its data's provenance records it (JSON types; the shard and the Magpie file's
-    place left out: the same data whoever answered it, wherever the requests were kept)."""
+    """The spec as provenance records it, less what does not change the data (shard, Magpie file)."""
     d = dataclasses.asdict(spec)
     d.pop("shard")
     d.pop("magpie_file")
@@ -431,9 +425,7 @@ def read_provenance(data_paths: Sequence[str | Path]) -> dict | None:
 
 
 def merge_provenance(parts: Sequence[dict]) -> dict:
-    """Shards' provenance -> one: the prompt selection (the same in every shard) once, the
-    regenerated rows and tokens summed; a temperature's seconds are the longest shard's (the
-    shards run side by side)."""
+    """Shards' provenance -> one: counts summed, a temperature's seconds the longest shard's."""
     first = parts[0]
     for p in parts[1:]:
         for key in ("of", "sharegpt", "magpie", "prompts", "spec"):
