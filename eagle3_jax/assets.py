@@ -35,8 +35,7 @@ DEFAULT_DRAFT = PACKAGE_DIR / "drafters" / "smollm2-135m-eagle3"
 
 
 def cache_dir() -> Path:
-    """Downloads and compiled programs: $EAGLE3_JAX_CACHE, else $XDG_CACHE_HOME/eagle3_jax, else
-    ~/.cache/eagle3_jax."""
+    """Where downloads and compiled programs go (module docstring)."""
     if explicit := os.environ.get("EAGLE3_JAX_CACHE"):
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -44,7 +43,7 @@ def cache_dir() -> Path:
 
 
 def checkpoints_dir() -> Path:
-    """Converted models (`eagle3-jax prepare`): $EAGLE3_JAX_CHECKPOINTS, else cache_dir()/checkpoints."""
+    """Where converted models go (`eagle3-jax prepare`)."""
     explicit = os.environ.get("EAGLE3_JAX_CHECKPOINTS")
     return Path(explicit).expanduser() if explicit else cache_dir() / "checkpoints"
 

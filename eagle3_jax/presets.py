@@ -1,10 +1,7 @@
-"""The real Llama-3 configurations this project runs with random weights (shapes, sharding and
-speed), and the public EAGLE-3 drafter layouts that go with them, as Hugging Face config.json
-dicts. One place, so the benchmark, the memory plan and the tests agree on them.
-
-The targets' and drafters' config.json files ship in `eagle3_jax/configs/` (the targets' as
-their models publish them); `eagle3-jax bench --step-model` and `eagle3-jax plan --target` take
-the preset names of `PRESETS` as well as a path.
+"""The real Llama-3 configurations this project runs with random weights, and their public EAGLE-3
+drafter layouts, as Hugging Face config.json dicts (shipped in `eagle3_jax/configs/`): one place
+for the benchmark, the memory plan and the tests. `bench --step-model` and `plan --target` take
+the names of `PRESETS`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Per-request sampling parameters (host side).
-
-`SamplingParams` is an immutable, validated description of how one request is
-decoded.  The device-side math lives in `eagle3_jax.runner.sampling`; use
-`eagle3_jax.runner.sampling.row_sampling_from_params` to turn a batch of these
-into per-row arrays.
-"""
+"""Per-request sampling parameters, validated on the host; `runner.sampling` holds the device side."""
 
 from __future__ import annotations
 
@@ -29,17 +23,12 @@ class SamplingParams:
       stop_token_ids: token ids that end generation (in addition to EOS).
       stop: stop strings.
       ignore_eos: keep generating after EOS.
-      draft_acceptance: how a sampled row accepts proposals; every rule is
-        lossless (the output has the target's distribution). "draft_q" =
-        rejection sampling with the draft's real distribution q (accepts the
-        most); "one_hot" = the vLLM/SGLang shortcut treating q as one-hot on the
-        drafted token (accepts less, does not need q); "coupled" = Gumbel
-        coupling keyed by (seed, position): the tokens are a function of the
-        prompt and the seed alone, the same alone or in any batch, with
-        speculation on or off, a chain or a tree (runner/sampling.py); "auto"
-        (default) = "coupled" when a seed is given or the engine drafts a tree,
-        else "draft_q" (`acceptance_rule`; BENCHMARKS.md, "Sampled acceptance":
-        draft_q accepts the most on a chain, coupled on a tree).
+      draft_acceptance: how a sampled row accepts proposals, every rule lossless:
+        "draft_q" = rejection sampling with the draft's distribution q; "one_hot" =
+        the vLLM/SGLang shortcut treating q as one-hot (needs no q); "coupled" =
+        Gumbel coupling keyed by (seed, position), so the tokens depend on the
+        prompt and seed alone, whatever the batch or speculation; "auto": see
+        `acceptance_rule` (BENCHMARKS.md, "Sampled acceptance").
     """
 
     max_tokens: int = 256
@@ -63,40 +52,34 @@ class SamplingParams:
         def _is_real(v) -> bool:
             return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
-        # --- max_tokens
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         _set("max_tokens", int(self.max_tokens))
 
-        # --- temperature
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(
                 f"temperature must be a finite float >= 0 (0 = greedy), got {self.temperature!r}"
             )
         _set("temperature", float(self.temperature))
 
-        # --- top_k
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         _set("top_k", int(self.top_k))
 
-        # --- top_p (NaN fails the comparison)
+        # NaN fails the comparison
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         _set("top_p", float(self.top_p))
 
-        # --- min_p
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         _set("min_p", float(self.min_p))
 
-        # --- seed
         if self.seed is not None:
             if not _is_int(self.seed) or self.seed < 0:
                 raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
             _set("seed", int(self.seed))
 
-        # --- stop_token_ids
         if isinstance(self.stop_token_ids, (str, bytes)) or _is_int(self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
@@ -109,17 +92,15 @@ class SamplingParams:
                 )
         _set("stop_token_ids", tuple(int(t) for t in ids))
 
-        # --- stop strings (a bare string is one stop string)
+        # a bare string is one stop string
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain non-empty strings, got {self.stop!r}")
         _set("stop", stop)
 
-        # --- ignore_eos
         _set("ignore_eos", bool(self.ignore_eos))
 
-        # --- draft_acceptance
         if self.draft_acceptance not in DRAFT_ACCEPTANCE_MODES:
             raise ValueError(
                 f"draft_acceptance must be one of {DRAFT_ACCEPTANCE_MODES}, "
@@ -127,9 +108,8 @@ class SamplingParams:
             )
 
     def acceptance_rule(self, tree: bool = False) -> str:
-        """draft_acceptance resolved on an engine that drafts a chain (or a tree): "auto" is
-        "coupled" for a seeded request (a seed must reproduce its tokens whatever speculation
-        does) and on a tree (where it accepts the most), else "draft_q" (the most on a chain)."""
+        """draft_acceptance resolved for a chain (or a tree): "auto" is "coupled" for a seeded request
+        (a seed must reproduce its tokens) and on a tree (it accepts the most there), else "draft_q"."""
         if self.draft_acceptance != "auto":
             return self.draft_acceptance
         return "coupled" if self.seed is not None or tree else "draft_q"

@@ -441,7 +441,7 @@ def phase_8b(
                                gemv=opts.gemv, gemm=opts.gemm)  # the step functions at exactly these batch sizes
     start = time.perf_counter()
     if mesh is None:
-        # Eager: jitting the whole init took 51 s on the H200 (one huge program to compile).
+        # Eager: jitted, the whole init is one huge program to compile.
         params = llama.init_params(target, jax.random.PRNGKey(0), dtype)
         dparams = init_draft_params(draft, jax.random.PRNGKey(1), dtype, own)
     else:

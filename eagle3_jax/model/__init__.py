@@ -3,5 +3,5 @@ draft head, the Pallas kernels)."""
 
 from eagle3_jax.model import triton_dialect
 
-# Once, before any Pallas kernel of this package lowers to Triton: halves the lowering time (triton_dialect.py).
+# Before any Pallas kernel of this package lowers to Triton.
 triton_dialect.register()

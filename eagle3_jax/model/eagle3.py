@@ -34,15 +34,15 @@ from eagle3_jax.model.llama import KVCache
 
 @struct.dataclass
 class DraftParams:
-    """The midlayer's q/k/v and gate/up are fused as the target's (model/layers.py docstring)."""
+    """The midlayer's q/k/v and gate/up fused as the target's (model/layers.py)."""
 
     fc: jax.Array  # [n_capture * H_target, H]
     hidden_norm: jax.Array  # [H]
     input_norm: jax.Array  # [H]
-    wqkv: jax.Array  # [2H, kvh, heads/kvh + 2, hd]: per kv group its q heads, then k, then v
+    wqkv: jax.Array  # [2H, kvh, heads/kvh + 2, hd]
     wo: jax.Array  # [heads*hd, H]
     mlp_norm: jax.Array  # [H]
-    w_gate_up: jax.Array  # [H, 2, I]: gate, up
+    w_gate_up: jax.Array  # [H, 2, I]
     w_down: jax.Array  # [I, H]
     norm: jax.Array  # [H]
     lm_head: jax.Array  # [H, V_draft]
@@ -76,14 +76,9 @@ def fuse_captures(params: DraftParams, captures: jax.Array, gemv: str = "xla") -
 
 def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
                 h: jax.Array, attend, gemv: str = "xla", norm_kernel: bool = False):
-    """The midlayer around a given attention: tokens [B, T]; h [B, T, H];
-    attend(x [B, T, 2H]) -> (attention output after o_proj [B, T, H], aux). -> (h [B, T, H], aux).
-
-    Inference attends over the paged cache (`draft_forward`); training's time test attends
-    under its own mask (train/objective.py). The layer around it is this one function. gemv:
-    the MLP's projections' kernel (layers.project); norm_kernel: the residual add and the MLP's
-    norm as one Pallas kernel (layers.add_rms_norm), as the target's layers run on the GPU.
-    """
+    """The midlayer around a given attention, shared by inference (paged, `draft_forward`) and
+    training (its own mask, train/objective.py): tokens [B, T]; h [B, T, H]; attend(x [B, T, 2H])
+    -> (o_proj output [B, T, H], aux) -> (h [B, T, H], aux)."""
     embed = target_embed if params.embed is None else params.embed
     e = embed[tokens].astype(h.dtype)
     x = jnp.concatenate([rms_norm(e, params.input_norm, cfg.rms_norm_eps),
@@ -98,12 +93,8 @@ def draft_forward(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array
                   block_table: jax.Array, attention: str = "xla",
                   pin_kv: Callable[[KVCache], KVCache] | None = None,
                   gemv: str = "xla", tree: TreeAttention | None = None) -> tuple[jax.Array, KVCache]:
-    """One draft step over T tokens per row.
-
-    tokens, positions [B, T]; h [B, T, H]: `fuse_captures` of the target's captures on the first
-    step, the draft's own previous pre-norm output on chain steps; block_table [B, nb]; pin_kv,
-    gemv and tree as `llama.forward`'s. -> (pre-norm hidden [B, T, H], cache).
-    """
+    """One draft step: tokens, positions [B, T]; h [B, T, H] (`fuse_captures` on the first step,
+    the previous pre-norm output after); the rest as `llama.forward`'s -> (pre-norm h, cache)."""
     def paged(x):
         out, k_pages, v_pages = attention_block(
             x, params.wqkv, params.wo, positions, cache.k, cache.v, 0, block_table,

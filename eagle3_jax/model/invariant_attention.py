@@ -1,20 +1,12 @@
 """Batch-invariant paged attention: a token's output is bit for bit the same in a decode, a chain's
-or a tree's verify, or a prefill chunk, at any batch size.
-
-Why a kernel apart from model/pallas_attention.py: that kernel shares a tile between a row's
-tokens and splits a row's keys by how many programs the batch leaves, so a token's softmax is
-summed in an order that depends on the tokens and rows beside it. Here:
-- one program per (row, kv head, token, split): the token's R query heads form the tile's rows
-  (padded to RT = 16, `pallas_attention.token_tile_rows`), the same tile a decode runs;
-- keys are walked in blocks of BLOCK_KEYS by the position they hold in the token's own sequence
-  (0 .. its position), and splits cover fixed ranges of BLOCKS_PER_SPLIT blocks: the order of
-  every sum is fixed by positions, not by the batch, the table width or the other queries;
-- a token tree's node reads its ancestors at the positions decode would have stored them at (the
-  root's position + depth), gathered from where the verify stored them: the keys, their order and
-  their blocks are the decode's, so a tree verify's logits equal the decode's of the same path;
-- masked keys weigh exactly zero and an empty split exactly nothing in the combine.
-RoPE and the KV write are `pallas_attention.rope_and_write`'s (one program per token already).
-Off the GPU the kernels run in Pallas' interpreter (tests).
+or a tree's verify, or a prefill chunk, at any batch size. (pallas_attention shares a tile between
+a row's tokens and splits keys by the batch, so its sums' order depends on the neighbours.)
+- one program per (row, kv head, token, split), the token's R heads the tile's rows (RT);
+- keys walked in blocks of BLOCK_KEYS by their position in the token's own sequence, splits over
+  fixed ranges of BLOCKS_PER_SPLIT blocks: every sum's order is fixed by positions alone;
+- a tree node reads its ancestors as decode would have stored them (at root + depth), gathered
+  from where the verify stored them, so a tree verify's logits equal the decode's of its path.
+RoPE and the KV write are `pallas_attention.rope_and_write(per_token=True)`'s.
 """
 
 from __future__ import annotations
@@ -29,38 +21,35 @@ from jax.experimental import pallas as pl
 from eagle3_jax.model import pallas_attention
 from eagle3_jax.model.pallas_attention import MASKED
 
-BLOCK_KEYS = 64  # keys per loop step
+BLOCK_KEYS = 64
 BLOCKS_PER_SPLIT = 8  # a split's fixed range: 512 key positions
 
 
 def _kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool):
-    # Program (row, kv head, token t, split s). q_ref [RT, hd]: token t's query heads; vpos_ref [T]
-    # i32: each token's position in its own sequence (a tree node's root + depth); windowed:
-    # path_ref [1 + W]: the window's start, then where the node's ancestor at depth d (d = 0 ..
-    # its depth) is stored, as an offset from the start; table_ref [nb]; layer_ref [1];
-    # k_ref, v_ref [L, P * page, hd]: kv head's slots of every layer. Out: o_ref [RT, hd] (f32
-    # when splits are combined), lse_ref [RT].
+    # Program (row, kv head, token t, split). q_ref [RT, hd]; vpos_ref [T]: positions in the own
+    # sequence; path_ref [1 + W] if windowed (`ancestor_paths`); table_ref [nb]; layer_ref [1];
+    # k_ref, v_ref [L, P * page, hd]. Out: o_ref [RT, hd], lse_ref [RT].
     path_ref, (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref) = (
         (refs[0], refs[1:]) if windowed else (None, refs))
     rows, hd = q_ref.shape
     nb = table_ref.shape[0]
     q, layer = q_ref[...], layer_ref[0]
     vpos = vpos_ref[pl.program_id(2)]
-    capacity = -(-nb * page_size // BLOCK_KEYS)  # key blocks the table holds (a padded row's position can run off it)
+    capacity = -(-nb * page_size // BLOCK_KEYS)  # a padding row's position can run past the table
     first = pl.program_id(3) * BLOCKS_PER_SPLIT
     end = jnp.minimum(jnp.minimum(first + BLOCKS_PER_SPLIT, vpos // BLOCK_KEYS + 1), capacity)
 
     def body(i, carry):
-        key_pos = i * BLOCK_KEYS + jax.lax.iota(jnp.int32, BLOCK_KEYS)  # in the token's sequence
+        key_pos = i * BLOCK_KEYS + jax.lax.iota(jnp.int32, BLOCK_KEYS)
         stored = key_pos
-        if windowed:  # a tree node's ancestors: stored elsewhere in the window
+        if windowed:
             start = path_ref[0]
             depth = key_pos - start
             offset = path_ref[1 + jnp.clip(depth, 0, path_ref.shape[0] - 2)]
             stored = jnp.where(depth >= 0, start + offset, key_pos)
         page = table_ref[jnp.clip(stored // page_size, 0, nb - 1)]
         slot = page * page_size + stored % page_size
-        k, v = k_ref[layer, slot], v_ref[layer, slot]  # [BLOCK_KEYS, hd]
+        k, v = k_ref[layer, slot], v_ref[layer, slot]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         return pallas_attention.online_softmax_step(carry, jnp.where((key_pos <= vpos)[None, :], s, MASKED), v)
 
@@ -69,30 +58,25 @@ def _kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool
 
 
 def ancestor_paths(window_start: jax.Array, window_mask: jax.Array) -> jax.Array:
-    """A tree's window as the kernel reads it: window_start [B], window_mask [B, T, W] bool (node t
-    sees offset j iff j is t or an ancestor; ancestors are stored before descendants) -> [B, T,
-    1 + W] i32: the start, then the offset of t's ancestor at depth d for d = 0 .. depth(t) (0, the
-    root, past it: in range, and masked by the node's own position)."""
+    """window_start [B], window_mask [B, T, W] -> [B, T, 1 + W] i32: the start, then the offset of
+    node t's ancestor at depth d for d = 0 .. depth(t) (0 past it, masked by t's position)."""
     b, t, w = window_mask.shape
-    rank = jnp.cumsum(window_mask, axis=-1, dtype=jnp.int32)  # [B, T, W]: ancestors up to offset j
+    rank = jnp.cumsum(window_mask, axis=-1, dtype=jnp.int32)
     at_depth = window_mask[:, :, None, :] & (rank[:, :, None, :] == jnp.arange(1, w + 1)[:, None])  # [B, T, d, j]
-    offsets = jnp.sum(jnp.where(at_depth, jnp.arange(w), 0), axis=-1, dtype=jnp.int32)  # [B, T, W]
+    offsets = jnp.sum(jnp.where(at_depth, jnp.arange(w), 0), axis=-1, dtype=jnp.int32)
     start = jnp.broadcast_to(window_start.astype(jnp.int32)[:, None, None], (b, t, 1))
     return jnp.concatenate([start, offsets], axis=-1)
 
 
 def num_splits(num_blocks: int, page_size: int) -> int:
-    """Splits of every program over a table of num_blocks pages: fixed ranges of the key positions
-    the table can hold, so the same for every step of an engine."""
+    """Splits over a table of num_blocks pages: the same for every step of an engine."""
     return -(-num_blocks * page_size // (BLOCK_KEYS * BLOCKS_PER_SPLIT))
 
 
 def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
               v_pages: jax.Array, layer, scratch_page: int, tree=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RoPE, the KV write and attention for any number of tokens a row. qkv [B, T, G, R + 2, hd]
-    (`layers.fused_qkv`); positions [B, T] where the tokens are stored; block_table [B, nb];
-    k/v_pages [L, P, page, G, hd]; tree: a `layers.TreeAttention` or None ->
-    (out [B, T, G*R, hd], k_pages, v_pages)."""
+    """RoPE, the KV write and attention for any tokens a row: qkv [B, T, G, R + 2, hd], positions
+    [B, T] (where stored) -> (out [B, T, G*R, hd], k_pages, v_pages)."""
     b, t, g, r2, hd = qkv.shape
     r = r2 - 2
     rope = None if tree is None else tree.rope_positions
@@ -101,14 +85,13 @@ def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_
     vpos = (positions if tree is None else tree.rope_positions).astype(jnp.int32)
     paths = None if tree is None else ancestor_paths(tree.window_start, tree.window_mask)
     out = _attend(tiles, vpos, paths, block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-                  k_pages, v_pages)  # [B, G, T, RT, hd]
+                  k_pages, v_pages)
     return out[:, :, :, :r].transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd), k_pages, v_pages
 
 
 @jax.jit
 def _attend(tiles, vpos, paths, block_table, layer, k_pages, v_pages) -> jax.Array:
-    # Its own jit, the layer an operand: every layer of a program calls the one lowered kernel.
-    # tiles [B, G, T, RT, hd] -> [B, G, T, RT, hd]
+    # tiles [B, G, T, RT, hd] -> [B, G, T, RT, hd]; the layer an operand (pallas_attention)
     b, g, t, rt, hd = tiles.shape
     num_layers, num_pages, page_size = k_pages.shape[:3]
     splits = num_splits(block_table.shape[1], page_size)
@@ -126,8 +109,8 @@ def _attend(tiles, vpos, paths, block_table, layer, k_pages, v_pages) -> jax.Arr
         functools.partial(_kernel, page_size=page_size, scale=1.0 / math.sqrt(hd), windowed=windowed),
         grid=(b, g, t, splits),
         in_specs=[
-            pl.BlockSpec((None, None, None, rt, hd), lambda i, j, n, s: (i, j, n, 0, 0)),  # the token's tile
-            pl.BlockSpec((None, t), lambda i, j, n, s: (i, 0)),  # the row's token positions
+            pl.BlockSpec((None, None, None, rt, hd), lambda i, j, n, s: (i, j, n, 0, 0)),
+            pl.BlockSpec((None, t), lambda i, j, n, s: (i, 0)),
             *[pl.BlockSpec((None, None, p.shape[2]), lambda i, j, n, s: (i, n, 0)) for p in path],
             pl.BlockSpec((None, block_table.shape[1]), lambda i, j, n, s: (i, 0)),
             pl.BlockSpec((1,), lambda i, j, n, s: (0,)),
@@ -141,7 +124,6 @@ def _attend(tiles, vpos, paths, block_table, layer, k_pages, v_pages) -> jax.Arr
         compiler_params=_compiler_params(),
         name="eagle3_invariant_attention",
     )(tiles, vpos, *path, block_table, layer, k_slots, v_slots)
-    # Each split weighted by its softmax mass, in split order, row by row.
     out = pallas_attention.combine_splits(out, lse, t * rt, tiles.dtype, 1) if splits > 1 else out[:, :, 0]
     return out.reshape(b, g, t, rt, hd)
 
@@ -153,6 +135,5 @@ def _compiler_params():
 
 
 def _interpret() -> bool:
-    """Pallas' interpreter off the GPU. (Tests that lower the kernels for CUDA on a CPU machine
-    replace this with False.)"""
+    """Pallas' interpreter off the GPU (tests that lower for CUDA on a CPU patch this)."""
     return jax.default_backend() != "gpu"

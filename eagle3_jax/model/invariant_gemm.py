@@ -1,16 +1,10 @@
 """Batch-invariant weight projections: a Pallas (Triton) GEMM whose every output row is computed
 by the same instructions in the same order whatever the number of rows beside it.
 
-Why: XLA picks a GEMM's tiling, its split of K and its library (Triton or cuBLAS) per shape, so a
-token's row of a projection rounds differently in a decode of B rows, a verify of B x (K + 1) and
-a prefill chunk; one ulp flips a near-tie argmax and greedy decoding takes the other branch. Here
-the schedule depends on the weight alone: tiles of BLOCK_M x BLOCK_N, the K loop in BLOCK_K steps
-in order, f32 accumulation, one program per tile and no split of K chosen by shape. A weight whose
-N leaves too few tiles to fill the GPU is split along K at a count fixed by (K, N) (`k_splits`),
-never by M, and the partials are added in split order by XLA elementwise adds (an add does not
-reassociate). Rows are padded to a multiple of BLOCK_M (the padding is computed and dropped).
-Off the GPU the kernel runs in Pallas' interpreter (tests): the same fixed blocks, so the same
-invariance.
+XLA picks a GEMM's tiling, split of K and library per shape, so a token's row rounds differently in
+a decode, a verify and a prefill chunk, and one ulp can flip a near-tie argmax. Here the schedule
+depends on the weight alone: BLOCK_M x BLOCK_N tiles, the K loop in order, f32 accumulation, and K
+split only by a count fixed by (K, N) (`k_splits`), the partials added in split order.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-BLOCK_M = 64  # one Hopper warpgroup MMA tile of rows, for every M (a decode's one row is padded)
+BLOCK_M = 64  # one Hopper warpgroup MMA tile of rows, for every M
 BLOCK_N = 64
 BLOCK_K = 64
 MIN_PROGRAMS = 128  # about one per SM of an H200 (132): fewer N tiles than this split K
@@ -30,8 +24,7 @@ MIN_SPLIT_K = 1024  # never split a reduction into parts shorter than this
 
 
 def block_k(k: int) -> int:
-    """Keys of one K step: BLOCK_K, or the largest power of two dividing K (at least 16, Triton's
-    MMA depth); K is zero-padded to a multiple of 16 otherwise."""
+    """BLOCK_K, or the largest power of two >= 16 (Triton's MMA depth) dividing K."""
     kb = BLOCK_K
     while kb > 16 and k % kb:
         kb //= 2
@@ -39,9 +32,8 @@ def block_k(k: int) -> int:
 
 
 def k_splits(k: int, n: int) -> int:
-    """Parts the K loop is split into for a weight of K x N: a function of the weight's shape
-    only, so every M runs the same schedule. Split while the N tiles alone leave SMs idle (a
-    decode of the 8B's o_proj is 64 tiles) and each part keeps at least MIN_SPLIT_K."""
+    """Parts of the K loop for a K x N weight, from its shape only: split while the N tiles alone
+    leave SMs idle and each part keeps at least MIN_SPLIT_K."""
     tiles, steps = -(-n // BLOCK_N), -(-k // block_k(k))
     splits = 1
     while tiles * splits < MIN_PROGRAMS and steps % (2 * splits) == 0 and k // (2 * splits) >= MIN_SPLIT_K:
@@ -50,8 +42,7 @@ def k_splits(k: int, n: int) -> int:
 
 
 def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool):
-    # x_ref [BLOCK_M, Ks], w_ref [Ks, BLOCK_N] ([BLOCK_N, Ks] transposed): this program's rows,
-    # columns and part of K; o_ref [BLOCK_M, BLOCK_N].
+    # x_ref [BLOCK_M, Ks], w_ref [Ks, BLOCK_N] ([BLOCK_N, Ks] transposed); o_ref [BLOCK_M, BLOCK_N].
     contract = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
 
     def step(i, acc):
@@ -66,14 +57,12 @@ def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool):
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "transposed"))
 def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False) -> jax.Array:
-    """x [M, K] @ w [K, N] (transposed: w [N, K], x @ w.T) -> [M, N] in out_dtype (default x's),
-    accumulated in f32, each row's arithmetic independent of M."""
+    """x [M, K] @ w [K, N] (transposed: w [N, K]) -> [M, N], each row's arithmetic independent of M."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, k = x.shape
     n = w.shape[0] if transposed else w.shape[1]
     kp, np_, mp = -(-k // 16) * 16, -(-n // BLOCK_N) * BLOCK_N, -(-m // BLOCK_M) * BLOCK_M
-    # Padding with zeros adds exact zeros to each sum; a weight is padded only where its shape is
-    # off the tiles (the test models' tiny vocabularies), every real model's divides them.
+    # Zero padding adds exact zeros; real models' weights divide the tiles (test models' may not).
     x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
     if (kp, np_) != (k, n):
         w = jnp.pad(w, ((0, np_ - n), (0, kp - k)) if transposed else ((0, kp - k), (0, np_ - n)))
@@ -93,14 +82,13 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False)
         name="eagle3_invariant_gemm",
     )(x, w)
     out = parts[0]
-    for s in range(1, splits):  # in split order: one ordered sum per element, whatever M is
+    for s in range(1, splits):  # in split order, whatever M is
         out = out + parts[s]
     return out[:m, :n].astype(out_dtype)
 
 
 def project(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False) -> jax.Array:
-    """`layers.project`'s contract, batch-invariant: x [..., K] @ w [K, *out] -> [..., *out]
-    (transposed: w [N, K] -> [..., N], a tied lm_head read as the embedding)."""
+    """`layers.project`'s contract (transposed: w [N, K], a tied lm_head read as the embedding)."""
     lead, k = x.shape[:-1], x.shape[-1]
     out_shape = w.shape[:1] if transposed else w.shape[1:]
     w2 = w if transposed else w.reshape(k, math.prod(out_shape))
@@ -111,11 +99,10 @@ def project(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False
 def _compiler_params():
     from jax.experimental.pallas import triton as plgpu
 
-    # One warpgroup (4 warps) for a 64-row tile: Hopper's wgmma; three stages hide the K loop's loads.
+    # One warpgroup for a 64-row tile (wgmma); three stages hide the K loop's loads.
     return plgpu.CompilerParams(num_warps=4, num_stages=3)
 
 
 def _interpret() -> bool:
-    """Pallas' interpreter off the GPU. (Tests that lower the kernels for CUDA on a CPU machine
-    replace this with False.)"""
+    """Pallas' interpreter off the GPU (tests that lower for CUDA on a CPU patch this)."""
     return jax.default_backend() != "gpu"

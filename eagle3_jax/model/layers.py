@@ -1,22 +1,13 @@
 """Llama building blocks as pure functions: RMSNorm, RoPE (with llama3 scaling), SwiGLU and
 grouped-query attention over a paged KV cache.
 
-Fused projections (target layers and draft midlayer alike): a decode step is launch-bound, each
-kernel and each argument buffer costs host time, so q/k/v are one weight and one GEMM, and so are
-gate/up:
-  wqkv       [D_in, G, R + 2, hd]  G = kv heads, R = q heads per kv head. For kv group g,
-                                   [:, g, :R] are q heads g*R .. g*R+R-1 (HF's q head j reads kv
-                                   head j // R, so flattening (g, r) is HF's q head order),
-                                   [:, g, R] is k head g and [:, g, R+1] is v head g.
-  w_gate_up  [D, 2, I]             [:, 0] gate, [:, 1] up.
-Checkpoints keep the public separate tensors; weights/layout.py converts.
+Fused projections, since a decode step is launch-bound: wqkv [D_in, G, R + 2, hd] (G kv heads, R
+q heads per kv head; [:, g, :R] are q heads g*R .. g*R+R-1, which is HF's order, then k and v head
+g) and w_gate_up [D, 2, I] (gate, up). Checkpoints keep the separate tensors (weights/layout.py).
 
-Paged KV layout (shared by target and drafter): one array for K and one for V, every layer's
-pages in it, `[num_layers, num_pages, page_size, kv_heads, head_dim]` (`llama.KVCache`); layer l
-reads and writes `[l]`. A request owns pages through its block table row
-`[max_blocks]`; logical position p lives at page `block_table[p // page_size]`, slot
-`p % page_size`. Page 0 is the scratch page: unallocated block-table entries point at it, so
-writes from padded rows and padded tokens land there and are never read by a real row.
+Paged KV (target and drafter): K and V each [L, P, page, G, hd] (`llama.KVCache`); position p of a
+row is at page block_table[p // page], slot p % page. Page 0 is scratch: unallocated entries point
+at it, so padded rows' and tokens' writes land there and are never read.
 """
 
 from __future__ import annotations
@@ -35,12 +26,9 @@ SCRATCH_PAGE = 0
 
 
 class TreeAttention(NamedTuple):
-    """Where a call's T tokens sit in a token tree (a draft level, or the target's verify of a
-    tree): token t of row b is stored at its `positions` entry, rotated at rope_positions[b, t],
-    and sees every cached position before window_start[b] and, of the W positions window_start[b]
-    .. window_start[b] + W - 1, those window_mask[b, t] marks (its ancestors and itself). The
-    Pallas kernels also bound each query by its stored position, as a chain's: the mask marks
-    nothing stored after its token (ancestors are stored before their descendants)."""
+    """A call's T tokens as a token tree: token t of row b is stored at `positions`, rotated at
+    rope_positions[b, t], and sees every position before window_start[b] and, of the W from it on,
+    those window_mask[b, t] marks (ancestors and itself; never one stored after it)."""
 
     rope_positions: jax.Array  # [B, T]
     window_start: jax.Array  # [B]
@@ -48,8 +36,7 @@ class TreeAttention(NamedTuple):
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """[..., D] -> [..., D]; statistics in f32, as transformers' LlamaRMSNorm. weight None: a unit
-    gain (the gain already folded into the projection that reads the output, `llama.fold_norm_gains`)."""
+    """[..., D] -> [..., D], statistics in f32; weight None: gain folded away (`llama.fold_norm_gains`)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return y.astype(x.dtype) if weight is None else weight * y.astype(x.dtype)
@@ -57,9 +44,8 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array | None, eps: float,
                  kernel: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The pre-norm residual step: x, delta [..., D] (delta None: nothing to add) ->
-    (s = x + delta, rms_norm(s, weight)). kernel: one Pallas kernel (model/pallas_norm.py) for
-    what XLA compiles into several small ones."""
+    """x, delta [..., D] (delta None: nothing to add) -> (s = x + delta, rms_norm(s, weight));
+    kernel: in one Pallas kernel (pallas_norm)."""
     if kernel:
         return pallas_norm.add_rms_norm(x, delta, weight, eps)
     s = x if delta is None else x + delta
@@ -94,16 +80,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def qkv_shape(d_in: int, heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    """Shape of a fused wqkv: [D_in, G, R + 2, hd] (see the module docstring)."""
+    """Shape of a fused wqkv: [D_in, G, R + 2, hd]."""
     return d_in, kv_heads, heads // kv_heads + 2, head_dim
 
 
 def project(x: jax.Array, w: jax.Array, gemv: str = "xla", out_dtype=None) -> jax.Array:
-    """A weight projection: x [..., K] @ w [K, *out] -> [..., *out] (out_dtype, default x's).
-
-    gemv "mosaic" runs the Mosaic GPU kernel where the product fits it (a few rows: decode, verify
-    and draft steps; model/mosaic_gemv.py), else XLA's dot, which "xla" always runs; "invariant"
-    the batch-invariant GEMM at every row count (model/invariant_gemm.py)."""
+    """x [..., K] @ w [K, *out] -> [..., *out]. gemv "mosaic": mosaic_gemv where it fits (a few
+    rows), else XLA's dot; "invariant": invariant_gemm at every row count."""
     if gemv == "invariant":
         return invariant_gemm.project(x, w, out_dtype)
     rows, k, n = math.prod(x.shape[:-1]), x.shape[-1], math.prod(w.shape[1:])
@@ -113,10 +96,8 @@ def project(x: jax.Array, w: jax.Array, gemv: str = "xla", out_dtype=None) -> ja
 
 
 def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, gemv: str = "xla") -> jax.Array:
-    """x [B, T, D]; w_gate_up [D, 2, I] (gate, up); w_down [I, D] -> [B, T, D].
-
-    One GEMM for gate and up together instead of two (the step is launch-bound)."""
-    gate_up = project(x, w_gate_up, gemv)  # [B, T, 2, I]
+    """x [B, T, D]; w_gate_up [D, 2, I] (gate, up); w_down [I, D] -> [B, T, D]."""
+    gate_up = project(x, w_gate_up, gemv)
     return project(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down, gemv)
 
 
@@ -124,8 +105,7 @@ def _page_of(positions: jax.Array, block_table: jax.Array, page_size: int) -> ja
     """positions [B, T] -> the page [B, T] each lives on; past the table's end: scratch."""
     num_blocks = block_table.shape[1]
     block = positions // page_size
-    page = jnp.take_along_axis(block_table, jnp.clip(block, 0, num_blocks - 1), axis=1)  # [B, T]
-    # Padded tokens can sit past the table's end: send them to scratch, never onto a real page.
+    page = jnp.take_along_axis(block_table, jnp.clip(block, 0, num_blocks - 1), axis=1)
     return jnp.where(block < num_blocks, page, SCRATCH_PAGE)
 
 
@@ -134,50 +114,42 @@ def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array,
     [L, P, page, kvh, hd] (in place when the caller donates them)."""
     page_size = pages.shape[2]
     page = _page_of(positions, block_table, page_size)
-    # unique_indices: a real page's positions are written once per call (a row's positions are
-    # distinct, and no two rows share a page); only scratch is written many times over (padded
-    # tokens, padding rows), and what lands there is never read. Without the promise XLA writes
-    # every element with an atomic, and the collisions on scratch serialize: a prefill of 8 x 512
-    # padded tokens spent 89 of its 99 ms in these scatters on the H200 (BENCHMARKS.md,
-    # "Serving with arrivals").
+    # unique_indices holds for real pages (a row's positions are distinct, rows share no page);
+    # only scratch, never read, is written twice. Without it XLA writes with atomics, and the
+    # collisions on scratch serialize (BENCHMARKS.md, "Serving with arrivals").
     return pages.at[layer, page, positions % page_size].set(new.astype(pages.dtype), unique_indices=True)
 
 
 def move_kv(pages: jax.Array, src: jax.Array, dst: jax.Array, block_table: jax.Array) -> jax.Array:
-    """Every layer's entries at positions src [B, M] copied to positions dst [B, M] of the same
-    row, all read before any is written: pages [L, P, page, kvh, hd] -> pages. A tree's accepted
-    path moves this way to the contiguous positions it belongs at."""
+    """Every layer's entries at src [B, M] copied to dst [B, M] of the same row, all read before
+    any is written (a tree's accepted path to its contiguous positions)."""
     page_size = pages.shape[2]
-    moved = pages[:, _page_of(src, block_table, page_size), src % page_size]  # [L, B, M, kvh, hd]
+    moved = pages[:, _page_of(src, block_table, page_size), src % page_size]
     return pages.at[:, _page_of(dst, block_table, page_size), dst % page_size].set(moved)
 
 
 def gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
     """pages [P, page, kvh, hd], block_table [B, nb] -> [B, nb * page, kvh, hd] in logical order."""
     b, nb = block_table.shape
-    ctx = pages[block_table]  # [B, nb, page, kvh, hd]
+    ctx = pages[block_table]
     return ctx.reshape(b, nb * pages.shape[1], *pages.shape[2:])
 
 
 def window_visible(window_start: jax.Array, window_mask: jax.Array, num_keys: int) -> jax.Array:
-    """window_start [B], window_mask [B, T, W] -> visible [B, T, S] over key positions 0..S-1:
-    those before the window, and those in it that the query's mask row marks."""
+    """window_start [B], window_mask [B, T, W] -> visible [B, T, S]: keys before the window, and
+    those in it that the query's mask row marks."""
     b, t, w = window_mask.shape
-    rel = jnp.arange(num_keys)[None, :] - window_start[:, None]  # [B, S]: offset in the window
+    rel = jnp.arange(num_keys)[None, :] - window_start[:, None]  # [B, S]
     idx = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], (b, t, num_keys))
-    marked = jnp.take_along_axis(window_mask, idx, axis=2)  # [B, T, S]
+    marked = jnp.take_along_axis(window_mask, idx, axis=2)
     return (rel < 0)[:, None, :] | (marked & (rel < w)[:, None, :])
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
                     block_table: jax.Array, tree: TreeAttention | None = None) -> jax.Array:
-    """Causal GQA of new queries over everything cached for their row.
-
-    q [B, T, H, hd] (already rotated), positions [B, T] (each query's position), k/v_pages
-    [P, page, kvh, hd] (already holding this step's keys), block_table [B, nb] -> [B, T, H, hd].
-    A query at position p sees cached positions 0..p of its row, which this or earlier steps wrote;
-    with a `tree`, what its window mask lets it see instead (`window_visible`).
-    """
+    """Causal GQA: q [B, T, H, hd] (rotated), k/v_pages [P, page, kvh, hd] (holding this step's
+    keys), positions [B, T], block_table [B, nb] -> [B, T, H, hd]. A query at p sees its row's
+    positions 0..p, or with a `tree` what its window lets it see."""
     b, t, h, hd = q.shape
     k = gather_kv(k_pages, block_table)  # [B, S, kvh, hd]
     v = gather_kv(v_pages, block_table)
@@ -197,25 +169,19 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
 
 
 def fused_qkv(h: jax.Array, wqkv: jax.Array, gemv: str = "xla") -> jax.Array:
-    """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> [B, T, G, R + 2, hd]: per kv group, its R q
-    heads, then k, then v, none rotated yet."""
+    """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> [B, T, G, R + 2, hd], not rotated."""
     return project(h, wqkv, gemv)
 
 
 def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
                 inv_freq, gemv: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> q [B, T, G*R, hd], k, v [B, T, G, hd];
-    q and k rotated to `positions`.
-
-    One GEMM and one argument buffer instead of three (the step is launch-bound). q comes out
-    grouped [B, T, G, R, hd]; merging (G, R) gives HF's q head order, which paged_attention splits
-    back into the same groups.
-    """
+    """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> q [B, T, G*R, hd] (HF's head order), k, v
+    [B, T, G, hd]; q and k rotated to `positions`."""
     b, t, _ = h.shape
     g, r, hd = wqkv.shape[1], wqkv.shape[2] - 2, wqkv.shape[3]
-    qkv = fused_qkv(h, wqkv, gemv)  # [B, T, G, R + 2, hd]
+    qkv = fused_qkv(h, wqkv, gemv)
     q = qkv[:, :, :, :r].reshape(b, t, g * r, hd)
-    k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]  # [B, T, G, hd]
+    k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -223,18 +189,11 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
                     k_pages: jax.Array, v_pages: jax.Array, layer: int, block_table: jax.Array, *,
                     inv_freq, attention: str = "xla", gemv: str = "xla",
                     tree: TreeAttention | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention over layer `layer` of the paged cache, from the already-normed input. h
-    [B, T, D_in]; wqkv [D_in, G, R + 2, hd]; wo [G*R*hd, D]; k/v_pages [L, P, page, G, hd] ->
-    (attn out [B, T, D], k, v pages with this step's keys and values written).
-
-    Written once for the target and the draft midlayer (whose q/k/v read 2H-wide inputs). Head
-    counts come from wqkv's shape. attention "pallas" runs the Pallas kernels where the step fits
-    them (few new tokens per row, a tree's window not too wide: `pallas_attention.supports`),
-    else the XLA form, which "xla" always runs; "invariant" the batch-invariant kernel for any
-    step (model/invariant_attention.py). gemv: `project`'s.
-    tree: the tokens' RoPE positions and window mask when they form a token tree; `positions`
-    then only say where their keys and values are stored.
-    """
+    """Attention over layer `layer` of the paged cache, for the target and the draft midlayer
+    (2H-wide input). h [B, T, D_in] (normed); wqkv [D_in, G, R + 2, hd]; wo [G*R*hd, D]; k/v_pages
+    [L, P, page, G, hd] -> (out [B, T, D], k_pages, v_pages with this step's written). attention
+    "pallas": the Pallas kernels where `pallas_attention.supports` the step, else XLA's;
+    "invariant": invariant_attention. With a `tree`, `positions` say only where k, v are stored."""
     b, t, _ = h.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
     window = 0 if tree is None else tree.window_mask.shape[2]
@@ -242,9 +201,7 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
         out, k_pages, v_pages = invariant_attention.attention(
             fused_qkv(h, wqkv, gemv), positions, block_table, inv_freq, k_pages, v_pages, layer, SCRATCH_PAGE, tree)
     elif attention == "pallas" and pallas_attention.supports(t, g * r, g, k_pages.shape[2], window):
-        # Two kernels after the projection: RoPE + KV write + q tiles, then attention. A tree's
-        # window is packed to bits outside them: the same expression every layer, computed once (CSE).
-        qkv = fused_qkv(h, wqkv, gemv)  # [B, T, G, R + 2, hd]
+        qkv = fused_qkv(h, wqkv, gemv)
         rope_positions, window_start, window_mask = (None, None, None) if tree is None else tree
         q_tiles, k_pages, v_pages = pallas_attention.rope_and_write(
             qkv, positions, block_table, inv_freq, k_pages, v_pages, layer, SCRATCH_PAGE, rope_positions)
@@ -255,5 +212,5 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
         q, k, v = project_qkv(h, wqkv, rope_positions, inv_freq=inv_freq, gemv=gemv)
         k_pages = write_kv(k_pages, layer, k, positions, block_table)
         v_pages = write_kv(v_pages, layer, v, positions, block_table)
-        out = paged_attention(q, k_pages[layer], v_pages[layer], positions, block_table, tree)  # [B, T, H, hd]
+        out = paged_attention(q, k_pages[layer], v_pages[layer], positions, block_table, tree)
     return project(out.reshape(b, t, -1), wo, gemv), k_pages, v_pages

@@ -1,9 +1,8 @@
 """The Llama-3 target as pure functions over a parameter pytree.
 
-`forward` runs any number of new tokens per row (prefill chunks, decode, verify of K+1 tokens)
-against the paged KV cache and returns the final normed hidden states plus the EAGLE-3 captures;
-`logits` projects only the positions a step needs. Layers are a Python loop (unrolled in the
-compiled program): `lax.scan` over stacked layers measured about 3x slower on the H200.
+`forward` runs any number of new tokens per row (prefill chunks, decode, verify) against the paged
+KV cache and returns the final normed hidden states and the EAGLE-3 captures. Layers are a Python
+loop, unrolled in the compiled program: `lax.scan` over stacked layers was slower.
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ from eagle3_jax.model.layers import (
 
 @struct.dataclass
 class LayerParams:
-    """One decoder layer; q/k/v and gate/up fused (layout: model/layers.py docstring). A norm
-    gain None is folded into the projection after it (`fold_norm_gains`)."""
+    """One decoder layer (fused layout: model/layers.py); a norm gain None is folded (`fold_norm_gains`)."""
 
     attn_norm: jax.Array | None  # [D]
-    wqkv: jax.Array  # [D, kvh, H/kvh + 2, hd]: per kv group its q heads, then k, then v
+    wqkv: jax.Array  # [D, kvh, H/kvh + 2, hd]
     wo: jax.Array  # [H*hd, D]
     mlp_norm: jax.Array | None  # [D]
-    w_gate_up: jax.Array  # [D, 2, I]: gate, up
+    w_gate_up: jax.Array  # [D, 2, I]
     w_down: jax.Array  # [I, D]
 
 
@@ -51,13 +49,9 @@ class LlamaParams:
 
 @struct.dataclass
 class KVCache:
-    """Paged keys and values of every layer: k, v [L, num_pages, page_size, kvh, hd].
-
-    One array for all layers rather than one per layer: every buffer a step takes and donates
-    costs host time at each dispatch, and a SmolLM2 iteration is short enough for 60 per-layer
-    buffers to matter (one array cut the host's time per EAGLE-3 step from 1.10 to 0.73 ms on the
-    H200: BENCHMARKS.md, "Host overhead"). Layer l's writes go into the shared array in place (the
-    steps donate it); its reads index the layer (layers.py)."""
+    """Paged keys and values of every layer: k, v [L, num_pages, page_size, kvh, hd]. One array,
+    not one per layer: each buffer a step takes costs host time at dispatch (BENCHMARKS.md, "Host
+    overhead"); the steps donate it, so each layer writes in place."""
 
     k: jax.Array
     v: jax.Array
@@ -97,16 +91,9 @@ def _fold_layer(layer: LayerParams) -> LayerParams:
 
 
 def fold_norm_gains(params: LlamaParams) -> LlamaParams:
-    """The same model with each layer's two RMSNorm gains multiplied into the input rows of the
-    projection that reads the norm's output: rms_norm(x, g) @ W == rms_norm(x, None) @ (g[:, None] * W).
-
-    The engine serves folded weights. The device work is the same (the gain's multiply moves
-    from the activations into the weights), but every buffer a compiled step takes costs the host
-    time at each dispatch (about 2.5 us on the H200, BENCHMARKS.md, "Host overhead"), and this
-    drops two of the six per layer. In bf16 the folded weight is rounded once, after the
-    multiply; the activations then skip one bf16 rounding. Already-folded layers pass through.
-    The folded wqkv and w_gate_up are new arrays: the unfolded ones live on only while the caller
-    holds them (`LLM` does not)."""
+    """Each layer's RMSNorm gains multiplied into the projection after them: rms_norm(x, g) @ W ==
+    rms_norm(x, None) @ (g[:, None] * W). The engine serves folded weights, two fewer buffers a
+    layer to dispatch (BENCHMARKS.md, "Host overhead"); folded layers pass through."""
     layers = tuple(layer if layer.attn_norm is None else _fold_layer(layer) for layer in params.layers)
     return params.replace(layers=layers)
 
@@ -139,24 +126,18 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             pin_kv: Callable[[KVCache], KVCache] | None = None,
             gemv: str = "xla", tree: TreeAttention | None = None,
             tp_axis: str | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
-    """tokens, positions [B, T]; block_table [B, nb] ->
-    (final normed hidden [B, T, D], captures [B, T, n_capture * D], updated cache).
-    attention: "xla", "pallas" or "invariant" (layers.attention_block; "pallas" and "invariant"
-    also run each residual add and the norm after it as one kernel, a program per row,
-    layers.add_rms_norm); pin_kv: applied to the cache after
-    each layer's write (tensor parallelism: `sharding.cache_pin`); gemv: "xla", "mosaic" or "invariant", the
-    weight projections' kernel where the step has few rows (layers.project); tree: the tokens'
-    RoPE positions and attention window when they form a token tree (layers.TreeAttention;
-    `positions` are then where their keys and values are stored); tp_axis: the forward runs per
-    device inside shard_map over this mesh axis, on the Megatron shards of the weights and the
-    cache, and adds the row-parallel partial sums in rank order (`sum_shards`)."""
+    """tokens, positions [B, T]; block_table [B, nb] -> (final normed hidden [B, T, D], captures
+    [B, T, n_capture * D], cache). attention, tree, gemv: `layers.attention_block`'s; pin_kv:
+    applied to the cache after each layer's write (`sharding.cache_pin`); tp_axis: run per device
+    inside shard_map over this mesh axis, on the weights' and the cache's Megatron shards, the
+    row-parallel partial sums added in rank order (`sum_shards`)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    eps, kernel = cfg.rms_norm_eps, attention in ("pallas", "invariant")  # the Pallas kernels go together
+    eps, kernel = cfg.rms_norm_eps, attention in ("pallas", "invariant")
     x = embed_tokens(params.embed, tokens, cfg.vocab_size, tp_axis)  # [B, T, D]
-    delta = None  # what the previous layer's MLP adds to x, added in the next norm's kernel
-    captured = {}  # layer id -> its input [B, T, D]
+    delta = None  # the previous MLP's output, added in the next norm's kernel
+    captured = {}
     for i, layer in enumerate(params.layers):
-        x, h = add_rms_norm(x, delta, layer.attn_norm, eps, kernel)  # x: layer i's input
+        x, h = add_rms_norm(x, delta, layer.attn_norm, eps, kernel)
         if i in cfg.capture_layer_ids:
             captured[i] = x
         attn, k_pages, v_pages = attention_block(
@@ -171,8 +152,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
 
 
 def logits(params: LlamaParams, hidden: jax.Array, gemv: str = "xla") -> jax.Array:
-    """hidden [..., D] (final-normed) -> f32 logits [..., V]. gemv as `forward`'s (a tied lm_head
-    is read as embed [V, D]: XLA's dot, or the invariant GEMM under "invariant")."""
+    """hidden [..., D] (final-normed) -> f32 logits [..., V]; a tied lm_head is read as embed [V, D]."""
     if params.lm_head is None and gemv == "invariant":
         return invariant_gemm.project(hidden, params.embed, jnp.float32, transposed=True)
     if params.lm_head is None:

@@ -1,35 +1,15 @@
-"""Paged GQA attention for decode and verify steps as Pallas (Triton) kernels: `rope_and_write`
-(RoPE, the KV write and the query tiles in one launch), then `attend_tiles` (attention, and the
-combine of its splits).
+"""Paged GQA attention for steps of few tokens a row (T*R <= MAX_QUERY_ROWS) as Pallas (Triton)
+kernels: `rope_and_write` (RoPE, the KV write and the query tiles in one launch), then
+`attend_tiles` (online softmax over the pages a row has filled, as flash-decoding). The XLA form
+(`layers.paged_attention`) reads the whole block table in about a dozen kernels a layer, in steps
+bound by their kernel count (BENCHMARKS.md, "Host overhead").
 
-Why a kernel of our own: the XLA form (`layers.paged_attention`) gathers every row's whole block
-table (max_model_len positions), masks it and runs softmax as separate fusions, about a dozen
-kernels per layer. A SmolLM2 iteration is bound by its kernel count (~780 kernels, ~2 us each on
-the H200; BENCHMARKS.md, "Host overhead"), and an 8B verify reads the full-length cache where only
-the valid part is needed. The attention kernel reads only the pages a row has filled (online
-softmax over blocks of pages, as flash-decoding).
-
-Layout (as `layers.paged_attention`): q [B, T, G*R, hd] (G kv heads, R q heads per kv head, HF
-head order), pages [L, P, page, G, hd] of which a call reads layer `layer` (an operand the kernel
-indexes with, not a constant of its block specs: every layer calls the same lowered kernel; a
-program lowers each kernel once, not once a layer), positions [B, T] contiguous per row (the T new tokens),
-block_table [B, nb]. One program per (row, kv head, split): its T*R queries form the M rows of
-the tile (padded to a power of two, at least 16 for the tensor cores); query row m = t*R + r is
-query head g*R + r of token t and sees cached positions <= positions[b, t]. The splits divide
-the row's key blocks between programs, so that a batch of one row still
-keeps the GPU's SMs reading; each writes its normalized output and log-sum-exp, and a second
-small kernel combines them.
-
-A token tree (a draft level, or the target's verify of a tree; `layers.TreeAttention`) rotates
-its tokens at RoPE positions apart from where they are stored, and gives each query a window:
-of the positions from the window's start on, it sees only those its mask marks (its ancestors
-and itself), as bits packed outside the kernel (`window_rows`). Ancestors are stored before
-their descendants, so the causal bound still holds and still decides which key blocks a row reads.
-
-Only for steps with few new tokens per row (T*R <= MAX_QUERY_ROWS) and tree windows of up to
-MAX_WINDOW positions: decode, verify (a tree's of 32 tokens at R = 4), draft steps and the
-smallest prefill chunks; larger chunks keep the XLA form. Off the GPU the kernels run in
-Pallas' interpreter (tests).
+One program per (row, kv head g, split): its T*R queries are the M rows of the tile (padded to a
+power of two >= 16 for the tensor cores), row t*R + r being q head g*R + r of token t. Splits
+share a row's key blocks so that one row still fills the SMs; `combine_splits` merges them. The
+layer is an operand, not a block-spec constant, so a program lowers each kernel once, not once a
+layer. A token tree's window mask is packed to bits (`window_rows`); its ancestors are stored
+first, so the causal bound still holds. Off the GPU the kernels run in Pallas' interpreter.
 """
 
 from __future__ import annotations
@@ -41,33 +21,25 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-# T*R per (row, kv head) tile; larger steps use the XLA form. 128: a tree verify of 32 tokens
-# (96 rows for SmolLM2's R = 3, 128 for the 8B's R = 4).
-MAX_QUERY_ROWS = 128
-# Tree window positions a query row's mask covers: a verify's T (up to 33) or a draft level's
-# (steps - 1) * top_k. Each 32 of them is one more word tested per key (unrolled).
+MAX_QUERY_ROWS = 128  # T*R of a tile: a tree verify of 32 tokens at R = 4
+# A verify's T (up to 33) or a draft level's (steps - 1) * top_k; each 32 is one more mask word.
 MAX_WINDOW = 64
-# About two per SM of an H200 (132 SMs); the 8B verify of 8 x 4 ran faster at 256 than at 64
-# (BENCHMARKS.md, "Llama-3.1-8B step functions").
-TARGET_PROGRAMS = 256
-COMBINE_CHUNK = 32  # head-dim lanes per program of the combine: 4 programs per (row, kv head) at hd 128
-COMBINE_ROWS = 16  # query rows per program of the combine (a tile holds 16 to 128)
+TARGET_PROGRAMS = 256  # about two per SM of an H200 (132 SMs)
+COMBINE_CHUNK = 32  # head-dim lanes per program of the combine
+COMBINE_ROWS = 16  # query rows per program of the combine
 MASKED = -1e30  # finite: a padded query row sees nothing and must not produce NaN
 
 
 def supports(num_tokens: int, heads: int, kv_heads: int, page_size: int, window: int = 0) -> bool:
-    """Whether a step of `num_tokens` new tokens per row fits the kernels; window: a token tree's
-    W (0: no tree)."""
+    """Whether a step fits the kernels; window: a token tree's W (0: no tree)."""
     rows = num_tokens * (heads // kv_heads)
     return (rows <= MAX_QUERY_ROWS and window <= MAX_WINDOW and page_size >= 16
             and page_size & (page_size - 1) == 0)
 
 
 def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed: bool):
-    # q_ref [M, hd]; qpos_ref [M] i32 (-1: padding row); windowed: win_ref [1 + nw, M] i32
-    # (`window_rows`); table_ref [nb] i32; layer_ref [1] i32; k_ref, v_ref [L, P, page, hd] (this
-    # program's kv head, every layer); o_ref [M, hd], this split's normalized output (f32 when
-    # there are splits to combine); lse_ref [M] f32, its log-sum-exp.
+    # q_ref [M, hd]; qpos_ref [M] (-1: padding); win_ref [1 + nw, M] if windowed; table_ref [nb];
+    # layer_ref [1]; k_ref, v_ref [L, P, page, hd] (this kv head); o_ref [M, hd]; lse_ref [M] f32.
     win_ref, (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref) = (
         (refs[0], refs[1:]) if windowed else (None, refs))
     m, hd = q_ref.shape
@@ -75,9 +47,7 @@ def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed
     layer = layer_ref[0]
     q = q_ref[...]
     qpos = qpos_ref[...]
-    # The row's key blocks (those holding a position <= max(qpos)) are shared evenly between the
-    # splits, so a short row in a wide table still spreads over all of them; end <= first: none.
-    # Never past the table's end (a padded row's positions can run off it): keys there do not exist.
+    # The row's key blocks, shared between the splits; never past the table (padding rows' may).
     row_blocks = jnp.minimum(jnp.max(qpos) // block_k + 1, table_ref.shape[0] // pages_per_block)
     per_split = (row_blocks + pl.num_programs(2) - 1) // pl.num_programs(2)
     first = pl.program_id(2) * per_split
@@ -104,9 +74,8 @@ def online_softmax_init(rows: int, hd: int) -> tuple[jax.Array, jax.Array, jax.A
 
 
 def online_softmax_step(carry, s: jax.Array, v: jax.Array):
-    """One key block: carry (`online_softmax_init`'s), scores s [rows, block] f32 (MASKED where
-    not seen), values v [block, hd] -> carry. A fully masked block leaves the carry exactly as it
-    was (its weights are exact zeros, its correction exactly 1)."""
+    """One key block: carry, scores s [rows, block] f32 (MASKED where unseen), v [block, hd] ->
+    carry. A fully masked block leaves the carry exactly as it was."""
     o, row_max, row_sum = carry
     new_max = jnp.maximum(row_max, s.max(axis=1))
     correction = jnp.exp(row_max - new_max)
@@ -118,31 +87,27 @@ def online_softmax_step(carry, s: jax.Array, v: jax.Array):
 
 
 def write_split(carry, o_ref, lse_ref) -> None:
-    """A split's normalized output and log-sum-exp from its online softmax's carry. A row that saw
-    nothing here (an empty split; every key masked, which leaves its max at MASKED) gets a
-    log-sum-exp near MASKED: it weighs nothing when the splits are combined."""
+    """A split's normalized output and log-sum-exp; a row that saw nothing gets a log-sum-exp near
+    MASKED, so it weighs nothing in the combine."""
     o, row_max, row_sum = carry
     o_ref[...] = (o / jnp.maximum(row_sum, 1e-30)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
 
 
 def _in_window(win_ref, key_pos: jax.Array) -> jax.Array:
-    """win_ref [1 + nw, M] (`window_rows`), key_pos [M, block_k] -> [M, block_k] bool: the key is
-    before the row's window, or its bit in the row's mask words is set (none past them)."""
+    """key_pos [M, block_k] -> [M, block_k] bool: before the row's window, or its mask bit set."""
     rel = key_pos - win_ref[0][:, None]  # offset in the window
     word, bit = jnp.right_shift(rel, 5), jnp.bitwise_and(rel, 31)
     seen = rel < 0
-    for w in range(win_ref.shape[0] - 1):  # word by word (static): no gather from the row's words
+    for w in range(win_ref.shape[0] - 1):  # static: no gather from the row's words
         bits = jnp.right_shift(win_ref[1 + w][:, None], bit)  # [M, block_k]
         seen = seen | ((word == w) & (jnp.bitwise_and(bits, 1) == 1))
     return seen
 
 
 def window_rows(window_start: jax.Array, window_mask: jax.Array, heads_per_kv: int, m: int) -> jax.Array:
-    """A tree's window as the attention kernel reads it: window_start [B], window_mask [B, T, W]
-    bool -> [B, 1 + nw, M] i32, nw = ceil(W / 32): [:, 0, m] the window start, [:, 1 + w, m] bits
-    32w .. 32w + 31 of query row m's mask (token m // R's; padding rows all clear). Packed words:
-    the kernel tests a key against nw registers of its row rather than gathering W bools."""
+    """window_start [B], window_mask [B, T, W] -> [B, 1 + nw, M] i32: the start, then query row m's
+    mask as nw = ceil(W / 32) words, which the kernel tests in registers instead of gathering."""
     b, t, w = window_mask.shape
     nw = -(-w // 32)
     bits = jnp.pad(window_mask, ((0, 0), (0, 0), (0, 32 * nw - w))).reshape(b, t, nw, 32).astype(jnp.uint32)
@@ -162,18 +127,15 @@ def pages_per_block(num_blocks: int, page_size: int, block_keys: int = 64) -> in
 
 
 def num_splits(batch: int, kv_heads: int, key_blocks: int, programs: int = TARGET_PROGRAMS) -> int:
-    """Splits of each row's keys across programs (flash-decoding): the largest power of two up to
-    `programs` programs in all and one per key block of the table. One row of an 8B decode is only
-    8 (row, kv head) programs, each walking the whole context alone: latency-bound, 25 us a layer
-    at 512 cached tokens on the H200 (BENCHMARKS.md, "Llama-3.1-8B step functions")."""
+    """Splits of each row's keys (flash-decoding): the largest power of two up to `programs`
+    programs in all and one per key block. Unsplit, one row of an 8B decode is 8 programs."""
     wanted = max(1, min(programs // (batch * kv_heads), key_blocks))
     return 1 << (wanted.bit_length() - 1)
 
 
 def _combine_kernel(o_ref, lse_ref, out_ref):
-    # o_ref [S, rows, chunk] f32, each split's normalized output (a chunk of the rows and of the
-    # head dim); lse_ref [S, rows] f32; out_ref [rows, chunk].
-    # Online over the splits (unrolled: S independent loads), as the softmax over key blocks.
+    # o_ref [S, rows, chunk] f32, lse_ref [S, rows] f32 -> out_ref [rows, chunk]; online over the
+    # splits (unrolled: S independent loads).
     acc, row_max = o_ref[0], lse_ref[0]
     den = jnp.ones_like(row_max)
     for s in range(1, o_ref.shape[0]):
@@ -187,13 +149,9 @@ def _combine_kernel(o_ref, lse_ref, out_ref):
 
 
 def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree: bool, per_token: bool):
-    # Program (row b, kv head g, token i). qkv_ref [T, R + 2, hd] (R q heads, k, v; not yet
-    # rotated); pos_ref [T] where the tokens are stored; tree: rope_ref [T] where they are rotated
-    # (else at pos_ref's); table_ref [nb]; inv_freq_ref [hd/2] f32; layer_ref [1] i32. Out: q_ref
-    # [M, hd], the rotated queries as the attention tile (row i*R + r; rows past T*R zero), or
-    # per_token: [T, RT, hd], a tile of each token's R heads (rows past R zero); k_ref,
-    # v_ref [L, P, page, hd], kv head g's pages of every layer (aliased to _k_in, _v_in: written in
-    # place at the token's slot of layer layer_ref[0]).
+    # Program (row, kv head, token i). qkv_ref [T, R + 2, hd]; pos_ref, rope_ref [T]; table_ref
+    # [nb]; inv_freq_ref [hd/2]. Out: q_ref [M, hd] (row i*R + r) or per_token [T, RT, hd]; k_ref,
+    # v_ref [L, P, page, hd], aliased to _k_in, _v_in.
     rope_ref, (table_ref, inv_freq_ref, layer_ref, _k_in, _v_in, q_ref, k_ref, v_ref) = (
         (refs[0], refs[1:]) if tree else (pos_ref, refs))
     i = pl.program_id(2)
@@ -208,7 +166,7 @@ def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree:
     block = position // page_size  # as layers.write_kv: past the table's end -> scratch page
     page = jnp.where(block < nb, table_ref[jnp.minimum(block, nb - 1)], scratch_page)
     slot = position % page_size
-    for j in range(r + 1):  # the q heads, then k
+    for j in range(r + 1):
         x1, x2 = qkv_ref[i, j, lo], qkv_ref[i, j, hi]
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         if j < r and per_token:
@@ -219,34 +177,29 @@ def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree:
             k_ref[layer, page, slot, lo], k_ref[layer, page, slot, hi] = y1, y2
     v_ref[layer, page, slot, lo], v_ref[layer, page, slot, hi] = qkv_ref[i, r + 1, lo], qkv_ref[i, r + 1, hi]
 
-    if per_token:  # the token's padding rows: defined values (their outputs are dropped)
+    if per_token:  # padding rows: defined values (their outputs are dropped)
         for row in range(r, q_ref.shape[1]):
             q_ref[i, row, :] = jnp.zeros((hd,), q_ref.dtype)
         return
 
     @pl.when(i == 0)
-    def _():  # padding rows: defined values (their outputs are dropped)
+    def _():
         for row in range(t * r, q_ref.shape[0]):
             q_ref[row, :] = jnp.zeros((hd,), q_ref.dtype)
 
 
 def token_tile_rows(heads_per_kv: int) -> int:
-    """RT, the rows of one token's query tile (`rope_and_write(per_token=True)`): its R heads
-    padded to a power of two >= 16 (tensor cores)."""
+    """RT, the rows of one token's query tile: its R heads padded to a power of two >= 16."""
     return max(16, 1 << (heads_per_kv - 1).bit_length())
 
 
 def query_tile_rows(num_tokens: int, heads_per_kv: int) -> int:
-    """M, the rows of a (row, kv head) query tile: T*R padded to a power of two >= 16 (tensor cores)."""
+    """M, the rows of a (row, kv head) query tile: T*R padded to a power of two >= 16."""
     return max(16, 1 << (num_tokens * heads_per_kv - 1).bit_length())
 
 
 def _kv_head_pages_spec(pages_shape: tuple[int, ...]) -> pl.BlockSpec:
-    """Block spec of kv head j's pages of every layer [L, P, page, hd] of pages [L, P, page, G, hd],
-    for a grid whose second axis is the kv head. Every layer, not one: a layer in the spec would be
-    a constant of the lowered kernel, and a program would lower the kernel once a layer (tracing and
-    lowering are most of a warm-up's host time; BENCHMARKS.md, "Start-up"). The kernel indexes its
-    layer from an operand instead; the spec only sets the base pointer, it copies nothing."""
+    """Kv head j's pages of every layer [L, P, page, hd] (the layer an operand: module docstring)."""
     num_layers, num_pages, page_size, _, hd = pages_shape
     return pl.BlockSpec((num_layers, num_pages, page_size, None, hd), lambda i, j, n: (0, 0, 0, j, 0))
 
@@ -259,17 +212,10 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
                    v_pages: jax.Array, layer, scratch_page: int,
                    rope_positions: jax.Array | None = None,
                    per_token: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One kernel for what comes between the qkv projection and attention: rotate q and k, write
-    k and v into their pages (in place), lay q out as attention tiles. The XLA form of the same is
-    four to six small kernels a layer (RoPE, the KV scatters, q's transpose and padding), each
-    a launch in a step bound by its launches.
-
-    qkv [B, T, G, R + 2, hd] (layers.project_qkv's layout, before RoPE); positions [B, T] where
-    k and v are stored; block_table [B, nb]; inv_freq [hd/2]; k/v_pages [L, P, page, G, hd], of
-    which layer `layer` (an int or an i32 scalar) is written; rope_positions [B, T] where q and k
-    are rotated (a token tree: a node is stored at length + i but rotated at length + depth; None:
-    at `positions`) -> (q tiles [B, G, M, hd], k_pages, v_pages); per_token: q tiles
-    [B, G, T, RT, hd], one per token (`token_tile_rows`; model/invariant_attention.py's layout)."""
+    """Rotate q and k, write k and v into their pages in place, lay q out as tiles (the XLA form is
+    four to six kernels a layer). qkv [B, T, G, R + 2, hd] (before RoPE); positions [B, T] where
+    k, v are stored; rope_positions [B, T] where q, k are rotated (a tree node: at length + depth)
+    -> (q tiles [B, G, M, hd], or per_token [B, G, T, RT, hd]; k_pages, v_pages)."""
     rope = None if rope_positions is None else rope_positions.astype(jnp.int32)
     return _rope_and_write(qkv, positions.astype(jnp.int32), rope, block_table.astype(jnp.int32),
                            jnp.asarray(inv_freq, jnp.float32), _layer_operand(layer), k_pages, v_pages,
@@ -279,7 +225,6 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
 @functools.partial(jax.jit, static_argnames=("scratch_page", "per_token"))
 def _rope_and_write(qkv, positions, rope_positions, block_table, inv_freq, layer, k_pages, v_pages, *,
                     scratch_page: int, per_token: bool):
-    # Its own jit, the layer an operand: every layer of a program calls the one lowered kernel.
     b, t, g, r2, hd = qkv.shape
     r, nb = r2 - 2, block_table.shape[1]
     tree = rope_positions is not None
@@ -287,12 +232,10 @@ def _rope_and_write(qkv, positions, rope_positions, block_table, inv_freq, layer
         q_block, q_shape = (None, None, t, token_tile_rows(r), hd), (b, g, t, token_tile_rows(r), hd)
     else:
         q_block, q_shape = (None, None, query_tile_rows(t, r), hd), (b, g, query_tile_rows(t, r), hd)
-    # One program per (row, kv head, token): a token's work is a short chain of dependent loads
-    # (position, table entry, then the stores); a program per row serialized T of them (8 us a
-    # layer for the 8B verify of 8 x 4 on the H200).
+    # A program per token: one per row would serialize T chains of dependent loads.
     pages_spec = _kv_head_pages_spec(k_pages.shape)
     positions_spec = pl.BlockSpec((None, t), lambda i, j, n: (i, 0))
-    rope = [rope_positions] if tree else []  # [B, T]; the chain's one array serves both
+    rope = [rope_positions] if tree else []
     return pl.pallas_call(
         functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page, tree=tree, per_token=per_token),
         grid=(b, g, t),
@@ -318,32 +261,21 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
                  block_table: jax.Array, heads_per_kv: int, splits: int | None = None, block_keys: int = 64,
                  num_warps: int | None = None, num_stages: int = 1, window_start: jax.Array | None = None,
                  window_mask: jax.Array | None = None) -> jax.Array:
-    """Attention of query tiles [B, G, M, hd] (row t*R + r: q head g*R + r of token t) over layer
-    `layer` (an int or an i32 scalar) of the pages [L, P, page, G, hd] (already holding this step's
-    keys); positions [B, T]; block_table [B, nb] -> [B, T, G*R, hd]. `splits`: programs per (row,
-    kv head), each over its share of the row's key blocks (default: `num_splits`; rounded down to a
-    power of two); `block_keys`: keys per loop step; `num_warps`: Triton's warps a program
-    (default 4, 8 past 64 query rows); `num_stages`: Triton's software pipelining of the key-block
-    loop. A split walks only a few blocks, and one stage (no pipelining) ran the 8B verify of 8 x 4
-    at 11.5-11.7 us a layer against 14.6-15.0 with two, decode at one row 10.0-10.2 against
-    10.7-11.0 (two sweeps on the H200, BENCHMARKS.md, "Llama-3.1-8B step functions").
-
-    A token tree: window_start [B] and window_mask [B, T, W] bool as `layers.TreeAttention`'s; a
-    query then sees a key at or before its position that is before the window or that its mask
-    row marks. The mask must mark nothing stored after the query (ancestors are stored first)."""
+    """Query tiles [B, G, M, hd] over layer `layer` of the pages [L, P, page, G, hd] (holding this
+    step's keys); positions [B, T]; block_table [B, nb] -> [B, T, G*R, hd]. num_stages 1: a split
+    walks few blocks, and pipelining them was slower (BENCHMARKS.md, "Llama-3.1-8B step
+    functions"). window_start, window_mask: `layers.TreeAttention`'s."""
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r
-    # Outside the layer's jit, as the tree's window: the same expressions every layer, computed
-    # once a program (XLA's CSE).
+    # Outside the layer's jit: the same expressions every layer, computed once a program (CSE).
     qpos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), r, axis=1), ((0, 0), (0, m - rows)), constant_values=-1)
-    window = None if window_mask is None else window_rows(window_start, window_mask, r, m)  # [B, 1 + nw, M]
+    window = None if window_mask is None else window_rows(window_start, window_mask, r, m)
     nb = block_table.shape[1]
     ppb = pages_per_block(nb, k_pages.shape[2], block_keys)
     key_blocks = nb // ppb
     splits = num_splits(b, g, key_blocks) if splits is None else num_splits(1, 1, key_blocks, splits)
-    # 128 rows: the [M, hd] f32 accumulator alone is 128 registers a thread over 4 warps at hd 128
-    # (Triton's flash attention runs 128 query rows with 8).
+    # 128 rows: the f32 accumulator alone is 128 registers a thread over 4 warps at hd 128.
     num_warps = (4 if m <= 64 else 8) if num_warps is None else num_warps
     out = _attend(q_tiles, qpos, window, block_table.astype(jnp.int32), _layer_operand(layer), k_pages, v_pages,
                   rows=rows, pages_per_block=ppb, splits=splits, num_warps=num_warps, num_stages=num_stages)
@@ -354,14 +286,12 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
 @functools.partial(jax.jit, static_argnames=("rows", "pages_per_block", "splits", "num_warps", "num_stages"))
 def _attend(q_tiles, qpos, window, block_table, layer, k_pages, v_pages, *, rows: int, pages_per_block: int,
             splits: int, num_warps: int, num_stages: int) -> jax.Array:
-    # Its own jit, the layer an operand: every layer of a program calls the one lowered kernel.
-    # -> [B, G, M, hd]
     b, g, m, hd = q_tiles.shape
     windowed = window is not None
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, scale=1.0 / math.sqrt(hd),
                                windowed=windowed)
     interpret = _interpret()
-    if interpret:  # the interpreter reads inputs whole per program (50x slower at 30 layers): one layer only
+    if interpret:  # the interpreter reads inputs whole per program: one layer only
         k_pages, v_pages, layer = k_pages[layer[0]][None], v_pages[layer[0]][None], jnp.zeros((1,), jnp.int32)
     pages_spec = _kv_head_pages_spec(k_pages.shape)
     window = [] if window is None else [window]
@@ -369,13 +299,13 @@ def _attend(q_tiles, qpos, window, block_table, layer, k_pages, v_pages, *, rows
         kernel,
         grid=(b, g, splits),
         in_specs=[
-            pl.BlockSpec((None, None, m, hd), lambda i, j, s: (i, j, 0, 0)),  # q
-            pl.BlockSpec((None, m), lambda i, j, s: (i, 0)),  # query positions
-            *[pl.BlockSpec((None, w.shape[1], m), lambda i, j, s: (i, 0, 0)) for w in window],  # tree window
-            pl.BlockSpec((None, block_table.shape[1]), lambda i, j, s: (i, 0)),  # block table row
-            pl.BlockSpec((1,), lambda i, j, s: (0,)),  # layer
-            pages_spec,  # k pages of kv head j
-            pages_spec,  # v pages of kv head j
+            pl.BlockSpec((None, None, m, hd), lambda i, j, s: (i, j, 0, 0)),
+            pl.BlockSpec((None, m), lambda i, j, s: (i, 0)),
+            *[pl.BlockSpec((None, w.shape[1], m), lambda i, j, s: (i, 0, 0)) for w in window],
+            pl.BlockSpec((None, block_table.shape[1]), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((1,), lambda i, j, s: (0,)),
+            pages_spec,
+            pages_spec,
         ],
         out_specs=[pl.BlockSpec((None, None, None, m, hd), lambda i, j, s: (i, j, s, 0, 0)),
                    pl.BlockSpec((None, None, None, m), lambda i, j, s: (i, j, s, 0))],
@@ -385,18 +315,14 @@ def _attend(q_tiles, qpos, window, block_table, layer, k_pages, v_pages, *, rows
         compiler_params=_compiler_params(num_warps, num_stages),
         name="eagle3_paged_attention",
     )(q_tiles, qpos, *window, block_table, layer, k_pages, v_pages)
-    # With splits, one more launch: each split weighted by its share of the softmax mass
     return out[:, :, 0] if splits == 1 else combine_splits(out, lse, rows, q_tiles.dtype, num_stages)
 
 
 def combine_splits(out: jax.Array, lse: jax.Array, rows: int, dtype, num_stages: int) -> jax.Array:
-    """The splits' outputs out [B, G, S, M, hd] (f32) and log-sum-exps lse [B, G, S, M], each split
-    weighted by its share of the softmax mass -> [B, G, M, hd] in `dtype`; rows: the tile's real
-    query rows (T*R: those past it are padding, never combined)."""
+    """out [B, G, S, M, hd] f32 and lse [B, G, S, M], each split weighted by its share of the
+    softmax mass -> [B, G, M, hd]; rows: the tile's real query rows (T*R)."""
     b, g, splits, m, hd = out.shape
-    # Over head-dim chunks too: (row, kv head) programs alone are too few to hide the loads.
-    # Over query-row chunks too: one program walking every split of 64 or 128 rows took 8 us
-    # a layer (a SmolLM2 verify of 16 tokens on the H200), more than the attention itself.
+    # Chunks of rows and of the head dim: (row, kv head) programs alone are too few to hide loads.
     chunk, row_chunk = min(COMBINE_CHUNK, hd), min(COMBINE_ROWS, m)
     return pl.pallas_call(
         _combine_kernel,
@@ -416,11 +342,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
                     block_table: jax.Array, splits: int | None = None, block_keys: int = 64,
                     num_warps: int | None = None, num_stages: int = 1, window_start: jax.Array | None = None,
                     window_mask: jax.Array | None = None) -> jax.Array:
-    """Same contract as `layers.paged_attention`: q [B, T, H, hd] (rotated), k/v_pages
-    [P, page, G, hd] (already holding this step's keys), positions [B, T], block_table [B, nb]
-    -> [B, T, H, hd]; a token tree's window_start [B] and window_mask [B, T, W] as `attend_tiles`
-    takes them. The steps call `rope_and_write` then `attend_tiles` instead; this form takes q as
-    the XLA form does (tests, experiments/attention_check.py)."""
+    """`layers.paged_attention`'s contract (q [B, T, H, hd] rotated, pages [P, page, G, hd]) on
+    these kernels, for tests; the steps call `rope_and_write` then `attend_tiles`."""
     b, t, h, hd = q.shape
     g = k_pages.shape[2]
     r = h // g
@@ -433,8 +356,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
 
 
 def _interpret() -> bool:
-    """Pallas' interpreter off the GPU. (Tests that lower the Triton kernels for CUDA on a CPU
-    machine replace this with False.)"""
+    """Pallas' interpreter off the GPU (tests that lower for CUDA on a CPU patch this)."""
     return jax.default_backend() != "gpu"
 
 

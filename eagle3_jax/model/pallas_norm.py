@@ -1,14 +1,7 @@
-"""The residual add and the RMSNorm after it as one Pallas (Triton) kernel.
-
-Why: XLA compiled `x + delta` and the `rms_norm` after it into three or four small kernels (the
-add, the mean-square reduction, the convert, the multiply), each 1-2 us on the H200 whatever its
-size. Here one program per row reads the row once and writes the new residual stream and its
-normed copy. Measured (BENCHMARKS.md, "Llama-3.1-8B step functions"): every Llama-3.1-8B step 1.5-2.7% faster
-(XLA had fused each GEMM's split-K reduction into the add, and those reductions now run on their
-own); no change to a SmolLM2 iteration's device time.
-
-Numerics are the XLA form's (`layers.add_rms_norm`): the sum rounded to the stream's dtype, the
-statistics in f32 over that rounded sum, the normed value rounded, then the gain.
+"""The residual add and the RMSNorm after it as one Pallas (Triton) kernel, a program per row,
+where XLA compiles three or four small kernels (BENCHMARKS.md, "Llama-3.1-8B step functions").
+Numerics are `layers.add_rms_norm`'s: the sum rounded to the stream's dtype, statistics in f32
+over it, the normed value rounded, then the gain.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ def _kernel(*refs, has_delta: bool, has_weight: bool, eps: float, lanes: int):
     weight_ref = next(it) if has_weight else None
     sum_ref, out_ref = next(it), next(it)
     d = x_ref.shape[0]
-    cols = jnp.arange(lanes)  # D padded to a power of two (Triton's tiles), the rest masked
+    cols = jnp.arange(lanes)  # D padded to a power of two, the rest masked
     mask = cols < d
     s = plgpu.load(x_ref.at[cols], mask=mask, other=0.0)
     if has_delta:
@@ -46,8 +39,7 @@ def _kernel(*refs, has_delta: bool, has_weight: bool, eps: float, lanes: int):
 @functools.partial(jax.jit, static_argnames="eps")
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array | None,
                  eps: float) -> tuple[jax.Array, jax.Array]:
-    """x [..., D] (the residual stream), delta [..., D] or None, weight [D] or None ->
-    (s = x + delta, rms_norm(s, weight)), both [..., D]: one kernel, a program per row."""
+    """x [..., D], delta [..., D] or None, weight [D] or None -> (x + delta, rms_norm of it)."""
     shape, d = x.shape, x.shape[-1]
     rows = x.reshape(-1, d)
     lanes = pl.next_power_of_2(d)

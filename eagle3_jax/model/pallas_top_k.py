@@ -1,21 +1,14 @@
 """The k largest entries of each row of a vocabulary-sized array, and the row's logsumexp, as two
-Pallas (Triton) kernels: what a draft tree level needs of the draft's logits.
-
-Why: a tree level takes the top k of the draft's log-softmax for each of its beams. XLA compiled
-that into about fourteen small kernels a level (the log-softmax's reductions and subtraction; its
-top k as two sorts, each with a copy before it and a slice after), 1-10 us each on the H200: about
-95 us of a SmolLM2 tree iteration (5, 4, 15) and 130 us of a Llama-3.1-8B one, against 1.33 and
-5.80 ms, measured on the H200 before these kernels (BENCHMARKS.md, "Llama-3.1-8B step
-functions"). Here:
+Pallas (Triton) kernels: what a draft tree level needs of the draft's logits, where XLA compiled
+about fourteen small kernels a level (BENCHMARKS.md, "Llama-3.1-8B step functions").
 
   stage 1  a program per (row, chunk of CHUNK entries): the chunk's top k (k passes of max, the
            lowest index among equal values), its max and its sum of exp(x - max);
-  stage 2  a program per row: the top k of the chunks' candidates, in the same order, and the
-           row's logsumexp from the chunks' (max, sum) pairs; a row of one chunk skips it.
+  stage 2  a program per row: the top k of the chunks' candidates and the row's logsumexp from
+           the chunks' (max, sum) pairs; a row of one chunk skips it.
 
-The top k are lax.top_k's: the same values and indices, ties to the lower index, -inf entries
-after every finite one (then by index). The logsumexp is the chunks' combined, so `values - lse`
-equals jax.nn.log_softmax's entries up to f32 rounding (not bit for bit).
+The top k are lax.top_k's (ties to the lower index, -inf after every finite entry); `values - lse`
+equals jax.nn.log_softmax's entries up to f32 rounding.
 """
 
 from __future__ import annotations
@@ -27,13 +20,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-CHUNK = 2048  # entries a stage-1 program reads: 8 programs a row of SmolLM2's 16,384-token draft vocabulary
-_NO_INDEX = jnp.iinfo(jnp.int32).max  # past every real index: a slot with no candidate left
+CHUNK = 2048  # 8 programs a row of SmolLM2's 16,384-token draft vocabulary
+_NO_INDEX = jnp.iinfo(jnp.int32).max  # a slot with no candidate left
 
 
 def _top_k_passes(x, index, alive, k: int, lanes: int):
-    """k passes of (max, then the lowest index holding it) over x [N] where `alive` [N] ->
-    (values [lanes], indices [lanes]): the top k first, then -inf and _NO_INDEX."""
+    """x, index, alive [N] -> (values, indices) [lanes]: the top k first, then -inf and _NO_INDEX."""
     slot = jnp.arange(lanes)
     values = jnp.full((lanes,), -jnp.inf, jnp.float32)
     indices = jnp.full((lanes,), _NO_INDEX, jnp.int32)
@@ -76,10 +68,8 @@ def _merge_kernel(values_ref, indices_ref, max_ref, sum_ref, out_values_ref, out
 
 @functools.partial(jax.jit, static_argnames="k")
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [..., V] -> (values [..., k] f32, indices [..., k] i32, logsumexp(x) [...] f32): the k
-    largest entries of each row as lax.top_k gives them (module docstring), in two kernels. Its
-    own jit: a tree's levels of one shape call one lowered pair of kernels (lowering is most of a
-    warm-up's host time)."""
+    """x [..., V] -> (values [..., k] f32, indices [..., k] i32, logsumexp(x) [...] f32). Its own
+    jit, so that a tree's levels of one shape lower the kernels once."""
     lead, vocab = x.shape[:-1], x.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"top_k: k = {k} outside 1..{vocab}, the row's length")
@@ -123,6 +113,5 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _interpret() -> bool:
-    """Pallas' interpreter off the GPU. (Tests that lower the kernels for CUDA on a CPU machine
-    replace this with False.)"""
+    """Pallas' interpreter off the GPU (tests that lower for CUDA on a CPU patch this)."""
     return jax.default_backend() != "gpu"

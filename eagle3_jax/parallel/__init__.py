@@ -1,5 +1,4 @@
-"""Tensor parallelism over a 1-D "tp" mesh (jax.sharding + XLA's SPMD partitioner) and memory
-planning. See sharding.py for the layout and plan.py for `eagle3-jax plan`."""
+"""Tensor parallelism over a 1-D "tp" mesh (sharding.py) and memory planning (plan.py)."""
 
 from eagle3_jax.parallel.sharding import (
     LOGITS,

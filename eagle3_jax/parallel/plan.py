@@ -1,12 +1,8 @@
-"""Per-device memory plan for a tensor-parallel deployment (`eagle3-jax plan`).
+"""Per-device memory plan for a tensor-parallel deployment (`eagle3-jax plan`), in bytes per device.
 
-Weights come from `jax.eval_shape(init_params)` (no memory touched) and the sharding specs of
-sharding.py, summed per shard, so the figures follow any change of layout. The KV cache is the
-paged pool for `max_batch` rows of `max_len` tokens (plus the scratch page) for the target and
-the drafter. Activations are estimates of the largest transient buffers of the naive (XLA) paged
-attention and of the step functions; XLA may fuse some away.
-
-Everything is bytes per device (every device holds the same amount: the layout is symmetric).
+Weights are `jax.eval_shape(init_params)` under sharding.py's specs, so the figures follow the
+layout. The KV cache is the paged pool for `max_batch` rows of `max_len` tokens plus scratch.
+Activations estimate the largest transient buffers of the XLA attention; XLA may fuse some away.
 """
 
 from __future__ import annotations
@@ -35,9 +31,7 @@ def target_weight_bytes(cfg: ModelConfig, tp: int, dtype_bytes: int = 2) -> int:
 
 
 def draft_weight_bytes(cfg: DraftConfig, tp: int, own_embedding: bool, dtype_bytes: int = 2) -> int:
-    """Per-device bytes of the drafter's weights (d2t stays int32) under draft_param_specs: all of
-    them on every device, with at tp > 1 an embedding table even where the drafter reads the
-    target's (a replicated copy; same shape, since such a drafter has the target's width)."""
+    """Per-device bytes of the drafter's weights (all replicated; at tp > 1 with an embedding)."""
     shapes = jax.eval_shape(lambda: _init_draft(cfg, draft_holds_embedding(own_embedding, tp)))
     return per_device_bytes(shapes, draft_param_specs(cfg, tp, own_embedding), tp, dtype_bytes)
 
@@ -63,18 +57,10 @@ def plan_memory(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, tp: int,
                 gpu_bytes: float = 141e9, mem_fraction: float = 0.9,
                 draft_own_embedding: bool | None = None, num_draft_tokens: int = 4,
                 prefill_tokens: int = 512) -> dict:
-    """Per-device bytes of a tp-way deployment and how many KV tokens fit.
-
-    dtype_bytes: weights, KV cache and activations (2 = bf16). mem_fraction: the share of
-    `gpu_bytes` jax may take (set XLA_PYTHON_CLIENT_MEM_FRACTION to match; jax's default is 0.75).
-    draft_own_embedding: None infers the 70B layout (drafter hidden != target hidden).
-    num_draft_tokens: K (verify scores K+1 tokens per row). prefill_tokens: tokens of the largest
-    prefill call (a chunk of one prompt): the naive attention's f32 scores are
-    [heads/tp, T, max_len], 17 GB for one unchunked 8192-token 70B prompt at tp 1, so prefill
-    must be chunked.
-    Raises ShardingError when tp does not divide the head counts / intermediate sizes, and
-    ConfigError when the drafter does not fit the target.
-    """
+    """Per-device bytes of a tp-way deployment and how many KV tokens fit. mem_fraction: the share
+    of `gpu_bytes` jax may take (XLA_PYTHON_CLIENT_MEM_FRACTION). draft_own_embedding None: the
+    70B layout where the widths differ. prefill_tokens: the largest prefill chunk (the XLA
+    attention's f32 scores are [heads/tp, T, max_len]). Raises ShardingError or ConfigError."""
     t, d = target_cfg, draft_cfg
     own_embed = (d is not None and d.hidden_size != t.hidden_size) if draft_own_embedding is None \
         else draft_own_embedding
@@ -84,21 +70,19 @@ def plan_memory(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, tp: int,
     w_target = target_weight_bytes(t, tp, dtype_bytes)
     w_draft = draft_weight_bytes(d, tp, own_embed, dtype_bytes) if d is not None else 0
 
-    # KV pool: every row owns ceil(max_len / page) pages, plus page 0 (scratch). Per token and
-    # device: layers * (K and V) * local kv heads * head_dim.
+    # Every row owns ceil(max_len / page) pages, plus the scratch page.
     blocks = math.ceil(max_len / page_size)
     num_pages = max_batch * blocks + 1
     kvh_t = _local_kv_heads(t.num_kv_heads, tp)
     kv_tok_target = t.num_layers * 2 * kvh_t * t.head_dim * dtype_bytes
     kv_tok_draft = 0
-    if d is not None:  # replicated: every kv head on every device (sharding.draft_cache_specs)
+    if d is not None:  # replicated
         kv_tok_draft = 1 * 2 * d.num_kv_heads * d.head_dim * dtype_bytes
     pool_tokens = num_pages * page_size
     kv_target, kv_draft = pool_tokens * kv_tok_target, pool_tokens * kv_tok_draft
 
-    # Hidden-state buffers (replicated on every device): the verify step's captures for K+1
-    # tokens per row, the drafter's per-row hidden state, the captures of one prefill chunk, and
-    # the per-slot draft distributions q [max_batch + 1, K, V_draft] f32 kept between iterations.
+    # Replicated: verify's captures, the drafter's hidden state, a prefill chunk's captures, and
+    # the draft distributions [max_batch + 1, K, V_draft] f32 kept between iterations.
     cap_width = (d.num_captures * d.target_hidden_size) if d is not None else 0
     d_hidden = d.hidden_size if d is not None else 0
     hidden = dtype_bytes * (max_batch * (num_draft_tokens + 1) * cap_width
@@ -106,9 +90,8 @@ def plan_memory(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, tp: int,
     if d is not None:
         hidden += (max_batch + 1) * num_draft_tokens * d.draft_vocab_size * 4
 
-    # Transient workspace of the largest step (one layer at a time): naive paged attention
-    # gathers the rows' whole context K and V, then f32 scores and probabilities; the MLP's
-    # gate/up intermediates; f32 logits (vocab-sharded).
+    # The largest step, a layer at a time: gathered K and V, f32 scores and probabilities, the
+    # MLP's gate/up, f32 logits.
     q_local = t.num_heads // tp
 
     def step_ws(rows: int, tokens: int, logit_rows: int) -> int:
@@ -127,7 +110,6 @@ def plan_memory(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, tp: int,
     kv_budget = usable - fixed
     per_token = kv_tok_target + kv_tok_draft
     max_kv_tokens = max(kv_budget, 0) // per_token
-    # Rows of max_len that fit (each row rounds up to whole pages; one scratch page).
     max_rows = max((max_kv_tokens // page_size - 1) // blocks, 0)
     return dict(
         tp=tp, dtype_bytes=dtype_bytes, max_batch=max_batch, max_len=max_len, page_size=page_size,

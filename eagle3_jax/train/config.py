@@ -22,25 +22,13 @@ DTYPES = ("auto", "bfloat16", "float32")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """How `train_drafter` trains a drafter.
-
-    The drafter's shape: draft_vocab_size (None: loop.DRAFT_VOCAB_SIZE, or the `init` drafter's;
-    fewer than that: `narrow_vocab`), intermediate_size (the MLP's width; None: the target's
-    layers', or the `init` drafter's; wider: `widen_mlp`), init ("target", "head", "random", or a
-    drafter directory to continue from).
-    Optimisation: steps, batch_size, seq_len, lr (the peak), warmup_frac, ttt_steps (the proposal
-    depth trained), reach_top_k (step j's loss only where the steps before had the data's token
-    in their top k; 0: everywhere), seed, length_buckets (row lengths batches are grouped by;
-    None: every row at seq_len), time_budget_s (None: run `steps`; else as many as fit), dtype
-    ("auto": bfloat16 on a GPU, else float32).
-    Data: sharegpt (None: fetched), mtbench (question.jsonl whose prompts are kept out of
-    training; "auto": fetched; None: none), max_conversations, data_cache (npz files read if
-    present, else written), regen (train on the target's own replies; None: on the data's).
-    Checkpoints and evaluation: ckpt_dir, log_dir (None: beside out_dir), ckpt_every (steps
-    between checkpoints, each with a held-out evaluation), eval_rows, and early stopping:
-    patience (evaluations without improvement before stopping; 0: never), stop_metric (a key of
-    STOP_METRICS), min_delta. progress: tqdm bars.
-    """
+    """How `train_drafter` trains a drafter. draft_vocab_size, intermediate_size: None takes the
+    default or the `init` drafter's (narrower vocabulary: `narrow_vocab`; wider MLP: `widen_mlp`).
+    lr: the peak. reach_top_k: objective.py's (0: every base). length_buckets: row lengths batches
+    are grouped by (None: seq_len). time_budget_s: run as many steps as fit. sharegpt None and
+    mtbench "auto": fetched. data_cache: npz files read if present, else written. regen: train on
+    the target's own replies. ckpt_every: steps between checkpoints, each with a held-out
+    evaluation. patience: evaluations without improvement before stopping (0: never)."""
 
     draft_vocab_size: int | None = None
     intermediate_size: int | None = None

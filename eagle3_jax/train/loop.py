@@ -1,27 +1,18 @@
 """Drafter training loop: AdamW + warm-up/cosine, a jitted TTT train step, orbax checkpoints
 with exact resume, tqdm progress, a loss/accuracy plot and export in the public EAGLE-3 layout.
 
-Recipe (sources in comments): AdamW betas (0.9, 0.95), weight decay 0, gradient clipping 0.5
-(EAGLE `eagle/traineagle3/ds_config.json`); the reference's peak lr 5e-5 with 12k warm-up steps
-is tuned for 40 epochs of 8B training, our run is a few thousand steps so the peak is higher
-(default 1e-3) with 3% linear warm-up and cosine decay to 10%. The target is frozen and runs
-inside the step (135M parameters: cheaper than storing its captures). Parameters are kept in f32;
-the step computes in the target's dtype (bf16 on the GPU).
+Recipe: AdamW betas (0.9, 0.95), weight decay 0, gradient clipping 0.5 (EAGLE's
+`eagle/traineagle3/ds_config.json`); the reference's peak lr 5e-5 with 12k warm-up steps suits 40
+epochs of 8B training, so for a few thousand steps the peak is 1e-3, with 3% linear warm-up and
+cosine decay to 10%. The frozen target runs inside the step (cheaper than storing its captures).
+Parameters are f32; the step computes in the target's dtype.
 
-Initialization (our choice, see `init_draft_from_target`): lm_head = the target's output
-embedding rows of the draft vocabulary and norm = the target's final norm, so the draft starts
-out speaking the target's output space; the MLP and its norm are copied from the target's last
-layer, whose MLP writes the residual stream that final norm and lm_head read. fc and attention
-are random (std 0.02, as `init_draft_params`): no target layer reads [embedding, hidden] pairs.
-Or `init` names a drafter directory (public layout): training continues from its weights, with its
-shape, capture layers and draft vocabulary (a fine-tune, e.g. on more data).
-
-The MLP can be made wider than the target's layers or the init drafter's (`intermediate_size`,
-`--draft-intermediate-size`): the units it starts from keep their weights and the new ones start
-with random gate/up and zero down rows, so the drafter computes at step 0 what it did before
-(`widen_mlp`) and learns what the extra width is worth. An init drafter's vocabulary can be made
-smaller (`draft_vocab_size`): it keeps the data's most frequent of its tokens and their lm_head
-columns (`narrow_vocab`), which pays for a wider MLP within the same file size.
+Initialization (ours, `init_draft_from_target`): lm_head and norm from the target's output layer,
+so the draft starts in the target's output space; the MLP and its norm from the target's last
+layer, whose output that norm and lm_head read; fc and attention random. Or `init` names a drafter
+to continue from. The MLP can be widened (`widen_mlp`: new units output zero at first) and an init
+drafter's vocabulary narrowed to its most frequent tokens (`narrow_vocab`), which pays for a wider
+MLP within the same file size.
 """
 
 from __future__ import annotations
@@ -66,7 +57,7 @@ from eagle3_jax.train.objective import (
 )
 
 TRAINABLE = tuple(f.name for f in dataclasses.fields(DraftParams) if f.name not in ("d2t", "embed"))
-DRAFT_VOCAB_SIZE = 16384  # a new drafter's vocabulary (97-98% of SmolLM2's reply tokens: its drafter's model card)
+DRAFT_VOCAB_SIZE = 16384  # a new drafter's vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +74,9 @@ class HParams:
     clip: float = 0.5  # ds_config.json gradient_clipping
     ttt_steps: int = TTT_STEPS
     step_weight: float = STEP_WEIGHT
-    # Step j's loss only where steps < j had the data's next token in their top k (objective.py); 0: everywhere.
-    reach_top_k: int = 0
+    reach_top_k: int = 0  # these three: as TrainConfig's
     seed: int = 0
-    # Row lengths batches are grouped by (`data.Batches`); None: every row at seq_len.
     length_buckets: tuple[int, ...] | None = None
-    # The draft MLP's width; None: the target's layers' (or the init drafter's). Wider: `widen_mlp`.
     intermediate_size: int | None = None
 
     def __post_init__(self):  # a list when read back from meta.json
@@ -99,17 +87,15 @@ class HParams:
 # ----------------------------------------------------------------------------- model set-up
 
 def draft_config_for(target: ModelConfig, draft_vocab_size: int, intermediate_size: int | None = None) -> DraftConfig:
-    """A one-layer drafter shaped like the target's layers (its MLP `intermediate_size` wide when
-    given), reading its default captures."""
+    """A one-layer drafter shaped like the target's layers, reading its default captures."""
     return DraftConfig.like_target(target, draft_vocab_size, intermediate_size=intermediate_size or
                                    target.intermediate_size)
 
 
 def widen_mlp(w_gate_up: jax.Array, w_down: jax.Array, width: int, key: jax.Array) -> dict[str, jax.Array]:
-    """An MLP [H, 2, I], [I, H] made `width` >= I units wide that computes what it computed: the
-    I units as given, the new ones with random gate and up (std 0.02, as `init_draft_params`) and
-    zero down rows, so their output starts at zero and their down rows get the first gradient.
-    -> {"w_gate_up": [H, 2, width], "w_down": [width, H]} f32."""
+    """An MLP [H, 2, I], [I, H] made `width` >= I units wide that computes what it computed: new
+    units with random gate and up and zero down rows -> {"w_gate_up": [H, 2, width], "w_down":
+    [width, H]} f32."""
     h, _, i = w_gate_up.shape
     if width < i:
         raise ConfigError(f"the draft MLP can only be widened: {width} units asked, it has {i}")
@@ -122,10 +108,8 @@ def widen_mlp(w_gate_up: jax.Array, w_down: jax.Array, width: int, key: jax.Arra
 
 def init_draft_from_target(target: LlamaParams, dcfg: DraftConfig, used: np.ndarray, key: jax.Array,
                            init: str = "target") -> dict[str, jax.Array]:
-    """Trainable draft parameters {field: f32 array}: "random" (std 0.02, as the EAGLE reference),
-    "head" (lm_head and norm from the target's output layer), "target" ("head" plus the MLP of
-    the target's last layer, widened by `widen_mlp` where dcfg's MLP is wider); see the module
-    docstring."""
+    """Trainable draft parameters {field: f32}: "random", "head" (lm_head and norm from the
+    target's), or "target" ("head" plus the target's last MLP); module docstring."""
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     p = init_draft_params(dcfg, key, jnp.float32)
@@ -143,27 +127,23 @@ def init_draft_from_target(target: LlamaParams, dcfg: DraftConfig, used: np.ndar
 
 
 def narrow_vocab(vocab: D.DraftVocab, counts: np.ndarray, n: int) -> D.DraftVocab:
-    """The n tokens of `vocab` most frequent in `counts` [V] (ties to the lower id), as a
-    vocabulary of their own: a drafter's lm_head keeps their columns (`lm_head_columns`)."""
+    """The n tokens of `vocab` most frequent in `counts` [V] (ties to the lower id), as a vocabulary."""
     if not 0 < n <= len(vocab.used):
         raise ConfigError(f"an init drafter's vocabulary can only be narrowed: {n} tokens asked, it has "
                           f"{len(vocab.used)}")
-    inside = np.where(vocab.t2d, np.asarray(counts, np.int64) + 1, 0)  # every token of it above any other
-    return D.vocab_from_d2t(D.build_draft_vocab(inside, n).d2t, counts)  # its coverage of the real counts
+    inside = np.where(vocab.t2d, np.asarray(counts, np.int64) + 1, 0)  # its tokens above any other
+    return D.vocab_from_d2t(D.build_draft_vocab(inside, n).d2t, counts)
 
 
 def lm_head_columns(lm_head: jax.Array, used: np.ndarray, kept: np.ndarray) -> jax.Array:
-    """lm_head [H, N] over the target ids `used` [N] -> [H, M], the columns of `kept` [M] (a subset
-    of `used`, both ascending)."""
+    """lm_head [H, N] over `used` [N] -> [H, M], the columns of `kept` [M] (a subset; both ascending)."""
     return jnp.take(lm_head, jnp.asarray(np.searchsorted(used, kept)), axis=1)
 
 
 def check_shape(target_dir: str | Path, init: str, draft_vocab_size: int | None,
                 intermediate_size: int | None) -> None:
-    """Raise ConfigError, before any data or weights load, where the asked shape cannot be made
-    from the init: an MLP narrower than the one it starts from (the target's last layer's for
-    init "target", the init drafter's; "head" and "random" start from none), or more tokens than
-    an init drafter's vocabulary."""
+    """ConfigError, before anything loads, for a shape the init cannot give: an MLP narrower than
+    the one it starts from, or more tokens than an init drafter's vocabulary."""
     start, vocab = None, None
     if init == "target":
         start = ModelConfig.from_json(Path(target_dir) / "config.json").intermediate_size
@@ -179,8 +159,8 @@ def check_shape(target_dir: str | Path, init: str, draft_vocab_size: int | None,
 
 
 def load_init_drafter(directory: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, dict, np.ndarray]:
-    """A drafter to continue training: (its config, its trainable weights {field: f32}, its d2t
-    [N]). It must fit the target and read the target's embedding (training never updates one)."""
+    """A drafter to continue training: (config, trainable weights {field: f32}, d2t [N]); it must
+    read the target's embedding (training never updates one)."""
     from eagle3_jax.weights.eagle3 import load_drafter
 
     dcfg, p = load_drafter(directory, target_cfg, jnp.float32)
@@ -197,8 +177,7 @@ def draft_params(trainable: dict, d2t: jax.Array, dtype) -> DraftParams:
 # ----------------------------------------------------------------------------- optimizer / step
 
 def make_optimizer(hp: HParams) -> optax.GradientTransformation:
-    """AdamW without its learning rate (applied by the step, so the schedule is a plain input):
-    optax.adamw == chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)."""
+    """AdamW without its learning rate, which the step applies, so the schedule is a plain input."""
     return optax.chain(optax.clip_by_global_norm(hp.clip), optax.scale_by_adam(b1=hp.b1, b2=hp.b2),
                        optax.add_decayed_weights(hp.weight_decay))
 
@@ -251,8 +230,7 @@ def make_train_step(tcfg: ModelConfig, dcfg: DraftConfig, hp: HParams, dtype):
 
 
 def make_eval_step(tcfg: ModelConfig, dcfg: DraftConfig, hp: HParams, dtype):
-    """-> jitted evaluate(trainable, target_params, vocab, batch) -> the loss, `ttt_loss`'s metrics
-    and its per-position hits and valid bases (for `objective.chain_walk`)."""
+    """-> jitted evaluate(trainable, target_params, vocab, batch) -> `ttt_loss`'s, per position."""
     def evaluate(trainable, target_params, vocab, batch):
         loss, aux = _loss_fn(target_params, tcfg, dcfg, hp, vocab, batch, dtype, per_position=True)(trainable)
         return {"loss": loss, **aux}
@@ -327,11 +305,9 @@ def _host(metrics: dict) -> dict:
 def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mtbench,
                   cache: str | Path | Sequence[str | Path] | None, max_conversations: int | None,
                   spec: regenerate.RegenerateSpec | None = None, progress: bool = True, log=print) -> D.Examples:
-    """Prepared examples, from the npz `cache` when it exists (it is written otherwise): ShareGPT
-    as written, or, with a `regenerate.RegenerateSpec`, its prompts and the target's own answered
-    by the target (their provenance written next to the cache, `regenerate.write_provenance`).
-    Several cache files (regeneration shards, written by separate processes) must all exist; they
-    are concatenated."""
+    """Prepared examples, from the npz `cache` when it exists (else written): ShareGPT as written,
+    or with `spec` its prompts answered by the target. Several cache files (regeneration shards)
+    must all exist; they are concatenated."""
     paths = _cache_paths(cache)
     if len(paths) > 1 or (paths and paths[0].is_file()):
         missing = [str(p) for p in paths if not p.is_file()]
@@ -349,7 +325,6 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
             return ex
         if len(paths) > 1:
             raise D.DataError(f"data files hold rows of {ex.tokens.shape[1]} tokens, training asks for {seq_len}")
-    # The whole pinned file is checked for its record count; a cut-down run reads only a prefix.
     expect = None if max_conversations else D.SHAREGPT_WHOLE_RECORDS
     provenance = None
     if spec is not None:
@@ -366,7 +341,7 @@ def load_examples(sharegpt: str | Path, target_dir: str | Path, seq_len: int, mt
         D.save_examples(ex, paths[0])
         if provenance is not None:
             regenerate.write_provenance(provenance, paths[0])
-        else:  # an older file's would describe other data
+        else:
             regenerate.provenance_path(paths[0]).unlink(missing_ok=True)
     return ex
 
@@ -378,8 +353,7 @@ def _cache_paths(cache: str | Path | Sequence[str | Path] | None) -> list[Path]:
 def prepare_data(target_dir: str | Path, seq_len: int, *, sharegpt: str | Path | None = None, mtbench="auto",
                  data_cache: str | Path | Sequence[str | Path] | None = None, max_conversations: int | None = None,
                  regen: regenerate.RegenerateSpec | None = None, progress: bool = True, log=print) -> D.Examples:
-    """`train_drafter`'s data: `load_examples` with the ShareGPT file fetched when not given and
-    `mtbench` resolved (None, a list of questions, a question.jsonl path, or "auto")."""
+    """`load_examples` with the ShareGPT file fetched when not given and `mtbench` resolved."""
     from eagle3_jax import assets
 
     return load_examples(sharegpt or assets.fetch(assets.SHAREGPT), target_dir, seq_len, _mtbench(mtbench),
@@ -422,15 +396,15 @@ class Run:
 
 def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int | None, examples_fn, eval_rows: int,
                 dtype, init: str = "target", log=print) -> Run:
-    """Load the target and data; build the draft vocabulary (or take an `init` drafter's), or reuse
-    hparams, vocabulary and held-out split from `ckpt_dir` when it holds an earlier run."""
+    """Load the target and data and build the draft vocabulary, or reuse an earlier run's hparams,
+    vocabulary and split from `ckpt_dir`."""
     from eagle3_jax.weights.llama import load_llama
 
     tcfg, target = load_llama(target_dir, dtype=dtype)
     dcfg, init_weights, init_d2t = None, None, None
     if init not in INITS:
         dcfg, init_weights, init_d2t = load_init_drafter(init, tcfg)
-        if dcfg.capture_layer_ids is not None:  # the drafter reads these layers
+        if dcfg.capture_layer_ids is not None:
             tcfg = tcfg.with_capture_layers(dcfg.capture_layer_ids)
         log(f"init: continuing from the drafter in {init}")
     ex = examples_fn()
@@ -451,7 +425,7 @@ def prepare_run(target_dir, ckpt_dir: Path, hp: HParams, draft_vocab_size: int |
         log("draft vocabulary coverage of assistant tokens: " + ", ".join(f"{n}: {c:.2%}" for n, c in table.items()))
         if init_weights is None:
             vocab = D.build_draft_vocab(counts, draft_vocab_size or DRAFT_VOCAB_SIZE)
-        else:  # the init drafter's vocabulary: its lm_head's columns mean these tokens
+        else:
             vocab = D.vocab_from_d2t(init_d2t, counts)
             if draft_vocab_size not in (None, len(vocab.used)):
                 vocab = narrow_vocab(vocab, counts, draft_vocab_size)
@@ -487,8 +461,7 @@ def save_run_meta(run: Run) -> None:
 
 
 def calibrate(train_step, state: dict, run: Run, n: int = 3) -> tuple[float, float]:
-    """(compile seconds, mean seconds per step), run on a throw-away copy of `state`: every batch
-    shape compiled and timed, the mean weighted by how often each shape comes up."""
+    """(compile seconds, mean seconds per step) on a copy of `state`, over every batch shape."""
     scratch = jax.tree.map(jnp.copy, state)
     compile_s, mean_s = 0.0, 0.0
     for (rows, length), share in zip(run.batches.shapes(), run.batches.share()):
@@ -508,9 +481,9 @@ def calibrate(train_step, state: dict, run: Run, n: int = 3) -> tuple[float, flo
 
 def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_checkpoint, ckpt_every: int,
                progress: bool) -> tuple[dict, float, int, int, float]:
-    """Steps from state["step"] to hp.steps, appending to `history`; `on_checkpoint(state)` every
-    `ckpt_every` steps, which stops the loop when it returns True (early stopping).
-    -> (state, seconds of training, token slots computed, assistant tokens seen, seconds in on_checkpoint)."""
+    """Steps from state["step"] to hp.steps; `on_checkpoint(state)` every `ckpt_every` steps stops
+    the loop by returning True. -> (state, training seconds, token slots, assistant tokens,
+    seconds in on_checkpoint)."""
     from tqdm import tqdm
 
     hp, first = run.hp, int(state["step"])
@@ -547,12 +520,9 @@ def train_loop(train_step, state: dict, run: Run, history: list[dict], *, on_che
 
 
 def evaluate(eval_step, trainable: dict, run: Run) -> dict:
-    """Mean loss, per-step loss, accuracy and chain acceptance (`objective.chain_acceptance`) over
-    the held-out rows (full batches only); "accept_length", the proxy's acceptance length of a
-    chain of hp.ttt_steps proposals; "walk_lengths", the acceptance length of chains of
-    K = 1..hp.ttt_steps walked as the engine runs them over the same hits (`objective.chain_walk`:
-    on greedy rows the engine's own figure, which the proxy overstates), and "walk_length" its
-    last. {} when no full batch is held out."""
+    """`ttt_loss`'s means over the held-out full batches, with "accept_length" (the proxy's at
+    K = hp.ttt_steps) and "walk_lengths" for K = 1..hp.ttt_steps (`objective.chain_walk`); {}
+    when no full batch is held out."""
     out, b, k = [], run.hp.batch_size, run.hp.ttt_steps
     walks = np.zeros((k, 2), np.int64)  # per K: iterations, emitted
     for lo in range(0, len(run.held.tokens) - b + 1, b):
@@ -574,12 +544,8 @@ def acceptance_length(accept_steps: Sequence[float], k: int | None = None) -> fl
     return 1.0 + float(sum(accept_steps[:k]))
 
 
-# flag -> (evaluation key, better)
-
-
 def best_evaluation(values: Sequence[float], mode: str, min_delta: float = 0.0) -> int:
-    """The index of the best of `values` ("min" or "max" is better): the last one to beat the
-    best before it by more than `min_delta`."""
+    """The index of the last of `values` to beat the best before it by more than `min_delta`."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     best = 0
@@ -591,27 +557,18 @@ def best_evaluation(values: Sequence[float], mode: str, min_delta: float = 0.0) 
 
 
 def should_stop(values: Sequence[float], patience: int, mode: str, min_delta: float = 0.0) -> bool:
-    """Early stopping: True once the last `patience` evaluations have not improved on the best
-    before them (never with patience 0)."""
+    """True once the last `patience` evaluations have not improved on the best (never at 0)."""
     return patience > 0 and len(values) - 1 - best_evaluation(values, mode, min_delta) >= patience
 
 
 def train_drafter(target_dir: str | Path, out_dir: str | Path, config: TrainConfig) -> dict:
     """Train an EAGLE-3 drafter for the target in `target_dir`; write it to `out_dir`.
 
-    The held-out rows are evaluated at every checkpoint (`config.ckpt_every` steps) and at the
-    end: loss, per-step accuracy, the chain acceptance proxy and the chain walked as the engine
-    runs it (`evaluate`). With `config.patience` > 0 training stops once that many evaluations in
-    a row have not improved `stop_metric` ("loss", lower is better; "accept", the proxy's
-    acceptance length, or "walk", the walk's, higher is better) by more than `min_delta`, and the
-    drafter written is the best evaluated one (written whenever one is best); with 0 it runs
-    every step and writes the last.
-
-    With `time_budget_s`, `steps` is replaced by as many steps as fit the budget (measured on a
-    throw-away copy of the state after compiling), counted from this call's start and leaving
-    time for export. A rerun with the same `ckpt_dir` resumes: same hparams, vocabulary, data split
-    and batches, so the result equals an uninterrupted run's. Returns the training log (also in
-    `log_dir/train_log.json`, with the plot `train_curves.png`).
+    The held-out rows are evaluated at every checkpoint and at the end (`evaluate`). With
+    `patience` > 0 training stops once that many evaluations have not improved `stop_metric`, and
+    the best evaluated drafter is written; else the last. `time_budget_s` replaces `steps` by as
+    many as fit. A rerun with the same `ckpt_dir` resumes exactly (same hparams, vocabulary, split
+    and batches). Returns the training log (also `log_dir/train_log.json`, plot `train_curves.png`).
     """
     t_start = time.perf_counter()
     c = config
@@ -671,8 +628,7 @@ class _Bookkeeping:
         return [e[self.metric] for e in self.evals]
 
     def resume(self, state: dict) -> dict:
-        """The state to go on from: a resumed run's restored one, with its log up to that step;
-        a new run's own, its meta written."""
+        """The state to go on from: a resumed run's restored one and log; a new run's, meta written."""
         run = self.run
         if run.resuming and self.manager.latest_step() is not None:
             state = restore_state(self.manager, state)
@@ -691,8 +647,7 @@ class _Bookkeeping:
         save_drafter(draft_params(st["params"], self.run.dev_vocab["d2t"], jnp.float32), self.run.dcfg, self.out_dir)
 
     def evaluate_at(self, st) -> bool:
-        """Evaluate the held-out rows, write the drafter when it is the best yet (early stopping
-        on) and say whether training should stop."""
+        """Evaluate, write the drafter when it is the best yet (early stopping), say whether to stop."""
         c, k = self.c, self.run.hp.ttt_steps
         e = evaluate(self.eval_step, st["params"], self.run)
         if not e:
@@ -729,8 +684,7 @@ class _Bookkeeping:
         return stop
 
     def finish(self, state: dict) -> tuple[dict, bool]:
-        """(the evaluation of the drafter written, whether training stopped early), the last step
-        evaluated and, without early stopping, its drafter written."""
+        """-> (the evaluation of the drafter written, whether training stopped early)."""
         if not self.evals or self.evals[-1]["step"] != int(state["step"]):
             self.evaluate_at(state)
         stopped_early = int(state["step"]) < self.run.hp.steps
@@ -745,8 +699,7 @@ class _Bookkeeping:
 
 
 def _start_run(target_dir, ckpt_dir: Path, c: TrainConfig, dtype, log) -> tuple[Run, dict, object, float, float]:
-    """The run's target, data and first state, and its train step compiled and timed: (run, state,
-    train_step, compile seconds, seconds per step)."""
+    """-> (run, first state, train_step compiled, compile seconds, seconds per step)."""
 
     def examples():
         return prepare_data(target_dir, c.seq_len, sharegpt=c.sharegpt, mtbench=c.mtbench, data_cache=c.data_cache,
@@ -769,8 +722,7 @@ def _start_run(target_dir, ckpt_dir: Path, c: TrainConfig, dtype, log) -> tuple[
 
 
 def _fit_budget(run: Run, c: TrainConfig, seconds_left: float, step_s: float, log) -> Run:
-    """The run with as many steps as fit the seconds left, after a reserve for export, plot and
-    exit, the eval compile, and at each checkpoint and the end the evaluation and the saving."""
+    """The run with as many steps as fit the seconds left, less a reserve for evaluations and export."""
     n_eval = len(run.held.tokens) // run.hp.batch_size
     checkpoints = 1 + c.time_budget_s / step_s / max(c.ckpt_every, 1)
     reserve = 25.0 + (2.0 + n_eval * step_s) * checkpoints
@@ -842,8 +794,7 @@ def add_shape_arguments(ap) -> None:
 
 
 def add_evaluation_arguments(ap, ckpt_every: int, eval_rows: int) -> None:
-    """Training-time test depth, checkpoints, held-out evaluation and early stopping flags (also
-    scripts/train_smollm2_drafter.py's)."""
+    """TTT depth, checkpoint, evaluation and early stopping flags (also scripts/train_smollm2_drafter.py's)."""
     ap.add_argument("--ttt-steps", type=regenerate.positive_int, default=TTT_STEPS,
                     help=f"training-time test steps: the proposal depth trained (default {TTT_STEPS}, the deepest "
                     "chain or tree the engine serves)")

@@ -39,9 +39,8 @@ Prompt = tuple[str, list[dict]]  # (source, chat messages ending with a user tur
 # ----------------------------------------------------------------------------- sources
 
 def user_turns(conversations: Sequence[list[dict]], turns: int | None = 1) -> list[list[dict]]:
-    """The prompts of each conversation: its first `turns` user turns (None: all of them), each as
-    the messages up to and including it (an optional system message, earlier turns and their
-    replies), conversation by conversation in order."""
+    """The prompts of each conversation, in order: its first `turns` user turns (None: all), each
+    with the messages before it."""
     if turns is not None and turns < 1:
         raise ValueError(f"turns must be at least 1 (or None for all), got {turns}")
     out = []
@@ -58,8 +57,7 @@ def sharegpt_prompts(conversations: Sequence[list[dict]], turns: int | None = No
 
 
 def magpie_prefix(tokenizer) -> str:
-    """The chat template's text before a user message's content (its default system message, if
-    any, and the user header): what the target continues to write a request of its own."""
+    """The chat template's text before a user message's content: what the target continues."""
     mark = "\ue000"  # a private-use character no template writes
     text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
     if text.count(mark) != 1:
@@ -68,8 +66,7 @@ def magpie_prefix(tokenizer) -> str:
 
 
 def magpie_prefix_ids(tokenizer) -> list[int]:
-    """Token ids of `magpie_prefix`, checked to begin the ids of a real user turn (no token
-    straddles the point where the content starts)."""
+    """Token ids of `magpie_prefix`, checked to begin a real user turn's (no token straddles it)."""
     prefix = magpie_prefix(tokenizer)
     ids = list(tokenizer(prefix, add_special_tokens=False)["input_ids"])
     sample = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there."}], tokenize=True,
@@ -81,11 +78,9 @@ def magpie_prefix_ids(tokenizer) -> list[int]:
 
 def parse_request(token_ids: Sequence[int], end_ids: Collection[int], special_ids: Collection[int],
                   decode: Callable[[list[int]], str]) -> tuple[str | None, str]:
-    """A sampled Magpie request -> (its text, "parsed"), or (None, why not: one of MAGPIE_OUTCOMES).
-
-    It must end with an end-of-turn token (`end_ids`) within its token budget ("unfinished"),
-    hold no other special token before it ("template_tokens": a role header or a second turn
-    written into the request) and leave text after `clean_request` ("empty")."""
+    """A sampled Magpie request -> (its text, "parsed"), or (None, why not): it must end with an
+    end-of-turn token ("unfinished"), hold no other special token ("template_tokens") and leave
+    text after `clean_request` ("empty")."""
     ids = list(token_ids)
     end = next((i for i, t in enumerate(ids) if t in end_ids), None)
     if end is None:
@@ -137,14 +132,9 @@ def _digest(text: str) -> bytes:
 # ----------------------------------------------------------------------------- MT-bench
 
 class MTBenchGuard:
-    """Whether a text overlaps an MT-bench turn (every turn of every question).
-
-    A text is caught when its word sequence (`words`) equals a turn's, contains one, or is
-    contained in one (on word boundaries) with at least `min_words` words (so "continue" or "more",
-    frequent follow-ups, are not caught for appearing in a question), or when the word n-grams it
-    shares with one turn are more than `share` of the smaller of the two n-gram sets. A text with no
-    word is never caught.
-    """
+    """Whether a text's words (`words`) equal an MT-bench turn's, contain one, are contained in one
+    with at least `min_words` words (so "continue" is not caught), or share more than `share` of
+    the smaller n-gram set with one."""
 
     def __init__(self, questions: Iterable[dict], n: int = 8, share: float = 0.1, min_words: int = 4):
         self.turns = [" ".join(words(t)) for q in questions for t in q["turns"]]
@@ -203,14 +193,12 @@ def empty_counts() -> dict[str, dict[str, int]]:
 
 def select_prompts(candidates: Iterable[Prompt], filters: PromptFilters | None,
                    mtbench: MTBenchGuard | None) -> tuple[list[Prompt], dict[str, dict[str, int]]]:
-    """-> (the kept prompts in input order, {source: {"candidates", each of FILTERS, "kept": count}}).
-
-    `filters` None keeps every prompt (only counting them); `mtbench` None skips that check.
-    A user message's checks are computed once however many prompts repeat it as context."""
+    """-> (the kept prompts in input order, {source: {"candidates", each of FILTERS, "kept": count}});
+    `filters` None keeps every prompt, `mtbench` None skips that check."""
     counts = empty_counts()
     seen_exact: set[bytes] = set()
     seen_near: set[tuple[bytes, str]] = set()
-    # Computed once per message however many prompts repeat it as context.
+    # Once per message, however many prompts repeat it as context.
     checks: dict[str, tuple[bool, int, int]] = {}  # user message -> (MT-bench hit, ASCII letters, letters)
     norms: dict[str, str] = {}  # message -> normalize(message)
 

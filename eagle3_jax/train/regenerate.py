@@ -1,30 +1,18 @@
 """Self-distilled training data: the target's own replies to ShareGPT's prompts and to its own.
 
-At inference the drafter reads the target's own text, not ChatGPT's. ShareGPT's replies were
-written by ChatGPT; for a 135M target they are far from what it would write, so a drafter trained
-on them learns to follow a distribution it will never see. Regenerating the replies with the
-target itself (as Medusa-2's self-distillation and HASS do; the EAGLE-3 authors' SpecForge has a
-`regenerate` step for the same reason) makes the training inputs match inference, while the
-labels stay the target's next-token distribution (`objective.py`).
+At inference the drafter reads the target's own text, and ShareGPT's ChatGPT replies are far from
+what a small target writes; regenerating them with the target (as Medusa-2's self-distillation,
+HASS and SpecForge's `regenerate` do) makes the training inputs match inference, while the labels
+stay the target's next-token distribution (`objective.py`).
 
-The prompts (`prompts.py`): ShareGPT user turns, each with the conversation before it (its
-system message, if any; for a later turn, the earlier turns and ShareGPT's replies to them;
-`RegenerateSpec.turns` takes the first 1, 2, ... or all of each conversation), and with
-`RegenerateSpec.magpie` requests the target writes itself (`magpie_requests`). `filters` drops
-MT-bench overlaps, other scripts, short requests and duplicates; `shuffle_prompts` orders the
-kept ones by a fixed permutation, so the held-out rows (the first) sample every source and
-another `seed` keeps the same prompts in the same places. Every prompt is answered through our
-engine (target-only) at the temperatures `temperature_plan` picks for it from
-`RegenerateSpec.temperatures`: all of them, or `replies_per_prompt` of them chosen from the
-prompt's number and the seed. Greedy replies are what the evaluation decodes; sampled ones add
-variety (more contexts the drafter sees, still labelled with the target's own distribution). The
-loss mask covers the reply and its end-of-turn token.
-
-`RegenerateSpec.shard` splits the prompts over processes (one per GPU): shard i of n answers
-prompts i, i + n, ...; the training run concatenates the shards' data files. The Magpie requests
-come first (sharded the same way and kept in a JSONL file, `read_magpie`), since every shard
-needs all of them to deduplicate. `regenerate_data` returns the data with its provenance
-(`format_provenance`): prompts per source and filter, rows and tokens per source and temperature.
+The prompts (`prompts.py`): ShareGPT user turns with the conversation before them (the first
+`RegenerateSpec.turns`), and with `magpie` requests the target writes itself. `filters` drops
+MT-bench overlaps, other scripts, short requests and duplicates; `shuffle_prompts` orders them by
+a fixed permutation, so the held-out rows (the first) sample every source. Each prompt is answered
+by the engine (target only) at the temperatures `temperature_plan` picks; the loss mask covers the
+reply and its end-of-turn token. `RegenerateSpec.shard` splits the prompts over processes (shard i
+of n answers i, i + n, ...); the Magpie requests come first, whole in a JSONL file, since every
+shard needs all of them to deduplicate.
 """
 
 from __future__ import annotations
@@ -46,7 +34,7 @@ from eagle3_jax.train import prompts as P
 
 SEEDS_PER_DRAW = 10_000_000  # sampling seeds of one `RegenerateSpec.seed`
 MIN_REPLY_TOKENS = 16  # shorter replies are dropped
-PROMPT_ORDER_SEED = 0  # the permutation of `shuffle_prompts`: fixed, so every draw keeps the same held-out prompts
+PROMPT_ORDER_SEED = 0  # fixed: every draw keeps the same held-out prompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +81,8 @@ class RegenerateSpec:
 # ----------------------------------------------------------------------------- pure parts
 
 def temperature_plan(number: int, n_temperatures: int, per_prompt: int | None, seed: int) -> tuple[int, ...]:
-    """The temperatures (indices, ascending) prompt `number` is answered at: all of them, or
-    `per_prompt` of them drawn from (seed, number) alone, so a prompt's draw does not depend on
-    the shard it lands in or on the other prompts."""
+    """The temperature indices prompt `number` is answered at: all, or `per_prompt` drawn from
+    (seed, number) alone, so that the draw does not depend on the shard."""
     if per_prompt is None or per_prompt >= n_temperatures:
         return tuple(range(n_temperatures))
     pick = np.random.default_rng((seed, number)).permutation(n_temperatures)[:per_prompt]
@@ -103,8 +90,7 @@ def temperature_plan(number: int, n_temperatures: int, per_prompt: int | None, s
 
 
 def sampling_seed(seed: int, number: int, n_temperatures: int, k: int) -> int:
-    """One seed per (prompt, temperature): sampled replies are reproducible and independent. Each
-    `seed` owns a range of SEEDS_PER_DRAW, far above any prompt count times temperatures."""
+    """One seed per (prompt, temperature); each `seed` owns a range of SEEDS_PER_DRAW."""
     return seed * SEEDS_PER_DRAW + number * n_temperatures + k
 
 
@@ -117,10 +103,8 @@ def reply_example(prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[
 
 
 def encode_prompts(tokenizer, prompts: Sequence[list[dict]], max_tokens: int) -> list[list[int] | None]:
-    """Chat-template token ids of each prompt (with the assistant header), None for one over
-    `max_tokens`; the ids `LLM.encode` gives, from the tokenizer's parallel batch encoder."""
+    """Chat-template token ids of each prompt (`LLM.encode`'s), None for one over `max_tokens`."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    # Encodes about 8 characters per token of each text: enough to tell whether it fits.
     encoded = D._encode_prefix(tokenizer, texts, max_tokens + 1)
     return [list(ids) if len(ids) <= max_tokens else None for ids, _ in encoded]
 
@@ -130,15 +114,10 @@ def encode_prompts(tokenizer, prompts: Sequence[list[dict]], max_tokens: int) ->
 def answer(llm, prompt_ids: Sequence[Sequence[int]], plans: Sequence[tuple[int, ...]], temperatures: Sequence[float],
            *, numbers: Sequence[int], max_new_tokens: int, seed: int = 0, time_budget_s: float | None = None,
            progress: bool = True, log=print) -> tuple[dict[tuple[int, int], list[int]], list[dict]]:
-    """The target's replies: prompt i at each temperature index of plans[i], streamed through
-    `LLM.generate_iter` (a finished row takes the next request at once).
-    -> ({(i, k): reply ids}, per temperature {"temperature", "asked", "replies", "tokens", "seconds"}).
-
-    Requests go temperature by temperature (every prompt's first temperature, greedy when 0 is
-    first, before any second one); with `time_budget_s` none is started after the budget is spent
-    (the admitted ones finish and are kept), so the budget cuts the later temperatures' replies.
-    A temperature's seconds run from its first request's admission to its last reply (the
-    neighbours' overlap by one batch)."""
+    """The target's replies: prompt i at each temperature index of plans[i], through
+    `LLM.generate_iter` -> ({(i, k): reply ids}, per temperature {"temperature", "asked",
+    "replies", "tokens", "seconds"}). Requests go temperature by temperature, so a `time_budget_s`
+    (no request started after it) cuts the later temperatures' replies."""
     start = time.perf_counter()
     order: list[tuple[int, int]] = []  # request number -> (prompt i, temperature k)
     stats = [{"temperature": t, "asked": sum(k in p for p in plans), "replies": 0, "tokens": 0,
@@ -187,15 +166,9 @@ def regenerate_examples(llm, prompts: Sequence[list[dict]], seq_len: int, *, max
                         pad_id: int = 0, prompt_numbers: Sequence[int] | None = None, seed: int = 0,
                         progress: bool = True, log=print) -> D.Examples:
     """The target's replies to `prompts` (chat messages), one per prompt and temperature, as padded
-    Examples [N, seq_len] (each prompt's replies in the order of `temperatures`).
-
-    `llm` is an `eagle3_jax.api.LLM` over the target (best without a drafter: any drafter is
-    lossless, but target-only is cheaper at large batch); see `answer`. Prompts longer than
-    `max_prompt_tokens` are skipped, as are replies shorter than `min_reply_tokens`.
-    `prompt_numbers` [N] number the prompts for their sampling seeds (default 0..N-1; a shard
-    passes the prompts' places in the whole list, so its replies do not depend on how many shards
-    there are); `seed` offsets every sampling seed, for another draw of the same prompts.
-    """
+    Examples [N, seq_len]; `llm` an `LLM` over the target alone (cheaper at large batch). Prompts
+    over `max_prompt_tokens` and replies under `min_reply_tokens` are dropped. `prompt_numbers`
+    [N]: the prompts' places in the whole list, for their sampling seeds."""
     _check_lengths(max_prompt_tokens, max_new_tokens, seq_len)
     start = time.perf_counter()
     numbers = range(len(prompts)) if prompt_numbers is None else prompt_numbers
@@ -231,9 +204,8 @@ def _log_total(replies: dict, start: float, examples: int, log) -> None:
 def magpie_requests(llm, prefix_ids: Sequence[int], numbers: Sequence[int], *, seed: int = 0,
                     temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 192, progress: bool = True,
                     log=print) -> list[dict]:
-    """Requests the target writes after its chat template's user header (`prompts.magpie_prefix_ids`),
-    one per number (its sampling seed), streamed through `LLM.generate_iter`.
-    -> [{"n", "request" (text or None), "outcome" (one of prompts.MAGPIE_OUTCOMES), "tokens"}] by n."""
+    """Requests the target writes after its user header, one per number (its sampling seed) ->
+    [{"n", "request" (text or None), "outcome" (prompts.MAGPIE_OUTCOMES), "tokens"}] by n."""
     start = time.perf_counter()
     numbers = list(numbers)
     tok = llm.tokenizer
@@ -354,10 +326,7 @@ def _magpie_records(llm, spec: RegenerateSpec, progress: bool, log) -> list[dict
 def regenerate_data(target_dir: str | Path, sharegpt: str | Path, seq_len: int, spec: RegenerateSpec, *,
                     mtbench, max_conversations: int | None, expect_records: int | None, progress: bool = True,
                     log=print) -> tuple[D.Examples, dict]:
-    """This process's shard (`spec.shard`) of the self-distilled data: ShareGPT's user turns and
-    Magpie requests (`spec`), filtered, answered by the target in `target_dir`.
-    `expect_records` checks the ShareGPT file's whole records (`data.sharegpt_counted`).
-    -> (Examples, provenance)."""
+    """This process's shard (`spec.shard`) of the self-distilled data -> (Examples, provenance)."""
     _check_lengths(spec.max_prompt_tokens, spec.max_new_tokens, seq_len)
     convs, read = D.sharegpt_counted(sharegpt, mtbench=mtbench, max_conversations=max_conversations,
                                      expect_records=expect_records, log=log)
@@ -367,8 +336,7 @@ def regenerate_data(target_dir: str | Path, sharegpt: str | Path, seq_len: int, 
 
 def self_distill(llm, conversations: Sequence[list[dict]], sharegpt_read: dict, seq_len: int, spec: RegenerateSpec,
                  *, mtbench, progress: bool = True, log=print) -> tuple[D.Examples, dict]:
-    """`regenerate_data` on loaded conversations and an `LLM` (or anything with its `tokenizer`,
-    `engine.eos_token_ids` and `generate_iter`)."""
+    """`regenerate_data` on loaded conversations and an `LLM`."""
     start = time.perf_counter()
     candidates = P.sharegpt_prompts(conversations, spec.turns)
     magpie = None
@@ -425,8 +393,7 @@ def self_distill(llm, conversations: Sequence[list[dict]], sharegpt_read: dict, 
 
 
 def spec_record(spec: RegenerateSpec) -> dict:
-    """The spec as its data's provenance records it (JSON types; the shard and the Magpie file's
-    place left out: the same data whoever answered it, wherever the requests were kept)."""
+    """The spec as provenance records it, less what does not change the data (shard, Magpie file)."""
     d = dataclasses.asdict(spec)
     d.pop("shard")
     d.pop("magpie_file")
@@ -458,9 +425,7 @@ def read_provenance(data_paths: Sequence[str | Path]) -> dict | None:
 
 
 def merge_provenance(parts: Sequence[dict]) -> dict:
-    """Shards' provenance -> one: the prompt selection (the same in every shard) once, the
-    regenerated rows and tokens summed; a temperature's seconds are the longest shard's (the
-    shards run side by side)."""
+    """Shards' provenance -> one: counts summed, a temperature's seconds the longest shard's."""
     first = parts[0]
     for p in parts[1:]:
         for key in ("of", "sharegpt", "magpie", "prompts", "spec"):

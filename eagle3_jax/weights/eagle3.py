@@ -2,9 +2,8 @@
 
 Layout (docs/EAGLE3.md, "Drafter checkpoints"): `config.json` plus `pytorch_model.bin` or
 `model.safetensors` with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
-and, in the 70B layout, `embed_tokens.weight`. Loaders elsewhere call the midlayer `layers.0.`
-and d2t `draft_id_to_target_id`; both spellings load. We write the public names, fp16. In memory
-the midlayer's q/k/v and gate/up are fused (wqkv, w_gate_up: layout.py converts both ways).
+and, in the 70B layout, `embed_tokens.weight`. Other loaders' spellings (`layers.0.`,
+`draft_id_to_target_id`) load too; we write the public names, fp16.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ def canonical_name(name: str) -> str:
 
 
 class _PublicNames(Mapping[str, np.ndarray]):
-    """A safetensors checkpoint under the public names, read lazily: its names (and so whether it
-    stores an embedding) are known before any tensor is."""
+    """A safetensors checkpoint under the public names, read lazily."""
 
     def __init__(self, files: TensorFiles):
         self._files = files

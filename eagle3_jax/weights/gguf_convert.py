@@ -1,14 +1,10 @@
 """Convert a llama.cpp GGUF Llama model into a Hugging Face directory (config.json,
 model.safetensors, tokenizer files with the chat template).
 
-Quantized tensors are dequantized with the `gguf` package. llama.cpp stores q_proj and k_proj
-with their rows permuted for its interleaved RoPE; we undo that so the weights use the
-rotate-half layout of transformers and of `eagle3_jax.model.layers.apply_rope`.
-
-The directory loads in transformers 4.x as well as 5.x, whichever wrote it: config.json in the
-4.x layout (`rope_theta` and `rope_scaling` at the top level, `torch_dtype`), and a
-tokenizer_config.json naming `PreTrainedTokenizerFast` (5.x's default writer names
-`TokenizersBackend`, a class 4.x lacks) without 5.x-only keys.
+Quantized tensors are dequantized with the `gguf` package; q_proj and k_proj rows, permuted by
+llama.cpp for its interleaved RoPE, are put back in rotate-half order (`layers.apply_rope`). The
+files load in transformers 4.x and 5.x: config.json in the 4.x layout, and a tokenizer_config.json
+naming `PreTrainedTokenizerFast` without 5.x-only keys.
 """
 
 from __future__ import annotations
@@ -36,13 +32,10 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
-# Bumped whenever the files written change, so a directory converted by older code is redone
-# (`assets.prepare_default_target` compares it with the directory's stamp).
+# Bumped whenever the files written change, so that an older conversion is redone.
 FORMAT_VERSION = 2
-# The tokenizer class written: transformers 4.x and 5.x both have it (5.x as an alias).
-TOKENIZER_CLASS = "PreTrainedTokenizerFast"
-# tokenizer_config.json keys that only transformers 5.x writes; 4.x passes unknown keys on to the
-# tokenizer's constructor, so they go.
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # in transformers 4.x and 5.x
+# Keys only 5.x writes; 4.x would pass them to the tokenizer's constructor.
 _TOKENIZER_KEYS_5X = ("backend",)
 
 
@@ -137,8 +130,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
 
 
 def portable_tokenizer_config(d: dict[str, Any], chat_template: str | None = None) -> dict[str, Any]:
-    """A tokenizer_config.json as transformers 4.x reads it, from what either 4.x or 5.x wrote;
-    with the chat template inline as well (readers before chat_template.jinja files see it too)."""
+    """A tokenizer_config.json as transformers 4.x reads it, from either's, the chat template inline."""
     d = {k: v for k, v in d.items() if k not in _TOKENIZER_KEYS_5X}
     d["tokenizer_class"] = TOKENIZER_CLASS
     if chat_template is not None:
@@ -152,11 +144,8 @@ def portable_tokenizer_config(d: dict[str, Any], chat_template: str | None = Non
 
 
 def gguf_tokenizer(reader):
-    """The GGUF's GPT-2 style byte-level BPE tokenizer, with its special tokens and chat template.
-
-    Built with `tokenizers` directly: transformers' own GGUF tokenizer path imports torch, which
-    the main install does not need. Same structure as transformers' GGUFGPTConverter.
-    """
+    """The GGUF's byte-level BPE tokenizer, special tokens and chat template, built as transformers'
+    GGUFGPTConverter does but with `tokenizers` alone (transformers' path imports torch)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

@@ -1,14 +1,8 @@
 """Our parameter fields <-> the public (Hugging Face) tensors, for the target and the drafter.
 
-On disk every projection is its own PyTorch Linear weight [out, in]. In memory a matrix is
-[in, out] (a forward is `x @ w`), and q/k/v and gate/up are fused (model/layers.py docstring):
-
-  wqkv       [D_in, G, R + 2, hd]  <- q_proj [G*R*hd, D_in], k_proj, v_proj [G*hd, D_in]
-  w_gate_up  [D, 2, I]             <- gate_proj, up_proj [I, D]
-
-A `Field` names one parameter, the public tensors it is made of and the two conversions; the
-target's and the drafter's tables are lists of Fields, so both share every conversion below.
-Everything is exact (transposes, reshapes, concatenation): save -> load gives identical tensors.
+On disk each projection is a Linear weight [out, in]; in memory [in, out] (`x @ w`), with q/k/v
+and gate/up fused (model/layers.py). A `Field` names a parameter, its public tensors and the two
+conversions, all exact: save -> load gives identical tensors.
 """
 
 from __future__ import annotations
@@ -36,10 +30,8 @@ class Field:
 
 
 def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_heads: int) -> np.ndarray:
-    """Public q_proj [G*R*hd, D], k_proj, v_proj [G*hd, D] -> wqkv [D, G, R + 2, hd].
-
-    HF's q head j reads kv head j // R, so q's rows split as [G, R, hd] put each group's q heads
-    beside its k and v head."""
+    """Public q_proj [G*R*hd, D], k_proj, v_proj [G*hd, D] -> wqkv [D, G, R + 2, hd] (HF's q head
+    j reads kv head j // R, so q's rows split as [G, R, hd])."""
     d, hd = q.shape[1], k.shape[0] // kv_heads
 
     def grouped(w):  # [n*hd, D] -> [D, G, n / G, hd]

@@ -1,8 +1,4 @@
-"""Hugging Face LlamaForCausalLM checkpoints <-> LlamaParams.
-
-PyTorch Linear weights are stored [out, in], q/k/v and gate/up separately; our parameters are
-[in, out] so a forward is `x @ w`, with q/k/v and gate/up fused (conversions: layout.py).
-"""
+"""Hugging Face LlamaForCausalLM checkpoints <-> LlamaParams (conversions: layout.py)."""
 
 from __future__ import annotations
 
@@ -50,12 +46,8 @@ def hf_names(cfg: ModelConfig) -> set[str]:
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype=jnp.bfloat16,
                    where: str = "checkpoint", place: Callable | None = None) -> LlamaParams:
-    """Build LlamaParams from HF-named tensors, checking names and shapes.
-
-    `place(array, path)` puts one converted host array ([in, out], q/k/v and gate/up already
-    fused) on its devices (a sharding-aware loader passes its own); `path` is the field path,
-    e.g. ('layers', 3, 'wqkv') or ('embed',).
-    """
+    """LlamaParams from HF-named tensors, names and shapes checked; `place(array, path)` puts each
+    converted array on its devices, path as ('layers', 3, 'wqkv')."""
     place = place or (lambda x, path: jnp.asarray(x))
     found = set(tensors)
     # A tied checkpoint may still carry lm_head.weight (a copy of the embedding): ignore it.
@@ -84,8 +76,7 @@ def params_to_hf(params: LlamaParams) -> dict[str, np.ndarray]:
 def load_llama(
     directory: str | Path, dtype=jnp.bfloat16, place: Callable | None = None
 ) -> tuple[ModelConfig, LlamaParams]:
-    """(config, params) from a Hugging Face Llama directory (config.json + safetensors).
-    `place(array, path)` puts each tensor on its devices as it is read (see params_from_hf)."""
+    """(config, params) from a Hugging Face Llama directory; `place` as `params_from_hf`'s."""
     directory = Path(directory)
     cfg = ModelConfig.from_json(directory / "config.json")
     return cfg, params_from_hf(TensorFiles(directory), cfg, dtype, where=str(directory), place=place)

@@ -1,8 +1,7 @@
 """Reading and writing safetensors checkpoints (one file or sharded with an index).
 
-Errors name the file and the tensor: a truncated or corrupt file, a missing or extra tensor, a
-tensor of the wrong shape. Tensors are read one at a time, so a sharded checkpoint never sits
-whole in one host buffer.
+Errors name the file and the tensor. Tensors are read one at a time, so a checkpoint never sits
+whole in host memory.
 """
 
 from __future__ import annotations
