@@ -280,14 +280,17 @@ def split_verdicts(verdicts):
 
 def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
             next_tokens: jax.Array, num_valid: jax.Array, start: jax.Array, slot: jax.Array,
-            block_table: jax.Array, row: sampling.RowSampling,
+            block_table: jax.Array, num_generated: jax.Array, row: sampling.RowSampling,
             cfg: StepConfig) -> DeviceState:
     """Prefill one chunk of each of P prompts, row p into `slot[p]`.
 
     tokens [P, T] (row p padded after num_valid[p]), next_tokens [P, T]: the same ids shifted left
-    by one; entry num_valid-1 of a row is the next prompt token, or -1 on the prompt's last chunk,
+    by one; entry num_valid-1 of a row is the next token, or -1 on a new request's last chunk,
     where the sampled first token goes; start [P]: position of each row's tokens[0]; block_table
-    [P, nb]; row: each request's sampling parameters [P]. Padding rows (a bucket larger than the
+    [P, nb]; num_generated [P]: the tokens generated once the chunk is in, 1 for a new request
+    (the token sampled here), g for one resumed after preemption with g generated (the last of
+    them given in next_tokens, which its next iteration verifies from: the keys continue where
+    they were); row: each request's sampling parameters [P]. Padding rows (a bucket larger than the
     prompts admitted) name the dummy slot with num_valid 1 and an all-scratch block table.
     -> state, its only output (aliased to the donated input: nothing new stays on the device). The
     slot's state is written on every chunk; the last chunk's write is the one that stays, its
@@ -305,9 +308,11 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
     logits = _logits(params, cfg, last_hidden)  # [P, V]
     length = start + num_valid  # the first generated token's position
-    first = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
-             else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
-                                         sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))  # [P]
+    sampled = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
+               else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
+                                           sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))  # [P]
+    given = jnp.take_along_axis(next_tokens, last_idx[:, None], axis=1)[:, 0]
+    first = jnp.where(given < 0, sampled, given)
     spec = cfg.speculator
     draft_kv = state.draft_kv
     if cfg.speculative:
@@ -315,8 +320,8 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
         shifted = jnp.where(next_tokens < 0, first[:, None], next_tokens)
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, shifted, captures, positions, draft_kv,
                                          block_table, last_idx)
-        # One token generated so far (`first`): the same key schedule as every later iteration.
-        carry = spec.start(h_last, first, length - 1, row, _keys(row.key, 1, _STREAM_DRAFT),
+        # The same key schedule as every later iteration.
+        carry = spec.start(h_last, first, length - 1, row, _keys(row.key, num_generated, _STREAM_DRAFT),
                            state.slots.draft_probs.shape[-1])
         carry, draft_kv = spec.propose(cfg.draft_context, dparams, params.embed, carry, draft_kv, block_table)
 
@@ -324,7 +329,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
         return None if x is None else jnp.zeros((p, *x.shape[1:]), x.dtype)
 
     slots = _write_slots(state.slots, slot, last_token=first, length=length, drafts=zeros(state.slots.drafts),
-                         draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=jnp.ones_like(length),
+                         draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=num_generated,
                          accepted=zeros(state.slots.accepted), emitted=zeros(state.slots.emitted),
                          parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length))
     if cfg.speculative:
