@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY_VOCAB
 
 from eagle3_jax import SamplingParams
-from eagle3_jax.config import EngineConfig
+from eagle3_jax.config import EngineConfig, TreeSpec
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +90,13 @@ def test_greedy_preempted_with_prefix_hits_equals_the_target_alone(tiny_models, 
     assert serve(llm, PROMPTS, greedy()) == alone
     stats = llm.engine.stats
     assert stats.preemptions >= 5 and stats.prefix_hit_tokens > 100
+
+
+def test_a_tree_preempted_with_prefix_hits_equals_the_target_alone(tiny_models, alone):
+    """A tree writes more KV positions per iteration than it accepts: its pages in flight cover them."""
+    llm = make(tiny_models, tree=TreeSpec(3, 2, 5))
+    assert serve(llm, PROMPTS, greedy()) == alone
+    assert llm.engine.stats.preemptions >= 5 and llm.engine.stats.prefix_hit_tokens > 100
 
 
 @pytest.mark.parametrize("rule", ["coupled", "draft_q"])
