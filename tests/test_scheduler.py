@@ -1,6 +1,7 @@
-"""engine/scheduler.py: the page pool, first-come-first-served admission with whole-request page
-reservations, finishing, batches padded to buckets, request validation and per-request metrics.
-Host code only: no device, no compile."""
+"""engine/scheduler.py with every page a request can need reserved at admission (page_reservation
+"whole"): first-come-first-served admission, finishing, batches padded to buckets, request
+validation and per-request metrics. Pages on demand and preemption: tests/test_pages.py. Host code
+only: no device, no compile."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ waiting), and postprocesses the results dispatched in the step before: appends t
 tokens, checks stops, finishes requests. The host's work thus overlaps the device's. Every
 dispatch threads the runner's donated state, so the device runs them in order; a request that
 finished in the results being read was already dispatched once more, and that surplus iteration
-is discarded (its pages reserve room for it).
+is discarded (its pages reserve room for it); so are the results of a request preempted since they
+were dispatched: the pages it gave back are written by later dispatches only after them.
 
 Speculation per bucket: with `EngineConfig.speculation == "auto"` each iteration runs the target
 alone or one of the drafter's proposals (the tree, the chain) by engine/policy.py's rule, from the

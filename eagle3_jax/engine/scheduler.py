@@ -1,8 +1,22 @@
 """Host-side scheduling: requests -> slots, pages and batch buckets. No device work here.
 
-Admission is first come, first served. A request reserves, when admitted, every page it can
-ever need (prompt + max_tokens + two iterations in flight), so a running request can never run
-out of pages and nothing is preempted; when the pool is short, new requests wait in order.
+Admission is first come, first served. Each step, before anything is dispatched (`schedule`),
+every running request is given the pages its known tokens fill plus two iterations in flight
+(the one the device runs and the one about to be dispatched), oldest first; when the pool is
+short the most recently admitted request is preempted: its pages go back and it waits at the head
+of the queue with its generated tokens. Nothing is admitted in a step that preempted. Admitted
+again, a request prefills its prompt and all its generated tokens but the last, which its next
+iteration verifies from, with the sampling key schedule where it stopped, so its tokens are those
+of never stopping. Results of programs dispatched before a preemption are dropped (`admissions`).
+
+Prefix caching (engine/pages.py): a request admitted reuses the cached pages of the longest
+prefix of its tokens, keyed with the token after each page (the drafter's KV at a page's last
+position depends on it), and prefills the rest, at least one token (the first generated token's
+logits and the drafter's next proposal come from the last one). Pages are published once the
+programs writing them were dispatched, so requests admitted in one step share none.
+
+EngineConfig.page_reservation "whole" instead takes every page a request can need at admission:
+nothing is preempted, and far fewer requests run at once.
 """
 
 from __future__ import annotations
