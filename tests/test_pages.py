@@ -177,3 +177,37 @@ def test_capacity_on_demand_runs_several_times_the_rows_of_reserving_every_page(
     assert never == 0 and whole == pytest.approx(15, abs=0.5)
     assert on_demand >= 4 * whole
     assert preemptions > 0
+
+
+class ReportingDevice:
+    """A device as jax reports one with memory statistics (a GPU's; the CPU's report none)."""
+
+    def __init__(self, limit: int, in_use: int):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_pool_sized_from_the_least_free_memory_of_its_devices():
+    import jax
+
+    from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
+    from eagle3_jax.runner.kv_memory import page_bytes, sized_pool
+
+    target = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8,
+                         num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+                         max_position_embeddings=256, tie_word_embeddings=False, eos_token_ids=(2,))
+    draft = DraftConfig.like_target(target, 100)
+    # K and V, 16 tokens, bf16: the target's 4 layers x 4 heads x 8 and the drafter's 1 x 4 x 8.
+    assert page_bytes(target, draft, 16, "bfloat16") == 2 * 16 * (128 + 32) * 2
+    assert page_bytes(target, draft, 16, "bfloat16", tp=2) == 2 * 16 * (64 + 32) * 2  # heads split, drafter whole
+    assert page_bytes(target, None, 16, "float32", tp=3) == 2 * 16 * 128 * 4  # 4 heads do not split 3 ways
+    cfg = EngineConfig(max_model_len=64, page_size=16, kv_memory_fraction=0.5)
+    one = page_bytes(target, draft, 16, "bfloat16")
+    devices = [ReportingDevice(1000 * one, 100 * one), ReportingDevice(1000 * one, 200 * one)]
+    sized, free = sized_pool(cfg, target, draft, "bfloat16", devices)
+    assert (free, sized.num_pages) == (800 * one, 400)
+    assert sized_pool(cfg, target, draft, "bfloat16", jax.devices("cpu")) == (cfg, None)
+    with pytest.raises(ConfigError, match=r"holds 16 tokens of KV; one request at max_model_len 64 needs"):
+        sized_pool(cfg, target, draft, "bfloat16", [ReportingDevice(4 * one, 0)])

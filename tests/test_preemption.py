@@ -7,6 +7,8 @@ every page is back in the pool after each workload."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB
@@ -114,8 +116,11 @@ def test_sampling_preempted_equals_reserving_every_page(tiny_models, reserved, r
     assert len({tuple(t) for t in got}) == len(got)  # sampled: no two alike
 
 
-def test_a_request_the_whole_pool_cannot_hold_is_refused_and_the_others_served(tiny_models, alone):
-    llm = make(tiny_models)
+def test_a_request_the_whole_pool_cannot_hold_is_refused_and_the_others_served(tiny_models, alone, caplog):
+    with caplog.at_level(logging.INFO, logger="eagle3_jax.engine.engine"):
+        llm = make(tiny_models)
+    assert ("KV pool: 39 pages of 4 tokens = 156 tokens, 0 rows at max_model_len 200 (EngineConfig.num_pages); "
+            "pages on demand, prefix caching on") in caplog.messages
     too_long = SamplingParams(max_tokens=200 - len(PROMPTS[1]), ignore_eos=True)  # (200 + 8 in flight) / 4 pages
     outputs = llm.generate(PROMPTS[:3], [greedy(), too_long, greedy()])
     assert outputs[1].finish_reason == "error"
