@@ -90,18 +90,23 @@ class LLM:
     batch_invariant: sets EngineConfig.batch_invariant (None: engine_config's): the target's
         kernels compute each token alike in any batch and any step, so greedy output is the target
         alone's in bf16 too (EngineConfig's docstring says where that is checked).
+    gpu_memory_utilization: sets EngineConfig.kv_memory_fraction (None: engine_config's), the share
+        of the device memory left free by the weights that the KV pool takes (unless
+        engine_config.num_pages sets the pool).
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
                  tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None,
-                 speculator: str | None = None):
+                 speculator: str | None = None, gpu_memory_utilization: float | None = None):
         engine_config = engine_config or EngineConfig()
         if speculator is not None:
             engine_config = dataclasses.replace(engine_config, speculator=speculator)
         if batch_invariant is not None:
             engine_config = dataclasses.replace(engine_config, batch_invariant=batch_invariant)
+        if gpu_memory_utilization is not None:
+            engine_config = dataclasses.replace(engine_config, kv_memory_fraction=gpu_memory_utilization)
         tree = parse_tree(tree)
         # K and the tree checked now, before anything loads ("auto" resolved once the drafter is known).
         engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens,

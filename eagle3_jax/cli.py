@@ -11,7 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_jax.config import MAX_SPECULATIVE_TOKENS, ConfigError, TreeSpec, parse_tree, parse_tree_spec
+from eagle3_jax.config import (
+    MAX_SPECULATIVE_TOKENS,
+    ConfigError,
+    EngineConfig,
+    TreeSpec,
+    parse_tree,
+    parse_tree_spec,
+)
 
 PROG = "eagle3-jax"
 # transformers advises on every import that PyTorch is missing; torch is optional here.
@@ -114,6 +121,13 @@ def fraction(text: str, hint: str = "") -> float:
     return value
 
 
+def memory_fraction(text: str) -> float:
+    value = _float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1)")
+    return value
+
+
 def top_p(text: str) -> float:
     return fraction(text, "; 1 turns nucleus sampling off")
 
@@ -181,6 +195,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-buckets", type=sizes, default=None,
                    help="comma-separated decode batch sizes to compile (default: powers of two up to what "
                         "the prompts need)")
+    p.add_argument("--gpu-memory-utilization", type=memory_fraction, default=EngineConfig.kv_memory_fraction,
+                   help="share of the device memory free after the weights that the KV pool takes "
+                        "(default: %(default)s)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the target's kernels compute each token alike at any batch size and in any step, so "
                         "greedy output equals the target alone's bit for bit in bf16 too "
@@ -340,7 +357,8 @@ def _llm(args, num_prompts: int = 1):
     rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
                        speculation=args.speculation, speculative_max_batch=args.speculative_max_batch,
-                       batch_invariant=args.batch_invariant, speculator=args.speculator)
+                       batch_invariant=args.batch_invariant, speculator=args.speculator,
+                       kv_memory_fraction=args.gpu_memory_utilization)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
                tree=drafting.tree)
 

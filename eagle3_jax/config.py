@@ -340,6 +340,7 @@ SPECULATION_MODES = ("auto", "always")  # EngineConfig.speculation
 ATTENTION_KINDS = ("auto", "xla", "pallas")  # EngineConfig.attention
 GEMV_KINDS = ("xla", "mosaic")  # EngineConfig.gemv
 GEMM_KINDS = ("auto", "triton", "cublas")  # EngineConfig.gemm
+PAGE_RESERVATIONS = ("on_demand", "whole")  # EngineConfig.page_reservation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,9 +483,24 @@ class EngineConfig:
     fused_iteration: one program per iteration (True), or the driver dispatching the verify and
         each draft step as programs of their own, threading the draft's hidden state (False; a
         chain only).
-    page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable);
-        num_pages None sizes it for every slot at min(max_model_len, 1024) tokens plus one
-        request at max_model_len (`resolved`). Requests that do not fit wait; none is refused for it.
+    page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable),
+        for the target's and the drafter's KV. num_pages None sizes it from memory: after the
+        weights are placed, `kv_memory_fraction` of the device's free memory (per device under
+        tensor parallelism); on a device that reports none (the CPU), every slot at
+        min(max_model_len, 1024) tokens plus one request at max_model_len (`resolved`).
+        Requests that do not fit wait; only one the whole pool cannot hold is refused.
+    kv_memory_fraction: the share of the free device memory the pool takes when num_pages is
+        None; the rest is the programs' working memory. Sized before warm-up, since every
+        program is compiled for the pool's shape.
+    page_reservation: "on_demand": a running request holds the pages its tokens fill and those
+        the iterations in flight can write, taken before each iteration; when the pool runs short
+        the most recently admitted request is preempted (its pages given back, itself queued
+        first, and readmitted it prefills what the prefix cache lacks of its tokens). "whole":
+        every page a request can need (prompt + max_tokens) is taken at admission, so nothing
+        is preempted and far fewer requests run at once.
+    prefix_caching: full pages stay cached by content (engine/pages.py) when their requests let
+        them go, and a request admitted later reuses the longest cached prefix of its tokens,
+        prefilling only the rest; least recently used ones are evicted when no page is free.
     max_model_len: longest prompt + output a request may have.
     attention: paged attention of decode, verify and draft steps. "pallas": one Pallas kernel per
         layer that reads only the pages a row has filled (model/pallas_attention.py; interpreted,
@@ -551,6 +567,9 @@ class EngineConfig:
     gemm: str = "auto"
     freeze_heap: bool = True
     batch_invariant: bool = False
+    kv_memory_fraction: float = 0.9
+    page_reservation: str = "on_demand"
+    prefix_caching: bool = True
 
     def __post_init__(self):
         where = "engine config"
@@ -603,6 +622,14 @@ class EngineConfig:
             if len({c[0] for c in costs}) != len(costs):
                 raise ConfigError(f"{where}: step_costs lists a bucket twice: {costs}")
             object.__setattr__(self, "step_costs", costs)
+        fraction = self.kv_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+            raise ConfigError(f"{where}: kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction!r}")
+        if self.page_reservation not in PAGE_RESERVATIONS:
+            raise ConfigError(f"{where}: page_reservation must be one of {', '.join(PAGE_RESERVATIONS)}, got "
+                              f"{self.page_reservation!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ConfigError(f"{where}: prefix_caching must be True or False, got {self.prefix_caching!r}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"{where}: num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
         largest = (self.batch_buckets or BATCH_BUCKETS)[-1]

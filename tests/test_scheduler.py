@@ -1,6 +1,7 @@
-"""engine/scheduler.py: the page pool, first-come-first-served admission with whole-request page
-reservations, finishing, batches padded to buckets, request validation and per-request metrics.
-Host code only: no device, no compile."""
+"""engine/scheduler.py with every page a request can need reserved at admission (page_reservation
+"whole"): first-come-first-served admission, finishing, batches padded to buckets, request
+validation and per-request metrics. Pages on demand and preemption: tests/test_pages.py. Host code
+only: no device, no compile."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from eagle3_jax.config import EngineConfig
-from eagle3_jax.engine.scheduler import PagePool, RequestError, RequestMetrics, Scheduler
+from eagle3_jax.engine.pages import PagePool
+from eagle3_jax.engine.scheduler import RequestError, RequestMetrics, Scheduler
 from eagle3_jax.sampling_params import SamplingParams
 
 SCRATCH = 0  # page 0: where the block-table rows of free slots point
@@ -20,8 +22,10 @@ K = 3  # draft tokens: a request reserves 2 (K + 1) tokens in flight beyond prom
 PAGE = 4
 
 
-def scheduler(num_pages: int = 64, buckets=(2, 4), max_model_len: int = 64, k: int = K) -> Scheduler:
-    cfg = EngineConfig(batch_buckets=buckets, page_size=PAGE, num_pages=num_pages, max_model_len=max_model_len)
+def scheduler(num_pages: int = 64, buckets=(2, 4), max_model_len: int = 64, k: int = K,
+              reservation: str = "whole", prefix_caching: bool = True) -> Scheduler:
+    cfg = EngineConfig(batch_buckets=buckets, page_size=PAGE, num_pages=num_pages, max_model_len=max_model_len,
+                       page_reservation=reservation, prefix_caching=prefix_caching)
     return Scheduler(cfg, VOCAB, k)
 
 
@@ -210,7 +214,8 @@ def test_add_refuses_a_stop_token_outside_the_vocabulary():
 def test_add_refuses_a_request_the_whole_pool_cannot_hold():
     s = scheduler(num_pages=5)  # 4 allocatable pages: 16 tokens
     s.add([1] * 4, params(4))  # 4 + 4 + 8 = 16: fits exactly
-    message = r"prompt \+ max_tokens needs 5 KV pages; the pool has 4 \(EngineConfig\.num_pages\)"
+    message = (r"prompt \+ max_tokens needs 5 KV pages; the whole pool has 4 \(EngineConfig\.num_pages, or "
+               r"kv_memory_fraction of the free memory\): lower max_tokens or shorten the prompt")
     with pytest.raises(RequestError, match=message):
         s.add([1] * 4, params(5))
     assert len(s.waiting) == 1

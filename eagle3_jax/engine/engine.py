@@ -6,7 +6,8 @@ waiting), and postprocesses the results dispatched in the step before: appends t
 tokens, checks stops, finishes requests. The host's work thus overlaps the device's. Every
 dispatch threads the runner's donated state, so the device runs them in order; a request that
 finished in the results being read was already dispatched once more, and that surplus iteration
-is discarded (its pages reserve room for it).
+is discarded (its pages reserve room for it); so are the results of a request preempted since they
+were dispatched: the pages it gave back are written by later dispatches only after them.
 
 Speculation per bucket: with `EngineConfig.speculation == "auto"` each iteration runs the target
 alone or one of the drafter's proposals (the tree, the chain) by engine/policy.py's rule, from the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import logging
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -33,6 +35,8 @@ from eagle3_jax.engine.scheduler import Request, Scheduler
 from eagle3_jax.runner.runner import PADDING_PARAMS, ModelRunner, PrefillInputs
 from eagle3_jax.runner.steps import TARGET_ALONE, StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -53,6 +57,14 @@ class EngineStats:
     speculative_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
     target_only_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
     proposal_iterations: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # label -> bucket -> count
+    preemptions: int = 0
+    # Tokens admitted requests had in their KV once prefilled, and those of them found in the prefix cache.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
     @property
     def host_ms_per_step(self) -> float:
@@ -73,6 +85,7 @@ class _Pending:
 
     reqs: list[Request]
     result: object  # device array: prefill's first token [1]; an iteration's verdicts [B, 2 + K+1]
+    admissions: list[int]  # each request's at dispatch: results of an admission since preempted are stale
     iteration: bool = False
     proposal: int | None = None  # iterate: the index of the proposal verified (None: the target alone)
     fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, that proposal drafted at the row's position
@@ -80,15 +93,14 @@ class _Pending:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
-    """Chunk [start, start + the largest chunk bucket) of a request's prompt, and the request's
-    sampling seed (None: its SamplingParams carry one)."""
+    """Chunk [start, start + the largest chunk bucket) of what a request's prefill writes (its
+    prompt; resumed, its generated tokens too but the last)."""
 
     req: Request
     start: int
-    seed: int | None
 
     def tokens(self, largest: int) -> list[int]:
-        return self.req.prompt[self.start:self.start + largest]
+        return self.req.tokens[self.start:min(self.start + largest, self.req.context_len)]
 
 
 class Engine:
@@ -98,8 +110,10 @@ class Engine:
                  eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None):
         """`params` and `draft_params` are the target's and the drafter's weight pytrees (as
         `weights/` loads them); the runner places and serves them, on `cfg.resolved()`."""
+        size_pool = cfg.num_pages is None
         cfg = cfg.resolved()
-        self.runner = ModelRunner(target, params, draft, draft_params, cfg, mesh)
+        self.runner = ModelRunner(target, params, draft, draft_params, cfg, mesh, size_pool)
+        cfg = dataclasses.replace(cfg, num_pages=self.runner.cfg.num_pages)
         self.proposals = self.runner.proposals  # what an iteration may draft, the engine's proposal first
         if cfg.batch_buckets is None:
             cfg = dataclasses.replace(cfg, batch_buckets=default_batch_buckets([p.spec for p in self.proposals]))
@@ -109,6 +123,7 @@ class Engine:
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
         most = max((p.max_accepted for p in self.proposals), default=0)
         self.scheduler = Scheduler(cfg, target.vocab_size, most, self.runner.positions_per_iteration)
+        log.info(pool_line(cfg, self.runner.free_bytes, explicit=not size_pool))
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._seed_rng = np.random.default_rng()
@@ -164,7 +179,8 @@ class Engine:
         """Schedule, run, postprocess: returns the requests that changed."""
         start, waited = time.perf_counter(), self.stats.device_wait_s
         earlier = len(self._pending)  # dispatched in earlier steps
-        admitted = self.scheduler.admit()
+        admitted, preempted = self.scheduler.schedule()
+        self.stats.preemptions += len(preempted)
         if admitted:
             self._run_prefills(admitted)
         ran = self._run_iteration(*self.scheduler.batch()) if self.scheduler.running else None
@@ -197,13 +213,17 @@ class Engine:
         largest = self.cfg.prefill_buckets[-1]
         by_bucket: dict[int, list[PrefillChunk]] = collections.defaultdict(list)
         for req in reqs:
-            # One seed per request, drawn in admission order whatever the grouping (seeded
-            # requests draw none): the same requests sample the same tokens however they are batched.
-            seed = None if req.params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
-            starts = range(0, len(req.prompt), largest)
+            # One seed per request, drawn at its first admission whatever the grouping (seeded
+            # requests draw none): the same requests sample the same tokens however they are
+            # batched, and preempted.
+            if req.params.seed is None and req.seed is None:
+                req.seed = int(self._seed_rng.integers(0, 2**63 - 1))
+            self.stats.prefix_queried_tokens += req.context_len
+            self.stats.prefix_hit_tokens += req.num_cached
+            starts = range(req.num_cached, req.context_len, largest)
             for start in starts[:-1]:
-                self._run_prefill_call([PrefillChunk(req, start, seed)])
-            last = PrefillChunk(req, starts[-1], seed)
+                self._run_prefill_call([PrefillChunk(req, start)])
+            last = PrefillChunk(req, starts[-1])
             by_bucket[self._chunk_bucket(len(last.tokens(largest)))].append(last)
         most = self.cfg.prefill_batch_buckets[-1]
         for chunks in by_bucket.values():
@@ -212,9 +232,11 @@ class Engine:
         t = time.perf_counter()
         for req in reqs:
             self._drafted[req.slot] = 0 if self.proposals else -1  # its last chunk drafted the first proposal
+            if req.output:
+                continue  # resumed: the token its prefill ends on is its last generated one
             first = self.runner.first_token(req.slot)  # [1], the last chunk's sample
             first.copy_to_host_async()
-            self._pending.append(_Pending([req], first))
+            self._pending.append(_Pending([req], first, [req.admissions]))
         self.stats.dispatch_s += time.perf_counter() - t
 
     def _chunk_bucket(self, length: int) -> int:
@@ -228,17 +250,18 @@ class Engine:
         pieces = [c.tokens(largest) for c in chunks]
         inputs = PrefillInputs.padding(rows, self._chunk_bucket(max(map(len, pieces))), self.cfg.max_blocks_per_seq)
         for i, (chunk, piece) in enumerate(zip(chunks, pieces)):
-            prompt, start = chunk.req.prompt, chunk.start
-            following = prompt[start + 1:start + len(piece) + 1]  # the ids shifted left by one
+            known, start = chunk.req.tokens, chunk.start
+            following = known[start + 1:start + len(piece) + 1]  # the ids shifted left by one
             inputs.next_tokens[i] = 0  # a real row: no padding marker
             inputs.tokens[i, :len(piece)] = piece
             inputs.next_tokens[i, :len(following)] = following
-            if start + len(piece) == len(prompt):
+            if start + len(piece) == len(known):
                 inputs.next_tokens[i, len(piece) - 1] = -1  # the first generated token goes here
             inputs.num_valid[i], inputs.start[i] = len(piece), start
             inputs.slot[i], inputs.block_table[i] = chunk.req.slot, self.scheduler.block_tables[chunk.req.slot]
+            inputs.num_generated[i] = max(len(chunk.req.output), 1)
         params = [c.req.params for c in chunks] + [PADDING_PARAMS] * (rows - len(chunks))
-        seeds = [c.seed for c in chunks] + [0] * (rows - len(chunks))
+        seeds = [c.req.seed for c in chunks] + [0] * (rows - len(chunks))
         t = time.perf_counter()
         self.runner.prefill(inputs, params, seeds)
         self.stats.dispatch_s += time.perf_counter() - t
@@ -262,7 +285,7 @@ class Engine:
         counts[bucket] = counts.get(bucket, 0) + 1
         by_bucket = self.stats.proposal_iterations.setdefault(self._label(choice), {})
         by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
-        self._pending.append(_Pending(reqs, verdicts, True, choice, fresh))
+        self._pending.append(_Pending(reqs, verdicts, [r.admissions for r in reqs], True, choice, fresh))
         return bucket, choice
 
     def _postprocess(self, pending: _Pending) -> list[Request]:
@@ -276,8 +299,8 @@ class Engine:
             self._observe(pending, accepted[:len(pending.reqs)], top1[:len(pending.reqs)])
         changed = []
         for i, req in enumerate(pending.reqs):
-            if req.finished:
-                continue  # the surplus iteration dispatched before we knew
+            if _stale(pending, i):
+                continue  # the surplus iteration of a finished request, or one preempted since
             if accepted is None:
                 new = tokens[:1].tolist()
             else:
@@ -296,8 +319,7 @@ class Engine:
         would have accepted on the same rows (`Tree.accept`'s top1_accepted, at most K; rows of the
         draft-q rule say nothing), so running the tree keeps the chain's estimate current without
         probing it. The other estimates see an iteration without a measurement."""
-        measured = np.array([bool(fresh) and not req.finished for req, fresh in zip(pending.reqs, pending.fresh)],
-                            bool)
+        measured = np.array([bool(fresh) and not _stale(pending, i) for i, fresh in enumerate(pending.fresh)], bool)
         ran = None if pending.proposal is None else self.proposals[pending.proposal]
         estimates = []
         for i, (est, proposal) in enumerate(zip(self.acceptance, self.proposals)):
@@ -446,6 +468,24 @@ class Engine:
             freeze_heap()
         self.stats.warmup_s = time.perf_counter() - start
         return self.stats.warmup_s
+
+
+def _stale(pending: _Pending, i: int) -> bool:
+    """Whether row i's results no longer apply: its request finished, or was preempted since."""
+    req = pending.reqs[i]
+    return req.finished or req.admissions != pending.admissions[i]
+
+
+def pool_line(cfg: EngineConfig, sized_from: int | None, explicit: bool) -> str:
+    """The start-up line on the KV pool: its size in tokens and in rows at max_model_len, and what
+    sized it (`sized_from`: the free bytes it was taken from)."""
+    tokens = (cfg.num_pages - 1) * cfg.page_size
+    source = ("EngineConfig.num_pages" if explicit
+              else f"{cfg.kv_memory_fraction:g} of {sized_from / 2**30:.2f} GiB free" if sized_from is not None
+              else "no memory reported: every slot at min(max_model_len, 1024) tokens")
+    return (f"KV pool: {cfg.num_pages - 1} pages of {cfg.page_size} tokens = {tokens} tokens, "
+            f"{tokens // cfg.max_model_len} rows at max_model_len {cfg.max_model_len} ({source}); "
+            f"pages {cfg.page_reservation.replace('_', ' ')}, prefix caching {'on' if cfg.prefix_caching else 'off'}")
 
 
 def freeze_heap() -> None:

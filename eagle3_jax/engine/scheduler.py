@@ -1,8 +1,22 @@
 """Host-side scheduling: requests -> slots, pages and batch buckets. No device work here.
 
-Admission is first come, first served. A request reserves, when admitted, every page it can
-ever need (prompt + max_tokens + two iterations in flight), so a running request can never run
-out of pages and nothing is preempted; when the pool is short, new requests wait in order.
+Admission is first come, first served. Each step, before anything is dispatched (`schedule`),
+every running request is given the pages its known tokens fill plus two iterations in flight
+(the one the device runs and the one about to be dispatched), oldest first; when the pool is
+short the most recently admitted request is preempted: its pages go back and it waits at the head
+of the queue with its generated tokens. Nothing is admitted in a step that preempted. Admitted
+again, a request prefills its prompt and all its generated tokens but the last, which its next
+iteration verifies from, with the sampling key schedule where it stopped, so its tokens are those
+of never stopping. Results of programs dispatched before a preemption are dropped (`admissions`).
+
+Prefix caching (engine/pages.py): a request admitted reuses the cached pages of the longest
+prefix of its tokens, keyed with the token after each page (the drafter's KV at a page's last
+position depends on it), and prefills the rest, at least one token (the first generated token's
+logits and the drafter's next proposal come from the last one). Pages are published once the
+programs writing them were dispatched, so requests admitted in one step share none.
+
+EngineConfig.page_reservation "whole" instead takes every page a request can need at admission:
+nothing is preempted, and far fewer requests run at once.
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ from collections import deque
 import numpy as np
 
 from eagle3_jax.config import DUMMY_SLOT, SCRATCH_PAGE, EngineConfig, smallest_bucket
+from eagle3_jax.engine.pages import PagePool, page_keys
 from eagle3_jax.sampling_params import SamplingParams
 
 
@@ -36,6 +51,8 @@ class RequestMetrics:
     arrival_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    preemptions: int = 0  # times the pool ran short and it gave its pages back
+    cached_tokens: int = 0  # tokens its prefills found in the prefix cache instead of computing
 
     def record(self, num_accepted: int, speculative: bool = True) -> None:
         self.iterations += 1
@@ -79,8 +96,13 @@ class Request:
     max_tokens: int  # params.max_tokens, clipped to the context
     metrics: RequestMetrics
     slot: int | None = None
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)  # its block table's row
     output: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # its full pages' content keys (pages.py)
+    published: int = 0  # its first pages offered to the prefix cache
+    num_cached: int = 0  # tokens its last admission found in the prefix cache: its prefill starts there
+    admissions: int = 0  # results of a program dispatched before the latest admission are stale
+    seed: int | None = None  # the engine's draw for a request without SamplingParams.seed, kept through preemption
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     text: str | None = None  # set when a stop string cut the output text
@@ -89,29 +111,15 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-
-class PagePool:
-    """Free list over pages 1..num_pages-1 (page 0 is the scratch page)."""
-
-    def __init__(self, num_pages: int):
-        self.capacity = num_pages - 1
-        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int] | None:
-        """n free pages (none for n = 0), or None when fewer are free."""
-        if n > len(self._free):
-            return None
-        if n <= 0:
-            return []
-        taken, self._free = self._free[-n:], self._free[:-n]
-        return taken[::-1]
-
-    def release(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+    def context_len(self) -> int:
+        """Tokens in its KV once its prefill and the iterations collected are done: all it knows
+        but the last generated token, which the next iteration verifies from."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
 
 
 class Scheduler:
@@ -124,17 +132,29 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.num_draft = num_draft
         self.positions_per_iteration = num_draft + 1 if positions_per_iteration is None else positions_per_iteration
-        self.pool = PagePool(cfg.num_pages)
+        self.pool = PagePool(cfg.num_pages, cfg.prefix_caching)
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # slot -> request
+        self.running: dict[int, Request] = {}  # slot -> request, in admission order
         self._free_slots = list(range(cfg.max_num_seqs, DUMMY_SLOT, -1))
         self._ids = itertools.count()
         # [S, max_blocks] page ids; rows of free slots (and the dummy) point at scratch.
         self.block_tables = np.full((cfg.max_num_seqs + 1, cfg.max_blocks_per_seq), SCRATCH_PAGE, np.int32)
 
+    @property
+    def in_flight(self) -> int:
+        """KV positions past a request's known length the device may write before the host
+        collects more: the iteration in flight and the one dispatched next."""
+        return 2 * self.positions_per_iteration
+
     def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
-        in_flight = 2 * self.positions_per_iteration  # this iteration and the one dispatched ahead
-        return -(-(prompt_len + max_tokens + in_flight) // self.cfg.page_size)
+        """Every page a request can need: prompt, max_tokens and two iterations in flight."""
+        return -(-(prompt_len + max_tokens + self.in_flight) // self.cfg.page_size)
+
+    def pages_to_hold(self, req: Request) -> int:
+        """The pages `req` holds before the next iteration is dispatched."""
+        if self.cfg.page_reservation == "whole":
+            return self.pages_needed(len(req.prompt), req.max_tokens)
+        return -(-(req.context_len + self.in_flight) // self.cfg.page_size)
 
     def add(self, prompt: list[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
         """Validate and queue a request; raise RequestError naming the problem. `arrival_time`
@@ -157,9 +177,10 @@ class Scheduler:
                                "(prompt plus at least one generated token): shorten the prompt or raise "
                                "EngineConfig.max_model_len")
         max_tokens = min(params.max_tokens, room)
-        if self.pages_needed(len(prompt), max_tokens) > self.pool.capacity:
-            raise RequestError(f"prompt + max_tokens needs {self.pages_needed(len(prompt), max_tokens)} KV "
-                               f"pages; the pool has {self.pool.capacity} (EngineConfig.num_pages)")
+        if (needed := self.pages_needed(len(prompt), max_tokens)) > self.pool.capacity:
+            raise RequestError(f"prompt + max_tokens needs {needed} KV pages; the whole pool has "
+                               f"{self.pool.capacity} (EngineConfig.num_pages, or kv_memory_fraction of the free "
+                               "memory): lower max_tokens or shorten the prompt")
         metrics = RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft,
                                  arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, max_tokens=max_tokens,
@@ -167,29 +188,80 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
+    def schedule(self) -> tuple[list[Request], list[Request]]:
+        """Before a step dispatches: publish the running requests' filled pages, give each the
+        pages its next iteration can write (oldest first, preempting the newest while the pool is
+        short), then, when nothing was preempted, admit. -> (admitted, preempted)."""
+        for req in self.running.values():
+            self._publish(req)
+        preempted = []
+        for req in list(self.running.values()):
+            while req.slot is not None and not self._extend(req):
+                victim = next(reversed(self.running.values()))
+                self.preempt(victim)
+                preempted.append(victim)
+        return ([] if preempted else self.admit()), preempted
+
     def admit(self) -> list[Request]:
-        """Move waiting requests into free slots while pages last, in arrival order."""
+        """Move waiting requests into free slots while pages last, in arrival order; each takes
+        the longest cached prefix of its tokens, leaving at least one token to prefill."""
         admitted = []
         while self.waiting and self._free_slots:
             req = self.waiting[0]
-            pages = self.pool.allocate(self.pages_needed(len(req.prompt), req.max_tokens))
-            if pages is None:
+            self._publish(req)  # its keys, as far as its tokens go
+            hit = self.pool.match(req.keys[:(req.context_len - 1) // self.cfg.page_size])
+            fresh = self.pool.allocate(self.pages_to_hold(req) - len(hit))
+            if fresh is None:
+                self.pool.release(hit)
                 break  # first come, first served: later requests wait behind this one
             self.waiting.popleft()
-            req.slot, req.pages = self._free_slots.pop(), pages
-            self.block_tables[req.slot, :len(pages)] = pages
+            req.slot, req.admissions = self._free_slots.pop(), req.admissions + 1
+            req.num_cached = len(hit) * self.cfg.page_size
+            req.metrics.cached_tokens += req.num_cached
+            self._hold(req, hit + fresh)
+            req.published = len(hit)
             self.running[req.slot] = req
             admitted.append(req)
         return admitted
 
+    def preempt(self, req: Request) -> None:
+        """Give a running request's slot and pages back and queue it first: readmitted, it
+        prefills its prompt and the tokens it generated (as far as the prefix cache lacks them)."""
+        self._vacate(req)
+        req.metrics.preemptions += 1
+        self.waiting.appendleft(req)
+
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error
         if req.slot is not None:
-            del self.running[req.slot]
-            self.block_tables[req.slot] = SCRATCH_PAGE
-            self._free_slots.append(req.slot)
-            self.pool.release(req.pages)
-            req.slot, req.pages = None, []
+            self._vacate(req)
+
+    def _extend(self, req: Request) -> bool:
+        """Whether `req` holds, or could take, the pages its next iteration can write."""
+        pages = self.pool.allocate(self.pages_to_hold(req) - len(req.pages))
+        if pages:
+            self._hold(req, pages)
+        return pages is not None
+
+    def _hold(self, req: Request, pages: list[int]) -> None:
+        self.block_tables[req.slot, len(req.pages):len(req.pages) + len(pages)] = pages
+        req.pages.extend(pages)
+
+    def _publish(self, req: Request) -> None:
+        """Key the request's full pages (tokens known) and cache those it holds: the KV of every
+        token the host knows was written by a program already dispatched."""
+        if (len(req.prompt) + len(req.output) - 1) // self.cfg.page_size > len(req.keys):
+            req.keys = page_keys(req.tokens, self.cfg.page_size, req.keys)
+        done, req.published = req.published, min(len(req.keys), len(req.pages))
+        self.pool.publish(req.pages[done:req.published], req.keys[done:req.published])
+
+    def _vacate(self, req: Request) -> None:
+        self._publish(req)
+        del self.running[req.slot]
+        self.block_tables[req.slot] = SCRATCH_PAGE
+        self._free_slots.append(req.slot)
+        self.pool.release(req.pages)
+        req.slot, req.pages, req.published = None, [], 0
 
     def bucket(self, n: int) -> int:
         return smallest_bucket(self.cfg.batch_buckets, n)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from eagle3_jax.config import (
 )
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
-from eagle3_jax.runner import sampling
+from eagle3_jax.runner import kv_memory, sampling
 from eagle3_jax.runner.speculators import Chain, Speculator, speculators_for
 from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
 from eagle3_jax.runner.steps import (
@@ -139,6 +140,7 @@ class PrefillInputs:
     start: np.ndarray  # [P]
     slot: np.ndarray  # [P]
     block_table: np.ndarray  # [P, nb]
+    num_generated: np.ndarray  # [P]
 
     @classmethod
     def padding(cls, rows: int, size: int, num_blocks: int) -> PrefillInputs:
@@ -147,10 +149,11 @@ class PrefillInputs:
         next_tokens = np.zeros((rows, size), np.int32)
         next_tokens[:, 0] = -1
         return cls(np.zeros((rows, size), np.int32), next_tokens, np.ones(rows, np.int32), np.zeros(rows, np.int32),
-                   np.full(rows, DUMMY_SLOT, np.int32), np.zeros((rows, num_blocks), np.int32))
+                   np.full(rows, DUMMY_SLOT, np.int32), np.zeros((rows, num_blocks), np.int32), np.ones(rows, np.int32))
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.tokens, self.next_tokens, self.num_valid, self.start, self.slot, self.block_table
+        return (self.tokens, self.next_tokens, self.num_valid, self.start, self.slot, self.block_table,
+                self.num_generated)
 
 
 # The rows' cached lengths set in place (donated: the state keeps its addresses).
@@ -244,7 +247,9 @@ class ModelRunner:
     """The target and drafter on the device, their state, and the programs that step it."""
 
     def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params: DraftParams | None,
-                 cfg: EngineConfig, mesh: Mesh | None = None):
+                 cfg: EngineConfig, mesh: Mesh | None = None, size_pool: bool = False):
+        """`size_pool`: take num_pages from the free memory once the weights are placed
+        (`kv_memory.sized_pool`; `free_bytes` is then what was free, None where nothing is reported)."""
         if draft is not None:
             check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
         self.cfg = cfg
@@ -259,17 +264,28 @@ class ModelRunner:
         self.step_cfg = StepConfig(target=target, draft=draft if drafting else None, speculator=main, mesh=mesh,
                                    attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm,
                                    model=model, batch_invariant=batch_invariant(cfg, target, mesh))
-        # Room in the slots for each proposal's pending state.
-        layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
-        state = init_state(target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
+        tp = 1 if mesh is None else mesh.shape[sharding.TP]
         if mesh is not None:  # weights already placed by their loader stay where they are
-            tp = mesh.shape[sharding.TP]
             params = sharding.shard_params(params, mesh, model.param_specs(target, tp))
             if draft_params is not None:  # replicated, with an embedding of its own: no collective in the draft
                 draft_params = sharding.place_draft(draft_params, params.embed, mesh)
-            state = jax.device_put(state, state_shardings(state, target, self.step_cfg.draft, mesh))
         # As served: fewer argument buffers per dispatch (the caller's params are untouched).
-        self._params, self._draft_params, self._state = model.for_serving(params), draft_params, state
+        self._params, self._draft_params = model.for_serving(params), draft_params
+        self.free_bytes = None
+        if size_pool:  # the caller's unfolded weights still count as in use: a margin
+            devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+            cfg, self.free_bytes = kv_memory.sized_pool(cfg, target, self.step_cfg.draft, params.embed.dtype,
+                                                        devices, tp)
+            self.cfg = cfg
+        # Room in the slots for each proposal's pending state.
+        layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
+        make_state = functools.partial(init_state, target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
+        if mesh is None:
+            self._state = make_state()
+        else:  # each device builds its own share: the whole pool never sits on one
+            shapes = jax.eval_shape(make_state)
+            self._state = jax.jit(make_state, out_shardings=state_shardings(shapes, target, self.step_cfg.draft,
+                                                                             mesh))()
         self._pinned = PinnedBatch(mesh)
         self._built_ahead: set[tuple] = set()  # the programs `compile_ahead` has built: ("iterate", b, cfg) ...
         CompileCounter.install()

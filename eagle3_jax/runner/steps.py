@@ -286,14 +286,16 @@ def split_verdicts(verdicts):
 
 def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
             next_tokens: jax.Array, num_valid: jax.Array, start: jax.Array, slot: jax.Array,
-            block_table: jax.Array, row: sampling.RowSampling,
+            block_table: jax.Array, num_generated: jax.Array, row: sampling.RowSampling,
             cfg: StepConfig) -> DeviceState:
     """Prefill one chunk of each of P prompts, row p into `slot[p]`.
 
     tokens [P, T] (padded after num_valid [P]); next_tokens [P, T]: the ids shifted left by one,
-    -1 at the last chunk's end, where the sampled first token goes; start [P]: the position of
-    tokens[:, 0]; block_table [P, nb]; row [P]. Padding rows name the dummy slot. The slot's
-    state is written on every chunk; the last chunk's stays, its `last_token` the first token.
+    -1 at a new request's last chunk end, where the sampled first token goes; start [P]: the
+    position of tokens[:, 0]; block_table [P, nb]; num_generated [P]: tokens generated once the
+    chunk is in (1 for a new request; g for one resumed after preemption, its last token given in
+    next_tokens, so the keys continue where they were); row [P]. Padding rows name the dummy
+    slot. The slot's state is written on every chunk; the last chunk's stays.
     """
     # XLA's dots whatever the rows, so the KV a prompt leaves does not depend on how many prompts
     # shared its call (the Mosaic GEMV takes one chunk, not eight).
@@ -305,9 +307,11 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
     logits = _logits(params, cfg, last_hidden)  # [P, V]
     length = start + num_valid  # the first generated token's position
-    first = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
-             else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
-                                         sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))  # [P]
+    sampled = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
+               else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
+                                           sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))  # [P]
+    given = jnp.take_along_axis(next_tokens, last_idx[:, None], axis=1)[:, 0]
+    first = jnp.where(given < 0, sampled, given)
     spec = cfg.speculator
     kept = {}
     if state.slots.history is not None:  # the chunk's tokens, and the first generated one after them
@@ -320,10 +324,9 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
         shifted = jnp.where(next_tokens < 0, first[:, None], next_tokens)
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, shifted, captures, positions, draft_kv,
                                          block_table, last_idx)
-    if cfg.speculative:
-        # One token generated so far (`first`): the same key schedule as every later iteration.
+    if cfg.speculative:  # the same key schedule as every later iteration
         at = DraftStart(token=first, position=length - 1, h=h_last, history=kept.get("history"), row=row,
-                        keys=_keys(row.key, 1, _STREAM_DRAFT))
+                        keys=_keys(row.key, num_generated, _STREAM_DRAFT))
         carry, draft_kv = spec.propose(cfg.draft_context, dparams, params.embed, spec.start(cfg.draft_context, at),
                                        draft_kv, block_table)
 
@@ -331,7 +334,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
         return None if x is None else jnp.zeros((p, *x.shape[1:]), x.dtype)
 
     slots = _write_slots(state.slots, slot, last_token=first, length=length, drafts=zeros(state.slots.drafts),
-                         draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=jnp.ones_like(length),
+                         draft_probs=zeros(state.slots.draft_probs), sampling=row, num_generated=num_generated,
                          accepted=zeros(state.slots.accepted), emitted=zeros(state.slots.emitted),
                          parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length), **kept)
     if cfg.speculative:

@@ -1,0 +1,53 @@
+"""The KV pool sized from the device's free memory (EngineConfig.kv_memory_fraction)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.parallel import sharding
+
+
+def page_bytes(target: ModelConfig, draft: DraftConfig | None, page_size: int, dtype, tp: int = 1) -> int:
+    """Bytes one page of the pool takes on each device: the target's keys and values over its
+    layers (split by kv heads under tensor parallelism where they divide) and the drafter's
+    (replicated)."""
+    heads = target.num_kv_heads // tp if sharding.kv_heads_split(target.num_kv_heads, tp) else target.num_kv_heads
+    per_token = target.num_layers * heads * target.head_dim
+    if draft is not None:
+        per_token += draft.num_kv_heads * draft.head_dim
+    return 2 * page_size * per_token * np.dtype(dtype).itemsize
+
+
+def free_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """The least free memory over `devices`, None where one reports none (the CPU)."""
+    stats = [d.memory_stats() or {} for d in devices]
+    if not all("bytes_limit" in s and "bytes_in_use" in s for s in stats):
+        return None
+    return min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
+
+
+def pages_in(free: int, fraction: float, one_page: int) -> int:
+    """The pages (scratch page included) that `fraction` of `free` bytes holds."""
+    return int(free * fraction) // one_page
+
+
+def sized_pool(cfg: EngineConfig, target: ModelConfig, draft: DraftConfig | None, dtype,
+               devices: Sequence[jax.Device], tp: int = 1) -> tuple[EngineConfig, int | None]:
+    """`cfg` with num_pages taken from kv_memory_fraction of the free memory of `devices` (each
+    holds its share of every page): -> (that config, the free bytes), or (cfg, None) unchanged
+    where the devices report no memory. ConfigError when it holds no request at max_model_len."""
+    free = free_bytes(devices)
+    if free is None:
+        return cfg, None
+    num_pages = pages_in(free, cfg.kv_memory_fraction, page_bytes(target, draft, cfg.page_size, dtype, tp))
+    if num_pages - 1 < cfg.max_blocks_per_seq:
+        raise ConfigError(f"engine config: {cfg.kv_memory_fraction} of the {free / 2**30:.2f} GiB free holds "
+                          f"{max(num_pages - 1, 0) * cfg.page_size} tokens of KV; one request at max_model_len "
+                          f"{cfg.max_model_len} needs {cfg.max_blocks_per_seq * cfg.page_size}: lower max_model_len, "
+                          "raise kv_memory_fraction or free memory")
+    return dataclasses.replace(cfg, num_pages=num_pages), free
