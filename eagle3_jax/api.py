@@ -5,9 +5,8 @@
     out = llm.generate(["Why is the sky blue?"], SamplingParams(max_tokens=64))[0]
     print(out.text, out.metrics.acceptance_length)
 
-Prompts are chat messages (a list of {"role", "content"} dicts), strings (one user turn; the chat
-template is applied: without it acceptance collapses), or token ids taken as they are (a list of
-ints or a 1-d integer array).
+Prompts are chat messages ({"role", "content"} dicts), strings (one user turn in the chat template,
+without which acceptance collapses), or token ids taken as they are (ints or a 1-d integer array).
 """
 
 from __future__ import annotations
@@ -68,31 +67,18 @@ def default_dtype():
 class LLM:
     """An EAGLE-3 engine over a Hugging Face Llama target and an optional drafter.
 
-    target: a directory with config.json, safetensors and (optionally) tokenizer files; None is
-        the embedded default, SmolLM2-135M-Instruct, prepared on first use.
-    draft: a drafter directory in the public EAGLE-3 layout; "default" uses the shipped drafter
-        when the target is the default; None runs the target alone.
-    warmup: compile every program before serving (True), or each on its first use, through the
-        persistent compilation cache (False). None, the default, warms up on accelerators, where
-        steady latency matters and "auto" speculation times each bucket, and not on the CPU, where
-        compiling every shape takes minutes and a short run needs only a few.
+    target: a directory with config.json, safetensors and optionally tokenizer files; None: the
+        default, SmolLM2-135M-Instruct, prepared on first use.
+    draft: a drafter in the public EAGLE-3 layout; "default": the shipped drafter for the default
+        target; None: the target alone.
+    warmup: compile every program first (True) or each on first use (False); None: on accelerators
+        only, where "auto" speculation times each bucket (on the CPU all shapes take minutes).
     num_speculative_tokens: K, the chain's proposals (0: the target alone).
-    speculator: sets EngineConfig.speculator (None: engine_config's): "eagle3" drafts with the
-        drafter; "ngram" proposes by prompt lookup and needs none (a "default" draft is then None).
-    tree: draft EAGLE-2's dynamic tree TreeSpec(steps, top_k, tokens), or "steps,top_k,tokens"
-        as `--tree` takes it (sets EngineConfig.tree):
-        under speculation "auto" (the default) each batch bucket runs the tree, the chain of
-        num_speculative_tokens or the target alone, whichever emits tokens fastest there; under
-        "always", the tree. None: no tree, the chain only. "auto" (the default): engine_config's
-        tree if it sets one, else on a GPU the default tree (6, 8, 31) beside the chain under
-        speculation "auto", and none on the CPU or under "always" (`config.default_tree`).
-        "none" is None (`config.parse_tree`).
-    batch_invariant: sets EngineConfig.batch_invariant (None: engine_config's): the target's
-        kernels compute each token alike in any batch and any step, so greedy output is the target
-        alone's in bf16 too (EngineConfig's docstring says where that is checked).
-    gpu_memory_utilization: sets EngineConfig.kv_memory_fraction (None: engine_config's), the share
-        of the device memory left free by the weights that the KV pool takes (unless
-        engine_config.num_pages sets the pool).
+    speculator, batch_invariant: set EngineConfig's fields (None: engine_config's); "ngram" needs
+        no drafter (a "default" draft is then None).
+    tree: EngineConfig.tree as a TreeSpec or "steps,top_k,tokens" (as `--tree` takes it); "auto":
+        engine_config's tree, else `config.default_tree`'s; None or "none": the chain only.
+    gpu_memory_utilization: sets EngineConfig.kv_memory_fraction (None: engine_config's).
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
@@ -115,7 +101,7 @@ class LLM:
         if target is None:
             target = assets.prepare_default_target(progress=progress)
         target = Path(target)
-        if draft == "default":  # the shipped EAGLE-3 head, for the default target
+        if draft == "default":
             shipped = target.resolve() == assets.DEFAULT_TARGET.resolve() and engine_config.speculator == "eagle3"
             draft = assets.DEFAULT_DRAFT if shipped else None
         if tree == "auto":
@@ -144,7 +130,6 @@ class LLM:
         if warmup or (warmup is None and jax.default_backend() != "cpu"):
             self.engine.warmup(progress=progress)
 
-    # ---- prompts and text --------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; raises RequestError for an empty or unusable one."""
         if isinstance(prompt, str):
@@ -174,16 +159,11 @@ class LLM:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams | dict] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order.
-
-        `sampling_params` is one SamplingParams for all, or one per prompt: a SamplingParams or a
-        dict of its fields (a request payload, validated here). A bad request gets finish_reason
-        "error" and its message in `.error`; the others are served as usual.
-        """
+        """One RequestOutput per prompt, in order. `sampling_params`: one for all, or one per prompt (a
+        SamplingParams or a dict of its fields); a bad request gets finish_reason "error" and `.error`."""
         if not _is_batch(prompts):
             prompts = [prompts]
         if len(prompts) == 0:
@@ -198,14 +178,9 @@ class LLM:
 
     def generate_iter(self, requests: Iterable[tuple[Prompt, SamplingParams | dict]],
                       max_waiting: int | None = None) -> Iterator[tuple[int, RequestOutput]]:
-        """Continuous batching over a stream of (prompt, sampling params): yields (the request's
-        index in `requests`, its output) in the order requests finish.
-
-        Requests are pulled from the iterable only while fewer than `max_waiting` (default:
-        max_num_seqs) wait for a slot, so finished rows are refilled at once and the batch never
-        drains between groups of requests; an iterable that ends early (at a deadline, say) lets
-        the admitted requests finish. A bad request comes back at once with finish_reason "error".
-        """
+        """Continuous batching over (prompt, sampling params): yields (index in `requests`, output) as
+        requests finish. Requests are pulled while fewer than `max_waiting` (default max_num_seqs)
+        wait, so finished rows refill at once; a bad request comes back at once with "error"."""
         limit = max_waiting or self.engine.cfg.max_num_seqs
         source = enumerate(requests)
         live: dict[int, int] = {}  # engine request id -> index in `requests`
@@ -247,7 +222,6 @@ class LLM:
             self.engine.step()  # drain the surplus iteration so the engine is idle again
 
     def _add(self, prompt: Prompt, params: SamplingParams | dict) -> Request | RequestOutput:
-        """Queue one request, or its error output when the engine refuses it."""
         try:
             if not isinstance(params, SamplingParams):
                 params = SamplingParams(**params)
@@ -281,9 +255,8 @@ def _is_token_id(t) -> bool:
 
 
 def _is_batch(prompts) -> bool:
-    """Whether `generate` got a list of prompts rather than one prompt: a list whose items are
-    each a prompt (a string, a list, or a 1-d array of token ids), not chat messages, token ids or
-    other scalars (those make one prompt, checked by `encode`)."""
+    """Whether `generate` got a list of prompts (strings, lists, 1-d arrays) rather than one prompt
+    (chat messages or token ids, checked by `encode`)."""
     if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
         return False
     return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, bytes))

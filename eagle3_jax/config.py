@@ -1,12 +1,9 @@
-"""Static, hashable configurations.
+"""Static, hashable configurations: frozen dataclasses, so each can be a `static_argnames`
+argument of a jitted function (equal configs share one compiled executable).
 
-Every config here is a frozen dataclass, so it can be a `static_argnames` argument of a jitted
-function: two equal configs hit the same compiled executable.
-
-Capture convention (stated once, used everywhere): `capture_layer_ids` are indices of target
-layers whose INPUT residual stream is captured for the drafter, before that layer runs. The EAGLE
-reference code and vLLM use this convention (default 2, L//2, L-3); TensorRT-LLM names the same
-tensors as the OUTPUT of layers 1, L//2-1, L-4, and SGLang adds 1 to config-provided ids.
+Capture convention: `capture_layer_ids` index the target layers whose INPUT residual stream is
+captured for the drafter, as in the EAGLE reference and vLLM (default 2, L//2, L-3); TensorRT-LLM
+names the same tensors as the OUTPUT of layers 1, L//2-1, L-4, and SGLang adds 1 to config ids.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ def _positive(value: int, name: str, where: str) -> int:
 
 def parse_rope(d: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
     """(rope_theta, llama3 scaling or None) from a transformers-4 or transformers-5 config."""
-    # transformers 5 moved theta and scaling into `rope_parameters`; transformers 4 has
-    # `rope_theta` plus an optional `rope_scaling` dict.
+    # transformers 5: `rope_parameters`; transformers 4: `rope_theta` and an optional `rope_scaling`.
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
@@ -84,8 +80,7 @@ def parse_rope(d: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
 
 
 def _layer_fields(d: dict, where: str) -> dict[str, Any]:
-    """The decoder layer's fields a target's and a drafter's config.json share, as the configs'
-    keyword arguments: widths, heads, norm epsilon, RoPE and its range."""
+    """The decoder-layer fields a target's and a drafter's config.json share, as keyword arguments."""
     hidden = _field(d, "hidden_size", int, where)
     heads = _field(d, "num_attention_heads", int, where)
     _positive(heads, "num_attention_heads", where)
@@ -183,11 +178,8 @@ def default_capture_layers(num_layers: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
-    """An EAGLE-3 draft head (one Llama decoder layer over [embedding, hidden]).
-
-    `target_hidden_size` is the width of each captured target hidden state: the 70B drafters
-    have hidden_size < target_hidden_size and ship their own embedding.
-    """
+    """An EAGLE-3 draft head: one Llama decoder layer over [embedding, hidden]. target_hidden_size
+    is each captured state's width (the 70B drafters: above hidden_size, with their own embedding)."""
 
     vocab_size: int  # target vocabulary (embedding rows)
     draft_vocab_size: int  # lm_head rows
@@ -242,8 +234,7 @@ class DraftConfig:
 
     @classmethod
     def like_target(cls, target: ModelConfig, draft_vocab_size: int, **overrides) -> DraftConfig:
-        """A drafter whose midlayer has the target's layer shapes (as the public 8B drafter has),
-        reading the target's captures; `overrides` replace any field."""
+        """A drafter with the target's layer shapes (as the public 8B drafter), `overrides` replacing any field."""
         fields = dict(vocab_size=target.vocab_size, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
                       hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
                       num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
@@ -253,13 +244,9 @@ class DraftConfig:
         return cls(**{**fields, **overrides})
 
     def to_hf(self, has_own_embedding: bool = False) -> dict:
-        """The public EAGLE-3 config.json layout (loads in other EAGLE-3 engines).
-
-        `has_own_embedding`: whether the drafter's file stores `embed_tokens.weight`. The EAGLE
-        reference reads the mere presence of `target_hidden_size` as "this drafter brings its own
-        embedding" (and then skips loading the target's), so the key is written only when it
-        differs from `hidden_size` or an embedding is stored; `from_hf` defaults it to hidden_size.
-        """
+        """The public EAGLE-3 config.json layout. The EAGLE reference reads any `target_hidden_size`
+        as "brings its own embedding", so it is written only when it differs from hidden_size or
+        `has_own_embedding` (the file stores `embed_tokens.weight`)."""
         d: dict[str, Any] = {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",
@@ -296,7 +283,6 @@ class DraftConfig:
 
 
 def check_draft_fits(target: ModelConfig, draft: DraftConfig, has_own_embedding: bool) -> None:
-    """Raise ConfigError naming the mismatch when a drafter cannot serve this target."""
     if draft.vocab_size != target.vocab_size:
         raise ConfigError(f"drafter vocab_size {draft.vocab_size} does not match the target's "
                           f"{target.vocab_size}")
@@ -318,8 +304,7 @@ def check_draft_fits(target: ModelConfig, draft: DraftConfig, has_own_embedding:
 
 
 def check_proposal_fits(spec: TreeSpec, draft: DraftConfig) -> None:
-    """Raise ConfigError when a drafter cannot draft this proposal: each expanded node takes the
-    top_k most likely tokens of the draft vocabulary, so it must hold at least top_k."""
+    """ConfigError unless the draft vocabulary holds the top_k tokens each expanded node takes."""
     if spec.top_k > draft.draft_vocab_size:
         raise ConfigError(f"{spec.label}: top_k {spec.top_k} exceeds the drafter's draft vocabulary of "
                           f"{draft.draft_vocab_size} tokens")
@@ -336,22 +321,21 @@ def read_json(path: str | Path) -> dict:
 
 
 MAX_SPECULATIVE_TOKENS = 16
-SPECULATION_MODES = ("auto", "always")  # EngineConfig.speculation
-ATTENTION_KINDS = ("auto", "xla", "pallas")  # EngineConfig.attention
-GEMV_KINDS = ("xla", "mosaic")  # EngineConfig.gemv
-GEMM_KINDS = ("auto", "triton", "cublas")  # EngineConfig.gemm
-PAGE_RESERVATIONS = ("on_demand", "whole")  # EngineConfig.page_reservation
+SPECULATION_MODES = ("auto", "always")
+ATTENTION_KINDS = ("auto", "xla", "pallas")
+GEMV_KINDS = ("xla", "mosaic")
+GEMM_KINDS = ("auto", "triton", "cublas")
+PAGE_RESERVATIONS = ("on_demand", "whole")
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
     """The static shape of an EAGLE-2 dynamic draft tree (runner/tree.py builds and verifies it).
 
-    steps: draft forwards per tree, and its depth: the most proposals one iteration can accept.
+    steps: draft forwards per tree, its depth: the most proposals one iteration can accept.
     top_k: children per expanded node, and beams kept per level.
-    tokens: nodes the target verifies besides the root (the row's last token), chosen as the
-        best-scoring of the top_k + (steps - 1) top_k^2 candidates: the verify is tokens + 1 wide.
-    A chain of K proposals is TreeSpec(K, 1, K) (`chain`)."""
+    tokens: nodes verified besides the root (the row's last token), the best of `candidates`.
+    A chain of K proposals is TreeSpec(K, 1, K)."""
 
     steps: int
     top_k: int
@@ -372,12 +356,11 @@ class TreeSpec:
 
     @property
     def is_chain(self) -> bool:
-        """TreeSpec(K, 1, K): served as the chain of K proposals."""
         return self.top_k == 1 and self.tokens == self.steps
 
     @property
     def label(self) -> str:
-        """How tables and logs name the proposal: "chain K=4", "tree 5,4,15"."""
+        """The name in tables and logs: "chain K=4", "tree 5,4,15"."""
         return f"chain K={self.steps}" if self.is_chain else f"tree {self.steps},{self.top_k},{self.tokens}"
 
     @property
@@ -387,12 +370,10 @@ class TreeSpec:
 
     @property
     def verify_width(self) -> int:
-        """Tokens per row in the target's verify: the root and the nodes."""
         return self.tokens + 1
 
     @property
     def max_depth(self) -> int:
-        """The deepest level's depth, and the most proposals a row can accept."""
         return self.steps
 
     @property
@@ -427,125 +408,62 @@ BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
 def default_batch_buckets(proposals: Sequence[TreeSpec]) -> tuple[int, ...]:
-    """The batch buckets of an engine given none (EngineConfig.batch_buckets None), by what it
-    drafts: from 2 rows up when chains only, from 1 row up for a tree or the target alone. On the
-    H200 a lone SmolLM2 request's chain iteration cost more at one row than padded to two (1.15
-    against 1.09 ms on the device), its tree iteration less (1.22 against 1.30) and its decode
-    less (0.95 against 1.00; BENCHMARKS.md, "Host overhead")."""
+    """From 2 rows for chains only (a lone chain iteration is cheaper padded to two rows), else from
+    1 (BENCHMARKS.md, "Host overhead")."""
     chains_only = bool(proposals) and all(p.is_chain for p in proposals)
     return (() if chains_only else (1,)) + BATCH_BUCKETS
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Shapes of the compiled step functions and of the KV pool.
+    """Shapes of the compiled step functions and of the KV pool, and how the engine serves.
 
-    batch_buckets: decode batch sizes compiled; a running set of n requests runs in the smallest
-        bucket >= n, its padded rows pointing at the dummy slot 0. None: the engine takes
-        `default_batch_buckets` for what it drafts, up to 64 rows: from 2 for chains only (one
-        request runs padded to two rows, where the chain's iteration is the cheaper), from 1 for a
-        tree or the target alone.
-    max_num_seqs: the most requests running at once (the slots), at most the largest batch
-        bucket; None: the largest batch bucket.
-    prefill_buckets: prompt chunk lengths compiled; longer prompts are prefilled in chunks of the
-        largest bucket.
-    prefill_batch_buckets: prompts per prefill call compiled (each with every chunk bucket). The
-        requests admitted in one step are prefilled together, those whose last chunk falls in the
-        same chunk bucket sharing a call, up to the largest bucket per call; a call of fewer pads
-        to the smallest bucket that holds them. With (1,) every prompt is a call of its own: on the
-        H200 a burst of 32 SmolLM2 requests then waited 86 ms for its first tokens, against 49 ms
-        in 5 calls with (1, 8) (BENCHMARKS.md, "Serving with arrivals").
-    num_speculative_tokens: K, the proposals of the chain (0 = the target alone).
-    speculator: what drafts the proposals. "eagle3": the EAGLE-3 drafter (a chain of K, or the
-        tree below); "ngram": prompt lookup, K tokens copied from what followed the latest earlier
-        occurrence of the row's last 1 to 4 tokens, no drafter (runner/speculators/ngram.py).
-    tree: None drafts the chain of K. A TreeSpec(steps, top_k, tokens) drafts EAGLE-2's dynamic
-        tree: the target verifies `tokens` nodes in one forward and a row accepts up to `steps` of
-        them. It is the engine's proposal ("always" runs it at every bucket), and "auto" chooses
-        per bucket among the tree, the chain of K (when K > 0) and the target alone
-        (`speculative_proposals`). TreeSpec(K, 1, K) is the chain of K: it stands for
-        num_speculative_tokens K and runs the chain's programs (the `resolved` config says so).
-        Trees run as fused iterations only (fused_iteration True).
-    speculation: "auto" chooses per bucket, and per iteration, what emits tokens fastest there:
-        the target alone or one of `speculative_proposals`, from the measured cost of each
-        iteration at the bucket (timed in warm-up, or `step_costs`) and each proposal's
-        acceptance length measured while serving (engine/policy.py has the rule); warm-up then
-        compiles every candidate at every bucket, so switching never compiles. "always" runs the
-        engine's proposal (the tree, else the chain) at every bucket (up to
-        `speculative_max_batch`): for measuring a drafter. A seeded request gives the same tokens
-        either way (SamplingParams.draft_acceptance "coupled", its default).
-    speculative_max_batch: batch buckets larger than this run the target alone, in either mode:
-        a manual cap. None caps nothing.
-    step_costs: (bucket, target-only seconds, then seconds of each speculative proposal in the
-        order of `speculative_proposals`) per batch bucket, e.g. from `eagle3-jax bench`, for
-        "auto"; buckets it lacks are timed in warm-up, entries for other batch sizes are
-        ignored. None times every bucket. Kept as tuples, so the config stays hashable.
-    fused_iteration: one program per iteration (True), or the driver dispatching the verify and
-        each draft step as programs of their own, threading the draft's hidden state (False; a
-        chain only).
-    page_size, num_pages: the paged KV pool (page 0 is scratch; num_pages - 1 are allocatable),
-        for the target's and the drafter's KV. num_pages None sizes it from memory: after the
-        weights are placed, `kv_memory_fraction` of the device's free memory (per device under
-        tensor parallelism); on a device that reports none (the CPU), every slot at
-        min(max_model_len, 1024) tokens plus one request at max_model_len (`resolved`).
-        Requests that do not fit wait; only one the whole pool cannot hold is refused.
-    kv_memory_fraction: the share of the free device memory the pool takes when num_pages is
-        None; the rest is the programs' working memory. Sized before warm-up, since every
-        program is compiled for the pool's shape.
-    page_reservation: "on_demand": a running request holds the pages its tokens fill and those
-        the iterations in flight can write, taken before each iteration; when the pool runs short
-        the most recently admitted request is preempted (its pages given back, itself queued
-        first, and readmitted it prefills what the prefix cache lacks of its tokens). "whole":
-        every page a request can need (prompt + max_tokens) is taken at admission, so nothing
-        is preempted and far fewer requests run at once.
-    prefix_caching: full pages stay cached by content (engine/pages.py) when their requests let
-        them go, and a request admitted later reuses the longest cached prefix of its tokens,
-        prefilling only the rest; least recently used ones are evicted when no page is free.
+    batch_buckets: decode batch sizes compiled; n running requests run in the smallest bucket >= n,
+        padded rows pointing at the dummy slot. None: `default_batch_buckets` for what it drafts.
+    max_num_seqs: the most requests running at once, at most the largest batch bucket (None: it).
+    prefill_buckets: prompt chunk lengths compiled; longer prompts prefill in chunks of the largest.
+    prefill_batch_buckets: prompts per prefill call compiled; prompts admitted in one step whose last
+        chunks share a chunk bucket share a call (BENCHMARKS.md, "Serving with arrivals").
+    num_speculative_tokens: K, the proposals of the chain (0: the target alone).
+    speculator: "eagle3": the EAGLE-3 drafter (a chain of K, or the tree); "ngram": prompt lookup,
+        the K tokens after an earlier match of the row's last 1-4, no drafter (runner/speculators/ngram.py).
+    tree: None drafts the chain of K; a TreeSpec(steps, top_k, tokens) drafts EAGLE-2's dynamic
+        tree, in fused iterations only. TreeSpec(K, 1, K) is the chain of K (`resolved`).
+    speculation: "auto" runs per bucket and iteration the fastest of the target alone and
+        `speculative_proposals` (engine/policy.py), warm-up compiling them all so switching never
+        compiles; "always" runs the engine's proposal at every bucket, for measuring a drafter. A
+        seeded request gives the same tokens either way (draft_acceptance "coupled").
+    speculative_max_batch: batch buckets larger than this run the target alone (None: no cap).
+    step_costs: per bucket (bucket, target-only seconds, then those of `speculative_proposals`),
+        e.g. from `eagle3-jax bench`, for "auto"; buckets it lacks are timed in warm-up.
+    fused_iteration: one program per iteration (True), or the verify and each draft step
+        dispatched as programs of their own (False; a chain only).
+    page_size, num_pages: the paged KV pool of target and drafter (page 0 is scratch). num_pages
+        None: `kv_memory_fraction` of the free device memory after the weights; on a device that
+        reports none (the CPU), as `resolved` says. Only a request the pool cannot hold is refused.
+    kv_memory_fraction: the share of free memory the pool takes; the rest is the programs' working
+        memory (sized before warm-up, since every program is compiled for the pool's shape).
+    page_reservation: "on_demand": pages taken as a request's tokens and iterations in flight need
+        them, the latest admitted request preempted when short; "whole": prompt + max_tokens taken
+        at admission, nothing preempted, far fewer requests running at once.
+    prefix_caching: full pages stay cached by content (engine/pages.py) for later requests to reuse
+        as a prefix; the least recently used are evicted when no page is free.
     max_model_len: longest prompt + output a request may have.
-    attention: paged attention of decode, verify and draft steps. "pallas": one Pallas kernel per
-        layer that reads only the pages a row has filled (model/pallas_attention.py; interpreted,
-        and slow, off the GPU), and the target's residual adds each fused with the RMSNorm after
-        it (model/pallas_norm.py), and a tree level's top-k with its logsumexp in two kernels
-        (model/pallas_top_k.py); "xla": the XLA forms, attention over the whole block table;
-        "auto": pallas on a GPU without tensor parallelism, else xla. Prefill chunks of more than
-        a few tokens use the XLA attention either way.
-    gemv: the weight projections of decode, verify and draft steps of up to 64 rows. "xla": XLA's
-        dots. "mosaic": a Pallas Mosaic GPU kernel per projection (model/mosaic_gemv.py), on one
-        Hopper GPU; on the H200 it made every Llama-3.1-8B step 4-5% slower than XLA's dots
-        (BENCHMARKS.md, "Tried and rejected"), so it is not the default: it is the start of
-        projections that take in the kernels around them. Prefills and larger steps use XLA's dots
-        either way.
-    gemm: how XLA builds the matrix products of a fused iteration program on a GPU. "triton": its
-        Triton GEMM fusions (XLA's default), which at SmolLM2's width split K and add a reduction
-        kernel after each projection, three a layer. "cublas": cuBLAS's GEMMs (the program compiled
-        with xla_gpu_enable_triton_gemm off). "auto": cuBLAS for a program whose verify holds
-        `steps.CUBLAS_MIN_ROWS` to `steps.CUBLAS_MAX_ROWS` rows (bucket x tokens verified a row) of a
-        target no wider than `steps.CUBLAS_MAX_HIDDEN`, Triton elsewhere. On the H200, SmolLM2's
-        (576 wide) iterations and verifies of 64 to 512 rows ran up to 17% faster on cuBLAS, those
-        of fewer up to 28% slower and those of 2,048 up to 20% slower; Llama-3.1-8B's (4096) moved
-        within 3.5% either way at 64 to 512 rows and lost up to 31% below (BENCHMARKS.md, "GEMMs:
-        Triton or cuBLAS"); widths between are unmeasured. Prefills and the per-step path
-        (fused_iteration False) compile as XLA does by default; other backends ignore the option.
-    batch_invariant: the target's every op computes a token's row in an order that does not
-        depend on the rows beside it, the batch bucket, the program (prefill chunk, decode, chain
-        or tree verify) or the tokens per row: matrix products in one fixed tile schedule
-        (model/invariant_gemm.py), attention walking each token's keys in fixed position blocks
-        (model/invariant_attention.py), the residual add and norm a program per row. A token's
-        logits are then the same bit for bit in a decode, a verify and a prefill, alone or in a
-        batch, so greedy speculation is token-identical to the target alone in bf16 too; without it
-        a bf16 near-tie can round differently in another batch shape. Checked on the CPU, where the
-        kernels run in Pallas' interpreter over the same fixed blocks (tests/test_batch_invariant.py);
-        on a GPU they compile to Triton, and `scripts/invariance_h200.py` checks the equality and
-        times the cost there, not yet run. The drafter keeps `attention` and `gemv` (its numerics
-        change only what is accepted). Under tensor parallelism the target runs per device, its
-        row-parallel sums added in rank order (tests/test_parallel.py, on 8 CPU devices).
-    freeze_heap: after warm-up, collect Python's garbage once and freeze the heap (`gc.freeze`,
-        engine.freeze_heap), so that no full pass of the cyclic collector over the loaded
-        engine's objects stalls serving. False leaves the collector alone (a test suite
-        that builds many engines skips the pass, 0.4 s or more each on a CPU machine).
+    attention: paged attention of decode, verify and draft steps. "pallas": kernels reading only a
+        row's filled pages (model/pallas_attention.py), fused residual-norm and tree top-k; "xla":
+        over the whole block table; "auto": pallas on a GPU without tensor parallelism, else xla.
+    gemv: projections of steps up to 64 rows. "xla": XLA's dots; "mosaic": a Pallas Mosaic GPU
+        kernel per projection (model/mosaic_gemv.py), slower (BENCHMARKS.md, "Tried and rejected").
+    gemm: matrix products of a fused iteration on a GPU. "triton": XLA's default; "cublas": cuBLAS;
+        "auto": cuBLAS for verifies of `steps.CUBLAS_MIN_ROWS` to `CUBLAS_MAX_ROWS` rows of a target
+        up to `CUBLAS_MAX_HIDDEN` wide, where it was faster (BENCHMARKS.md, "GEMMs: Triton or cuBLAS").
+    batch_invariant: the target computes each token's row in a fixed order whatever the batch,
+        program or tokens per row (model/invariant_gemm.py, invariant_attention.py), so greedy
+        speculation is token-identical to the target alone in bf16 too. The drafter is unaffected.
+    freeze_heap: after warm-up, collect garbage once and `gc.freeze` the heap, so that no full pass
+        of the cyclic collector stalls serving (False: a test suite building many engines).
 
-    Every field keeps the value it is given; what follows from them is a property, or is filled in
-    by `resolved()`, the copy the engine serves.
+    Every field keeps the value given; what follows from them is a property or `resolved()`.
     """
 
     batch_buckets: tuple[int, ...] | None = None
@@ -586,7 +504,7 @@ class EngineConfig:
             raise ConfigError(f"{where}: batch_invariant must be True or False, got {self.batch_invariant!r}")
         for name in ("batch_buckets", "prefill_buckets", "prefill_batch_buckets"):
             buckets = getattr(self, name)
-            if name == "batch_buckets" and buckets is None:  # the engine's default, by what it drafts
+            if name == "batch_buckets" and buckets is None:
                 continue
             if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
                 raise ConfigError(f"{where}: {name} must be increasing positive sizes, got {buckets}")
@@ -638,9 +556,9 @@ class EngineConfig:
                               f"all), got {self.max_num_seqs}; add a larger bucket to batch_buckets for more")
 
     def resolved(self) -> EngineConfig:
-        """The config as the engine serves it (the engine makes it once): a chain-shaped tree as
-        the chain of its steps (tree None, num_speculative_tokens its steps), max_num_seqs and
-        num_pages filled in. A resolved config resolves to itself."""
+        """The config as served: a chain-shaped tree as the chain of its steps, max_num_seqs and
+        num_pages filled in (the CPU's pool: every slot at min(max_model_len, 1024) tokens, plus one
+        request at max_model_len). Idempotent."""
         tree, k = self._drafted
         seqs = self.max_num_seqs or (self.batch_buckets or BATCH_BUCKETS)[-1]
         served = dataclasses.replace(self, tree=tree, num_speculative_tokens=k, max_num_seqs=seqs)
@@ -658,9 +576,8 @@ class EngineConfig:
 
     @property
     def speculative_proposals(self) -> tuple[TreeSpec, ...]:
-        """What a bucket may draft with a drafter, the engine's proposal first (a chain as
-        TreeSpec.chain(K)): the tree, and in "auto" the chain of K beside it; else the chain of K
-        (none when K is 0). "auto" also has the target alone."""
+        """What a bucket may draft, the engine's proposal first: the tree (and in "auto" the chain
+        of K beside it), else the chain of K (none when K is 0)."""
         tree, k = self._drafted
         chain = (TreeSpec.chain(k),) if k else ()
         if tree is None:
@@ -669,25 +586,20 @@ class EngineConfig:
 
     @property
     def max_proposals(self) -> int:
-        """The most proposals one iteration can accept, over `speculative_proposals` (0: none)."""
         return max((p.steps for p in self.speculative_proposals), default=0)
 
     @property
     def max_blocks_per_seq(self) -> int:
-        # Room for the committed tokens plus two iterations in flight (overlap) of up to K + 1
-        # each, for the largest K, so the pool's size does not depend on K (a tree may write
-        # further: TreeSpec.positions_per_iteration); a multiple of 4 pages, so the attention
-        # kernel reads the table 4 pages at a time without running past it.
+        # The committed tokens plus two iterations in flight at the largest K (so the pool does not
+        # depend on K) or the tree's; a multiple of 4 pages, the attention kernel's table read.
         tree = self._drafted[0]
         per_iteration = max(MAX_SPECULATIVE_TOKENS + 1, tree.positions_per_iteration if tree else 0)
         pages = -(-(self.max_model_len + 2 * per_iteration) // self.page_size)
         return -(-pages // 4) * 4
 
 
-# The tree an engine on a GPU drafts beside its chain unless told otherwise (`default_tree`): the
-# fastest proposal at batch 1 on the H200, 1.20-1.43x the best chain end to end, and 1.21x at 8
-# rows; at 64 the chain is the faster, and "auto" runs it there (BENCHMARKS.md, "Trees end to
-# end"). Its programs add about a third to a GPU engine's warm-up ("Start-up").
+# A GPU engine's tree beside its chain unless told otherwise (`default_tree`): the fastest proposal
+# at small batches (BENCHMARKS.md, "Trees end to end"), for about a third more warm-up ("Start-up").
 DEFAULT_TREE = TreeSpec(6, 8, 31)
 
 
@@ -718,13 +630,10 @@ def parse_tree(value: TreeSpec | str | None) -> TreeSpec | str | None:
 
 
 def default_tree(engine_config: EngineConfig, drafting: bool, backend: str) -> TreeSpec | None:
-    """The tree an engine drafts when its user names none (`LLM(tree="auto")`, `generate --tree
-    auto`): engine_config's own tree if it has one; else DEFAULT_TREE where it can only help,
-    that is when a drafter is loaded with K > 0 under speculation "auto" (which runs the tree only
-    at the buckets where it is the fastest, measured) on an accelerator; else none. Not on the CPU
-    ("cpu" backend), which compiles each program on first use and where a tree's programs cost
-    the most to compile; not under "always" (the user asked for the chain of K everywhere); not
-    with a `step_costs` table (its entries name the engine's proposals, the tree not among them)."""
+    """The tree for `tree="auto"`: engine_config's own, else DEFAULT_TREE where it can only help: a
+    drafter with K > 0 under "auto" (which runs the tree only where it is faster) on an accelerator.
+    Not on the CPU (a tree's programs compile slowest there), under "always" (the chain everywhere)
+    or with `step_costs` (whose entries do not name the tree)."""
     if engine_config.tree is not None:
         return engine_config.tree
     wanted = (drafting and engine_config.num_speculative_tokens > 0 and engine_config.speculation == "auto"

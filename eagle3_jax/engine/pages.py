@@ -1,16 +1,13 @@
 """The KV page pool: reference-counted pages, and the prefix cache over them. Host only.
 
-Page 0 is the scratch page and never handed out. A page is held by the requests whose block
-tables name it (its reference count). A full page whose contents are known is published under
-its content key (`page_keys`); when its last holder lets it go it stays cached, idle, for a later
-request with the same prefix, until a fresh page is needed and none is free: the idle page used
-least recently is then evicted.
+Page 0 is scratch, never handed out. A page's reference count is the number of requests whose block
+tables name it. A full page whose contents are known is published under its content key; when its
+last holder lets it go it stays cached, idle, until a fresh page is needed and none is free: the
+idle page used least recently is then evicted.
 
-A page's key is its tokens and the one after it, chained to the key of the page before. Why the
-token after: the drafter's KV at position t is computed from the target's capture at t and the
-token at t + 1, so the drafter's entry at a page's last position depends on the next page's first
-token. Keyed so, both the target's and the drafter's KV of a cached page are exactly what a prefill
-of the same tokens writes.
+A page's key is its tokens and the one after, chained to the previous page's key: the drafter's KV
+at position t is computed from the target's capture at t and the token at t + 1, so keyed so, a
+cached page's target and drafter KV are exactly what a prefill of the same tokens writes.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def page_keys(tokens: Sequence[int], page_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
-    """The keys of every page of `tokens` that is full and followed by a token, extending the
-    keys `known` of its first pages."""
+    """The keys of every full page of `tokens` followed by a token, extending those `known`."""
     keys = list(known)
     for p in range(len(keys), (len(tokens) - 1) // page_size):
         keys.append(page_key(keys[-1] if keys else ROOT_KEY, tokens[p * page_size:(p + 1) * page_size + 1]))
@@ -95,15 +91,13 @@ class PagePool:
 
     @property
     def num_held(self) -> int:
-        """Pages some request holds."""
         return int(np.count_nonzero(self._refs))
 
     def refs(self, page: int) -> int:
         return int(self._refs[page])
 
     def allocate(self, n: int) -> list[int] | None:
-        """n fresh pages (none for n <= 0), free ones first, then evicted ones; None when fewer
-        than n are free."""
+        """n fresh pages (none for n <= 0), free ones first, then evicted ones; None if fewer are free."""
         if n > self.num_free:
             return None
         if n <= 0:
@@ -125,8 +119,7 @@ class PagePool:
         return pages
 
     def publish(self, pages: Sequence[int], keys: Sequence[bytes]) -> None:
-        """Cache held pages under their keys (their contents written in dispatch order before
-        any later reader)."""
+        """Cache held pages under their keys (written by programs dispatched before any reader)."""
         for page, key in zip(pages, keys) if self.cache is not None else ():
             self.cache.publish(page, key)
 

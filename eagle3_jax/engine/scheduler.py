@@ -1,22 +1,15 @@
 """Host-side scheduling: requests -> slots, pages and batch buckets. No device work here.
 
-Admission is first come, first served. Each step, before anything is dispatched (`schedule`),
-every running request is given the pages its known tokens fill plus two iterations in flight
-(the one the device runs and the one about to be dispatched), oldest first; when the pool is
-short the most recently admitted request is preempted: its pages go back and it waits at the head
-of the queue with its generated tokens. Nothing is admitted in a step that preempted. Admitted
-again, a request prefills its prompt and all its generated tokens but the last, which its next
-iteration verifies from, with the sampling key schedule where it stopped, so its tokens are those
-of never stopping. Results of programs dispatched before a preemption are dropped (`admissions`).
+Admission is first come, first served. Before each step dispatches (`schedule`), every running
+request gets the pages its known tokens fill plus two iterations in flight, oldest first; when the
+pool is short the latest admitted is preempted (its pages back, itself first in the queue) and
+nothing is admitted that step. Readmitted, it prefills its prompt and generated tokens but the last, with the
+sampling key schedule where it stopped, so its tokens are those of never stopping; results of
+programs dispatched before are dropped (`admissions`).
 
-Prefix caching (engine/pages.py): a request admitted reuses the cached pages of the longest
-prefix of its tokens, keyed with the token after each page (the drafter's KV at a page's last
-position depends on it), and prefills the rest, at least one token (the first generated token's
-logits and the drafter's next proposal come from the last one). Pages are published once the
-programs writing them were dispatched, so requests admitted in one step share none.
-
-EngineConfig.page_reservation "whole" instead takes every page a request can need at admission:
-nothing is preempted, and far fewer requests run at once.
+Prefix caching (engine/pages.py): an admitted request reuses its longest cached prefix and prefills
+the rest, at least one token (its logits and the next proposal come from the last). Pages are
+published once the programs writing them were dispatched: requests admitted in one step share none.
 """
 
 from __future__ import annotations
@@ -41,13 +34,11 @@ class RequestError(ValueError):
 class RequestMetrics:
     iterations: int = 0  # target verify forwards this request took part in
     emitted: int = 0  # tokens those forwards produced (before truncation at a stop)
-    # [K] iterations that accepted a proposal at depth j + 1: a chain's proposal j, a tree's node
-    # at depth j + 1 (K is then the tree's steps)
+    # [K] iterations that accepted a proposal at depth j + 1 (a tree's K: its steps)
     accepted_at: list[int] = dataclasses.field(default_factory=list)
-    num_draft: int = 0  # K
+    num_draft: int = 0
     speculative_iterations: int = 0  # those forwards that verified K drafts (the rest ran the target alone)
-    # time.perf_counter() seconds: when the request arrived (Scheduler.add), and when the host
-    # collected its first and its latest tokens (None before).
+    # time.perf_counter() seconds: arrival (Scheduler.add), first and latest tokens collected.
     arrival_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -62,7 +53,6 @@ class RequestMetrics:
             self.accepted_at[j] += 1
 
     def collected(self, at: float) -> None:
-        """New tokens of the request reached the host at `at` (time.perf_counter())."""
         if self.first_token_time is None:
             self.first_token_time = at
         self.last_token_time = at
@@ -74,8 +64,7 @@ class RequestMetrics:
 
     @property
     def acceptance_rates(self) -> list[float]:
-        """Fraction of speculative iterations whose draft at position j (0-based) was accepted
-        (target-only iterations drafted nothing, so they do not dilute the drafter's rates)."""
+        """Per depth j, accepted / speculative iterations (target-only ones drafted nothing)."""
         n = self.speculative_iterations
         return [a / n if n else 0.0 for a in self.accepted_at]
 
@@ -117,15 +106,13 @@ class Request:
 
     @property
     def context_len(self) -> int:
-        """Tokens in its KV once its prefill and the iterations collected are done: all it knows
-        but the last generated token, which the next iteration verifies from."""
+        """Tokens in its KV: all it knows but the last, which the next iteration verifies from."""
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
 
 class Scheduler:
-    """num_draft: the most proposals an iteration accepts (a chain's K, a tree's steps), the length
-    of each request's RequestMetrics.accepted_at. positions_per_iteration: the KV positions past a
-    request's length one iteration writes (the speculator's; None: a chain's num_draft + 1)."""
+    """num_draft: the most proposals an iteration accepts (len of accepted_at). positions_per_iteration:
+    KV positions past a request's length one iteration writes (None: num_draft + 1, a chain's)."""
 
     def __init__(self, cfg: EngineConfig, vocab_size: int, num_draft: int, positions_per_iteration: int | None = None):
         self.cfg = cfg = cfg.resolved()  # the slots and the pool as served
@@ -142,12 +129,10 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        """KV positions past a request's known length the device may write before the host
-        collects more: the iteration in flight and the one dispatched next."""
+        """KV positions past the known length the device may write: the iteration in flight and the next."""
         return 2 * self.positions_per_iteration
 
     def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
-        """Every page a request can need: prompt, max_tokens and two iterations in flight."""
         return -(-(prompt_len + max_tokens + self.in_flight) // self.cfg.page_size)
 
     def pages_to_hold(self, req: Request) -> int:
@@ -157,8 +142,7 @@ class Scheduler:
         return -(-(req.context_len + self.in_flight) // self.cfg.page_size)
 
     def add(self, prompt: list[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
-        """Validate and queue a request; raise RequestError naming the problem. `arrival_time`
-        (time.perf_counter() seconds, default now) is when it reached the server."""
+        """Validate and queue a request (RequestError names the problem); arrival_time default now."""
         if len(prompt) == 0:
             raise RequestError("prompt is empty")
         ids = np.asarray(prompt)
@@ -189,9 +173,8 @@ class Scheduler:
         return req
 
     def schedule(self) -> tuple[list[Request], list[Request]]:
-        """Before a step dispatches: publish the running requests' filled pages, give each the
-        pages its next iteration can write (oldest first, preempting the newest while the pool is
-        short), then, when nothing was preempted, admit. -> (admitted, preempted)."""
+        """Before a step dispatches: publish filled pages, give each running request the pages its next
+        iteration can write (preempting the newest while short), admit unless one was. -> (admitted, preempted)"""
         for req in self.running.values():
             self._publish(req)
         preempted = []
@@ -203,17 +186,16 @@ class Scheduler:
         return ([] if preempted else self.admit()), preempted
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into free slots while pages last, in arrival order; each takes
-        the longest cached prefix of its tokens, leaving at least one token to prefill."""
+        """Waiting requests into free slots in arrival order while pages last, each from its cached prefix."""
         admitted = []
         while self.waiting and self._free_slots:
             req = self.waiting[0]
-            self._publish(req)  # its keys, as far as its tokens go
+            self._publish(req)
             hit = self.pool.match(req.keys[:(req.context_len - 1) // self.cfg.page_size])
             fresh = self.pool.allocate(self.pages_to_hold(req) - len(hit))
             if fresh is None:
                 self.pool.release(hit)
-                break  # first come, first served: later requests wait behind this one
+                break
             self.waiting.popleft()
             req.slot, req.admissions = self._free_slots.pop(), req.admissions + 1
             req.num_cached = len(hit) * self.cfg.page_size
@@ -225,8 +207,7 @@ class Scheduler:
         return admitted
 
     def preempt(self, req: Request) -> None:
-        """Give a running request's slot and pages back and queue it first: readmitted, it
-        prefills its prompt and the tokens it generated (as far as the prefix cache lacks them)."""
+        """Give a running request's slot and pages back and queue it first (module docstring)."""
         self._vacate(req)
         req.metrics.preemptions += 1
         self.waiting.appendleft(req)
