@@ -29,7 +29,7 @@ from eagle3_jax.bench.collectives import (
     weight_bytes,
 )
 from eagle3_jax.bench.common import Result, collector_pauses, log
-from eagle3_jax.bench.costs import Ceilings, LinkCeilings, iteration_cost, target_cost, tree_iteration_cost
+from eagle3_jax.bench.costs import Ceilings, Cost, LinkCeilings, iteration_cost, target_cost, tree_iteration_cost
 from eagle3_jax.bench.harness import (
     bucket_for,
     draft_config_like,
@@ -427,18 +427,10 @@ def step_call(kind: StepKind, params, dparams, scfg: StepConfig, rows: np.ndarra
     return call, job
 
 
-def phase_8b(
-    opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | None = None, link: LinkCeilings | None = None
-) -> tuple[list[Result], dict]:
-    """The step functions on synthetic state; with `mesh` (tp > 1) under tensor parallelism, with
-    the all-reduce ceilings `link` in the floors."""
-    target, draft = step_models(opts)
-    tp = 1 if mesh is None else mesh.shape[sharding.TP]
-    k, batches, dtype = max(opts.num_draft), opts.batches_8b, opts.dtype
-    itemsize = jnp.dtype(dtype).itemsize
-    own = own_embedding(target, draft)
-    ecfg = sized_engine_config(batches, k, opts.max_model_len_8b, min_bucket=1, attention=opts.attention,
-                               gemv=opts.gemv, gemm=opts.gemm)  # the step functions at exactly these batch sizes
+def random_step_weights(target: ModelConfig, draft: DraftConfig, own: bool, dtype,
+                        mesh: Mesh | None) -> tuple[Any, Any, float, dict[str, int]]:
+    """Random target and draft weights, as the engine serves them (norm gains folded); under a mesh
+    in the engine's layout. -> (params, dparams, seconds taken, weight_bytes)."""
     start = time.perf_counter()
     if mesh is None:
         # Eager: jitted, the whole init is one huge program to compile.
@@ -452,16 +444,26 @@ def phase_8b(
     init_s = time.perf_counter() - start
     held = weight_bytes(params, dparams)
     log(f"8b: random weights in {init_s:.1f} s, {(held['target'] + held['draft']) / 1e9:.2f} GB per device")
+    return params, dparams, init_s, held
+
+
+def step_kinds(k: int, trees: Sequence[TreeSpec]) -> list[StepKind]:
+    """Decode, the chain iteration at K=k and its verify alone, then each tree's iteration and verify."""
     kinds = [
         StepKind("decode, target-only (K=0)", 0),
         StepKind(f"EAGLE-3 iteration (K={k})", k),
         StepKind(f"verify only (B x {k + 1} tokens)", 0, verify_only=True),
     ]
-    for spec in opts.trees:
+    for spec in trees:
         kinds += [StepKind(f"EAGLE-3 iteration, tree {spec.steps},{spec.top_k},{spec.tokens}", spec.steps, tree=spec),
                   StepKind(f"verify only (B x {spec.verify_width} tokens)", 0, verify_only=True,
                            tokens=spec.verify_width)]
-    kinds = list(dict.fromkeys(kinds))  # a tree's verify width may equal the chain's
+    return list(dict.fromkeys(kinds))  # a tree's verify width may equal the chain's
+
+
+def step_configs(opts: Options, kinds: Sequence[StepKind], target: ModelConfig, draft: DraftConfig,
+                 ecfg: EngineConfig, mesh: Mesh | None, notes: list[str]) -> dict[StepKind, StepConfig]:
+    """Each kind's StepConfig, with the kernels `ecfg` resolves to under `mesh` (noted)."""
     # Greedy programs: what a batch of greedy requests runs (StepConfig.greedy).
     attention, gemv, gemm = attention_kind(ecfg, mesh), gemv_kind(ecfg, mesh), ecfg.gemm
     notes.append(
@@ -469,7 +471,7 @@ def phase_8b(
         f"(--gemv {opts.gemv}); GEMMs {gemm} (--gemm {opts.gemm}: under auto, cuBLAS where a call verifies "
         f"{CUBLAS_MIN_ROWS} to {CUBLAS_MAX_ROWS} rows of a target at most {CUBLAS_MAX_HIDDEN} wide)"
     )
-    scfgs = {
+    return {
         kind: StepConfig(
             target=target,
             draft=draft if kind.num_draft else None,
@@ -482,146 +484,171 @@ def phase_8b(
         )
         for kind in kinds
     }
-    calls = {
+
+
+def step_calls(opts: Options, scfgs: dict[StepKind, StepConfig], params, dparams, ecfg: EngineConfig,
+               k: int) -> dict[tuple[StepKind, int], tuple[Callable, Callable[[DeviceState], Job]]]:
+    """(kind, batch) -> step_call's (call, precompile job), at every batch of --batches-8b."""
+    return {
         (kind, b): step_call(
             kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b), kind.tokens or k + 1,
             opts.context,
         )
         for kind, scfg in scfgs.items()
-        for b in batches
+        for b in opts.batches_8b
     }
-    results, compile_s, collectives = [], {}, {}  # collectives: (kind, batch) -> what the program all-reduces
-    kernels: dict[str, profile.DeviceActivity] = {}  # --profile: "kind, batch b" -> the device's activity
-    sites: dict = {}  # --profile with the precompile: (kind, batch) -> (HLO module name, its kernel launches)
-    by_source: dict[str, list] = {}  # --profile: "kind, batch b" -> (source line, kernels, us) per call
-    if opts.parallel_compile:
-        # Every kind's programs compile at once (70B programs take minutes, one core each): lowered
-        # first, one kind's state at a time (lowering keeps only shapes and shardings).
-        lower_start, lowered = time.perf_counter(), {}
-        for kind, scfg in scfgs.items():
-            state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh, scfg.speculator.slot_layout)
-            for b in batches:
-                fn, args, kw = calls[kind, b][1](state)
-                lowered[kind, b] = fn.lower(*args, **kw)
-            del state
-        lower_s = time.perf_counter() - lower_start
-        seconds, compiled = compile_on_pool([low.compile for low in lowered.values()])
-        compile_s = {"lowering": round(lower_s, 1), f"compiling {len(lowered)} programs at once": round(seconds, 1)}
-        texts = {key: c.as_text() for key, c in zip(lowered, compiled)} if mesh is not None or opts.profile else {}
-        if mesh is not None:
-            collectives = {key: hlo_collectives(text) for key, text in texts.items()}
-        if opts.profile:  # each program's kernel launches and their source lines, for the profile below
-            sites = {key: (text.split(",", 1)[0].split()[-1], profile.hlo_kernel_sites(text))
-                     for key, text in texts.items()}
-        del lowered, compiled, texts
-        log(f"8b: compiled {len(calls)} programs in {seconds:.1f} s")
+
+
+def precompile_steps(opts: Options, scfgs: dict[StepKind, StepConfig], calls: dict, ecfg: EngineConfig,
+                     mesh: Mesh | None) -> tuple[dict[str, float], dict, dict]:
+    """Lower, then compile every call's program at once. -> (seconds of each, under a mesh
+    (kind, batch) -> the program's collectives (hlo_collectives), under --profile (kind, batch) ->
+    (HLO module name, its kernel launches))."""
+    # Lowered first, one kind's state at a time (lowering keeps only shapes and shardings).
+    lower_start, lowered = time.perf_counter(), {}
     for kind, scfg in scfgs.items():
-        state = synthetic_state(target, scfg.draft, ecfg, dtype, mesh, scfg.speculator.slot_layout)
-        for b in batches:
-            rows, _ = synthetic_rows(ecfg, b)
-            # One call first: it builds the small programs around the step (the pinned arguments'
-            # copy, the verdicts' gather), and the eager scatter of with_lengths compiles here too.
-            state, _ = calls[kind, b][0](state)
-            state = with_lengths(state, rows, opts.context)
-            compiles = CompileCounter.count
-            state, samples = time_calls(
-                calls[kind, b][0],
-                state,
-                lambda s, rows=rows: with_lengths(s, rows, opts.context),
-                opts.calls,
-                opts.rounds,
-            )
-            activity = None
-            if opts.profile:
-                state = with_lengths(state, rows, opts.context)
-                out = opts.profile / f"{slug(kind.name)}-b{b}"  # one trace folder per step kind
-                state, activity = profile.profile_calls(calls[kind, b][0], state, opts.calls, out)
-                kernels[f"{kind.name}, batch {b}"] = activity
-                if (kind, b) in sites:
-                    module, launches = sites[kind, b]
-                    one_call = profile.call_kernels(profile.load_trace(out), opts.calls, module)
-                    pairs = profile.align_kernels(launches, one_call)
-                    rows = profile.kernels_by_source(pairs, step_sources().__contains__)
-                    if rows:  # none where the trace shows no GPU (the CPU)
-                        by_source[f"{kind.name}, batch {b}"] = rows
-                        log(f"8b {kind.name}, batch {b}: per call by source line (us, kernels): "
-                            + "; ".join(f"{label} {us:.0f} x{count}" for label, count, us in rows[:8]))
-                log(
-                    f"8b {kind.name}, batch {b}: device busy {activity.busy_us / 1e3 / opts.calls:.3f} ms/call, "
-                    f"idle {activity.idle_frac:.0%}; per call (us, count): "
-                    + "; ".join(
-                        f"{name[:60]} {total / opts.calls:.0f} x{count / opts.calls:.0f}"
-                        for name, count, total in activity.by_name
-                    )
-                )
-            if opts.parallel_compile and CompileCounter.count != compiles:
-                notes.append(
-                    f"8b {kind.name}, batch {b}: {CompileCounter.count - compiles} compile(s) after the precompile"
-                )
-            if kind.verify_only:
-                cost = target_cost(target, b, kind.tokens or k + 1, opts.context, itemsize, tp)
-            elif kind.tree is not None:
-                cost = tree_iteration_cost(target, scfg.draft, kind.tree, b, opts.context, itemsize, tp)
-            else:
-                cost = iteration_cost(target, scfg.draft, kind.num_draft, b, opts.context, itemsize, tp)
-            ms, floor_ms = 1e3 * statistics.median(samples), 1e3 * cost.floor_s(ceilings, link)
-            values = {
-                "ms": ms,
-                "ms_min": 1e3 * min(samples),
-                "ms_max": 1e3 * max(samples),
-                "floor_ms": floor_ms,
-                "pct_of_floor": 100 * floor_ms / ms,
-                "bound": cost.bound(ceilings),
-                "gb": cost.bytes / 1e9,
-                "tflop": cost.flops / 1e12,
-                "gemm": step_gemm(kind, scfg, b, kind.tokens or k + 1),
-            }
-            if mesh is not None:
-                values.update(
-                    tp=tp,
-                    device_floor_ms=1e3 * cost.device_floor_s(ceilings),
-                    ar_floor_ms=1e3 * cost.allreduce_floor_s(link),
-                    ar_count=len(cost.allreduces),
-                    ar_mb=cost.allreduce_bytes / 1e6,
-                    ar_latency_ms=1e3 * link.latency_s(cost.allreduces),
-                )
-                if (kind, b) in collectives:
-                    found = collectives[kind, b]
-                    values.update(
-                        ar_count_hlo=len(found.get("all-reduce", [])),
-                        ar_mb_hlo=sum(n for _, n in found.get("all-reduce", [])) / 1e6,
-                        other_collectives_hlo={op: len(v) for op, v in found.items() if op != "all-reduce"},
-                    )
-                    if (values["ar_count_hlo"], round(values["ar_mb_hlo"], 3)) != (
-                        values["ar_count"],
-                        round(values["ar_mb"], 3),
-                    ):
-                        notes.append(
-                            f"8b {kind.name}, batch {b}: the compiled program all-reduces "
-                            f"{values['ar_count_hlo']} arrays, {values['ar_mb_hlo']:.3f} MB; the floor counts "
-                            f"{values['ar_count']}, {values['ar_mb']:.3f} MB (the program's dtype may differ)"
-                        )
-            if activity is not None:
-                values.update(
-                    device_busy_ms=activity.busy_us / 1e3 / opts.calls, device_idle_pct=100 * activity.idle_frac
-                )
-            if not kind.verify_only:
-                accept = opts.assumed_acceptance if kind.num_draft else 1.0
-                values["tok_s_assumed"] = b * accept / (ms / 1e3)
-            results.append(Result("8b", kind.name, b, values))
-            log(f"8b {kind.name}, batch {b}: {ms:.2f} ms/call, {values['pct_of_floor']:.0f}% of floor")
+        state = synthetic_state(scfg.target, scfg.draft, ecfg, opts.dtype, mesh, scfg.speculator.slot_layout)
+        for b in opts.batches_8b:
+            fn, args, kw = calls[kind, b][1](state)
+            lowered[kind, b] = fn.lower(*args, **kw)
         del state
-    decode = {r.batch: r.values["tok_s_assumed"] for r in results if r.mode == kinds[0].name}
-    for r in results:
-        if "tok_s_assumed" in r.values:
-            r.values["speedup_assumed"] = r.values["tok_s_assumed"] / decode[r.batch]
+    lower_s = time.perf_counter() - lower_start
+    seconds, compiled = compile_on_pool([low.compile for low in lowered.values()])
+    compile_s = {"lowering": round(lower_s, 1), f"compiling {len(lowered)} programs at once": round(seconds, 1)}
+    texts = {key: c.as_text() for key, c in zip(lowered, compiled)} if mesh is not None or opts.profile else {}
+    collectives, sites = {}, {}
+    if mesh is not None:
+        collectives = {key: hlo_collectives(text) for key, text in texts.items()}
+    if opts.profile:  # each program's kernel launches and their source lines, for the profile
+        sites = {key: (text.split(",", 1)[0].split()[-1], profile.hlo_kernel_sites(text))
+                 for key, text in texts.items()}
+    del lowered, compiled, texts
+    log(f"8b: compiled {len(calls)} programs in {seconds:.1f} s")
+    return compile_s, collectives, sites
+
+
+def profile_step(opts: Options, label: str, call: Callable, state: DeviceState, out: Path,
+                 site: tuple[str, list] | None) -> tuple[DeviceState, profile.DeviceActivity, list]:
+    """--profile: a trace of opts.calls calls into `out`. -> (state, the device's activity, per call
+    (source line, kernels, us) where the precompile's `site` (module, kernel launches) is known)."""
+    state, activity = profile.profile_calls(call, state, opts.calls, out)
+    rows = []
+    if site is not None:
+        module, launches = site
+        one_call = profile.call_kernels(profile.load_trace(out), opts.calls, module)
+        rows = profile.kernels_by_source(profile.align_kernels(launches, one_call), step_sources().__contains__)
+        if rows:  # none where the trace shows no GPU (the CPU)
+            log(f"8b {label}: per call by source line (us, kernels): "
+                + "; ".join(f"{source} {us:.0f} x{count}" for source, count, us in rows[:8]))
+    log(
+        f"8b {label}: device busy {activity.busy_us / 1e3 / opts.calls:.3f} ms/call, "
+        f"idle {activity.idle_frac:.0%}; per call (us, count): "
+        + "; ".join(
+            f"{name[:60]} {total / opts.calls:.0f} x{count / opts.calls:.0f}" for name, count, total in activity.by_name
+        )
+    )
+    return state, activity, rows
+
+
+def measure_step(opts: Options, kind: StepKind, b: int, call: Callable, state: DeviceState, ecfg: EngineConfig,
+                 site: tuple[str, list] | None,
+                 notes: list[str]) -> tuple[DeviceState, list[float], profile.DeviceActivity | None, list]:
+    """Seconds per call of one (kind, batch), a sample per round; under --profile, its trace too
+    (profile_step). -> (state, samples, activity or None, by-source rows)."""
+    rows, _ = synthetic_rows(ecfg, b)
+    # One call first: it builds the small programs around the step (the pinned arguments' copy,
+    # the verdicts' gather), and the eager scatter of with_lengths compiles here too.
+    state, _ = call(state)
+    state = with_lengths(state, rows, opts.context)
+    compiles = CompileCounter.count
+    state, samples = time_calls(call, state, lambda s: with_lengths(s, rows, opts.context), opts.calls, opts.rounds)
+    activity, sources = None, []
+    if opts.profile:
+        state = with_lengths(state, rows, opts.context)
+        out = opts.profile / f"{slug(kind.name)}-b{b}"  # one trace folder per step kind
+        state, activity, sources = profile_step(opts, f"{kind.name}, batch {b}", call, state, out, site)
+    if opts.parallel_compile and CompileCounter.count != compiles:
+        notes.append(f"8b {kind.name}, batch {b}: {CompileCounter.count - compiles} compile(s) after the precompile")
+    return state, samples, activity, sources
+
+
+def step_cost(kind: StepKind, scfg: StepConfig, b: int, new_tokens: int, context: int, itemsize: int, tp: int) -> Cost:
+    """The floor's bytes, FLOPs and all-reduces of one call of `kind` at `b` rows."""
+    if kind.verify_only:
+        return target_cost(scfg.target, b, new_tokens, context, itemsize, tp)
+    if kind.tree is not None:
+        return tree_iteration_cost(scfg.target, scfg.draft, kind.tree, b, context, itemsize, tp)
+    return iteration_cost(scfg.target, scfg.draft, kind.num_draft, b, context, itemsize, tp)
+
+
+def tp_values(label: str, cost: Cost, ceilings: Ceilings, link: LinkCeilings, tp: int, found: dict | None,
+              notes: list[str]) -> dict[str, Any]:
+    """A tensor-parallel row's floors and all-reduces: as counted, and as the compiled program
+    does them (`found`: hlo_collectives, from the precompile); a mismatch is noted."""
+    values = {
+        "tp": tp,
+        "device_floor_ms": 1e3 * cost.device_floor_s(ceilings),
+        "ar_floor_ms": 1e3 * cost.allreduce_floor_s(link),
+        "ar_count": len(cost.allreduces),
+        "ar_mb": cost.allreduce_bytes / 1e6,
+        "ar_latency_ms": 1e3 * link.latency_s(cost.allreduces),
+    }
+    if found is not None:
+        values.update(
+            ar_count_hlo=len(found.get("all-reduce", [])),
+            ar_mb_hlo=sum(n for _, n in found.get("all-reduce", [])) / 1e6,
+            other_collectives_hlo={op: len(v) for op, v in found.items() if op != "all-reduce"},
+        )
+        if (values["ar_count_hlo"], round(values["ar_mb_hlo"], 3)) != (values["ar_count"], round(values["ar_mb"], 3)):
+            notes.append(
+                f"8b {label}: the compiled program all-reduces {values['ar_count_hlo']} arrays, "
+                f"{values['ar_mb_hlo']:.3f} MB; the floor counts {values['ar_count']}, {values['ar_mb']:.3f} MB "
+                "(the program's dtype may differ)"
+            )
+    return values
+
+
+def step_values(opts: Options, kind: StepKind, scfg: StepConfig, b: int, samples: Sequence[float],
+                activity: profile.DeviceActivity | None, ceilings: Ceilings, link: LinkCeilings | None,
+                found: dict | None, notes: list[str]) -> dict[str, Any]:
+    """One row's figures: the time per call against its floor, under a mesh the all-reduces
+    (tp_values), under --profile the device's busy time, for an iteration its assumed tokens/s."""
+    new_tokens = kind.tokens or max(opts.num_draft) + 1
+    tp = 1 if scfg.mesh is None else scfg.mesh.shape[sharding.TP]
+    cost = step_cost(kind, scfg, b, new_tokens, opts.context, jnp.dtype(opts.dtype).itemsize, tp)
+    ms, floor_ms = 1e3 * statistics.median(samples), 1e3 * cost.floor_s(ceilings, link)
+    values = {
+        "ms": ms,
+        "ms_min": 1e3 * min(samples),
+        "ms_max": 1e3 * max(samples),
+        "floor_ms": floor_ms,
+        "pct_of_floor": 100 * floor_ms / ms,
+        "bound": cost.bound(ceilings),
+        "gb": cost.bytes / 1e9,
+        "tflop": cost.flops / 1e12,
+        "gemm": step_gemm(kind, scfg, b, new_tokens),
+    }
+    if scfg.mesh is not None:
+        values.update(tp_values(f"{kind.name}, batch {b}", cost, ceilings, link, tp, found, notes))
+    if activity is not None:
+        values.update(device_busy_ms=activity.busy_us / 1e3 / opts.calls, device_idle_pct=100 * activity.idle_frac)
+    if not kind.verify_only:
+        accept = opts.assumed_acceptance if kind.num_draft else 1.0
+        values["tok_s_assumed"] = b * accept / (ms / 1e3)
+    return values
+
+
+def step_info(opts: Options, target: ModelConfig, draft: DraftConfig, own: bool, mesh: Mesh | None, init_s: float,
+              compile_s: dict[str, float], held: dict[str, int], kernels: dict[str, profile.DeviceActivity],
+              by_source: dict[str, list]) -> dict[str, Any]:
+    """The phase's info: the models and settings, the profile's kernels per call, the mesh's layout."""
     info = {
         "model": opts.step_model,
-        "K": k,
+        "K": max(opts.num_draft),
         "context (cached tokens per row)": opts.context,
         "max_model_len (block tables)": opts.max_model_len_8b,
         "assumed acceptance length L (NOT measured)": opts.assumed_acceptance,
-        "dtype": jnp.dtype(dtype).name,
+        "dtype": jnp.dtype(opts.dtype).name,
         "random init s": round(init_s, 1),
         "parallel compile s": compile_s,
         "target": dataclasses.asdict(target),
@@ -642,8 +669,8 @@ def phase_8b(
     if mesh is not None:
         info.update(
             {
-                "tensor parallel": f"TP={tp} over {', '.join(str(d) for d in mesh.devices.flat)} (parallel/sharding.py "
-                "layout; steps pin it as the engine does)",
+                "tensor parallel": f"TP={mesh.shape[sharding.TP]} over {', '.join(str(d) for d in mesh.devices.flat)} "
+                "(parallel/sharding.py layout; steps pin it as the engine does)",
                 "drafter": "replicated on every device (no collective in the draft extend or steps), with "
                 + ("its own embedding (70B layout)" if own else "a copy of the target's embedding"),
                 "all-reduce implementation": opts.allreduce,
@@ -655,7 +682,47 @@ def phase_8b(
                 "peak device memory GB (per device)": device_memory_gb(list(mesh.devices.flat)),
             }
         )
-    return results, info
+    return info
+
+
+def phase_8b(
+    opts: Options, ceilings: Ceilings, notes: list[str], mesh: Mesh | None = None, link: LinkCeilings | None = None
+) -> tuple[list[Result], dict]:
+    """The step functions on synthetic state; with `mesh` (tp > 1) under tensor parallelism, with
+    the all-reduce ceilings `link` in the floors."""
+    target, draft = step_models(opts)
+    k, own = max(opts.num_draft), own_embedding(target, draft)
+    ecfg = sized_engine_config(opts.batches_8b, k, opts.max_model_len_8b, min_bucket=1, attention=opts.attention,
+                               gemv=opts.gemv, gemm=opts.gemm)  # the step functions at exactly these batch sizes
+    params, dparams, init_s, held = random_step_weights(target, draft, own, opts.dtype, mesh)
+    kinds = step_kinds(k, opts.trees)
+    scfgs = step_configs(opts, kinds, target, draft, ecfg, mesh, notes)
+    calls = step_calls(opts, scfgs, params, dparams, ecfg, k)
+    compile_s, collectives, sites = {}, {}, {}  # see precompile_steps
+    if opts.parallel_compile:  # 70B programs take minutes, one core each: all compile at once
+        compile_s, collectives, sites = precompile_steps(opts, scfgs, calls, ecfg, mesh)
+    results = []
+    kernels: dict[str, profile.DeviceActivity] = {}  # --profile: "kind, batch b" -> the device's activity
+    by_source: dict[str, list] = {}  # --profile: "kind, batch b" -> (source line, kernels, us) per call
+    for kind, scfg in scfgs.items():
+        state = synthetic_state(target, scfg.draft, ecfg, opts.dtype, mesh, scfg.speculator.slot_layout)
+        for b in opts.batches_8b:
+            state, samples, activity, sources = measure_step(opts, kind, b, calls[kind, b][0], state, ecfg,
+                                                             sites.get((kind, b)), notes)
+            if activity is not None:
+                kernels[f"{kind.name}, batch {b}"] = activity
+            if sources:
+                by_source[f"{kind.name}, batch {b}"] = sources
+            values = step_values(opts, kind, scfg, b, samples, activity, ceilings, link, collectives.get((kind, b)),
+                                 notes)
+            results.append(Result("8b", kind.name, b, values))
+            log(f"8b {kind.name}, batch {b}: {values['ms']:.2f} ms/call, {values['pct_of_floor']:.0f}% of floor")
+        del state
+    decode = {r.batch: r.values["tok_s_assumed"] for r in results if r.mode == kinds[0].name}
+    for r in results:
+        if "tok_s_assumed" in r.values:
+            r.values["speedup_assumed"] = r.values["tok_s_assumed"] / decode[r.batch]
+    return results, step_info(opts, target, draft, own, mesh, init_s, compile_s, held, kernels, by_source)
 
 
 # ==== phase tp: the same greedy tokens at TP=N as at TP=1 ==========================================
