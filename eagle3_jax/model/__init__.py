@@ -1,5 +1,4 @@
-"""The math: pure functions over parameter pytrees, no I/O (layers, the Llama target, the EAGLE-3
-draft head, the Pallas kernels)."""
+"""The math: pure functions over parameter pytrees, no I/O (layers, target, draft head, kernels)."""
 
 from eagle3_jax.model import triton_dialect
 

@@ -1,13 +1,10 @@
-"""The EAGLE-3 draft head as pure functions.
-
-One step, for token embeddings e and incoming hidden states g (docs/EAGLE3.md, "The draft forward pass"):
-  h = fc(g) when g is the target's capture [.., n_capture * H_target], else h = g (the draft's own
-  pre-norm output of the previous step, [.., H]);
+"""The EAGLE-3 draft head as pure functions. One step, for token embeddings e and incoming hidden
+states g (docs/EAGLE3.md, "The draft forward pass"):
+  h = fc(g) for the target's captures g [.., n_capture * H_target], else g (the last step's pre-norm h)
   x = concat(input_layernorm(e), hidden_norm(h))            # embedding FIRST, width 2H
   h = h + o_proj(attention(q, k, v of x))                    # RoPE, GQA, paged KV
   h = h + mlp(post_attention_layernorm(h))                   # SwiGLU
-  logits = lm_head(norm(h)) over the draft vocabulary; target id = draft id + d2t[draft id].
-The pre-norm h is what the next chain step takes as g.
+  logits = lm_head(norm(h)) over the draft vocabulary
 """
 
 from __future__ import annotations
@@ -34,17 +31,17 @@ from eagle3_jax.model.llama import KVCache
 
 @struct.dataclass
 class DraftParams:
-    """The midlayer's q/k/v and gate/up fused as the target's (model/layers.py)."""
+    """The midlayer's q/k/v and gate/up fused as the target's (model/layers.py), its input 2H wide."""
 
     fc: jax.Array  # [n_capture * H_target, H]
-    hidden_norm: jax.Array  # [H]
-    input_norm: jax.Array  # [H]
-    wqkv: jax.Array  # [2H, kvh, heads/kvh + 2, hd]
+    hidden_norm: jax.Array
+    input_norm: jax.Array
+    wqkv: jax.Array
     wo: jax.Array  # [heads*hd, H]
-    mlp_norm: jax.Array  # [H]
-    w_gate_up: jax.Array  # [H, 2, I]
+    mlp_norm: jax.Array
+    w_gate_up: jax.Array
     w_down: jax.Array  # [I, H]
-    norm: jax.Array  # [H]
+    norm: jax.Array
     lm_head: jax.Array  # [H, V_draft]
     d2t: jax.Array  # [V_draft] int32 offsets: target id = draft id + d2t[draft id]
     embed: jax.Array | None  # [V, H] own embedding (70B layout); None: use the target's
@@ -76,13 +73,12 @@ def fuse_captures(params: DraftParams, captures: jax.Array, gemv: str = "xla") -
 
 def draft_layer(params: DraftParams, cfg: DraftConfig, target_embed: jax.Array, tokens: jax.Array,
                 h: jax.Array, attend, gemv: str = "xla", norm_kernel: bool = False):
-    """The midlayer around a given attention, shared by inference (paged, `draft_forward`) and
-    training (its own mask, train/objective.py): tokens [B, T]; h [B, T, H]; attend(x [B, T, 2H])
-    -> (o_proj output [B, T, H], aux) -> (h [B, T, H], aux)."""
+    """The midlayer around `attend`, shared by inference (paged) and training (its own mask): tokens
+    [B, T], h [B, T, H], attend(x [B, T, 2H]) -> (o_proj output [B, T, H], aux) -> (h [B, T, H], aux)."""
     embed = target_embed if params.embed is None else params.embed
     e = embed[tokens].astype(h.dtype)
     x = jnp.concatenate([rms_norm(e, params.input_norm, cfg.rms_norm_eps),
-                         rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
+                         rms_norm(h, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)
     attn, aux = attend(x)
     h, x = add_rms_norm(h, attn, params.mlp_norm, cfg.rms_norm_eps, norm_kernel)
     return h + swiglu(x, params.w_gate_up, params.w_down, gemv), aux
@@ -112,5 +108,4 @@ def draft_logits(params: DraftParams, cfg: DraftConfig, hidden: jax.Array, gemv:
 
 
 def to_target_ids(params: DraftParams, draft_ids: jax.Array) -> jax.Array:
-    """Draft-vocabulary ids -> target ids through the d2t offsets."""
     return draft_ids + params.d2t[draft_ids]

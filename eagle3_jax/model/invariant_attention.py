@@ -1,12 +1,10 @@
-"""Batch-invariant paged attention: a token's output is bit for bit the same in a decode, a chain's
-or a tree's verify, or a prefill chunk, at any batch size. (pallas_attention shares a tile between
-a row's tokens and splits keys by the batch, so its sums' order depends on the neighbours.)
-- one program per (row, kv head, token, split), the token's R heads the tile's rows (RT);
-- keys walked in blocks of BLOCK_KEYS by their position in the token's own sequence, splits over
-  fixed ranges of BLOCKS_PER_SPLIT blocks: every sum's order is fixed by positions alone;
-- a tree node reads its ancestors as decode would have stored them (at root + depth), gathered
-  from where the verify stored them, so a tree verify's logits equal the decode's of its path.
-RoPE and the KV write are `pallas_attention.rope_and_write(per_token=True)`'s.
+"""Batch-invariant paged attention: a token's output is bit for bit the same in a decode, a chain's or
+a tree's verify, or a prefill chunk, at any batch size (pallas_attention's shared tiles and batch-sized
+splits make its sums' order depend on the neighbours). One program per (row, kv head, token, split),
+keys in BLOCK_KEYS blocks by position in the token's own sequence, splits over fixed ranges: every
+sum's order is fixed by positions alone. A tree node reads its ancestors as at root + depth, where
+decode would have stored them, gathered from where the verify did, so its logits equal decode's.
+RoPE and the KV write: `pallas_attention.rope_and_write(per_token=True)`.
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ BLOCKS_PER_SPLIT = 8  # a split's fixed range: 512 key positions
 
 
 def _kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool):
-    # Program (row, kv head, token t, split). q_ref [RT, hd]; vpos_ref [T]: positions in the own
-    # sequence; path_ref [1 + W] if windowed (`ancestor_paths`); table_ref [nb]; layer_ref [1];
-    # k_ref, v_ref [L, P * page, hd]. Out: o_ref [RT, hd], lse_ref [RT].
+    # Program (row, kv head, token, split). q_ref [RT, hd]; vpos_ref [T] own-sequence positions; path_ref
+    # [1 + W] (`ancestor_paths`); table_ref [nb]; k_ref, v_ref [L, P * page, hd] -> o_ref [RT, hd], lse_ref [RT].
     path_ref, (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref) = (
         (refs[0], refs[1:]) if windowed else (None, refs))
     rows, hd = q_ref.shape
@@ -91,7 +88,6 @@ def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_
 
 @jax.jit
 def _attend(tiles, vpos, paths, block_table, layer, k_pages, v_pages) -> jax.Array:
-    # tiles [B, G, T, RT, hd] -> [B, G, T, RT, hd]; the layer an operand (pallas_attention)
     b, g, t, rt, hd = tiles.shape
     num_layers, num_pages, page_size = k_pages.shape[:3]
     splits = num_splits(block_table.shape[1], page_size)
@@ -135,5 +131,4 @@ def _compiler_params():
 
 
 def _interpret() -> bool:
-    """Pallas' interpreter off the GPU (tests that lower for CUDA on a CPU patch this)."""
     return jax.default_backend() != "gpu"

@@ -1,10 +1,7 @@
-"""Batch-invariant weight projections: a Pallas (Triton) GEMM whose every output row is computed
-by the same instructions in the same order whatever the number of rows beside it.
-
-XLA picks a GEMM's tiling, split of K and library per shape, so a token's row rounds differently in
-a decode, a verify and a prefill chunk, and one ulp can flip a near-tie argmax. Here the schedule
-depends on the weight alone: BLOCK_M x BLOCK_N tiles, the K loop in order, f32 accumulation, and K
-split only by a count fixed by (K, N) (`k_splits`), the partials added in split order.
+"""Batch-invariant weight projections: a Pallas (Triton) GEMM computing every output row by the same
+instructions in the same order whatever the rows beside it. XLA picks tiling, K split and library per
+shape, so a token's row rounds differently in a decode, a verify and a prefill chunk, and one ulp can
+flip a near-tie argmax. Here fixed tiles, the K loop in order, K split by (K, N) only, added in order.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ def block_k(k: int) -> int:
 
 
 def k_splits(k: int, n: int) -> int:
-    """Parts of the K loop for a K x N weight, from its shape only: split while the N tiles alone
-    leave SMs idle and each part keeps at least MIN_SPLIT_K."""
+    """Parts of the K loop of a K x N weight: split while the N tiles leave SMs idle, parts >= MIN_SPLIT_K."""
     tiles, steps = -(-n // BLOCK_N), -(-k // block_k(k))
     splits = 1
     while tiles * splits < MIN_PROGRAMS and steps % (2 * splits) == 0 and k // (2 * splits) >= MIN_SPLIT_K:
@@ -104,5 +100,4 @@ def _compiler_params():
 
 
 def _interpret() -> bool:
-    """Pallas' interpreter off the GPU (tests that lower for CUDA on a CPU patch this)."""
     return jax.default_backend() != "gpu"

@@ -1,13 +1,11 @@
-"""Llama building blocks as pure functions: RMSNorm, RoPE (with llama3 scaling), SwiGLU and
-grouped-query attention over a paged KV cache.
+"""Llama building blocks as pure functions: RMSNorm, RoPE (llama3 scaling), SwiGLU and grouped-query
+attention over a paged KV cache.
 
-Fused projections, since a decode step is launch-bound: wqkv [D_in, G, R + 2, hd] (G kv heads, R
-q heads per kv head; [:, g, :R] are q heads g*R .. g*R+R-1, which is HF's order, then k and v head
-g) and w_gate_up [D, 2, I] (gate, up). Checkpoints keep the separate tensors (weights/layout.py).
-
-Paged KV (target and drafter): K and V each [L, P, page, G, hd] (`llama.KVCache`); position p of a
-row is at page block_table[p // page], slot p % page. Page 0 is scratch: unallocated entries point
-at it, so padded rows' and tokens' writes land there and are never read.
+Projections are fused, since a decode step is launch-bound: wqkv [D_in, G, R + 2, hd] (G kv heads, R
+q heads per kv head: [:, g, :R] are q heads g*R .. g*R+R-1, HF's order, then k and v head g) and
+w_gate_up [D, 2, I] (gate, up); checkpoints keep them apart (weights/layout.py). Paged KV: K, V each
+[L, P, page, G, hd]; position p of a row is at page block_table[p // page], slot p % page. Page 0 is
+scratch: unallocated entries point at it, so padded rows' and tokens' writes land there, never read.
 """
 
 from __future__ import annotations
@@ -27,12 +25,12 @@ SCRATCH_PAGE = 0
 
 class TreeAttention(NamedTuple):
     """A call's T tokens as a token tree: token t of row b is stored at `positions`, rotated at
-    rope_positions[b, t], and sees every position before window_start[b] and, of the W from it on,
-    those window_mask[b, t] marks (ancestors and itself; never one stored after it)."""
+    rope_positions [B, T], and sees every position before window_start [B] and, of the W from it on,
+    those window_mask [B, T, W] marks (ancestors and itself; never one stored after it)."""
 
-    rope_positions: jax.Array  # [B, T]
-    window_start: jax.Array  # [B]
-    window_mask: jax.Array  # [B, T, W] bool
+    rope_positions: jax.Array
+    window_start: jax.Array
+    window_mask: jax.Array
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
@@ -44,8 +42,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array | None, eps: float,
                  kernel: bool = False) -> tuple[jax.Array, jax.Array]:
-    """x, delta [..., D] (delta None: nothing to add) -> (s = x + delta, rms_norm(s, weight));
-    kernel: in one Pallas kernel (pallas_norm)."""
+    """x, delta [..., D] (None: no add) -> (s = x + delta, rms_norm(s, weight)); kernel: pallas_norm's."""
     if kernel:
         return pallas_norm.add_rms_norm(x, delta, weight, eps)
     s = x if delta is None else x + delta
@@ -80,7 +77,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def qkv_shape(d_in: int, heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    """Shape of a fused wqkv: [D_in, G, R + 2, hd]."""
     return d_in, kv_heads, heads // kv_heads + 2, head_dim
 
 
@@ -110,19 +106,16 @@ def _page_of(positions: jax.Array, block_table: jax.Array, page_size: int) -> ja
 
 
 def write_kv(pages: jax.Array, layer: int, new: jax.Array, positions: jax.Array, block_table: jax.Array) -> jax.Array:
-    """Scatter new [B, T, kvh, hd] at positions [B, T] into layer `layer` of pages
-    [L, P, page, kvh, hd] (in place when the caller donates them)."""
+    """Scatter new [B, T, kvh, hd] at positions [B, T] into layer `layer` of pages [L, P, page, kvh, hd]."""
     page_size = pages.shape[2]
     page = _page_of(positions, block_table, page_size)
-    # unique_indices holds for real pages (a row's positions are distinct, rows share no page);
-    # only scratch, never read, is written twice. Without it XLA writes with atomics, and the
-    # collisions on scratch serialize (BENCHMARKS.md, "Serving with arrivals").
+    # unique_indices holds but for scratch, never read (rows share no page): without it XLA writes with
+    # atomics, and the collisions on scratch serialize (BENCHMARKS.md, "Serving with arrivals").
     return pages.at[layer, page, positions % page_size].set(new.astype(pages.dtype), unique_indices=True)
 
 
 def move_kv(pages: jax.Array, src: jax.Array, dst: jax.Array, block_table: jax.Array) -> jax.Array:
-    """Every layer's entries at src [B, M] copied to dst [B, M] of the same row, all read before
-    any is written (a tree's accepted path to its contiguous positions)."""
+    """Every layer's entries at src [B, M] copied to dst [B, M], all read before any is written."""
     page_size = pages.shape[2]
     moved = pages[:, _page_of(src, block_table, page_size), src % page_size]
     return pages.at[:, _page_of(dst, block_table, page_size), dst % page_size].set(moved)
@@ -136,10 +129,9 @@ def gather_kv(pages: jax.Array, block_table: jax.Array) -> jax.Array:
 
 
 def window_visible(window_start: jax.Array, window_mask: jax.Array, num_keys: int) -> jax.Array:
-    """window_start [B], window_mask [B, T, W] -> visible [B, T, S]: keys before the window, and
-    those in it that the query's mask row marks."""
+    """window_start [B], window_mask [B, T, W] -> visible [B, T, S]: before the window, or marked in it."""
     b, t, w = window_mask.shape
-    rel = jnp.arange(num_keys)[None, :] - window_start[:, None]  # [B, S]
+    rel = jnp.arange(num_keys)[None, :] - window_start[:, None]
     idx = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], (b, t, num_keys))
     marked = jnp.take_along_axis(window_mask, idx, axis=2)
     return (rel < 0)[:, None, :] | (marked & (rel < w)[:, None, :])
@@ -147,11 +139,10 @@ def window_visible(window_start: jax.Array, window_mask: jax.Array, num_keys: in
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
                     block_table: jax.Array, tree: TreeAttention | None = None) -> jax.Array:
-    """Causal GQA: q [B, T, H, hd] (rotated), k/v_pages [P, page, kvh, hd] (holding this step's
-    keys), positions [B, T], block_table [B, nb] -> [B, T, H, hd]. A query at p sees its row's
-    positions 0..p, or with a `tree` what its window lets it see."""
+    """Causal GQA: q [B, T, H, hd] (rotated), k/v_pages [P, page, kvh, hd] holding this step's keys,
+    positions [B, T] -> [B, T, H, hd]; with a `tree`, a query sees what its window lets it see."""
     b, t, h, hd = q.shape
-    k = gather_kv(k_pages, block_table)  # [B, S, kvh, hd]
+    k = gather_kv(k_pages, block_table)
     v = gather_kv(v_pages, block_table)
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, hd)
@@ -159,7 +150,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
     scores = scores * (1.0 / math.sqrt(hd))
     if tree is None:
         key_pos = jnp.arange(k.shape[1])
-        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        visible = key_pos[None, None, :] <= positions[:, :, None]
     else:
         visible = window_visible(tree.window_start, tree.window_mask, k.shape[1])
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
@@ -175,8 +166,7 @@ def fused_qkv(h: jax.Array, wqkv: jax.Array, gemv: str = "xla") -> jax.Array:
 
 def project_qkv(h: jax.Array, wqkv: jax.Array, positions: jax.Array, *,
                 inv_freq, gemv: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D_in]; wqkv [D_in, G, R + 2, hd] -> q [B, T, G*R, hd] (HF's head order), k, v
-    [B, T, G, hd]; q and k rotated to `positions`."""
+    """h [B, T, D_in] -> q [B, T, G*R, hd] (HF's head order), k, v [B, T, G, hd]; q, k rotated."""
     b, t, _ = h.shape
     g, r, hd = wqkv.shape[1], wqkv.shape[2] - 2, wqkv.shape[3]
     qkv = fused_qkv(h, wqkv, gemv)
@@ -189,11 +179,9 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
                     k_pages: jax.Array, v_pages: jax.Array, layer: int, block_table: jax.Array, *,
                     inv_freq, attention: str = "xla", gemv: str = "xla",
                     tree: TreeAttention | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention over layer `layer` of the paged cache, for the target and the draft midlayer
-    (2H-wide input). h [B, T, D_in] (normed); wqkv [D_in, G, R + 2, hd]; wo [G*R*hd, D]; k/v_pages
-    [L, P, page, G, hd] -> (out [B, T, D], k_pages, v_pages with this step's written). attention
-    "pallas": the Pallas kernels where `pallas_attention.supports` the step, else XLA's;
-    "invariant": invariant_attention. With a `tree`, `positions` say only where k, v are stored."""
+    """Attention over layer `layer` of the paged cache (target, or the draft's 2H-wide midlayer): h [B, T,
+    D_in] normed, wo [G*R*hd, D] -> (out [B, T, D], k_pages, v_pages with this step's written). "pallas":
+    where `pallas_attention.supports` the step. With a `tree`, `positions` say only where k, v are stored."""
     b, t, _ = h.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
     window = 0 if tree is None else tree.window_mask.shape[2]

@@ -1,8 +1,6 @@
-"""The Llama-3 target as pure functions over a parameter pytree.
-
-`forward` runs any number of new tokens per row (prefill chunks, decode, verify) against the paged
-KV cache and returns the final normed hidden states and the EAGLE-3 captures. Layers are a Python
-loop, unrolled in the compiled program: `lax.scan` over stacked layers was slower.
+"""The Llama-3 target as pure functions: `forward` runs any number of new tokens a row (prefill chunks,
+decode, verify) against the paged KV cache, returning the final normed hidden states and the EAGLE-3
+captures. Layers are a Python loop, unrolled: `lax.scan` over stacked layers was slower.
 """
 
 from __future__ import annotations
@@ -31,11 +29,11 @@ from eagle3_jax.model.layers import (
 class LayerParams:
     """One decoder layer (fused layout: model/layers.py); a norm gain None is folded (`fold_norm_gains`)."""
 
-    attn_norm: jax.Array | None  # [D]
-    wqkv: jax.Array  # [D, kvh, H/kvh + 2, hd]
+    attn_norm: jax.Array | None
+    wqkv: jax.Array
     wo: jax.Array  # [H*hd, D]
-    mlp_norm: jax.Array | None  # [D]
-    w_gate_up: jax.Array  # [D, 2, I]
+    mlp_norm: jax.Array | None
+    w_gate_up: jax.Array
     w_down: jax.Array  # [I, D]
 
 
@@ -43,15 +41,14 @@ class LayerParams:
 class LlamaParams:
     embed: jax.Array  # [V, D]
     layers: tuple[LayerParams, ...]
-    norm: jax.Array  # [D]
+    norm: jax.Array
     lm_head: jax.Array | None  # [D, V]; None when tied to `embed`
 
 
 @struct.dataclass
 class KVCache:
-    """Paged keys and values of every layer: k, v [L, num_pages, page_size, kvh, hd]. One array,
-    not one per layer: each buffer a step takes costs host time at dispatch (BENCHMARKS.md, "Host
-    overhead"); the steps donate it, so each layer writes in place."""
+    """k, v [L, num_pages, page_size, kvh, hd]: one array, not one per layer, since each buffer costs
+    host time at dispatch (BENCHMARKS.md, "Host overhead"); donated, so each layer writes in place."""
 
     k: jax.Array
     v: jax.Array
@@ -91,9 +88,8 @@ def _fold_layer(layer: LayerParams) -> LayerParams:
 
 
 def fold_norm_gains(params: LlamaParams) -> LlamaParams:
-    """Each layer's RMSNorm gains multiplied into the projection after them: rms_norm(x, g) @ W ==
-    rms_norm(x, None) @ (g[:, None] * W). The engine serves folded weights, two fewer buffers a
-    layer to dispatch (BENCHMARKS.md, "Host overhead"); folded layers pass through."""
+    """RMSNorm gains folded into the next projection, rms_norm(x, g) @ W == rms_norm(x, None) @ (g[:, None] * W):
+    two fewer buffers a layer to dispatch (BENCHMARKS.md, "Host overhead"); folded layers pass through."""
     layers = tuple(layer if layer.attn_norm is None else _fold_layer(layer) for layer in params.layers)
     return params.replace(layers=layers)
 
@@ -103,7 +99,7 @@ def sum_shards(x: jax.Array, tp_axis: str | None) -> jax.Array:
     the shape (an all-reduce may pick its algorithm, and so its order, by message size)."""
     if tp_axis is None:
         return x
-    parts = jax.lax.all_gather(x, tp_axis)  # [tp, ...]
+    parts = jax.lax.all_gather(x, tp_axis)
     total = parts[0]
     for i in range(1, parts.shape[0]):
         total = total + parts[i]
@@ -127,13 +123,11 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, positions:
             gemv: str = "xla", tree: TreeAttention | None = None,
             tp_axis: str | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
     """tokens, positions [B, T]; block_table [B, nb] -> (final normed hidden [B, T, D], captures
-    [B, T, n_capture * D], cache). attention, tree, gemv: `layers.attention_block`'s; pin_kv:
-    applied to the cache after each layer's write (`sharding.cache_pin`); tp_axis: run per device
-    inside shard_map over this mesh axis, on the weights' and the cache's Megatron shards, the
-    row-parallel partial sums added in rank order (`sum_shards`)."""
+    [B, T, n_capture * D], cache). pin_kv: applied after each layer's write (`sharding.cache_pin`);
+    tp_axis: per device inside shard_map, row-parallel partials added in rank order (`sum_shards`)."""
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     eps, kernel = cfg.rms_norm_eps, attention in ("pallas", "invariant")
-    x = embed_tokens(params.embed, tokens, cfg.vocab_size, tp_axis)  # [B, T, D]
+    x = embed_tokens(params.embed, tokens, cfg.vocab_size, tp_axis)
     delta = None  # the previous MLP's output, added in the next norm's kernel
     captured = {}
     for i, layer in enumerate(params.layers):
@@ -161,5 +155,4 @@ def logits(params: LlamaParams, hidden: jax.Array, gemv: str = "xla") -> jax.Arr
 
 
 def count_params(shapes) -> int:
-    """Number of scalars in a pytree of arrays or ShapeDtypeStructs."""
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))

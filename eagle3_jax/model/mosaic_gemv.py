@@ -1,15 +1,11 @@
-"""Weight projections of few rows (decode, verify, draft steps) as one Pallas Mosaic GPU kernel
-each, for Hopper. Opt-in (EngineConfig.gemv): in whole steps it is slower than XLA's dots, mostly
-for lack of programmatic dependent launch in jax's runtime (BENCHMARKS.md, "Tried and rejected").
+"""Weight projections of few rows (decode, verify, draft steps) as one Pallas Mosaic GPU kernel each,
+for Hopper. Opt-in (EngineConfig.gemv): slower than XLA's dots in whole steps, mostly for lack of
+programmatic dependent launch in jax's runtime (BENCHMARKS.md, "Tried and rejected").
 
-A grid of (N / tile_n column tiles, S splits of K); program (j, s) pipelines its K range through
-shared memory with TMA copies and multiplies with wgmma. The weight tile is wgmma's 64-row operand
-and x the narrow one, so the product comes out transposed,
-    out^T [tile_n, Mp] += W^T [tile_n, tile_k] @ x^T [tile_k, Mp],
-and one row pads to 8 columns instead of 64. XLA sums the S f32 partials and transposes back.
-
-Batch-invariant: the tiling depends only on the weight's shape, and the partials are summed split
-by split in order, so a row's output does not depend on the rows beside it.
+A grid of (N / tile_n column tiles, S splits of K), each pipelining its K range through shared memory
+by TMA into wgmma. W is wgmma's 64-row operand and x the narrow one (out^T += W^T x^T), so one row pads
+to 8 columns, not 64. Batch-invariant: the tiling depends on the weight's shape only, and the S f32
+partials are summed in order.
 """
 
 from __future__ import annotations
@@ -31,18 +27,16 @@ _PROGRAMS = 264  # split K up to about two programs per multiprocessor (132)
 class Tiling:
     tile_n: int  # output columns per program: wgmma's M, a multiple of 64
     tile_k: int  # K per pipeline step: 64 or 128 (one or two 128-byte swizzle spans of bf16)
-    splits: int  # programs sharing one column tile's K range
-    stages: int  # pipeline steps in flight
+    splits: int
+    stages: int
 
 
 def supports(rows: int, k: int, n: int, dtype) -> bool:
-    """Whether x [rows, k] @ w [k, n] fits the kernel."""
     return 0 < rows <= MAX_ROWS and k % 64 == 0 and n % 64 == 0 and jnp.dtype(dtype) == jnp.bfloat16
 
 
 def tiling(k: int, n: int) -> Tiling:
-    """The tiles for a [k, n] weight, from its shape only. Tuned on the H200's 8B projections:
-    128-wide column tiles only where there are at least 200 (gate_up); K split in up to four."""
+    """The tiles of a [k, n] weight, from its shape only; tuned on Llama-3.1-8B's projections."""
     tile_k = 128 if k % 128 == 0 else 64
     tile_n = 128 if n % 128 == 0 and n // 128 >= 200 else 64
     tiles = n // tile_n
@@ -53,9 +47,8 @@ def tiling(k: int, n: int) -> Tiling:
 
 
 def partials(x: jax.Array, w: jax.Array, t: Tiling) -> jax.Array:
-    """x [M, K], w [K, N] -> transposed partials [S, N, Mp] f32, Mp = M rounded up to 8. Up to 8
-    rows the TMA copies fill zeros (no padded copy, no extra kernel); past 8, Mosaic takes only
-    whole tiles of 8 rows, so x is padded."""
+    """x [M, K], w [K, N] -> transposed partials [S, N, Mp] f32, Mp = M rounded up to 8. Up to 8 rows
+    the TMA copies fill zeros; past 8 Mosaic takes only whole 8-row tiles, so x is padded."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
@@ -100,7 +93,7 @@ def project(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     lead, k = x.shape[:-1], x.shape[-1]
     out_shape = w.shape[1:]
     rows, n = math.prod(lead), math.prod(out_shape)
-    parts = partials(x.reshape(rows, k), w.reshape(k, n), tiling(k, n))  # [S, N, Mp] f32
+    parts = partials(x.reshape(rows, k), w.reshape(k, n), tiling(k, n))
     # Split by split, in order: a reduce's order changed with Mp.
     y = functools.reduce(jnp.add, list(parts)).T[:rows]
     return y.astype(out_dtype or x.dtype).reshape(*lead, *out_shape)

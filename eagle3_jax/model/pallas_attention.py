@@ -1,15 +1,13 @@
 """Paged GQA attention for steps of few tokens a row (T*R <= MAX_QUERY_ROWS) as Pallas (Triton)
-kernels: `rope_and_write` (RoPE, the KV write and the query tiles in one launch), then
-`attend_tiles` (online softmax over the pages a row has filled, as flash-decoding). The XLA form
-(`layers.paged_attention`) reads the whole block table in about a dozen kernels a layer, in steps
-bound by their kernel count (BENCHMARKS.md, "Host overhead").
+kernels: `rope_and_write` (RoPE, the KV write and the query tiles in one launch), then `attend_tiles`
+(online softmax over the pages a row has filled, as flash-decoding); the XLA form takes about a
+dozen kernels a layer, in steps bound by their kernel count (BENCHMARKS.md, "Host overhead").
 
-One program per (row, kv head g, split): its T*R queries are the M rows of the tile (padded to a
-power of two >= 16 for the tensor cores), row t*R + r being q head g*R + r of token t. Splits
-share a row's key blocks so that one row still fills the SMs; `combine_splits` merges them. The
-layer is an operand, not a block-spec constant, so a program lowers each kernel once, not once a
-layer. A token tree's window mask is packed to bits (`window_rows`); its ancestors are stored
-first, so the causal bound still holds. Off the GPU the kernels run in Pallas' interpreter.
+One program per (row, kv head g, split): its T*R queries are the tile's M rows (a power of two >= 16
+for the tensor cores), row t*R + r being q head g*R + r of token t. Splits share a row's key blocks,
+so one row still fills the SMs. The layer is an operand, not a block-spec constant, so a program
+lowers each kernel once, not once a layer. A tree's window mask is packed to bits; its ancestors
+are stored first, so the causal bound still holds.
 """
 
 from __future__ import annotations
@@ -22,11 +20,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 MAX_QUERY_ROWS = 128  # T*R of a tile: a tree verify of 32 tokens at R = 4
-# A verify's T (up to 33) or a draft level's (steps - 1) * top_k; each 32 is one more mask word.
-MAX_WINDOW = 64
+MAX_WINDOW = 64  # a verify's T or a draft level's (steps - 1) * top_k; each 32 one more mask word
 TARGET_PROGRAMS = 256  # about two per SM of an H200 (132 SMs)
-COMBINE_CHUNK = 32  # head-dim lanes per program of the combine
-COMBINE_ROWS = 16  # query rows per program of the combine
+COMBINE_CHUNK = 32
+COMBINE_ROWS = 16
 MASKED = -1e30  # finite: a padded query row sees nothing and must not produce NaN
 
 
@@ -54,12 +51,12 @@ def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed
     end = jnp.minimum(first + per_split, row_blocks)
 
     def body(i, carry):
-        pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]  # [ppb]
+        pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]
         k = k_ref[layer, pages].reshape(block_k, hd)
         v = v_ref[layer, pages].reshape(block_k, hd)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         key_pos = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (m, block_k), 1)
-        visible = key_pos <= qpos[:, None]  # [M, block_k]
+        visible = key_pos <= qpos[:, None]
         if windowed:
             visible = visible & _in_window(win_ref, key_pos)
         return online_softmax_step(carry, jnp.where(visible, s, MASKED), v)
@@ -74,8 +71,7 @@ def online_softmax_init(rows: int, hd: int) -> tuple[jax.Array, jax.Array, jax.A
 
 
 def online_softmax_step(carry, s: jax.Array, v: jax.Array):
-    """One key block: carry, scores s [rows, block] f32 (MASKED where unseen), v [block, hd] ->
-    carry. A fully masked block leaves the carry exactly as it was."""
+    """One key block: carry, s [rows, block] f32 (MASKED: unseen), v [block, hd] -> carry; unchanged if all masked."""
     o, row_max, row_sum = carry
     new_max = jnp.maximum(row_max, s.max(axis=1))
     correction = jnp.exp(row_max - new_max)
@@ -87,8 +83,7 @@ def online_softmax_step(carry, s: jax.Array, v: jax.Array):
 
 
 def write_split(carry, o_ref, lse_ref) -> None:
-    """A split's normalized output and log-sum-exp; a row that saw nothing gets a log-sum-exp near
-    MASKED, so it weighs nothing in the combine."""
+    """A split's normalized output and log-sum-exp (near MASKED where it saw nothing: no weight in the combine)."""
     o, row_max, row_sum = carry
     o_ref[...] = (o / jnp.maximum(row_sum, 1e-30)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
@@ -96,11 +91,11 @@ def write_split(carry, o_ref, lse_ref) -> None:
 
 def _in_window(win_ref, key_pos: jax.Array) -> jax.Array:
     """key_pos [M, block_k] -> [M, block_k] bool: before the row's window, or its mask bit set."""
-    rel = key_pos - win_ref[0][:, None]  # offset in the window
+    rel = key_pos - win_ref[0][:, None]
     word, bit = jnp.right_shift(rel, 5), jnp.bitwise_and(rel, 31)
     seen = rel < 0
     for w in range(win_ref.shape[0] - 1):  # static: no gather from the row's words
-        bits = jnp.right_shift(win_ref[1 + w][:, None], bit)  # [M, block_k]
+        bits = jnp.right_shift(win_ref[1 + w][:, None], bit)
         seen = seen | ((word == w) & (jnp.bitwise_and(bits, 1) == 1))
     return seen
 
@@ -113,7 +108,7 @@ def window_rows(window_start: jax.Array, window_mask: jax.Array, heads_per_kv: i
     bits = jnp.pad(window_mask, ((0, 0), (0, 0), (0, 32 * nw - w))).reshape(b, t, nw, 32).astype(jnp.uint32)
     words = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)  # [B, T, nw]: OR of bits
     rows = jnp.concatenate([jnp.broadcast_to(window_start.astype(jnp.int32)[:, None, None], (b, t, 1)),
-                            jax.lax.bitcast_convert_type(words, jnp.int32)], axis=2)  # [B, T, 1 + nw]
+                            jax.lax.bitcast_convert_type(words, jnp.int32)], axis=2)
     rows = jnp.pad(jnp.repeat(rows, heads_per_kv, axis=1), ((0, 0), (0, m - t * heads_per_kv), (0, 0)))
     return rows.transpose(0, 2, 1)
 
@@ -127,15 +122,13 @@ def pages_per_block(num_blocks: int, page_size: int, block_keys: int = 64) -> in
 
 
 def num_splits(batch: int, kv_heads: int, key_blocks: int, programs: int = TARGET_PROGRAMS) -> int:
-    """Splits of each row's keys (flash-decoding): the largest power of two up to `programs`
-    programs in all and one per key block. Unsplit, one row of an 8B decode is 8 programs."""
+    """Splits of each row's keys: the largest power of two to `programs` in all and one per key block."""
     wanted = max(1, min(programs // (batch * kv_heads), key_blocks))
     return 1 << (wanted.bit_length() - 1)
 
 
 def _combine_kernel(o_ref, lse_ref, out_ref):
-    # o_ref [S, rows, chunk] f32, lse_ref [S, rows] f32 -> out_ref [rows, chunk]; online over the
-    # splits (unrolled: S independent loads).
+    # o_ref [S, rows, chunk] f32, lse_ref [S, rows] -> out_ref [rows, chunk]; S unrolled: independent loads.
     acc, row_max = o_ref[0], lse_ref[0]
     den = jnp.ones_like(row_max)
     for s in range(1, o_ref.shape[0]):
@@ -199,7 +192,6 @@ def query_tile_rows(num_tokens: int, heads_per_kv: int) -> int:
 
 
 def _kv_head_pages_spec(pages_shape: tuple[int, ...]) -> pl.BlockSpec:
-    """Kv head j's pages of every layer [L, P, page, hd] (the layer an operand: module docstring)."""
     num_layers, num_pages, page_size, _, hd = pages_shape
     return pl.BlockSpec((num_layers, num_pages, page_size, None, hd), lambda i, j, n: (0, 0, 0, j, 0))
 
@@ -212,10 +204,9 @@ def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array,
                    v_pages: jax.Array, layer, scratch_page: int,
                    rope_positions: jax.Array | None = None,
                    per_token: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rotate q and k, write k and v into their pages in place, lay q out as tiles (the XLA form is
-    four to six kernels a layer). qkv [B, T, G, R + 2, hd] (before RoPE); positions [B, T] where
-    k, v are stored; rope_positions [B, T] where q, k are rotated (a tree node: at length + depth)
-    -> (q tiles [B, G, M, hd], or per_token [B, G, T, RT, hd]; k_pages, v_pages)."""
+    """Rotate q and k, write k and v into their pages in place, lay q out as tiles. qkv [B, T, G, R + 2, hd];
+    positions [B, T] where k, v are stored; rope_positions [B, T] where q, k are rotated (a tree node:
+    length + depth) -> (q tiles [B, G, M, hd], or per_token [B, G, T, RT, hd]; k_pages, v_pages)."""
     rope = None if rope_positions is None else rope_positions.astype(jnp.int32)
     return _rope_and_write(qkv, positions.astype(jnp.int32), rope, block_table.astype(jnp.int32),
                            jnp.asarray(inv_freq, jnp.float32), _layer_operand(layer), k_pages, v_pages,
@@ -261,10 +252,9 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
                  block_table: jax.Array, heads_per_kv: int, splits: int | None = None, block_keys: int = 64,
                  num_warps: int | None = None, num_stages: int = 1, window_start: jax.Array | None = None,
                  window_mask: jax.Array | None = None) -> jax.Array:
-    """Query tiles [B, G, M, hd] over layer `layer` of the pages [L, P, page, G, hd] (holding this
-    step's keys); positions [B, T]; block_table [B, nb] -> [B, T, G*R, hd]. num_stages 1: a split
-    walks few blocks, and pipelining them was slower (BENCHMARKS.md, "Llama-3.1-8B step
-    functions"). window_start, window_mask: `layers.TreeAttention`'s."""
+    """Query tiles [B, G, M, hd] over layer `layer` of the pages [L, P, page, G, hd]; positions [B, T] ->
+    [B, T, G*R, hd]. num_stages 1: a split walks few blocks, and pipelining them was slower
+    (BENCHMARKS.md, "Llama-3.1-8B step functions")."""
     b, g, m, hd = q_tiles.shape
     t, r = positions.shape[1], heads_per_kv
     rows = t * r
@@ -279,7 +269,6 @@ def attend_tiles(q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lay
     num_warps = (4 if m <= 64 else 8) if num_warps is None else num_warps
     out = _attend(q_tiles, qpos, window, block_table.astype(jnp.int32), _layer_operand(layer), k_pages, v_pages,
                   rows=rows, pages_per_block=ppb, splits=splits, num_warps=num_warps, num_stages=num_stages)
-    # [B, G, M, hd] -> [B, T, G*R, hd]
     return out[:, :, :rows].reshape(b, g, t, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
 
 
@@ -319,8 +308,7 @@ def _attend(q_tiles, qpos, window, block_table, layer, k_pages, v_pages, *, rows
 
 
 def combine_splits(out: jax.Array, lse: jax.Array, rows: int, dtype, num_stages: int) -> jax.Array:
-    """out [B, G, S, M, hd] f32 and lse [B, G, S, M], each split weighted by its share of the
-    softmax mass -> [B, G, M, hd]; rows: the tile's real query rows (T*R)."""
+    """out [B, G, S, M, hd] f32, lse [B, G, S, M] -> [B, G, M, hd], splits weighted by softmax mass; rows: T*R."""
     b, g, splits, m, hd = out.shape
     # Chunks of rows and of the head dim: (row, kv head) programs alone are too few to hide loads.
     chunk, row_chunk = min(COMBINE_CHUNK, hd), min(COMBINE_ROWS, m)
@@ -342,13 +330,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positi
                     block_table: jax.Array, splits: int | None = None, block_keys: int = 64,
                     num_warps: int | None = None, num_stages: int = 1, window_start: jax.Array | None = None,
                     window_mask: jax.Array | None = None) -> jax.Array:
-    """`layers.paged_attention`'s contract (q [B, T, H, hd] rotated, pages [P, page, G, hd]) on
-    these kernels, for tests; the steps call `rope_and_write` then `attend_tiles`."""
+    """`layers.paged_attention`'s contract on these kernels, for tests (the steps call `attend_tiles`)."""
     b, t, h, hd = q.shape
     g = k_pages.shape[2]
     r = h // g
     m = query_tile_rows(t, r)
-    # [B, T, G, R, hd] -> [B, G, T*R, hd], padded to M rows.
     tiles = q.reshape(b, t, g, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, g, t * r, hd)
     tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, m - t * r), (0, 0)))
     return attend_tiles(tiles, k_pages[None], v_pages[None], 0, positions, block_table, r, splits, block_keys,

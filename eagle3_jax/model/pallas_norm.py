@@ -1,7 +1,7 @@
-"""The residual add and the RMSNorm after it as one Pallas (Triton) kernel, a program per row,
-where XLA compiles three or four small kernels (BENCHMARKS.md, "Llama-3.1-8B step functions").
-Numerics are `layers.add_rms_norm`'s: the sum rounded to the stream's dtype, statistics in f32
-over it, the normed value rounded, then the gain.
+"""The residual add and the RMSNorm after it as one Pallas (Triton) kernel, a program per row, where
+XLA compiles three or four small kernels (BENCHMARKS.md, "Llama-3.1-8B step functions"). Numerics
+are `layers.add_rms_norm`'s: the sum rounded to the stream's dtype, f32 statistics, the normed value
+rounded, then the gain.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The k largest entries of each row of a vocabulary-sized array, and the row's logsumexp, as two
-Pallas (Triton) kernels: what a draft tree level needs of the draft's logits, where XLA compiled
-about fourteen small kernels a level (BENCHMARKS.md, "Llama-3.1-8B step functions").
-
-  stage 1  a program per (row, chunk of CHUNK entries): the chunk's top k (k passes of max, the
-           lowest index among equal values), its max and its sum of exp(x - max);
-  stage 2  a program per row: the top k of the chunks' candidates and the row's logsumexp from
-           the chunks' (max, sum) pairs; a row of one chunk skips it.
-
-The top k are lax.top_k's (ties to the lower index, -inf after every finite entry); `values - lse`
-equals jax.nn.log_softmax's entries up to f32 rounding.
+Pallas (Triton) kernels: what a draft tree level needs of the draft's logits, where XLA compiles
+about fourteen small kernels (BENCHMARKS.md, "Llama-3.1-8B step functions"). Stage 1, a program per
+(row, CHUNK entries): the chunk's top k by k passes of max, its max and sum of exp(x - max); stage 2,
+a program per row, merges the chunks' candidates and (max, sum) pairs. Ties and -inf as lax.top_k's;
+`values - lse` equals jax.nn.log_softmax's entries up to f32 rounding.
 """
 
 from __future__ import annotations
@@ -113,5 +108,4 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _interpret() -> bool:
-    """Pallas' interpreter off the GPU (tests that lower for CUDA on a CPU patch this)."""
     return jax.default_backend() != "gpu"

@@ -1,17 +1,15 @@
 """Make Pallas' Triton lowering find the Triton dialect's Python module, once per process.
 
-MLIR's Python bindings look for each value's dialect module ("tt") under their search prefix,
-`jaxlib.mlir.dialects.tt`, which does not exist (jaxlib ships `jaxlib.triton.dialect`), and a
-failed import is not remembered: tens of thousands of failed imports a program, about half of its
-lowering time, under the GIL (BENCHMARKS.md, "Start-up"). Registering the real module under the
-searched name makes the first lookup succeed; the IR is the same.
+MLIR's bindings look for the "tt" dialect module under `jaxlib.mlir.dialects`, where jaxlib does not
+ship it (it has `jaxlib.triton.dialect`), and do not remember a failed import: one per value lowered,
+under the GIL (BENCHMARKS.md, "Start-up"). Registering the real module there ends it; the IR is the same.
 """
 
 from __future__ import annotations
 
 import sys
 
-TRITON_NAMESPACE = "tt"  # the Triton dialect's MLIR namespace
+TRITON_NAMESPACE = "tt"
 
 
 def register() -> None:

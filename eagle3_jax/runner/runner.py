@@ -1,12 +1,10 @@
-"""The device runner: `ModelRunner` owns the served weights, the donated `DeviceState`, the
-buffers pinned per batch bucket and the compiled steps (one executable per shape and
-`StepConfig`). It dispatches prefills and iterations without waiting, and compiles and times them
-on padding rows; what to run, and when, is the engine's.
+"""The device runner: `ModelRunner` owns the served weights, the donated `DeviceState`, the buffers
+pinned per batch bucket and the compiled steps. It dispatches prefills and iterations without
+waiting, and compiles and times them on padding rows; what to run, and when, is the engine's.
 
-Every buffer an iteration touches keeps its device address from call to call: the CUDA graph XLA
-launches is rewritten for any moved buffer, at a host cost as large as a SmolLM2 iteration
-(BENCHMARKS.md, "Host overhead"). So the state is donated, the per-call arguments live in
-`PinnedBatch`, and results are copied into buffers held here.
+Every buffer an iteration touches keeps its device address from call to call: XLA rewrites its CUDA
+graph for any moved buffer, at a host cost as large as an iteration (BENCHMARKS.md, "Host overhead").
+So the state is donated, per-call arguments live in `PinnedBatch`, results land in buffers held here.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ Job = tuple[Callable, tuple, dict]  # (jitted function, args, keyword args): one
 
 
 def compile_on_pool(compiles: Sequence[Callable[[], Any]], progress: bool = False) -> tuple[float, list]:
-    """Run each compile (a thunk returning an executable) on a thread pool: XLA compiles without
-    holding the GIL. -> (seconds, the executables in order)."""
+    """Run the compiles (thunks) on a thread pool, as XLA compiles without the GIL -> (seconds, executables)."""
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(compiles), os.cpu_count() or 1))) as pool:
         futures = [pool.submit(compile_) for compile_ in compiles]
@@ -67,9 +64,8 @@ def compile_on_pool(compiles: Sequence[Callable[[], Any]], progress: bool = Fals
 
 
 def precompile(jobs: Sequence[Job], progress: bool = False) -> float:
-    """Lower and compile the jobs on a thread pool (`compile_on_pool`). The executables go to JAX's
-    persistent compilation cache (where one is set, and the compile took long enough to be kept),
-    where a jitted call with the same shapes then loads them. -> seconds."""
+    """Lower and compile the jobs on a thread pool -> seconds. A jitted call with the same shapes then
+    loads them from JAX's persistent compilation cache (where one is set, and they were kept)."""
     return compile_on_pool([lambda j=j: j[0].lower(*j[1], **j[2]).compile() for j in jobs], progress)[0]
 
 
@@ -98,8 +94,7 @@ class CompileCounter:
 
 
 def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
-    """EngineConfig.attention resolved: "auto" is the Pallas kernel on a GPU without tensor
-    parallelism (a pallas_call is not partitioned by XLA's sharding propagation)."""
+    """EngineConfig.attention resolved: "auto" is Pallas on one GPU (XLA does not partition a pallas_call)."""
     if cfg.attention == "pallas" and mesh is not None:
         raise ConfigError("engine config: attention 'pallas' does not run under tensor parallelism "
                           "(use 'auto' or 'xla')")
@@ -109,8 +104,7 @@ def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
 
 
 def batch_invariant(cfg: EngineConfig, target: ModelConfig, mesh: Mesh | None) -> bool:
-    """EngineConfig.batch_invariant, checked: under tensor parallelism the target runs per device,
-    each holding whole kv groups (`steps.StepConfig.per_device`)."""
+    """EngineConfig.batch_invariant, checked: under tp each device must hold whole kv groups (`per_device`)."""
     tp = 1 if mesh is None else mesh.shape[sharding.TP]
     if cfg.batch_invariant and not sharding.kv_heads_split(target.num_kv_heads, tp):
         raise ConfigError(f"engine config: batch_invariant under tensor parallelism needs the {target.num_kv_heads} "
@@ -119,8 +113,7 @@ def batch_invariant(cfg: EngineConfig, target: ModelConfig, mesh: Mesh | None) -
 
 
 def gemv_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
-    """EngineConfig.gemv, checked: the Mosaic GPU kernel needs a Hopper GPU (wgmma, TMA copies)
-    and one device (a kernel is not partitioned by XLA's sharding propagation)."""
+    """EngineConfig.gemv, checked: the Mosaic kernel needs one Hopper GPU (wgmma, TMA; XLA won't partition it)."""
     device = jax.devices()[0]
     hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
     if cfg.gemv == "mosaic" and (mesh is not None or not hopper):
@@ -132,20 +125,20 @@ def gemv_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
 
 @dataclasses.dataclass
 class PrefillInputs:
-    """The host arrays of one prefill call (`steps.prefill`'s), P rows of T-token chunks."""
+    """The host arrays of one prefill call (`steps.prefill`'s): tokens, next_tokens [P, T]; block_table
+    [P, nb]; the rest [P]."""
 
-    tokens: np.ndarray  # [P, T]
-    next_tokens: np.ndarray  # [P, T]
-    num_valid: np.ndarray  # [P]
-    start: np.ndarray  # [P]
-    slot: np.ndarray  # [P]
-    block_table: np.ndarray  # [P, nb]
-    num_generated: np.ndarray  # [P]
+    tokens: np.ndarray
+    next_tokens: np.ndarray
+    num_valid: np.ndarray
+    start: np.ndarray
+    slot: np.ndarray
+    block_table: np.ndarray
+    num_generated: np.ndarray
 
     @classmethod
     def padding(cls, rows: int, size: int, num_blocks: int) -> PrefillInputs:
-        """Padding rows only: each a last chunk of one token (next_tokens -1) into the dummy slot,
-        its block table all scratch."""
+        """Padding rows: each a last chunk of one token into the dummy slot, its block table scratch."""
         next_tokens = np.zeros((rows, size), np.int32)
         next_tokens[:, 0] = -1
         return cls(np.zeros((rows, size), np.int32), next_tokens, np.ones(rows, np.int32), np.zeros(rows, np.int32),
@@ -173,13 +166,12 @@ class PinnedBatch:
     call); two verdict buffers per bucket, used in turn; one first-token buffer per slot."""
 
     def __init__(self, mesh: Mesh | None):
-        self._placement = sharding.replicated_placement(mesh)  # like every per-row input under tp
+        self._placement = sharding.replicated_placement(mesh)
         self._by_bucket: dict[int, tuple[np.ndarray, np.ndarray, tuple[jax.Array, jax.Array]]] = {}
         self._verdicts: dict[int, tuple[jax.Array, jax.Array]] = {}  # bucket -> (oldest, newest)
         self._first_tokens: list[list[jax.Array]] = []  # slot -> [slot index [1], first token [1]]
 
     def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """Device arrays holding these slots [B] and tables [B, nb], at the bucket's address."""
         held = self._by_bucket.get(len(slots))
         if held is not None and np.array_equal(held[0], slots) and np.array_equal(held[1], tables):
             return held[2]
@@ -203,9 +195,8 @@ class PinnedBatch:
         return verdicts
 
     def read_first_token(self, state: DeviceState, slot: int) -> jax.Array:
-        """The first token [1] the prefill just dispatched sampled into `slot`, without waiting:
-        read it before the slot's next prefill (one buffer a slot suffices: a slot is reused only
-        after its request, which read its first token, finished)."""
+        """The first token [1] the prefill just dispatched sampled into `slot`, without waiting. One buffer
+        a slot suffices: a slot is reused only after its request, which read it, finished."""
         if not self._first_tokens:  # every slot's at once: none is allocated while serving
             held = [(np.array([s], np.int32), np.zeros(1, np.int32)) for s in range(state.slots.last_token.shape[0])]
             self._first_tokens = [list(pair) for pair in jax.device_put(held, self._placement, may_alias=False)]
@@ -217,8 +208,7 @@ class PinnedBatch:
 
 def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch, slots: np.ndarray,
                    tables: np.ndarray, cfg: StepConfig) -> tuple[DeviceState, jax.Array]:
-    """One fused iteration with every buffer at a stable address: -> (state, verdicts [B, 2 + K+1]),
-    without waiting. The state is donated."""
+    """One fused iteration, every buffer at a stable address, state donated -> (state, verdicts [B, 2 + E])."""
     slots, tables = pinned.get(slots, tables)
     state = iterate_in_place_step(cfg, len(slots))(params, draft_params, state, slots, tables, cfg=cfg)
     return state, pinned.read_verdicts(state, slots)
@@ -226,9 +216,8 @@ def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch
 
 def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: DeviceState,
                reset: Callable[[DeviceState], DeviceState], calls: int, rounds: int) -> tuple[DeviceState, list[float]]:
-    """Seconds per call of `call` (state -> (state, out), state donated), calls issued back to back
-    as serving issues them: one sample per round of `calls`, after two warm-up calls, `reset`
-    applied before each round. -> (state, samples)."""
+    """Seconds per call of `call` (state -> (state, out), donated), `calls` back to back as serving issues
+    them: one sample a round, after two warm-up calls, `reset` before each round. -> (state, samples)."""
     for _ in range(2):
         state, out = call(state)
     jax.block_until_ready((state, out))
@@ -253,7 +242,6 @@ class ModelRunner:
         if draft is not None:
             check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
         self.cfg = cfg
-        # What an iteration may draft, the engine's proposal first (EngineConfig.speculator).
         self.proposals: tuple[Speculator, ...] = speculators_for(cfg, draft)
         for proposal in self.proposals:
             if proposal.uses_drafter:
@@ -277,7 +265,6 @@ class ModelRunner:
             cfg, self.free_bytes = kv_memory.sized_pool(cfg, target, self.step_cfg.draft, params.embed.dtype,
                                                         devices, tp)
             self.cfg = cfg
-        # Room in the slots for each proposal's pending state.
         layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
         make_state = functools.partial(init_state, target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
         if mesh is None:
@@ -290,7 +277,6 @@ class ModelRunner:
         self._built_ahead: set[tuple] = set()  # the programs `compile_ahead` has built: ("iterate", b, cfg) ...
         CompileCounter.install()
 
-    # ---- what runs ---------------------------------------------------------------------------
     @property
     def speculator(self) -> Speculator:
         """The engine's proposal (Chain(0), the target alone, where it serves none). Prefills draft it."""
@@ -302,16 +288,13 @@ class ModelRunner:
         return max(p.positions_per_iteration for p in self.proposals or (self.speculator,))
 
     def config(self, proposal: Speculator, greedy: bool) -> StepConfig:
-        """The step config of one program: the iteration verifying and drafting `proposal` (one of
-        `proposals`, or Chain(0): the target alone), greedy or sampling."""
+        """The step config of one program: `proposal` (one of `proposals`, or Chain(0)), greedy or not."""
         return dataclasses.replace(self.step_cfg, speculator=proposal, greedy=greedy)
 
     @property
     def num_compilations(self) -> int:
-        """Executables built in this process so far (compiles and persistent-cache loads)."""
         return CompileCounter.count
 
-    # ---- dispatch, never waiting -------------------------------------------------------------
     def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None]) -> None:
         """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
         (None: its params carry a seed); the greedy program when every row is greedy."""
@@ -320,14 +303,12 @@ class ModelRunner:
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
 
     def first_token(self, slot: int) -> jax.Array:
-        """The first token [1] the last prefill into `slot` sampled; read it before the slot's next
-        prefill (`PinnedBatch.read_first_token`)."""
+        """The first token [1] the last prefill into `slot` sampled; read it before the slot's next prefill."""
         return self._pinned.read_first_token(self._state, slot)
 
     def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig) -> jax.Array:
-        """Dispatch one iteration over `slots` [B] with block `tables` [B, nb], fused or as one
-        program per draft step: -> verdicts [B, 2 + K+1] (`steps.split_verdicts`), to be read
-        before the bucket's next iteration but one."""
+        """One iteration over `slots` [B], `tables` [B, nb], fused or a program per draft step -> verdicts
+        [B, 2 + E] (`steps.split_verdicts`), to read before the bucket's next iteration but one."""
         if self.cfg.fused_iteration or not cfg.speculative:
             self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,
                                                    tables, cfg)
@@ -339,7 +320,6 @@ class ModelRunner:
         self._state = commit_step(state, slots, carry, cfg=cfg)
         return self._pinned.read_verdicts(self._state, slots)
 
-    # ---- compiling and measuring, on padding rows ----------------------------------------------
     def padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
         return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
@@ -362,8 +342,7 @@ class ModelRunner:
 
     def compile_jobs(self, iterations: Sequence[tuple[int, StepConfig]],
                      prefills: Sequence[tuple[int, int, bool]]) -> list[Job]:
-        """The fused iteration and prefill programs as (function, args, kwargs) to lower and compile
-        elsewhere (on a thread pool, say); jitted calls with the same shapes then find them built."""
+        """The fused iteration and prefill programs as jobs to lower and compile elsewhere (`precompile`)."""
         p, dp, st = self._params, self._draft_params, self._state
         jobs = [(iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)), {"cfg": c}) for b, c in iterations]
         jobs += [(prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
@@ -372,10 +351,8 @@ class ModelRunner:
 
     def compile_ahead(self, iterations: Sequence[tuple[int, StepConfig]], prefills: Sequence[tuple[int, int, bool]],
                       progress: bool = False) -> float:
-        """Compile the fused programs (`compile_jobs`) on a thread pool, so that compile_iteration
-        and compile_prefill then load them from JAX's persistent cache; those this runner has built
-        ahead already are skipped. Without the cache they would compile twice: then nothing is done
-        here. -> seconds."""
+        """Compile the fused programs on a thread pool for compile_iteration and compile_prefill to load
+        from JAX's persistent cache -> seconds. Without the cache they would compile twice: nothing done."""
         if jax.config.jax_compilation_cache_dir is None:
             return 0.0
         iterations = [job for job in iterations if ("iterate", *job) not in self._built_ahead]
@@ -386,10 +363,9 @@ class ModelRunner:
 
     def time_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig, context: int | None = None,
                        calls: int = 3, rounds: int = 3) -> list[float]:
-        """Seconds per iteration over `slots` [B] and `tables` [B, nb], dispatched as serving
-        dispatches them, `calls` back to back per round: one sample a round. With `context`, the
-        rows start every round at that many cached tokens and end at 0 (a prefill rewrites a
-        slot's state anyway); the state's buffers keep their addresses either way."""
+        """Seconds per iteration over `slots` [B], `tables` [B, nb], dispatched as serving does (`time_calls`).
+        With `context`, the rows start every round at that many cached tokens and end at 0 (a prefill
+        rewrites a slot's state anyway)."""
         rows = np.unique(slots)
 
         def call(state):
@@ -404,11 +380,9 @@ class ModelRunner:
         self._state = state if context is None else _set_lengths(state, rows, 0)
         return samples
 
-    # ---- inspection (tests, benchmarks) --------------------------------------------------------
     def trace_iteration(self, bucket: int, cfg: StepConfig):
-        """The fused iteration program at `bucket`, traced (`.lower()` for its HLO, for any platform)
-        on padding rows passed as serving passes rows (`PinnedBatch`): the program an iteration
-        runs, so `.lower().compile()` finds it built once one ran."""
+        """The fused iteration at `bucket`, traced on padding rows passed as serving passes them (`PinnedBatch`):
+        the very program an iteration runs (`.lower()` for its HLO, on any platform)."""
         return iterate_in_place_step(cfg, bucket).trace(self._params, self._draft_params, self._state,
                                                         *self._pinned.get(*self.padding_rows(bucket)), cfg=cfg)
 
@@ -422,8 +396,7 @@ class ModelRunner:
         return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(self._state)]
 
     def pinned_batch(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """The device copies of this batch's slots [B] and block tables [B, nb] an iteration reads
-        (overwritten in place when they change)."""
+        """The device copies of slots [B] and block tables [B, nb] an iteration reads (`PinnedBatch`)."""
         return self._pinned.get(slots, tables)
 
     def set_proposals(self, slot: int, drafts: Sequence[int], parents: Sequence[int] | None = None) -> None:
@@ -442,8 +415,7 @@ class ModelRunner:
         self._state = self._state.replace(slots=s)
 
     def pending_proposals(self, slot: int) -> np.ndarray:
-        """One slot's pending proposals, target ids [P] (a chain's K, a tree's T nodes), on the
-        host: what the next speculative iteration verifies."""
+        """One slot's pending proposals on the host, target ids [P]: what the next iteration verifies."""
         return np.asarray(self._state.slots.drafts[slot])
 
     def read_kv(self, block_table: np.ndarray, positions: Sequence[int], draft: bool = False

@@ -1,8 +1,5 @@
-"""The device-resident state the step functions thread (and donate) from call to call.
-
-`Slots` carries what one iteration hands the next (proposals, q, last token, length), so nothing
-returns to the host in between; the hidden states never leave the compiled iteration. Slot 0 is
-the dummy slot padded rows read and write; its block table row is all scratch pages.
+"""Device state the step functions thread and donate from call to call: nothing returns to the host
+between iterations. Slot 0 is the dummy padded rows read and write; its block table is scratch pages.
 """
 
 from __future__ import annotations
@@ -29,10 +26,9 @@ class Slots:
     length: jax.Array  # [S] i32, tokens in the target cache
     drafts: jax.Array  # [S, P] i32, proposals in target ids: a chain's K, a tree's T nodes
     draft_probs: jax.Array  # [S, K, V_draft] f32, q a chain's proposals were drawn from ([S, 0, Vd]: a tree)
-    sampling: RowSampling  # [S] per-row parameters and base PRNG keys
+    sampling: RowSampling
     num_generated: jax.Array  # [S] i32, tokens emitted so far (keys fold it in)
-    # The last iteration's verdicts, left for the host to copy out (steps.iterate_in_place):
-    accepted: jax.Array  # [S, 2] i32: proposals accepted, then the top-1 chain's (`Speculator.accept`)
+    accepted: jax.Array  # [S, 2] i32: the last iteration's accepted, then the top-1 chain's, for the host
     emitted: jax.Array  # [S, E] i32: emitted[:accepted[:, 0] + 1] are the tokens it emitted
     parents: jax.Array | None = None  # [S, T] i32: a tree's node i+1's parent in the verify layout (0: root)
     drafted_by: jax.Array | None = None  # [S] i32: the `kind` of the pending proposal (0: none yet)
@@ -40,17 +36,17 @@ class Slots:
 
 
 class SlotLayout(NamedTuple):
-    """What a speculator keeps per slot between iterations (`Speculator.slot_layout`)."""
+    """What a speculator keeps per slot (`Speculator.slot_layout`): proposals = Slots.drafts columns,
+    q_rows = Slots.draft_probs rows, emitted = Slots.emitted columns; parents, history: whether kept."""
 
-    proposals: int  # Slots.drafts columns
-    q_rows: int  # Slots.draft_probs rows per slot (a chain's q; a tree keeps none)
-    parents: bool  # whether Slots.parents is kept (a tree)
-    emitted: int  # Slots.emitted columns: the most tokens one iteration emits
-    history: bool = False  # whether Slots.history is kept (prompt lookup)
+    proposals: int
+    q_rows: int
+    parents: bool
+    emitted: int
+    history: bool = False
 
     @staticmethod
     def union(layouts) -> SlotLayout:
-        """The slots of an engine serving several speculators: room for each one's proposals."""
         layouts = list(layouts)
         return SlotLayout(proposals=max(x.proposals for x in layouts), q_rows=max(x.q_rows for x in layouts),
                           parents=any(x.parents for x in layouts), emitted=max(x.emitted for x in layouts),
@@ -66,7 +62,6 @@ class DeviceState:
 
 def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineConfig,
                dtype, layout: SlotLayout) -> DeviceState:
-    """The zeroed state, the slots laid out for `layout` (the served speculators', `SlotLayout.union`)."""
     s = engine.max_num_seqs + 1
     vd = draft.draft_vocab_size if draft else 1
     pages = (engine.num_pages, engine.page_size)
@@ -90,7 +85,6 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
 
 
 def history_width(engine: EngineConfig) -> int:
-    """Slots.history columns: every position a row's block table can hold."""
     return engine.max_blocks_per_seq * engine.page_size
 
 
@@ -101,9 +95,7 @@ def with_lengths(state: DeviceState, rows, length: int) -> DeviceState:
 
 
 def state_shardings(state: DeviceState, target: ModelConfig, draft: DraftConfig | None, mesh: Mesh):
-    """NamedShardings for the state under tensor parallelism: the target's KV pages split by kv
-    heads (where they divide); the drafter's KV pages, like its weights, and the per-slot state
-    replicated."""
+    """Under tensor parallelism the target's KV pages split by kv heads (where they divide), the rest replicated."""
     from eagle3_jax.parallel import sharding
 
     tp = mesh.shape[sharding.TP]

@@ -1,15 +1,8 @@
-"""The compiled, fixed-shape step functions: our CUDA graphs. Each is a pure function of the
-donated `DeviceState` (the KV pool is updated in place), one executable per shape bucket:
-
-  prefill(chunks [P, T])  the target and the drafter over one chunk of each of P prompts; on a
-                          prompt's last chunk, the first token and the first proposal too.
-  iterate(rows [B])       verify, accept, extend the drafter over the accepted positions (with the
-                          target's captures), draft the next proposal. No host round trip inside.
-
-What is verified, accepted and drafted is the speculator's (`StepConfig.speculator`,
-runner/speculators/); the target is `StepConfig.model` (runner/target.py). A chain's iteration
-also runs as K + 1 programs with the draft carry threaded by the runner (`iterate_head`,
-`chain_step`, `commit_proposals`; `EngineConfig(fused_iteration=False)`), on the same functions.
+"""The compiled, fixed-shape step functions (our CUDA graphs): pure functions of the donated
+`DeviceState`, the KV pool updated in place, one executable per shape bucket. `prefill` runs one
+chunk of each of P prompts (a last chunk also yields the first token and proposal); `iterate`
+verifies, accepts, extends the drafter and drafts the next proposal, with no host round trip.
+`fused_iteration=False` runs it as K + 1 programs (`iterate_head`, `chain_step`, `commit_proposals`).
 """
 
 from __future__ import annotations
@@ -52,20 +45,17 @@ class StepConfig:
     """Static part of every step function (hashable: one executable per distinct value)."""
 
     target: ModelConfig
-    draft: DraftConfig | None  # the EAGLE-3 drafter, None where none is loaded
-    # What this program verifies and drafts (runner/speculators/); Chain(0): the target alone.
+    draft: DraftConfig | None
     speculator: Speculator = TARGET_ALONE
-    mesh: Mesh | None = None  # tensor parallelism: pins the Megatron layout of activations
-    # Every row of the batch is greedy: argmax only, no sampling code. The host knows each
-    # request's parameters, so it picks the program, as vLLM's sampler checks `all_greedy` on the
-    # host: a `lax.cond` on the device would copy its predicate to the host and block the stream.
+    mesh: Mesh | None = None
+    # Every row greedy: argmax only. The host picks the program (as vLLM's `all_greedy`): a
+    # `lax.cond` on the device would copy its predicate to the host and block the stream.
     greedy: bool = False
-    attention: str = "xla"  # paged attention of these steps: "xla" or "pallas" (EngineConfig.attention)
-    gemv: str = "xla"  # few-row weight projections: "xla" or "mosaic" (EngineConfig.gemv)
-    gemm: str = "triton"  # the fused iteration's GEMMs: "triton", "cublas" or "auto" (`iteration_gemm`)
-    model: TargetModel = LLAMA3  # the target's functions
-    # The target's forward and logits in the batch-invariant kernels (EngineConfig.batch_invariant);
-    # the drafter keeps `attention` and `gemv`: its numerics change proposals, never the output.
+    attention: str = "xla"
+    gemv: str = "xla"
+    gemm: str = "triton"
+    model: TargetModel = LLAMA3
+    # Batch-invariant kernels for the target only: the drafter's numerics change proposals, never the output.
     batch_invariant: bool = False
 
     def __post_init__(self):
@@ -82,7 +72,6 @@ class StepConfig:
 
     @property
     def per_device(self) -> bool:
-        """The target runs per device under shard_map (batch-invariant kernels under a mesh)."""
         return self.batch_invariant and self.mesh is not None
 
     @property
@@ -92,22 +81,18 @@ class StepConfig:
 
     @property
     def draft_context(self) -> DraftContext:
-        # The drafter is replicated under tp (sharding.py, "Draft head"): its logits are computed
-        # whole on every device, and nothing of the draft is pinned but its KV.
+        # The drafter is replicated under tp (sharding.py, "Draft head"): only its KV is pinned.
         return DraftContext(self.draft, self.attention, self.gemv, self.greedy, self.pin_draft_kv())
 
     def pin_target_kv(self):
-        """The target forward's `pin_kv` (None on one device)."""
         return cache_pin(self.mesh, self.target.num_kv_heads)
 
     def pin_draft_kv(self):
-        """The draft forward's `pin_kv`: its replicated KV cache (None on one device)."""
         return draft_cache_pin(self.mesh)
 
 
 def _target(params, cfg: StepConfig, tokens, positions, kv, block_tables, tree=None):
-    """Target forward, its residual stream replicated under tensor parallelism; `tree`: the
-    speculator's mask (a layers.TreeAttention; None: causal)."""
+    """Target forward, its residual stream replicated under tensor parallelism; `tree` None: causal."""
     extra = {} if tree is None else {"tree": tree}
     if cfg.per_device:
         return _per_device_target(params, cfg, tokens, positions, kv, block_tables, extra)
@@ -117,9 +102,8 @@ def _target(params, cfg: StepConfig, tokens, positions, kv, block_tables, tree=N
 
 
 def _per_device_target(params, cfg: StepConfig, tokens, positions, kv, block_tables, extra: dict):
-    """The batch-invariant forward under tensor parallelism: run per device (shard_map) on the
-    weights' and the cache's shards, its kernels on local shapes, the row-parallel partials summed
-    in rank order (`llama.sum_shards`): a pallas_call is not split by XLA's partitioner."""
+    """The batch-invariant forward per device (shard_map), row-parallel partials summed in rank
+    order (`llama.sum_shards`): XLA's partitioner does not split a pallas_call."""
     tp = cfg.mesh.shape[TP]
     cache = llama_cache_specs(cfg.target, tp)
 
@@ -136,7 +120,7 @@ def _per_device_target(params, cfg: StepConfig, tokens, positions, kv, block_tab
 def _logits(params, cfg: StepConfig, hidden):
     """Target logits [..., V], vocab-sharded under tensor parallelism where a greedy program needs
     only an argmax (per-shard (max, index) pairs move, not the logits)."""
-    if cfg.per_device:  # each device's vocabulary slice, in the invariant GEMM
+    if cfg.per_device:
         specs = specs_like(params, cfg.model.param_specs(cfg.target, cfg.mesh.shape[TP]))
         split = P(*[None] * (hidden.ndim - 1), TP) if vocab_split(cfg.target.vocab_size, cfg.mesh) else REPLICATED
         logits = jax.shard_map(lambda p, h: cfg.model.logits(p, h, "invariant"), mesh=cfg.mesh,
@@ -171,7 +155,7 @@ def _draft_extend(dparams: DraftParams, cfg: StepConfig, target_embed: jax.Array
 
 def _record(history: jax.Array, positions: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
     """history [B, M] with tokens [B, T] written at positions [B, T] where valid [B, T]."""
-    columns = jnp.where(valid, positions, history.shape[1])  # out of range: dropped
+    columns = jnp.where(valid, positions, history.shape[1])
     return history.at[jnp.arange(history.shape[0])[:, None], columns].set(tokens, mode="drop")
 
 
@@ -180,7 +164,6 @@ def _gather(tree, rows: jax.Array):
 
 
 def _write_slots(slots: Slots, rows: jax.Array, **values: jax.Array) -> Slots:
-    """The named fields' rows set (values [B, ...]); only those are written (a scatter each)."""
     slots = slots.replace(**{name: jax.tree.map(lambda x, v: x.at[rows].set(v), getattr(slots, name), v)
                              for name, v in values.items()})
     # Padded rows all wrote the dummy slot: reset it so its positions never grow.
@@ -189,21 +172,16 @@ def _write_slots(slots: Slots, rows: jax.Array, **values: jax.Array) -> Slots:
 
 def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
                  cfg: StepConfig):
-    """Verify, accept, extend the draft, and run the first draft step.
-
-    rows [B], block_tables [B, nb] -> (state, num_accepted [B], emitted [B, E], carry): row b
-    emitted emitted[b, :num_accepted[b] + 1]. carry: None when the program drafts nothing.
-    """
+    """Verify, accept, extend the draft, run the first draft step. rows [B], block_tables [B, nb] ->
+    (state, n [B], emitted [B, E]: row b emitted emitted[b, :n[b] + 1], carry: None if nothing drafts)."""
     spec = cfg.speculator
     s = _gather(state.slots, rows)
-    # [B, W] each; the mask: None (causal) or a tree's TreeAttention
     tokens, positions, mask = spec.verify_layout(s)
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
-    logits = _logits(params, cfg, hidden)  # [B, W, V]
-    # emitted, path [B, E]; path None where the accepted tokens were verified where they stay
+    logits = _logits(params, cfg, hidden)
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
                                          _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
-    target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)  # the accepted KV at length..length+n
+    target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
     kept = ({} if s.history is None else
@@ -211,13 +189,12 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
                                 jnp.arange(emitted.shape[1]) <= n[:, None])})
     draft_kv, carry, h_last = state.draft_kv, None, None
     if cfg.draft is not None:
-        # Draft extend: position t pairs capture t with the token at t+1, for t = length..length+n.
-        # It runs in target-only programs too (one position), so the draft's KV has no holes when
+        # Over t = length..length+n; target-only programs too, so the draft's KV has no holes when
         # speculation resumes.
-        ext_captures, ext_positions = spec.extend_inputs(captures, positions, path, s.length)  # [B, E, C], [B, E]
+        ext_captures, ext_positions = spec.extend_inputs(captures, positions, path, s.length)
         ext_tokens = jnp.where(jnp.arange(spec.emitted_width) <= n[:, None], emitted, 0)
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, ext_tokens, ext_captures, ext_positions,
-                                         draft_kv, block_tables, n)  # h at length + n
+                                         draft_kv, block_tables, n)
     if cfg.speculative:
         at = DraftStart(token=last, position=s.length + n, h=h_last, history=kept.get("history"), row=s.sampling,
                         keys=_keys(s.sampling.key, num_generated, _STREAM_DRAFT))
@@ -239,7 +216,6 @@ def chain_step(dparams: DraftParams, target_embed: jax.Array, state: DeviceState
 
 
 def commit_proposals(state: DeviceState, rows: jax.Array, carry: DraftCarry, cfg: StepConfig) -> DeviceState:
-    """Store the proposal for the next iteration to verify."""
     slots = cfg.speculator.commit(state.slots, rows, carry, cfg.greedy)
     return _finish(state.replace(slots=slots), cfg)
 
@@ -257,10 +233,9 @@ def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.A
 
 def iterate_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
                      block_tables: jax.Array, cfg: StepConfig) -> DeviceState:
-    """`iterate` with the verdicts left in the slots, so the only output is the donated state,
-    aliased to its input. Why: the CUDA graph XLA launches records every buffer's address and is
-    rewritten when one moves, and a returned array is a new buffer each call (BENCHMARKS.md,
-    "Host overhead"). `read_verdicts` copies them out."""
+    """`iterate` with the verdicts left in the slots: the only output is the donated state, aliased
+    to its input, since XLA's CUDA graph is rewritten whenever a buffer moves and a returned array
+    is a new buffer each call (BENCHMARKS.md, "Host overhead")."""
     return iterate(params, dparams, state, rows, block_tables, cfg)[0]
 
 
@@ -273,8 +248,7 @@ def read_verdicts(buffer: jax.Array, accepted: jax.Array, emitted: jax.Array, ro
 
 
 def read_first_token(buffer: jax.Array, last_token: jax.Array, slot: jax.Array) -> jax.Array:
-    """last_token [S], slot [1] -> the first token a prefill sampled there [1], written over the
-    donated `buffer` (as `read_verdicts`)."""
+    """last_token [S], slot [1] -> the first token a prefill sampled there [1] (as `read_verdicts`)."""
     del buffer
     return last_token[slot]
 
@@ -288,28 +262,23 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
             next_tokens: jax.Array, num_valid: jax.Array, start: jax.Array, slot: jax.Array,
             block_table: jax.Array, num_generated: jax.Array, row: sampling.RowSampling,
             cfg: StepConfig) -> DeviceState:
-    """Prefill one chunk of each of P prompts, row p into `slot[p]`.
-
-    tokens [P, T] (padded after num_valid [P]); next_tokens [P, T]: the ids shifted left by one,
-    -1 at a new request's last chunk end, where the sampled first token goes; start [P]: the
-    position of tokens[:, 0]; block_table [P, nb]; num_generated [P]: tokens generated once the
-    chunk is in (1 for a new request; g for one resumed after preemption, its last token given in
-    next_tokens, so the keys continue where they were); row [P]. Padding rows name the dummy
-    slot. The slot's state is written on every chunk; the last chunk's stays.
-    """
+    """One chunk of each of P prompts, row p into `slot[p]` (padding rows: the dummy slot).
+    tokens [P, T] (padded after num_valid [P]); next_tokens [P, T] the ids shifted left, -1 where
+    the sampled first token goes; start [P] the position of tokens[:, 0]; block_table [P, nb];
+    num_generated [P] once the chunk is in (1; g after preemption: keys continue); row [P]."""
     # XLA's dots whatever the rows, so the KV a prompt leaves does not depend on how many prompts
     # shared its call (the Mosaic GEMV takes one chunk, not eight).
     cfg = dataclasses.replace(cfg, gemv="xla")
     p, t = tokens.shape
-    positions = start[:, None] + jnp.arange(t)  # [P, T]
+    positions = start[:, None] + jnp.arange(t)
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_table)
     last_idx = num_valid - 1
-    last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
-    logits = _logits(params, cfg, last_hidden)  # [P, V]
+    last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
+    logits = _logits(params, cfg, last_hidden)
     length = start + num_valid  # the first generated token's position
     sampled = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
                else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
-                                           sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))  # [P]
+                                           sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))
     given = jnp.take_along_axis(next_tokens, last_idx[:, None], axis=1)[:, 0]
     first = jnp.where(given < 0, sampled, given)
     spec = cfg.speculator
@@ -320,7 +289,6 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
         kept["history"] = _record(history, length[:, None], first[:, None], jnp.ones_like(valid[:, :1]))
     draft_kv, h_last = state.draft_kv, None
     if cfg.draft is not None:
-        # next_tokens holds -1 where the token the target just produced belongs (last chunk).
         shifted = jnp.where(next_tokens < 0, first[:, None], next_tokens)
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, shifted, captures, positions, draft_kv,
                                          block_table, last_idx)
@@ -330,7 +298,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
         carry, draft_kv = spec.propose(cfg.draft_context, dparams, params.embed, spec.start(cfg.draft_context, at),
                                        draft_kv, block_table)
 
-    def zeros(x):  # the rows' share of a per-slot buffer, zeroed
+    def zeros(x):
         return None if x is None else jnp.zeros((p, *x.shape[1:]), x.dtype)
 
     slots = _write_slots(state.slots, slot, last_token=first, length=length, drafts=zeros(state.slots.drafts),
@@ -346,7 +314,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
 # (bucket x tokens verified a row) for a target at most this wide; XLA's Triton GEMMs elsewhere.
 CUBLAS_MIN_ROWS, CUBLAS_MAX_ROWS = 64, 512
 CUBLAS_MAX_HIDDEN = 2048
-_GEMM_OPTIONS = {"triton": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}  # compiler options
+_GEMM_OPTIONS = {"triton": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
 def gemm_for(setting: str, target: ModelConfig, verify_rows: int) -> str:
@@ -358,7 +326,6 @@ def gemm_for(setting: str, target: ModelConfig, verify_rows: int) -> str:
 
 
 def iteration_gemm(cfg: StepConfig, rows: int) -> str:
-    """The GEMMs of `cfg`'s fused iteration over `rows` rows (a bucket)."""
     return gemm_for(cfg.gemm, cfg.target, rows * cfg.speculator.verify_width)
 
 

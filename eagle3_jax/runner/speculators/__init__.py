@@ -1,15 +1,7 @@
-"""Speculators: what an iteration proposes, and how the target verifies it (`protocol.Speculator`).
-
-  chain.py         EAGLE-3's chain of K draft tokens (Chain(0): the target alone)
-  dynamic_tree.py  EAGLE-2's dynamic tree, drafted by the same head
-  ngram.py         prompt lookup: K tokens copied from the row's own history, no drafter
-
-`EngineConfig.speculator` names one of SPECULATORS; its entry gives the proposals an engine serves,
-its own first. An engine may serve two side by side (the tree and the chain: "auto" picks per
-bucket); the slots then hold room for either (`SlotLayout.union`), and each commit tags its
-proposal with its `kind` (`Slots.drafted_by`), so a verify treats a row whose pending proposal
-another kind drafted as having none. A proposal of the verify's own kind is verified even when
-stale (drafted before some target-only iterations): each was drawn as its rule requires.
+"""Speculators (`protocol.Speculator`): chain.py (EAGLE-3's chain of K; Chain(0) is the target
+alone), dynamic_tree.py (EAGLE-2's tree, same head), ngram.py (prompt lookup, no drafter). An
+engine may serve two ("auto": tree or chain per bucket) in slots with room for either. A stale
+proposal of the verify's own kind is still verified: each was drawn as its rule requires.
 """
 
 from __future__ import annotations
@@ -32,8 +24,7 @@ def eagle3_proposal(spec: TreeSpec, measure_chain: bool = False) -> Speculator:
 
 
 def eagle3_proposals(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[Speculator, ...]:
-    """EngineConfig.speculative_proposals drafted by the EAGLE-3 head; none without one. A tree
-    served beside a chain measures the chain on its own verifies."""
+    """EngineConfig.speculative_proposals by the EAGLE-3 head; a tree beside a chain measures it."""
     if draft is None:
         return ()
     specs = cfg.speculative_proposals

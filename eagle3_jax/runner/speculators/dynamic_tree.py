@@ -1,12 +1,9 @@
 """EAGLE-2's dynamic tree, drafted by the EAGLE-3 head (`TreeSpec(steps, top_k, tokens)`).
 
-The draft expands the top_k best beams a level, `steps` levels deep, and the `tokens` best-scoring
-candidates become the tree (runner/tree.py holds its math). The target verifies the root (the last
-token) and the nodes in one forward under the ancestor mask, stored at length..length+tokens and
-rotated at length + depth. A row accepts the longest root path the target agrees with (greedy),
-or by the multi-draft rejection rule with point-mass q (sampling: lossless for the deterministic
-top-k tree, so no q is kept); the path's KV then moves to the contiguous positions it belongs at,
-and the draft extend reads the verify's captures along the path.
+The draft expands the top_k best beams a level, `steps` levels deep; the `tokens` best candidates
+become the tree (its math: runner/tree.py). Greedy rows accept the longest root path the target
+agrees with, sampled rows by the multi-draft rejection rule with point-mass q (lossless for the
+deterministic top-k tree, so no q is kept); the path's KV then moves to contiguous positions.
 """
 
 from __future__ import annotations
@@ -41,9 +38,8 @@ class TreeCarry:
 
 @dataclasses.dataclass(frozen=True)
 class Tree:
-    """T = spec.tokens nodes verified, up to spec.steps accepted. measure_chain: the verify also
-    reports what the draft's top-1 chain would have accepted (`accept`), for an engine serving a
-    chain beside the tree."""
+    """T = spec.tokens nodes verified, up to spec.steps accepted; measure_chain: the verify also
+    reports what the draft's top-1 chain would have accepted (an engine serving both)."""
 
     spec: TreeSpec
     measure_chain: bool = False
@@ -66,7 +62,6 @@ class Tree:
 
     @property
     def num_draft_steps(self) -> int:
-        """The first level (from the extend's hidden state), then a forward over each level's beams."""
         return self.spec.steps
 
     @property
@@ -102,10 +97,8 @@ class Tree:
 
     def accept(self, greedy: bool, dparams: DraftParams, logits: jax.Array, s: Slots, keys: jax.Array,
                vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """path [B, steps+1]: the accepted nodes by depth, -1 past num_accepted. top1 (with
-        measure_chain): what a chain of the draft's top-1 tokens would have accepted of this
-        verify (`tree.top1_accepted`), -1 on rows of the draft-q rule, whose chain would have
-        sampled its proposals."""
+        """path [B, steps+1]: the accepted nodes by depth, -1 past n. top1 (measure_chain): what the
+        draft's top-1 chain would have accepted; -1 on draft-q rows, whose chain would have sampled."""
         tree = self.tree(s)
         valid = s.drafted_by == self.kind
         if greedy:
@@ -133,10 +126,9 @@ class Tree:
 
     def _children(self, ctx: DraftContext, dparams: DraftParams, h: jax.Array, row: sampling.RowSampling,
                   index: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """h [B, (k,) H] -> the draft's k most likely tokens (log-probs, draft ids [B, (k,) k]) by its
-        log-softmax over the whole draft vocabulary, as the EAGLE reference builds its tree. Coupled
-        rows rank by the perturbed log-probs at the children's position `index` [B]: their top-k is
-        the Gumbel-top-k, holding the draft's guess of the target's coupled draw first."""
+        """h [B, (k,) H] -> the k most likely (log-probs, draft ids [B, (k,) k]) over the whole draft
+        vocabulary, as the EAGLE reference builds its tree. Coupled rows rank by the log-probs perturbed
+        at position `index` [B]: a Gumbel-top-k, the draft's guess of the target's coupled draw first."""
         k, kernel = self.spec.top_k, ctx.pallas
         logits = eagle3.draft_logits(dparams, ctx.draft, h, ctx.gemv)  # [B, (k,) Vd]
         if ctx.greedy:

@@ -1,14 +1,9 @@
 """Prompt lookup: K proposals copied from the row's own history, no drafter.
 
 The proposal is what followed the latest earlier occurrence of the row's last n tokens, for the
-longest n in max_n..1 that occurs; past the last token the match repeats with its period (the
-distance between the occurrence and the row's end), so a loop of d tokens is proposed whole.
-A row with no match proposes its last token K times (verified, and rejected, like any other).
-
-It is a chain in everything the target sees (verify, accept, KV), drafted in one step on the
-device from `Slots.history`, which the step functions keep when a speculator's layout asks.
-Its proposals are a function of the context (point mass), so sampled rows accept by the one-hot
-or the coupled rule, both lossless, and no q is kept.
+longest n in max_n..1 that occurs, repeated with its period past the row's end (a loop of d tokens
+is proposed whole); no match proposes the last token K times. A chain in all the target sees,
+drafted in one step from `Slots.history`; point mass, so no q is kept.
 """
 
 from __future__ import annotations
@@ -27,9 +22,11 @@ from eagle3_jax.runner.state import SlotLayout
 
 @struct.dataclass
 class NGramCarry:
-    history: jax.Array  # [B, M] the row's tokens by position
-    last: jax.Array  # [B] the position of the row's last token
-    drafts: jax.Array  # [B, K]
+    """history [B, M] the row's tokens by position, last [B] its last token's position, drafts [B, K]."""
+
+    history: jax.Array
+    last: jax.Array
+    drafts: jax.Array
 
 
 def latest_match(history: jax.Array, last: jax.Array, n: int) -> jax.Array:
@@ -38,8 +35,8 @@ def latest_match(history: jax.Array, last: jax.Array, n: int) -> jax.Array:
     m = history.shape[1]
     ends = jnp.arange(m)
     match = (ends >= n - 1) & (ends < last[:, None]) & (last[:, None] >= n - 1)  # [B, M]
-    for i in range(n):  # token i back from the end of each candidate window
-        suffix = jnp.take_along_axis(history, jnp.maximum(last - i, 0)[:, None], axis=1)  # [B, 1]
+    for i in range(n):
+        suffix = jnp.take_along_axis(history, jnp.maximum(last - i, 0)[:, None], axis=1)
         shifted = jnp.pad(history, ((0, 0), (i, 0)), constant_values=-1)[:, :m]  # shifted[:, j] = history[:, j - i]
         match &= shifted == suffix
     return jnp.max(jnp.where(match, ends, -1), axis=1)
@@ -48,10 +45,10 @@ def latest_match(history: jax.Array, last: jax.Array, n: int) -> jax.Array:
 def lookup(history: jax.Array, last: jax.Array, k: int, max_n: int) -> jax.Array:
     """history [B, M], last [B] -> the K proposals [B, K] for positions last+1..last+K."""
     end = jnp.full_like(last, -1)
-    for n in range(max_n, 0, -1):  # the longest n that occurs wins
+    for n in range(max_n, 0, -1):
         end = jnp.where(end < 0, latest_match(history, last, n), end)
-    period = jnp.maximum(last - end, 1)  # [B]
-    index = end[:, None] + 1 + jnp.arange(k) % period[:, None]  # [B, K]
+    period = jnp.maximum(last - end, 1)
+    index = end[:, None] + 1 + jnp.arange(k) % period[:, None]
     index = jnp.where(end[:, None] >= 0, index, last[:, None])
     return jnp.take_along_axis(history, index, axis=1)
 

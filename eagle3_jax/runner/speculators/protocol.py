@@ -1,10 +1,5 @@
-"""The speculator's contract with the step functions (`runner/steps.py`).
-
-An iteration verifies the row's pending proposal, accepts part of it, and drafts the next one;
-steps.py does exactly that through the methods below and calls nothing chain-, tree- or
-n-gram-specific itself. B is the batch, W = `verify_width`, E = `emitted_width`, C the target's
-captures (3 hidden states), H the drafter's hidden size.
-"""
+"""The speculator's contract: steps.py verifies, accepts and drafts through these methods alone.
+B batch, W `verify_width`, E `emitted_width`, C the target's 3 captures, H the drafter's hidden size."""
 
 from __future__ import annotations
 
@@ -23,76 +18,64 @@ from eagle3_jax.runner.state import SlotLayout, Slots
 
 @dataclasses.dataclass(frozen=True)
 class DraftContext:
-    """The static half of a draft step: the drafter (None when the speculator needs none), how
-    its forward runs, and whether the program is greedy (a greedy program keeps no q)."""
+    """The static half of a draft step (`draft` None: no drafter); a greedy program keeps no q."""
 
     draft: DraftConfig | None
     attention: str
     gemv: str
     greedy: bool
-    pin_kv: object  # the draft forward's `pin_kv` (None on one device)
+    pin_kv: object
 
     @property
     def pallas(self) -> bool:
-        """The draft runs on the Pallas kernels (attention, a tree level's top-k)."""
         return self.attention == "pallas"
 
 
 @struct.dataclass
 class DraftStart:
-    """Where the next proposal grows from, after the verify (or a prefill's last chunk)."""
+    """Where the next proposal grows: token [B] (its root) after the last verified position [B], h [B, H]
+    the drafter's pre-norm hidden state there, history [B, M] (h, history None if not kept), keys [B, 2]."""
 
-    token: jax.Array  # [B] the row's last token, at position + 1: the proposal's root
-    position: jax.Array  # [B] the last verified position
-    h: jax.Array | None  # [B, H] the drafter's pre-norm hidden state at `position` (None: no drafter)
-    history: jax.Array | None  # [B, M] the row's tokens by position, through position + 1 (None: not kept)
-    row: sampling.RowSampling  # [B]
-    keys: jax.Array  # [B, 2] this iteration's draft PRNG keys
+    token: jax.Array
+    position: jax.Array
+    h: jax.Array | None
+    history: jax.Array | None
+    row: sampling.RowSampling
+    keys: jax.Array
 
 
 class Speculator(Protocol):
-    """What one kind of proposal is: frozen and hashable (part of every StepConfig).
+    """One kind of proposal; frozen and hashable (part of every StepConfig)."""
 
-    Shape: `num_proposals` tokens per slot between iterations, `verify_width` tokens verified per
-    row, up to `max_accepted` of them accepted, `emitted_width` tokens emitted at most, and
-    `positions_per_iteration` KV positions written past the row's length (the scheduler's
-    footprint). `slot_layout` says what the slots keep for it; `kind` tags its proposals in
-    `Slots.drafted_by`, so a verify of one kind treats another kind's pending proposal as none.
-    """
-
-    kind: int
-    label: str  # how tables and logs name it: "chain K=4", "tree 6,8,31", "ngram K=4"
-    spec: TreeSpec  # its shape as EngineConfig names proposals
-    uses_drafter: bool  # whether it drafts with the EAGLE-3 head (else it needs none)
-    point_mass: bool  # its proposals are a function of the context: no q is kept, one-hot or coupled rules
-    # A chain of the drafter's top-1 tokens of this length (0: not one): a tree's verify can say
-    # what it would have accepted, so the engine measures it without running it.
-    top1_chain: int
-    measures_top1_chain: bool  # its verify reports `top1_chain` acceptance (`accept`'s top1)
+    kind: int  # tags its proposals in Slots.drafted_by: a verify treats another kind's as none
+    label: str
+    spec: TreeSpec
+    uses_drafter: bool
+    point_mass: bool  # proposals are a function of the context: no q kept, one-hot or coupled rules
+    top1_chain: int  # it is the drafter's top-1 chain of this length (0: not), which a tree's verify can measure
+    measures_top1_chain: bool
     num_proposals: int
-    num_draft_steps: int  # draft programs per iteration (the per-step path runs 1..n-1 apart)
+    num_draft_steps: int
     max_accepted: int
     verify_width: int
     emitted_width: int
-    positions_per_iteration: int
+    positions_per_iteration: int  # KV positions written past the row's length (the scheduler's footprint)
     slot_layout: SlotLayout
 
     def verify_layout(self, s: Slots) -> tuple[jax.Array, jax.Array, object]:
-        """-> (tokens [B, W], positions [B, W] where their KV is stored, mask: None for causal or a
-        layers.TreeAttention)."""
+        """-> tokens [B, W], positions [B, W] their KV is stored at, mask (None: causal; a TreeAttention)."""
 
     def accept(self, greedy: bool, dparams: DraftParams | None, logits: jax.Array, s: Slots, keys: jax.Array,
                vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
-        """Target logits [B, W, V] -> (num_accepted [B], emitted [B, E], path [B, E] of the accepted
-        verify indices or None where they are 0..n, top1 [B]: `top1_chain` acceptance or -1)."""
+        """logits [B, W, V] -> n accepted [B], emitted [B, E], path [B, E] verify indices (None: 0..n), top1 [B]."""
 
     def commit_kv(self, target_kv: KVCache, path: jax.Array | None, length: jax.Array,
                   block_tables: jax.Array) -> KVCache:
-        """The accepted tokens' target KV moved to length..length+n, where they belong."""
+        """The accepted tokens' target KV moved to length..length+n [B]."""
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: jax.Array | None,
                       length: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """What the drafter's extend reads of the verify: (captures [B, E, C], positions [B, E])."""
+        """-> what the drafter's extend reads of the verify: captures [B, E, C], positions [B, E]."""
 
     def start(self, ctx: DraftContext, at: DraftStart) -> object:
         """The draft carry (a pytree) at `at`."""
