@@ -418,15 +418,21 @@ def default_batch_buckets(proposals: Sequence[TreeSpec]) -> tuple[int, ...]:
 class EngineConfig:
     """Shapes of the compiled step functions and of the KV pool, and how the engine serves.
 
+    Serving:
+    max_model_len: longest prompt + output a request may have.
+    max_num_seqs: the most requests running at once, at most the largest batch bucket (None: it).
     batch_buckets: decode batch sizes compiled; n running requests run in the smallest bucket >= n,
         padded rows pointing at the dummy slot. None: `default_batch_buckets` for what it drafts.
-    max_num_seqs: the most requests running at once, at most the largest batch bucket (None: it).
     prefill_buckets: prompt chunk lengths compiled; longer prompts prefill in chunks of the largest.
     prefill_batch_buckets: prompts per prefill call compiled; prompts admitted in one step whose last
         chunks share a chunk bucket share a call (BENCHMARKS.md, "Serving with arrivals").
-    num_speculative_tokens: K, the proposals of the chain (0: the target alone).
+    freeze_heap: after warm-up, collect garbage once and `gc.freeze` the heap, so that no full pass
+        of the cyclic collector stalls serving (False: a test suite building many engines).
+
+    Speculation:
     speculator: "eagle3": the EAGLE-3 drafter (a chain of K, or the tree); "ngram": prompt lookup,
         the K tokens after an earlier match of the row's last 1-4, no drafter (runner/speculators/ngram.py).
+    num_speculative_tokens: K, the proposals of the chain (0: the target alone).
     tree: None drafts the chain of K; a TreeSpec(steps, top_k, tokens) drafts EAGLE-2's dynamic
         tree, in fused iterations only. TreeSpec(K, 1, K) is the chain of K (`resolved`).
     speculation: "auto" runs per bucket and iteration the fastest of the target alone and
@@ -438,6 +444,8 @@ class EngineConfig:
         e.g. from `eagle3-jax bench`, for "auto"; buckets it lacks are timed in warm-up.
     fused_iteration: one program per iteration (True), or the verify and each draft step
         dispatched as programs of their own (False; a chain only).
+
+    The KV pool:
     page_size, num_pages: the paged KV pool of target and drafter (page 0 is scratch). num_pages
         None: `kv_memory_fraction` of the free device memory after the weights; on a device that
         reports none (the CPU), as `resolved` says. Only a request the pool cannot hold is refused.
@@ -448,7 +456,8 @@ class EngineConfig:
         at admission, nothing preempted, far fewer requests running at once.
     prefix_caching: full pages stay cached by content (engine/pages.py) for later requests to reuse
         as a prefix; the least recently used are evicted when no page is free.
-    max_model_len: longest prompt + output a request may have.
+
+    Kernels (how the step functions compute, not what):
     attention: paged attention of decode, verify and draft steps. "pallas": kernels reading only a
         row's filled pages (model/pallas_attention.py), fused residual-norm and tree top-k; "xla":
         over the whole block table; "auto": pallas on a GPU without tensor parallelism, else xla.
@@ -459,35 +468,41 @@ class EngineConfig:
         up to `CUBLAS_MAX_HIDDEN` wide, where it was faster (BENCHMARKS.md, "GEMMs: Triton or cuBLAS").
     batch_invariant: the target computes each token's row in a fixed order whatever the batch,
         program or tokens per row (model/invariant_gemm.py, invariant_attention.py), so greedy
-        speculation is token-identical to the target alone in bf16 too. The drafter is unaffected.
-    freeze_heap: after warm-up, collect garbage once and `gc.freeze` the heap, so that no full pass
-        of the cyclic collector stalls serving (False: a test suite building many engines).
+        speculation is token-identical to the target alone in bf16 too; under tensor parallelism
+        the target runs per device, sums added in rank order. The drafter is unaffected.
 
     Every field keeps the value given; what follows from them is a property or `resolved()`.
     """
 
-    batch_buckets: tuple[int, ...] | None = None
+    # serving
+    max_model_len: int = 2048
     max_num_seqs: int | None = None
+    batch_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     prefill_batch_buckets: tuple[int, ...] = (1, 8)
-    num_speculative_tokens: int = 3
+    freeze_heap: bool = True
+
+    # speculation
     speculator: str = "eagle3"
+    num_speculative_tokens: int = 3
     tree: TreeSpec | None = None
     speculation: str = "auto"
     speculative_max_batch: int | None = None
     step_costs: tuple[tuple[float, ...], ...] | None = None
     fused_iteration: bool = True
+
+    # the KV pool
     page_size: int = 16
     num_pages: int | None = None
-    max_model_len: int = 2048
-    attention: str = "auto"
-    gemv: str = "xla"
-    gemm: str = "auto"
-    freeze_heap: bool = True
-    batch_invariant: bool = False
     kv_memory_fraction: float = 0.9
     page_reservation: str = "on_demand"
     prefix_caching: bool = True
+
+    # kernels
+    attention: str = "auto"
+    gemv: str = "xla"
+    gemm: str = "auto"
+    batch_invariant: bool = False
 
     def __post_init__(self):
         where = "engine config"
