@@ -1,18 +1,13 @@
 """The engine: requests in, tokens out, over the device runner. Host only.
 
-Each `step()` schedules (admits waiting requests into slots, pads the running ones to a batch
-bucket), runs (dispatches their prefills and one iteration on the `ModelRunner`, without
-waiting), and postprocesses the results dispatched in the step before: appends the accepted
-tokens, checks stops, finishes requests. The host's work thus overlaps the device's. Every
-dispatch threads the runner's donated state, so the device runs them in order; a request that
-finished in the results being read was already dispatched once more, and that surplus iteration
-is discarded (its pages reserve room for it); so are the results of a request preempted since they
-were dispatched: the pages it gave back are written by later dispatches only after them.
+Each `step()` schedules (pages, preemption, admission), runs (dispatches prefills and one
+iteration without waiting), and postprocesses the results dispatched the step before, so the
+host's work overlaps the device's. The device runs dispatches in order (each threads the donated
+state); results for a request that finished or was preempted since they were dispatched are
+dropped (the surplus iteration: its pages are rewritten only by later dispatches).
 
-Speculation per bucket: with `EngineConfig.speculation == "auto"` each iteration runs the target
-alone or one of the drafter's proposals (the tree, the chain) by engine/policy.py's rule, from the
-step costs timed in warm-up, replaced by the steps' own times as serving runs each choice, and
-each proposal's acceptance length measured from the iterations collected here.
+Under `speculation="auto"` each iteration runs the target alone or one of the proposals by
+engine/policy.py's rule, from costs timed in warm-up (then as served) and acceptance measured here.
 """
 
 from __future__ import annotations
@@ -41,11 +36,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class EngineStats:
-    """Per-step timings: host time is Python work, device wait is time blocked on results.
-    Dispatch time is the part of host time spent inside the calls that enqueue compiled programs
-    (JAX's argument handling and the runtime's launch), the rest is the engine's own Python.
-    Iterations dispatched per batch bucket, speculative and target-only, and per proposal, show
-    what the policy did."""
+    """Per-step timings (host: Python work, of which dispatch: inside the calls that enqueue
+    programs; device wait: blocked on results) and what the policy ran, per bucket and proposal."""
 
     steps: int = 0
     iterations: int = 0
@@ -206,10 +198,9 @@ class Engine:
         self._last_steady = ran
 
     def _run_prefills(self, reqs: list[Request]) -> None:
-        """Prefill the requests admitted in this step. A prompt longer than the largest chunk
-        bucket first runs its leading chunks alone; then the last chunks of all of them run
-        together, grouped by chunk bucket, up to the largest prefill batch bucket per call: a
-        burst of arrivals costs a few prefills, not one per request."""
+        """Prefill the requests admitted in this step: each long prompt's leading chunks alone,
+        then every last chunk grouped by chunk bucket, up to the largest prefill batch bucket a
+        call, so a burst of arrivals costs a few prefills, not one per request."""
         largest = self.cfg.prefill_buckets[-1]
         by_bucket: dict[int, list[PrefillChunk]] = collections.defaultdict(list)
         for req in reqs:
@@ -312,13 +303,10 @@ class Engine:
         return changed
 
     def _observe(self, pending: _Pending, accepted: np.ndarray, top1: np.ndarray) -> None:
-        """Update the acceptance estimates from one collected iteration: accepted, top1 [n] its
-        rows' (`steps.split_verdicts`). Measured: running rows (not the surplus iteration of a
-        finished one) whose proposals the iteration drafted fresh. The proposal that ran measures
-        its own; when a tree ran, every chain the engine serves is measured too, by what its chain
-        would have accepted on the same rows (`Tree.accept`'s top1_accepted, at most K; rows of the
-        draft-q rule say nothing), so running the tree keeps the chain's estimate current without
-        probing it. The other estimates see an iteration without a measurement."""
+        """Update the acceptance estimates from one iteration's accepted, top1 [n], over rows still
+        running whose proposals were drafted fresh. The proposal that ran measures its own; a
+        verify that reports the top-1 chain's acceptance (`Speculator.measures_top1_chain`)
+        measures the chains served beside it too, without probing them."""
         measured = np.array([bool(fresh) and not _stale(pending, i) for i, fresh in enumerate(pending.fresh)], bool)
         ran = None if pending.proposal is None else self.proposals[pending.proposal]
         estimates = []
@@ -439,15 +427,10 @@ class Engine:
         return iterations, prefills
 
     def warmup(self, progress: bool = True, greedy: bool | None = None) -> float:
-        """Compile every program now, so serving never compiles; in "auto", time both iterations
-        of each bucket that may speculate (buckets missing from `step_costs`) for the policy.
-        `greedy` True (or False) builds only the greedy (or sampling) programs, for a workload
-        known to need only those: the others then compile on first use. Last, unless
-        EngineConfig.freeze_heap is False, the Python heap is frozen (`freeze_heap`). -> seconds.
-
-        The fused programs are first compiled all at once on a thread pool (`runner.compile_ahead`),
-        and each then loads from JAX's persistent cache: one after another, the 49 programs of
-        SmolLM2 with a chain took 385 s on the H200's host."""
+        """Compile every program now, so serving never compiles, and in "auto" time each bucket's
+        choices for the policy; `greedy` True (False) builds only the greedy (sampling) programs.
+        The fused programs compile at once on a thread pool first (`runner.compile_ahead`;
+        BENCHMARKS.md, "Start-up"). Then the heap is frozen (`freeze_heap`). -> seconds."""
         start = time.perf_counter()
         iterations, prefills = self.programs(greedy)
         if self.cfg.fused_iteration:
@@ -489,14 +472,10 @@ def pool_line(cfg: EngineConfig, sized_from: int | None, explicit: bool) -> str:
 
 
 def freeze_heap() -> None:
-    """Collect, then move every object Python's cyclic collector tracks out of its reach
-    (`gc.freeze`), as vLLM and SGLang do after start-up. Why: a loaded and compiled engine leaves
-    hundreds of thousands of tracked objects (JAX's caches and traced programs: about 690,000 for
-    SmolLM2 with its drafter), and a full collection walks them all, 0.37 s on one core of a CPU
-    machine, while every request waits; the objects serving keeps a while (requests, their tokens)
-    trigger such passes from time to time. Frozen objects are still freed when nothing refers to them; only cyclic
-    garbage among them is kept, until the next engine's warm-up, which unfreezes and collects
-    first (or `gc.unfreeze()`)."""
+    """Collect, then move every tracked object out of the cyclic collector's reach (`gc.freeze`),
+    as vLLM and SGLang do after start-up: a compiled engine leaves hundreds of thousands of objects
+    (JAX's caches, traced programs) that every full collection would walk while requests wait.
+    Frozen objects are still freed by reference counting; the next warm-up unfreezes first."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
