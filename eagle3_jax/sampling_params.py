@@ -107,12 +107,13 @@ class SamplingParams:
                 f"got {self.draft_acceptance!r}"
             )
 
-    def acceptance_rule(self, tree: bool = False) -> str:
-        """draft_acceptance resolved for a chain (or a tree): "auto" is "coupled" for a seeded request
-        (a seed must reproduce its tokens) and on a tree (it accepts the most there), else "draft_q"."""
+    def acceptance_rule(self, point_mass: bool = False) -> str:
+        """draft_acceptance resolved: "auto" is "coupled" for a seeded request (a seed must reproduce
+        its tokens) and where the proposals are point masses (a tree, prompt lookup: it accepts the
+        most there), else "draft_q" (a drafter's sampled chain)."""
         if self.draft_acceptance != "auto":
             return self.draft_acceptance
-        return "coupled" if self.seed is not None or tree else "draft_q"
+        return "coupled" if self.seed is not None or point_mass else "draft_q"
 
     @property
     def greedy(self) -> bool:

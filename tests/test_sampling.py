@@ -588,7 +588,7 @@ def test_row_sampling_from_params_and_seed_keys():
     np.testing.assert_array_equal(rs.coupled, [False, False, False, True, False, False])
     assert [sp.acceptance_rule() for sp in sps] == ["draft_q", "one_hot", "draft_q", "coupled", "coupled", "draft_q"]
     # On an engine drafting a tree, unseeded "auto" requests are coupled too; explicit rules stay.
-    on_tree = S.row_sampling_from_params(sps, seeds=[7, 8, None, None, None, None], tree=True)
+    on_tree = S.row_sampling_from_params(sps, seeds=[7, 8, None, None, None, None], point_mass=True)
     np.testing.assert_array_equal(on_tree.coupled, [False, False, True, True, False, False])
     assert rs.key.shape == (6, 2) and rs.key.dtype == np.uint32
     np.testing.assert_array_equal(rs.key[0], jax.random.key_data(jax.random.key(7)))  # seeds[0]

@@ -298,7 +298,7 @@ class ModelRunner:
     def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None]) -> None:
         """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
         (None: its params carry a seed); the greedy program when every row is greedy."""
-        row = sampling.row_sampling_from_params(params, seeds, tree=self.speculator.point_mass)
+        row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.point_mass)
         cfg = self.config(self.speculator, greedy=all(p.greedy for p in params))
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
 

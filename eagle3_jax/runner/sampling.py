@@ -74,10 +74,11 @@ def row_sampling_from_params(
     seeds: Sequence[int | None] | None = None,
     *,
     rng: np.random.Generator | None = None,
-    tree: bool = False,
+    point_mass: bool = False,
 ) -> RowSampling:
     """Host side: `SamplingParams` -> `RowSampling` of numpy arrays. A row's seed is params[i].seed,
-    else seeds[i], else drawn from rng (OS entropy); tree: the engine drafts a tree (its default rule)."""
+    else seeds[i], else drawn from rng (OS entropy); point_mass: the
+    speculator's proposals are point masses (`SamplingParams.acceptance_rule`)."""
     n = len(params)
     if seeds is not None and len(seeds) != n:
         raise ValueError(f"seeds has length {len(seeds)}, expected {n}")
@@ -91,7 +92,7 @@ def row_sampling_from_params(
         if s is None:
             s = int(rng.integers(0, 2**63 - 1))
         keys[i] = seed_to_key_data(s)
-    rules = [sp.acceptance_rule(tree) for sp in params]
+    rules = [sp.acceptance_rule(point_mass) for sp in params]
     return RowSampling(
         temperature=np.array([sp.temperature for sp in params], np.float32).reshape(n),
         top_k=np.array([sp.top_k for sp in params], np.int32).reshape(n),
