@@ -204,14 +204,16 @@ def build_parser() -> ArgumentParser:
                                "folder of $EAGLE3_JAX_CACHE (default ~/.cache/eagle3_jax); a second run does "
                                "nothing.")
 
-    p = sub.add_parser("generate", help="generate for prompts (chat template applied)",
-                       description="Generate a reply for each prompt, one user turn each (chat template applied).")
+    p = sub.add_parser("generate", help="generate for prompts (chat template applied, or --raw)",
+                       description="Generate a reply for each prompt: one user turn each through the target's chat "
+                                   "template (LLM.chat), or with --raw the text as it is (LLM.generate).")
     _add_model_args(p)
     _add_sampling_args(p)
     p.add_argument("--prompt", action="append", type=prompt_text,
                    help="a user message; repeat for a batch (default: the first --mtbench MT-bench questions)")
     p.add_argument("--mtbench", type=mtbench_count, default=1,
                    help=f"without --prompt: the first N MT-bench questions, 1..{MTBENCH_QUESTIONS}")
+    p.add_argument("--raw", action="store_true", help="continue each prompt as raw text, without the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
 
     p = sub.add_parser("chat", help="interactive chat, streaming",
@@ -368,7 +370,8 @@ def cmd_generate(args) -> int:
     prompts = args.prompt or [q["turns"][0] for q in mtbench_questions()[:args.mtbench]]
     llm = _llm(args, len(prompts))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = (llm.generate(prompts, params) if args.raw else
+               llm.chat([[{"role": "user", "content": p}] for p in prompts], params))
     elapsed = time.perf_counter() - start
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

@@ -40,6 +40,7 @@ class SamplingParams:
         (default) = "coupled" when a seed is given or the engine drafts a tree,
         else "draft_q" (`acceptance_rule`; BENCHMARKS.md, "Sampled acceptance":
         draft_q accepts the most on a chain, coupled on a tree).
+      n: independent samples of the prompt (`samples` splits them, the i-th seeded seed + i).
     """
 
     max_tokens: int = 256
@@ -52,6 +53,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     draft_acceptance: str = "auto"
+    n: int = 1
 
     def __post_init__(self) -> None:
         def _set(name, value):
@@ -125,6 +127,18 @@ class SamplingParams:
                 f"draft_acceptance must be one of {DRAFT_ACCEPTANCE_MODES}, "
                 f"got {self.draft_acceptance!r}"
             )
+
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be a positive int, got {self.n!r}")
+        _set("n", int(self.n))
+
+    def samples(self) -> list[SamplingParams]:
+        """One single-sample SamplingParams per sample; the i-th seeded seed + i, so seeded samples
+        differ from each other and each reproduces."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
     def acceptance_rule(self, tree: bool = False) -> str:
         """draft_acceptance resolved on an engine that drafts a chain (or a tree): "auto" is

@@ -81,7 +81,7 @@ class Request:
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     output: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     text: str | None = None  # set when a stop string cut the output text
 
@@ -139,6 +139,19 @@ class Scheduler:
     def add(self, prompt: list[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
         """Validate and queue a request; raise RequestError naming the problem. `arrival_time`
         (time.perf_counter() seconds, default now) is when it reached the server."""
+        max_tokens = self.validate(prompt, params)
+        metrics = RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft,
+                                 arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, max_tokens=max_tokens,
+                      metrics=metrics)
+        self.waiting.append(req)
+        return req
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens clipped to the context; raise RequestError naming what the
+        engine would refuse. Reads only the static config: safe from any thread."""
+        if params.n != 1:
+            raise RequestError(f"a request is one sample; split n={params.n} with SamplingParams.samples()")
         if len(prompt) == 0:
             raise RequestError("prompt is empty")
         ids = np.asarray(prompt)
@@ -160,12 +173,7 @@ class Scheduler:
         if self.pages_needed(len(prompt), max_tokens) > self.pool.capacity:
             raise RequestError(f"prompt + max_tokens needs {self.pages_needed(len(prompt), max_tokens)} KV "
                                f"pages; the pool has {self.pool.capacity} (EngineConfig.num_pages)")
-        metrics = RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft,
-                                 arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
-        req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, max_tokens=max_tokens,
-                      metrics=metrics)
-        self.waiting.append(req)
-        return req
+        return max_tokens
 
     def admit(self) -> list[Request]:
         """Move waiting requests into free slots while pages last, in arrival order."""
@@ -190,6 +198,20 @@ class Scheduler:
             self._free_slots.append(req.slot)
             self.pool.release(req.pages)
             req.slot, req.pages = None, []
+
+    def abort(self, request_id: int) -> Request | None:
+        """End a waiting or running request with finish_reason "abort" (a running one's slot and
+        pages freed now); None when no such request is unfinished."""
+        for req in self.waiting:
+            if req.id == request_id:
+                self.waiting.remove(req)
+                self.finish(req, "abort")
+                return req
+        for req in self.running.values():
+            if req.id == request_id:
+                self.finish(req, "abort")
+                return req
+        return None
 
     def bucket(self, n: int) -> int:
         return smallest_bucket(self.cfg.batch_buckets, n)
