@@ -1,4 +1,4 @@
-"""`eagle3-jax` command line: prepare, generate, chat, bench, train-draft, plan, convert-draft."""
+"""`eagle3-jax` command line: prepare, generate, chat, serve, bench, train-draft, plan, convert-draft."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ PROG = "eagle3-jax"
 # transformers advises on every import that PyTorch is missing; torch is optional here.
 _QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 MTBENCH_QUESTIONS = 80
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what `serve` answers to for the default target
 
 
 class UsageError(Exception):
@@ -118,6 +119,13 @@ def top_p(text: str) -> float:
     return fraction(text, "; 1 turns nucleus sampling off")
 
 
+def nonnegative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = _float(text)
     if not value > 0:
@@ -194,6 +202,23 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="sampling seed, 0 or more (default: a fresh one per request)")
 
 
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the /v1 routes (default: none required)")
+    p.add_argument("--served-model-name", default=None,
+                   help=f"the model name clients send (default: --target as given, else {DEFAULT_MODEL_NAME})")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests running at once (the batch)")
+    p.add_argument("--max-waiting", type=positive_int, default=512,
+                   help="requests that may wait for a slot; past them the server answers 429 with Retry-After")
+    p.add_argument("--max-request-bytes", type=positive_int, default=4 << 20, help="largest request body accepted")
+    p.add_argument("--shutdown-timeout", type=nonnegative_float, default=10.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are aborted")
+    p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
+                   help="debug adds each request's summary")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -220,6 +245,13 @@ def build_parser() -> ArgumentParser:
                        description="Interactive chat, streaming; an empty line or end of input quits.")
     _add_model_args(p)
     _add_sampling_args(p)
+
+    p = sub.add_parser("serve", help="serve OpenAI's HTTP API (chat and completions, streaming, /metrics)",
+                       description="Serve the engine behind OpenAI's HTTP API: /v1/chat/completions (chat "
+                                   "template applied), /v1/completions (raw prompts), /v1/models, /health (200 once "
+                                   "ready) and Prometheus /metrics.")
+    _add_model_args(p)
+    _add_server_args(p)
 
     p = sub.add_parser("convert-draft", help="pytorch_model.bin drafter -> model.safetensors (needs torch)",
                        description="Convert a drafter's pytorch_model.bin to model.safetensors, same tensor "
@@ -311,7 +343,7 @@ def check_drafter(args) -> None:
         raise UsageError(f"--draft {args.draft}: {e} (use a drafter made for this target, or --draft none)") from None
 
 
-def _llm(args, num_prompts: int = 1):
+def _llm(args, num_prompts: int = 1, **engine):
     import jax
 
     from eagle3_jax.api import LLM
@@ -333,7 +365,7 @@ def _llm(args, num_prompts: int = 1):
     rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
                        speculation=args.speculation, speculative_max_batch=args.speculative_max_batch,
-                       batch_invariant=args.batch_invariant)
+                       batch_invariant=args.batch_invariant, **engine)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
                tree=drafting.tree)
 
@@ -426,6 +458,15 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from eagle3_jax.serve import server
+
+    server.configure_logging(args.log_level)
+    llm = _llm(args, args.max_num_seqs, max_num_seqs=args.max_num_seqs)
+    server.log_engine(llm)
+    return server.run(llm, args, args.served_model_name or args.target or DEFAULT_MODEL_NAME)
+
+
 def cmd_convert_draft(args) -> int:
     src = Path(args.src)
     if not src.is_dir():
@@ -499,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             return train_main(rest)
         if rest:
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.command in ("generate", "chat"):
+        if args.command in ("generate", "chat", "serve"):
             check_paths(args)
         return _run(args)
     except UsageError as e:
@@ -516,8 +557,8 @@ def _run(args) -> int:
     from eagle3_jax.config import ConfigError
     from eagle3_jax.weights.tensors import CheckpointError
 
-    handlers = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "convert-draft": cmd_convert_draft,
-                "plan": cmd_plan}
+    handlers = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+                "convert-draft": cmd_convert_draft, "plan": cmd_plan}
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
