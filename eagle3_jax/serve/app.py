@@ -131,7 +131,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
     async def finished_choices(submission: Submission, texts: list[TextStream]) -> AsyncIterator[P.Choice]:
         while submission.unfinished:
             update = await submission.updates.get()
-            texts[update.index].push(update.token_ids)
+            texts[update.index].add(update.token_ids)
             if update.finished:
                 submission.unfinished -= 1
                 yield _choice(update, texts[update.index], llm)
@@ -151,19 +151,20 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
             completion_tokens = 0
             while submission.unfinished:
                 update = await submission.updates.get()
-                text = texts[update.index].push(update.token_ids)
                 if not update.finished:
+                    text = texts[update.index].push(update.token_ids)
                     if text or body.return_token_ids:
                         yield event([endpoint.delta(update.index, text)], update.token_ids)
                     continue
                 submission.unfinished -= 1
+                texts[update.index].add(update.token_ids)  # a stop string may cut them: the final text decides
                 choice = _choice(update, texts[update.index], llm)
                 completion_tokens += len(choice.token_ids)
                 if choice.finish_reason == "error":
                     yield _sse(P.error_body(choice.text, "server_error"))
                     continue
                 extra = {"metrics": P.request_metrics([choice])} if len(texts) == 1 else {}
-                yield event([endpoint.delta(update.index, text + texts[update.index].finish(choice.text),
+                yield event([endpoint.delta(update.index, texts[update.index].finish(choice.text),
                                             choice.finish_reason)], update.token_ids, **extra)
             if body.include_usage:
                 yield event([], usage=P.usage(prompt_tokens, completion_tokens))
@@ -263,8 +264,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str, str | None]:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "missing" and not loc:
         return "the body is empty: send a JSON object", "invalid_request_error", None
-    field = ".".join(loc)
-    return (f"{field}: {first['msg']}" if field else first["msg"]), "invalid_request_error", field or None
+    where = ".".join(loc)
+    return (f"{where}: {first['msg']}" if where else first["msg"]), "invalid_request_error", (loc or [None])[0]
 
 
 class BodyLimit:

@@ -19,6 +19,10 @@ class TextStream:
         self.token_ids: list[int] = []
         self.sent = ""
 
+    def add(self, token_ids: Sequence[int]) -> None:
+        """Record tokens without releasing text (the last ones: `finish` releases the rest)."""
+        self.token_ids.extend(token_ids)
+
     def push(self, token_ids: Sequence[int]) -> str:
         """The text the new tokens release ("" while it may still change)."""
         self.token_ids.extend(token_ids)
