@@ -91,10 +91,12 @@ def default_dtype():
 class LLM:
     """An EAGLE-3 engine over a Hugging Face Llama target and an optional drafter.
 
-    target: a directory with config.json, safetensors and (optionally) tokenizer files; None is
-        the embedded default, SmolLM2-135M-Instruct, prepared on first use.
-    draft: a drafter directory in the public EAGLE-3 layout; "default" uses the shipped drafter
-        when the target is the default; None runs the target alone.
+    target: a directory with config.json, safetensors and (optionally) tokenizer files, or a
+        Hugging Face hub id ("org/name", through huggingface_hub's cache; HF_HUB_OFFLINE=1 uses
+        only the cache); None is the embedded default, SmolLM2-135M-Instruct, prepared on first use.
+    draft: a drafter directory in the public EAGLE-3 layout, or a hub id; "default" uses the
+        shipped drafter when the target is the default; None runs the target alone.
+    revision: the target's hub revision (branch, tag or commit; default main).
     warmup: compile every program before serving (True), or each on its first use, through the
         persistent compilation cache (False). None, the default, warms up on accelerators, where
         steady latency matters and "auto" speculation times each bucket, and not on the CPU, where
@@ -116,7 +118,8 @@ class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
-                 tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None):
+                 tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None,
+                 revision: str | None = None):
         engine_config = engine_config or EngineConfig()
         if batch_invariant is not None:
             engine_config = dataclasses.replace(engine_config, batch_invariant=batch_invariant)
@@ -127,9 +130,11 @@ class LLM:
         enable_compilation_cache()
         if target is None:
             target = assets.prepare_default_target(progress=progress)
-        target = Path(target)
+        target = assets.resolve_model(target, revision)
         if draft == "default":
             draft = assets.DEFAULT_DRAFT if target.resolve() == assets.DEFAULT_TARGET.resolve() else None
+        elif draft is not None:
+            draft = assets.resolve_model(draft, drafter=True)
         if tree == "auto":
             engine_config = dataclasses.replace(
                 engine_config, tree=default_tree(engine_config, draft is not None, jax.default_backend()))

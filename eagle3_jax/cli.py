@@ -162,11 +162,14 @@ def prompt_text(text: str) -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="target directory: a Hugging Face Llama checkpoint (config.json, model.safetensors, "
-                        "tokenizer) (default: SmolLM2-135M-Instruct, prepared on first use)")
+                        "tokenizer), or its hub id ORG/NAME (through the Hugging Face cache; HF_HUB_OFFLINE=1 "
+                        "uses only the cache) (default: SmolLM2-135M-Instruct, prepared on first use)")
+    p.add_argument("--revision", default=None,
+                   help="with a hub id as --target: its branch, tag or commit (default: main)")
     p.add_argument("--draft", default="default",
                    help="drafter directory in the public EAGLE-3 layout (config.json, model.safetensors or "
-                        "pytorch_model.bin); 'none' runs the target alone (default: '%(default)s': the "
-                        "shipped drafter when the target is the default, else none)")
+                        "pytorch_model.bin), or its hub id; 'none' runs the target alone (default: "
+                        "'%(default)s': the shipped drafter when the target is the default, else none)")
     p.add_argument("--num-draft", type=num_draft, default=3,
                    help=f"K, draft tokens per iteration, 0..{MAX_SPECULATIVE_TOKENS}")
     p.add_argument("--tree", type=tree_choice, default="auto", metavar="STEPS,TOPK,TOKENS|auto|none",
@@ -314,7 +317,17 @@ def check_drafter_dir(draft: Path, flag: str = "--draft", instead: str = "--draf
 
 
 def check_paths(args) -> None:
-    """Directories named by flags exist and hold what they must."""
+    """Directories named by flags exist and hold what they must; hub ids are replaced by their
+    snapshot in the Hugging Face cache (fetched there first unless HF_HUB_OFFLINE is set)."""
+    from eagle3_jax.assets import AssetError, resolve_model
+
+    try:
+        if args.target is not None:
+            args.target = str(resolve_model(args.target, args.revision))
+        if args.draft not in ("default", "none"):
+            args.draft = str(resolve_model(args.draft, drafter=True))
+    except AssetError as e:
+        raise UsageError(str(e)) from None
     if args.target is not None:
         check_target_dir(Path(args.target))
     if args.draft not in ("default", "none"):
@@ -464,7 +477,7 @@ def cmd_serve(args) -> int:
     server.configure_logging(args.log_level)
     llm = _llm(args, args.max_num_seqs, max_num_seqs=args.max_num_seqs)
     server.log_engine(llm)
-    return server.run(llm, args, args.served_model_name or args.target or DEFAULT_MODEL_NAME)
+    return server.run(llm, args, args.served_model_name or args.target_name or DEFAULT_MODEL_NAME)
 
 
 def cmd_convert_draft(args) -> int:
@@ -541,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command in ("generate", "chat", "serve"):
+            args.target_name = args.target  # as given: a hub id stays the name `serve` answers to
             check_paths(args)
         return _run(args)
     except UsageError as e:
