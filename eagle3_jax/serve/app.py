@@ -91,8 +91,8 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
         except RequestError as e:
             raise P.invalid(str(e), param) from None
 
-    def samples(prompts: list[list[int]], body: P._Body, param: str) -> list[tuple[list[int], SamplingParams]]:
-        params = body.sampling_params(max_model_len)
+    def samples(prompts: list[list[int]], params: SamplingParams, param: str) -> list[tuple[list[int], SamplingParams]]:
+        """Each prompt's `n` samples, once the engine's own checks pass for them."""
         for ids in prompts:
             try:
                 llm.engine.validate_request(ids, params.samples()[0])
@@ -112,11 +112,11 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
 
     async def respond(endpoint: _Endpoint, body: P._Body, prompts: list[list[int]], param: str, request: Request,
                       arrival: float):
-        work = samples(prompts, body, param)
+        params = body.sampling_params(max_model_len)
+        work = samples(prompts, params, param)
         submission = submit(work, arrival)
         prompt_tokens = sum(map(len, prompts))
-        stops = body.sampling_params(max_model_len).stop
-        texts = [TextStream(llm.decode, stops) for _ in work]
+        texts = [TextStream(llm.decode, params.stop) for _ in work]
         if body.stream:
             return StreamingResponse(stream(endpoint, body, submission, texts, prompt_tokens, request),
                                      media_type="text/event-stream")

@@ -82,7 +82,7 @@ class _Body(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
                 seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
                 ignore_eos=self.ignore_eos, n=self.n)
-        except ValueError as e:
+        except ValueError as e:  # SamplingParams' messages start with the field's name
             raise invalid(str(e), str(e).split()[0]) from None
 
     @property
