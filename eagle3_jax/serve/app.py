@@ -117,10 +117,11 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
         submission = submit(work, arrival)
         prompt_tokens = sum(map(len, prompts))
         texts = [TextStream(llm.decode, params.stop) for _ in work]
+        watcher = _abort_on_disconnect(request, engine_loop, submission)  # before the stream starts, if ever
         if body.stream:
-            return StreamingResponse(stream(endpoint, body, submission, texts, prompt_tokens, request),
+            return StreamingResponse(stream(endpoint, body, submission, texts, prompt_tokens, watcher),
                                      media_type="text/event-stream")
-        with _aborted_on_disconnect(request, engine_loop, submission):
+        with _ending(engine_loop, submission, watcher):
             choices = [choice async for choice in finished_choices(submission, texts)]
         if failed := next((c for c in choices if c.finish_reason == "error"), None):
             raise P.APIError(500, failed.text, "server_error")
@@ -137,7 +138,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
                 yield _choice(update, texts[update.index], llm)
 
     async def stream(endpoint: _Endpoint, body: P._Body, submission: Submission, texts: list[TextStream],
-                     prompt_tokens: int, request: Request) -> AsyncIterator[str]:
+                     prompt_tokens: int, watcher: asyncio.Task) -> AsyncIterator[str]:
         id, created = P.new_id(endpoint.kind), int(time.time())
 
         def event(choices: list[dict], token_ids: list[int] | None = None, **extra) -> str:
@@ -145,7 +146,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
                 choices[0]["token_ids"] = token_ids
             return _sse(endpoint.chunk(id, body.model, created, choices, **extra))
 
-        with _aborted_on_disconnect(request, engine_loop, submission):
+        with _ending(engine_loop, submission, watcher):
             if endpoint.role_first:
                 yield event([P.chat_delta(i, "", role="assistant") for i in range(len(texts))])
             completion_tokens = 0
@@ -214,10 +215,9 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-@contextlib.contextmanager
-def _aborted_on_disconnect(request: Request, engine_loop: EngineLoop, submission: Submission):
-    """While the body runs, a client that hangs up aborts the submission; leaving the body
-    early (an error, a closed stream) aborts what is unfinished."""
+def _abort_on_disconnect(request: Request, engine_loop: EngineLoop, submission: Submission) -> asyncio.Task:
+    """A task aborting the submission's unfinished samples when the client hangs up. It also ends
+    once the response is complete (the server then reports a disconnect too)."""
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -225,7 +225,12 @@ def _aborted_on_disconnect(request: Request, engine_loop: EngineLoop, submission
         if submission.unfinished:
             engine_loop.abort(submission)
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    return asyncio.get_running_loop().create_task(watch())
+
+
+@contextlib.contextmanager
+def _ending(engine_loop: EngineLoop, submission: Submission, watcher: asyncio.Task):
+    """Leaving the body, early or not (an error, a closed stream), aborts what is unfinished."""
     try:
         yield
     finally:
