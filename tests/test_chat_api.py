@@ -27,6 +27,7 @@ def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+@pytest.mark.slow
 def test_generate_takes_raw_text_and_chat_applies_the_template(llm):
     params = SamplingParams(max_tokens=8)
     raw = llm.tokenizer("Hello there").input_ids
@@ -45,6 +46,7 @@ def test_generate_takes_raw_text_and_chat_applies_the_template(llm):
         llm.chat("Hello there")
 
 
+@pytest.mark.slow
 def test_n_samples_come_in_outputs_each_seeded_seed_plus_i(llm):
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, n=3)
     (out,) = llm.generate(["Pick"], params)
@@ -61,6 +63,7 @@ def test_n_samples_come_in_outputs_each_seeded_seed_plus_i(llm):
         SamplingParams(n=0)
 
 
+@pytest.mark.slow
 def test_abort_frees_the_slot_and_pages_of_a_running_request_and_dequeues_a_waiting_one(llm):
     engine = llm.engine
     free = engine.scheduler.pool.num_free

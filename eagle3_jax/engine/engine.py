@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import logging
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -36,6 +37,7 @@ from eagle3_jax.runner.steps import StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
 
 TARGET_ALONE = Chain(0)  # the iteration that verifies the last token alone
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -458,6 +460,7 @@ class Engine:
         if self.cfg.freeze_heap:
             freeze_heap()
         self.stats.warmup_s = time.perf_counter() - start
+        logger.info("warm-up: %d programs ready in %.1f s", len(shapes), self.stats.warmup_s)
         return self.stats.warmup_s
 
 
