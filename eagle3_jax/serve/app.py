@@ -56,7 +56,8 @@ COMPLETION = _Endpoint("cmpl", P.completion_response, P.completion_chunk, P.comp
 
 
 def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settings: Settings) -> FastAPI:
-    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")  # one: HF tokenizers are not reentrant
+    # One thread: a fast tokenizer used from several at once can fail ("Already borrowed").
+    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
     created = int(time.time())
     max_model_len = llm.engine.cfg.max_model_len
 
@@ -79,7 +80,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
             raise P.APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                              "authentication_error", code="invalid_api_key")
 
-    def check_body(body: P._Body) -> None:
+    def check_body(body: P.RequestBody) -> None:
         if body.model != settings.model_name:
             raise P.APIError(404, f"the model {body.model!r} does not exist; this server serves "
                              f"{settings.model_name!r}", param="model", code="model_not_found")
@@ -93,12 +94,13 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
 
     def samples(prompts: list[list[int]], params: SamplingParams, param: str) -> list[tuple[list[int], SamplingParams]]:
         """Each prompt's `n` samples, once the engine's own checks pass for them."""
+        each = params.samples()
         for ids in prompts:
             try:
-                llm.engine.validate_request(ids, params.samples()[0])
+                llm.engine.validate_request(ids, each[0])
             except RequestError as e:
                 raise P.invalid(str(e), param) from None
-        return [(ids, sample) for ids in prompts for sample in params.samples()]
+        return [(ids, sample) for ids in prompts for sample in each]
 
     def submit(work: list[tuple[list[int], SamplingParams]], arrival: float) -> Submission:
         try:
@@ -110,7 +112,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
             raise P.APIError(503, str(e), "server_error", code="unavailable",
                              headers={"Retry-After": RETRY_AFTER_S}) from None
 
-    async def respond(endpoint: _Endpoint, body: P._Body, prompts: list[list[int]], param: str, request: Request,
+    async def respond(endpoint: _Endpoint, body: P.RequestBody, prompts: list[list[int]], param: str, request: Request,
                       arrival: float):
         params = body.sampling_params(max_model_len)
         work = samples(prompts, params, param)
@@ -137,7 +139,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
                 submission.unfinished -= 1
                 yield _choice(update, texts[update.index], llm)
 
-    async def stream(endpoint: _Endpoint, body: P._Body, submission: Submission, texts: list[TextStream],
+    async def stream(endpoint: _Endpoint, body: P.RequestBody, submission: Submission, texts: list[TextStream],
                      prompt_tokens: int, watcher: asyncio.Task) -> AsyncIterator[str]:
         id, created = P.new_id(endpoint.kind), int(time.time())
 

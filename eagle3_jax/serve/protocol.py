@@ -40,7 +40,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """What both endpoints share. Unknown fields are ignored, as OpenAI's server does."""
 
     model_config = ConfigDict(extra="ignore")
@@ -109,7 +109,7 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content}
 
 
-class ChatCompletionRequest(_Body):
+class ChatCompletionRequest(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -130,7 +130,7 @@ class ChatCompletionRequest(_Body):
         return self.max_completion_tokens or self.max_tokens
 
 
-class CompletionRequest(_Body):
+class CompletionRequest(RequestBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -155,7 +155,7 @@ class CompletionRequest(_Body):
         return list(self.prompt)
 
 
-def check_supported(body: _Body) -> None:
+def check_supported(body: RequestBody) -> None:
     if field := body.unsupported():
         raise invalid(f"{field} is not supported by this server", field)
 
