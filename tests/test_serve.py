@@ -182,6 +182,20 @@ def test_chat_greedy_equals_llm_chat_with_usage_and_speculation_metrics(client, 
     assert spec["mean_acceptance_length"] == pytest.approx(1 + m.accepted / m.speculative_iterations)
 
 
+def test_metrics_use_vllms_names_and_count_what_was_served(server):
+    values = scrape(server["url"])
+    names = {re.sub(r"\{.*", "", k).removeprefix("eagle3_jax:") for k in values}
+    counters = ["prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
+                "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                "spec_decode_num_accepted_tokens_per_pos_total"]
+    histograms = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"]
+    gauges = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "speculation_choice"]
+    assert set(counters + gauges) | {f"{h}_bucket" for h in histograms} <= names
+    assert metric(values, "generation_tokens_total") > 0 and metric(values, "spec_decode_num_drafts_total") > 0
+    chosen = {k: v for k, v in values.items() if k.startswith("eagle3_jax:speculation_choice") and v == 1}
+    assert sorted(re.search(r'bucket="(\d+)"', k).group(1) for k in chosen) == ["1", "8"]  # one choice a bucket
+
+
 def test_completions_take_text_lists_and_token_ids_as_llm_generate_does(client, llm):
     prompts = ["The sky is", "Once upon", [5, 6, 7, 8], [40, 41]]
     want = llm.generate(prompts, SamplingParams(max_tokens=16))
