@@ -1,9 +1,12 @@
 """The Python API as vLLM's: `chat` applies the chat template, `generate` takes text as it is;
-`n` samples in `RequestOutput.outputs`; `Engine.abort`; and the server's streamed text, which
-must add up to the final text. A tiny random target with a byte tokenizer (conftest's
-`chat_models`)."""
+`n` samples in `RequestOutput.outputs`; `Engine.abort`; and the server's pieces without HTTP:
+its engine thread's drain, and its streamed text, which must add up to the final text. A tiny
+random target with a byte tokenizer (conftest's `chat_models`)."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -81,6 +84,37 @@ def test_abort_frees_the_slot_and_pages_of_a_running_request_and_dequeues_a_wait
         engine.step()
     assert engine.num_running == 0 and engine.scheduler.pool.num_free == free
     assert [len(r.output) < 64 for r in running] == [True] * len(running)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace_s, reason", [(0.0, "abort"), (60.0, "length")])
+def test_a_drain_refuses_new_work_and_ends_what_runs_after_its_grace(llm, grace_s, reason):
+    from eagle3_jax.serve.engine_loop import EngineLoop, Unavailable
+    from eagle3_jax.serve.metrics import ServerMetrics
+
+    work = [([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))] * 3
+
+    async def drained() -> dict:
+        engine_loop = EngineLoop(llm.engine, ServerMetrics("tiny"))
+        engine_loop.start(asyncio.get_running_loop())
+        submission = engine_loop.submit(work, time.perf_counter())
+        finals = {}
+        try:
+            assert not (await asyncio.wait_for(submission.updates.get(), 60)).finished  # running
+            engine_loop.drain(grace_s)
+            with pytest.raises(Unavailable, match="shutting down"):
+                engine_loop.submit(work, time.perf_counter())
+            while len(finals) < len(work):
+                update = await asyncio.wait_for(submission.updates.get(), 60)
+                if update.finished:
+                    finals[update.index] = update
+        finally:
+            engine_loop.stop()
+        return finals
+
+    finals = asyncio.run(drained())
+    assert {u.finish_reason for u in finals.values()} == {reason}
+    assert llm.engine.num_running == 0 and llm.engine.scheduler.pool.num_free == llm.engine.scheduler.pool.capacity
 
 
 def engine_cut(decode, ids: list[int], stops) -> tuple[list[int], str]:
