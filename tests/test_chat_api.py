@@ -136,7 +136,7 @@ def test_streamed_text_adds_up_to_the_final_text(llm, stops):
     rng = np.random.default_rng(0)
     cut = 0
     for _ in range(50):
-        ids, final = engine_cut(llm.decode, rng.integers(3, 259, 40).tolist(), stops)
+        ids, final = engine_cut(llm.decode, rng.integers(0, 259, 40).tolist(), stops)  # specials too
         cut += len(ids) < 40
         stream, released = TextStream(llm.decode, stops), ""
         cuts = sorted(set(rng.integers(1, len(ids) + 1, 12).tolist()) | {len(ids)})
@@ -148,3 +148,24 @@ def test_streamed_text_adds_up_to_the_final_text(llm, stops):
             assert final.startswith(released)
         assert released + stream.finish(final) == final
     assert cut > 0 if stops else cut == 0
+
+
+@pytest.mark.slow
+def test_streamed_text_of_a_real_tokenizer_is_the_whole_decode_at_every_step(tokenizer):
+    """SmolLM2's byte-level BPE, one to three tokens a push: what is released is always the
+    start of the whole decode, and each push decodes a few tokens, not all of them."""
+    from pathlib import Path
+
+    ids = tokenizer(Path(__file__).read_text())["input_ids"][:1500]
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)
+    decoded = []
+    stream, released, i = TextStream(lambda t: decoded.append(len(t)) or decode(t)), "", 0
+    rng = np.random.default_rng(1)
+    while i < len(ids):
+        step = int(rng.integers(1, 4))
+        released += stream.push(ids[i:i + step])
+        i += step
+        assert decode(ids[:i]).startswith(released) and len(decode(ids[:i])) - len(released) <= 1
+    assert released + stream.finish(decode(ids)) == decode(ids)
+    assert max(decoded) <= 8  # the last two pushes' tokens
+
