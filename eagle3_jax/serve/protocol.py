@@ -73,13 +73,14 @@ class RequestBody(BaseModel):
         return self.max_tokens
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """OpenAI's defaults (temperature 1, top_p 1); no max_tokens: the rest of the context.
-        Raises APIError 400 naming a field out of range."""
+        """OpenAI's defaults (temperature 1, top_p 1; top_k off, or -1 as vLLM has it); no
+        max_tokens: the rest of the context. Raises APIError 400 naming a field out of range."""
         try:
             return SamplingParams(
                 max_tokens=self.output_limit() or default_max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k, min_p=self.min_p or 0.0,
                 seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
                 ignore_eos=self.ignore_eos, n=self.n)
         except ValueError as e:  # SamplingParams' messages start with the field's name
