@@ -251,6 +251,10 @@ def test_seeded_samples_reproduce_and_n_samples_differ(client, llm):
     extensions = client.completions.create(model=MODEL, prompt="Pick a word", temperature=1.0, max_tokens=8, seed=3,
                                            extra_body={"top_k": 5, "ignore_eos": True})
     assert extensions.usage.completion_tokens == 8  # past any EOS
+    no_top_k = {"top_k": -1, "return_token_ids": True}  # vLLM's "off"
+    off = client.completions.create(model=MODEL, prompt="Pick a word", extra_body=no_top_k, **GREEDY)
+    greedy = llm.generate(["Pick a word"], SamplingParams(max_tokens=16))[0].token_ids
+    assert off.choices[0].model_extra["token_ids"] == greedy
 
 
 # ---- errors --------------------------------------------------------------------------------
