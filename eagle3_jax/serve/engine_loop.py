@@ -18,6 +18,7 @@ from eagle3_jax.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 POLICY_REFRESH_S = 1.0  # how often the policy's choices are read into /metrics and the log
+FAILED = "the engine failed (see the server's log)"
 
 
 class QueueFull(Exception):
@@ -98,6 +99,8 @@ class EngineLoop:
                             f"{self.max_waiting}")
         submission = Submission(samples, arrival_time)
         self._inbox.put(("add", submission))
+        if not self.healthy:  # failed meanwhile: what it queued may never be taken
+            raise Unavailable("the engine failed; the server is not serving")
         return submission
 
     def abort(self, submission: Submission) -> None:
@@ -127,7 +130,8 @@ class EngineLoop:
         except Exception:
             logger.exception("the engine failed: ending every request")
             self.healthy = False
-            self._end_all(error="the engine failed (see the server's log)")
+            self._end_all(error=FAILED)
+            self._refuse_queued()
 
     def _take_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when `block`); False on stop."""
@@ -173,6 +177,16 @@ class EngineLoop:
         ended = [(live.submission, Update(live.index, [], True, "error", error)) for live in self._live.values()]
         self._live.clear()
         self._deliver(ended)
+
+    def _refuse_queued(self) -> None:
+        """End the samples still queued for the engine as failed."""
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._deliver([(arg, Update(i, [], True, "error", FAILED)) for i in range(len(arg.samples))])
 
     def _publish(self, changed: list[Request]) -> None:
         """Hand the changed requests' new tokens over, one event-loop call for all."""
