@@ -169,3 +169,32 @@ def test_streamed_text_of_a_real_tokenizer_is_the_whole_decode_at_every_step(tok
     assert released + stream.finish(decode(ids)) == decode(ids)
     assert max(decoded) <= 8  # the last two pushes' tokens
 
+
+
+@pytest.mark.slow
+def test_an_engine_failure_ends_its_requests_and_refuses_new_ones(llm, monkeypatch):
+    from eagle3_jax.serve.engine_loop import EngineLoop, Unavailable
+    from eagle3_jax.serve.metrics import ServerMetrics
+
+    engine_loop = EngineLoop(llm.engine, ServerMetrics("tiny"))
+    work = [([5, 6, 7], SamplingParams(max_tokens=8))] * 2
+
+    def lost_device():
+        raise RuntimeError("device lost")
+
+    async def failing() -> list:
+        engine_loop.start(asyncio.get_running_loop())
+        monkeypatch.setattr(llm.engine, "step", lost_device)
+        submission = engine_loop.submit(work, time.perf_counter())
+        updates = [await asyncio.wait_for(submission.updates.get(), 30) for _ in work]
+        with pytest.raises(Unavailable, match="engine failed"):
+            engine_loop.submit(work, time.perf_counter())
+        engine_loop.stop()
+        return updates
+
+    updates = asyncio.run(failing())
+    assert [(u.finished, u.finish_reason) for u in updates] == [(True, "error")] * 2
+    assert "engine failed" in updates[0].error and not engine_loop.healthy
+    monkeypatch.undo()
+    for req in list(llm.engine.scheduler.waiting):  # what the failed steps left queued
+        llm.engine.abort(req.id)
