@@ -6,6 +6,7 @@ tokenizer (tests/conftest.py, `chat_models`); its greedy output is compared with
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import re
@@ -290,6 +291,14 @@ def test_each_error_has_its_status_and_body_and_the_server_keeps_serving(server,
         assert good.usage.completion_tokens == 2 and good.choices[0].finish_reason == "length"
     assert_error(url, 400, json.dumps({"model": MODEL, "messages": []}).encode(), "at least 1", "messages",
                  path="/v1/chat/completions")
+    # 10 MB sent in chunks, with no length declared: refused as it arrives.
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=REQUEST_S)
+    big = b'{"prompt": "' + b"x" * (10 << 20) + b'"}'
+    conn.request("POST", "/v1/completions", body=(big[i:i + (1 << 16)] for i in range(0, len(big), 1 << 16)),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}, encode_chunked=True)
+    response = conn.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    conn.close()
     with pytest.raises(openai.BadRequestError) as e:  # the client's own view of one of them
         client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=4, logprobs=True)
     assert e.value.status_code == 400 and e.value.body["param"] == "logprobs"

@@ -254,7 +254,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(P.error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers)
+        code = "request_too_large" if e.status_code == 413 else None  # BodyLimit's, from a chunked body
+        return JSONResponse(P.error_body(str(e.detail), kind, code=code), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:
