@@ -2,11 +2,13 @@
 
     from eagle3_jax import LLM, SamplingParams
     llm = LLM()                                   # SmolLM2-135M-Instruct + our EAGLE-3 drafter
-    out = llm.generate(["Why is the sky blue?"], SamplingParams(max_tokens=64))[0]
+    out = llm.chat([{"role": "user", "content": "Why is the sky blue?"}], SamplingParams(max_tokens=64))[0]
     print(out.text, out.metrics.acceptance_length)
 
-Prompts are chat messages ({"role", "content"} dicts), strings (one user turn in the chat template,
-without which acceptance collapses), or token ids taken as they are (ints or a 1-d integer array).
+As in vLLM, `chat` applies the target's chat template (an instruct model's drafter was trained on
+it: without it acceptance collapses) and `generate` takes prompts as they are: raw text, or token
+ids (a list of ints or a 1-d integer array). Chat messages (a list of {"role", "content"} dicts)
+are templated wherever they are passed.
 """
 
 from __future__ import annotations
@@ -33,14 +35,36 @@ Prompt = str | Sequence[dict] | Sequence[int]
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One sample of a request (`SamplingParams.n` of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length", "abort" or "error"
+    error: str | None
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass
 class RequestOutput:
+    """A prompt's samples in `outputs`; the fields beside it are those of the first sample."""
+
     request_id: int | None
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop", "length" or "error"
+    finish_reason: str  # "stop", "length", "abort" or "error"
     error: str | None
     metrics: RequestMetrics
+    outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, prompt_token_ids: list[int], outputs: list[CompletionOutput],
+           request_id: int | None = None) -> RequestOutput:
+        first = outputs[0]
+        return cls(request_id, prompt_token_ids, first.token_ids, first.text, first.finish_reason, first.error,
+                   first.metrics, outputs)
 
 
 @dataclasses.dataclass
@@ -67,10 +91,12 @@ def default_dtype():
 class LLM:
     """An EAGLE-3 engine over a Hugging Face Llama target and an optional drafter.
 
-    target: a directory with config.json, safetensors and optionally tokenizer files; None: the
-        default, SmolLM2-135M-Instruct, prepared on first use.
-    draft: a drafter in the public EAGLE-3 layout; "default": the shipped drafter for the default
-        target; None: the target alone.
+    target: a directory with config.json, safetensors and optionally tokenizer files, or a Hugging
+        Face hub id ("org/name", through huggingface_hub's cache; HF_HUB_OFFLINE=1: the cache only);
+        None: the default, SmolLM2-135M-Instruct, prepared on first use.
+    draft: a drafter in the public EAGLE-3 layout, or a hub id; "default": the shipped drafter for
+        the default target; None: the target alone.
+    revision: the target's hub revision (branch, tag or commit; default main).
     warmup: compile every program first (True) or each on first use (False); None: on accelerators
         only, where "auto" speculation times each bucket (on the CPU all shapes take minutes).
     num_speculative_tokens: K, the chain's proposals (0: the target alone).
@@ -85,7 +111,8 @@ class LLM:
                  num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
                  tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None,
-                 speculator: str | None = None, gpu_memory_utilization: float | None = None):
+                 speculator: str | None = None, gpu_memory_utilization: float | None = None,
+                 revision: str | None = None):
         engine_config = engine_config or EngineConfig()
         if speculator is not None:
             engine_config = dataclasses.replace(engine_config, speculator=speculator)
@@ -100,10 +127,12 @@ class LLM:
         enable_compilation_cache()
         if target is None:
             target = assets.prepare_default_target(progress=progress)
-        target = Path(target)
+        target = assets.resolve_model(target, revision)
         if draft == "default":
             shipped = target.resolve() == assets.DEFAULT_TARGET.resolve() and engine_config.speculator == "eagle3"
             draft = assets.DEFAULT_DRAFT if shipped else None
+        elif draft is not None:
+            draft = assets.resolve_model(draft, drafter=True)
         if tree == "auto":
             engine_config = dataclasses.replace(
                 engine_config, tree=default_tree(engine_config, draft is not None, jax.default_backend()))
@@ -131,11 +160,15 @@ class LLM:
             self.engine.warmup(progress=progress)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt; raises RequestError for an empty or unusable one."""
+        """Token ids of a prompt: raw text tokenized as it is (with the tokenizer's special tokens,
+        a BOS where it adds one), chat messages templated, token ids as they are. Raises
+        RequestError for an empty or unusable prompt."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise RequestError("prompt is empty")
-            prompt = [{"role": "user", "content": prompt}]
+            if self.tokenizer is None:
+                raise RequestError("this target has no tokenizer: pass token ids")
+            return list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__") or not hasattr(prompt, "__iter__"):
             raise RequestError(f"{_BAD_PROMPT}, got {type(prompt).__name__}")
         if len(prompt) == 0:
@@ -159,22 +192,49 @@ class LLM:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a conversation through the chat template, ready for the assistant's turn."""
+        if isinstance(messages, str) or not _is_conversation(messages):
+            raise RequestError("chat takes a conversation: a non-empty list of {'role', 'content'} dicts "
+                               "(LLM.generate takes raw text)")
+        return self.encode(messages)
+
+    # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams | dict] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. `sampling_params`: one for all, or one per prompt (a
-        SamplingParams or a dict of its fields); a bad request gets finish_reason "error" and `.error`."""
+        """One RequestOutput per prompt, in order, with `n` samples each in `.outputs`. Prompts are
+        raw text or token ids, as they are (no chat template: `chat` applies it).
+
+        `sampling_params` is one SamplingParams for all, or one per prompt: a SamplingParams or a
+        dict of its fields (a request payload, validated here). A bad request gets finish_reason
+        "error" and its message in `.error`; the others are served as usual.
+        """
         if not _is_batch(prompts):
             prompts = [prompts]
-        if len(prompts) == 0:
+        return self._generate(prompts, sampling_params, use_tqdm, self.encode)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams | dict] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """`generate` for one conversation (a list of {"role", "content"} dicts) or a list of
+        them, each through the target's chat template."""
+        if isinstance(messages, str):
+            raise TypeError("chat takes a conversation, a list of {'role', 'content'} dicts, or a list of them "
+                            "(LLM.generate takes raw text)")
+        conversations = [messages] if _is_conversation(messages) else messages
+        return self._generate(conversations, sampling_params, use_tqdm, self.encode_chat)
+
+    def _generate(self, prompts, sampling_params, use_tqdm, encode) -> list[RequestOutput]:
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
             raise ValueError("no prompts: pass a prompt or a non-empty list of prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        slots = [self._add(prompt, params) for prompt, params in zip(prompts, sampling_params)]
-        self.engine.run([r for r in slots if isinstance(r, Request)], progress=use_tqdm)
-        return [r if isinstance(r, RequestOutput) else self._output(r) for r in slots]
+        groups = [self._add_samples(prompt, params, encode) for prompt, params in zip(prompts, sampling_params)]
+        self.engine.run([r for g in groups if isinstance(g, list) for r in g], progress=use_tqdm)
+        return [g if isinstance(g, RequestOutput) else self._group_output(g) for g in groups]
 
     def generate_iter(self, requests: Iterable[tuple[Prompt, SamplingParams | dict]],
                       max_waiting: int | None = None) -> Iterator[tuple[int, RequestOutput]]:
@@ -184,6 +244,7 @@ class LLM:
         limit = max_waiting or self.engine.cfg.max_num_seqs
         source = enumerate(requests)
         live: dict[int, int] = {}  # engine request id -> index in `requests`
+        samples: dict[int, list[Request]] = {}  # index in `requests` -> its samples
         exhausted = False
         while True:
             while not exhausted and self.engine.num_waiting < limit:
@@ -192,22 +253,28 @@ class LLM:
                     exhausted = True
                     break
                 i, (prompt, params) = item
-                added = self._add(prompt, params)
+                added = self._add_samples(prompt, params, self.encode)
                 if isinstance(added, RequestOutput):
                     yield i, added
                 else:
-                    live[added.id] = i
+                    samples[i] = added
+                    live.update((r.id, i) for r in added)
             if not self.engine.has_unfinished():
                 if exhausted:
                     return
                 continue
             for req in self.engine.step():
                 if req.finished and req.id in live:
-                    yield live.pop(req.id), self._output(req)
+                    i = live.pop(req.id)
+                    if all(r.finished for r in samples[i]):
+                        yield i, self._group_output(samples.pop(i))
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield tokens as they are accepted (a few per iteration); the last delta has the output."""
-        req = self._add(prompt, sampling_params or SamplingParams())
+        params = sampling_params or SamplingParams()
+        if params.n > 1:
+            raise ValueError(f"stream yields one sample; got n={params.n} (generate returns n samples)")
+        req = self._add(prompt, params, self.encode)
         if isinstance(req, RequestOutput):  # refused: one delta carrying the error, as generate returns it
             yield StreamDelta([], "", True, req)
             return
@@ -221,22 +288,41 @@ class LLM:
         while self.engine.has_unfinished() and not self.engine.num_running and not self.engine.num_waiting:
             self.engine.step()  # drain the surplus iteration so the engine is idle again
 
-    def _add(self, prompt: Prompt, params: SamplingParams | dict) -> Request | RequestOutput:
+    def _add(self, prompt: Prompt, params: SamplingParams | dict, encode) -> Request | RequestOutput:
+        """Queue one single-sample request, or its error output when the engine refuses it."""
+        added = self._add_samples(prompt, params, encode)
+        return added if isinstance(added, RequestOutput) else added[0]
+
+    def _add_samples(self, prompt: Prompt, params: SamplingParams | dict, encode) -> list[Request] | RequestOutput:
+        """Queue a prompt's `n` samples, or its error output when the engine refuses it (then none
+        is queued: every sample is the same request)."""
         try:
             if not isinstance(params, SamplingParams):
                 params = SamplingParams(**params)
-            return self.engine.add_request(self.encode(prompt), params)
+            ids = encode(prompt)
+            samples = params.samples()
+            for sample in samples:
+                self.engine.validate_request(ids, sample)
+            return [self.engine.add_request(ids, sample) for sample in samples]
         except (RequestError, ValueError, TypeError) as e:
             return self._error_output(prompt, str(e))
 
-    def _output(self, req: Request) -> RequestOutput:
+    def completion(self, req: Request, index: int = 0) -> CompletionOutput:
+        """A finished request as one sample of its prompt's output."""
         text = req.text if req.text is not None else self.decode(req.output)
-        return RequestOutput(req.id, req.prompt, list(req.output), text, req.finish_reason, req.error, req.metrics)
+        return CompletionOutput(index, text, list(req.output), req.finish_reason, req.error, req.metrics)
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput.of(req.prompt, [self.completion(req)], req.id)
+
+    def _group_output(self, samples: list[Request]) -> RequestOutput:
+        outputs = [self.completion(req, i) for i, req in enumerate(samples)]
+        return RequestOutput.of(samples[0].prompt, outputs, samples[0].id)
 
     def _error_output(self, prompt: Prompt, message: str) -> RequestOutput:
         token_ids = isinstance(prompt, (list, tuple)) and all(map(_is_token_id, prompt))
         ids = [operator.index(t) for t in prompt] if token_ids else []
-        return RequestOutput(None, ids, [], "", "error", message, RequestMetrics())
+        return RequestOutput.of(ids, [CompletionOutput(0, "", [], "error", message, RequestMetrics())])
 
 
 _BAD_PROMPT = "a prompt is a string, chat messages (a list of {'role', 'content'} dicts) or token ids (a list of ints)"
@@ -252,6 +338,12 @@ def _is_token_id(t) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _is_conversation(messages) -> bool:
+    """A non-empty list of dicts: one conversation (each message checked by `encode`)."""
+    return (isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and len(messages) > 0
+            and all(isinstance(m, dict) for m in messages))
 
 
 def _is_batch(prompts) -> bool:

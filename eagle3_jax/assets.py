@@ -23,6 +23,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -159,3 +160,38 @@ def prepare_default_target(out_dir: Path = DEFAULT_TARGET, progress: bool = True
             convert_gguf(gguf, out_dir, progress=progress)
             (out_dir / "PREPARED").write_text(prepared_stamp())
     return out_dir
+
+
+# ---- models by Hugging Face hub id -----------------------------------------------------------
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "org/name", as the hub spells repository ids
+# What the engine reads of a model repository: configs, tokenizer, safetensors weights (a
+# drafter's pytorch_model.bin where it has no safetensors).
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
+DRAFTER_FILES = [*MODEL_FILES, "pytorch_model.bin"]
+
+
+def is_hub_id(name: str | Path) -> bool:
+    """A name that is no local path and reads as "org/name"."""
+    return not Path(name).exists() and HUB_ID.fullmatch(str(name)) is not None
+
+
+def resolve_model(name: str | Path, revision: str | None = None, drafter: bool = False) -> Path:
+    """A local directory as it is; a hub id through huggingface_hub: its cache (HF_HUB_CACHE),
+    downloaded there at `revision` (a branch, tag or commit; default main) unless HF_HUB_OFFLINE
+    is set, in which case only what the cache holds is used."""
+    if not is_hub_id(name):
+        return Path(name)
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        return Path(snapshot_download(str(name), revision=revision,
+                                      allow_patterns=DRAFTER_FILES if drafter else MODEL_FILES))
+    except LocalEntryNotFoundError:
+        at = f" at revision {revision}" if revision else ""
+        offline = ("HF_HUB_OFFLINE is set: fetch it once with network access (`hf download "
+                   f"{name}`) or unset HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else "the hub is out of reach")
+        raise AssetError(f"{name}{at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {offline}; "
+                         "or pass a local directory") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise AssetError(f"{name}: {str(e).splitlines()[0]}") from None

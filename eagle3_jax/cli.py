@@ -1,4 +1,4 @@
-"""`eagle3-jax` command line: prepare, generate, chat, bench, train-draft, plan, convert-draft."""
+"""`eagle3-jax` command line: prepare, generate, chat, serve, bench, train-draft, plan, convert-draft."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ PROG = "eagle3-jax"
 # transformers advises on every import that PyTorch is missing; torch is optional here.
 _QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 MTBENCH_QUESTIONS = 80
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what `serve` answers to for the default target
 
 
 class UsageError(Exception):
@@ -132,6 +133,13 @@ def top_p(text: str) -> float:
     return fraction(text, "; 1 turns nucleus sampling off")
 
 
+def nonnegative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = _float(text)
     if not value > 0:
@@ -168,11 +176,14 @@ def prompt_text(text: str) -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="target directory: a Hugging Face Llama checkpoint (config.json, model.safetensors, "
-                        "tokenizer) (default: SmolLM2-135M-Instruct, prepared on first use)")
+                        "tokenizer), or its hub id ORG/NAME (through the Hugging Face cache; HF_HUB_OFFLINE=1 "
+                        "uses only the cache) (default: SmolLM2-135M-Instruct, prepared on first use)")
+    p.add_argument("--revision", default=None,
+                   help="with a hub id as --target: its branch, tag or commit (default: main)")
     p.add_argument("--draft", default="default",
                    help="drafter directory in the public EAGLE-3 layout (config.json, model.safetensors or "
-                        "pytorch_model.bin); 'none' runs the target alone (default: '%(default)s': the "
-                        "shipped drafter when the target is the default, else none)")
+                        "pytorch_model.bin), or its hub id; 'none' runs the target alone (default: "
+                        "'%(default)s': the shipped drafter when the target is the default, else none)")
     p.add_argument("--num-draft", type=num_draft, default=3,
                    help=f"K, draft tokens per iteration, 0..{MAX_SPECULATIVE_TOKENS}")
     p.add_argument("--speculator", default="eagle3", metavar="NAME",
@@ -214,6 +225,23 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="sampling seed, 0 or more (default: a fresh one per request)")
 
 
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the /v1 routes (default: none required)")
+    p.add_argument("--served-model-name", default=None,
+                   help=f"the model name clients send (default: --target as given, else {DEFAULT_MODEL_NAME})")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests running at once (the batch)")
+    p.add_argument("--max-waiting", type=positive_int, default=512,
+                   help="requests that may wait for a slot; past them the server answers 429 with Retry-After")
+    p.add_argument("--max-request-bytes", type=positive_int, default=4 << 20, help="largest request body accepted")
+    p.add_argument("--shutdown-timeout", type=nonnegative_float, default=10.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are aborted")
+    p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
+                   help="debug adds each request's summary")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -224,20 +252,29 @@ def build_parser() -> ArgumentParser:
                                "folder of $EAGLE3_JAX_CACHE (default ~/.cache/eagle3_jax); a second run does "
                                "nothing.")
 
-    p = sub.add_parser("generate", help="generate for prompts (chat template applied)",
-                       description="Generate a reply for each prompt, one user turn each (chat template applied).")
+    p = sub.add_parser("generate", help="generate for prompts (chat template applied, or --raw)",
+                       description="Generate a reply for each prompt: one user turn each through the target's chat "
+                                   "template (LLM.chat), or with --raw the text as it is (LLM.generate).")
     _add_model_args(p)
     _add_sampling_args(p)
     p.add_argument("--prompt", action="append", type=prompt_text,
                    help="a user message; repeat for a batch (default: the first --mtbench MT-bench questions)")
     p.add_argument("--mtbench", type=mtbench_count, default=1,
                    help=f"without --prompt: the first N MT-bench questions, 1..{MTBENCH_QUESTIONS}")
+    p.add_argument("--raw", action="store_true", help="continue each prompt as raw text, without the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
 
     p = sub.add_parser("chat", help="interactive chat, streaming",
                        description="Interactive chat, streaming; an empty line or end of input quits.")
     _add_model_args(p)
     _add_sampling_args(p)
+
+    p = sub.add_parser("serve", help="serve OpenAI's HTTP API (chat and completions, streaming, /metrics)",
+                       description="Serve the engine behind OpenAI's HTTP API: /v1/chat/completions (chat "
+                                   "template applied), /v1/completions (raw prompts), /v1/models, /health (200 once "
+                                   "ready) and Prometheus /metrics.")
+    _add_model_args(p)
+    _add_server_args(p)
 
     p = sub.add_parser("convert-draft", help="pytorch_model.bin drafter -> model.safetensors (needs torch)",
                        description="Convert a drafter's pytorch_model.bin to model.safetensors, same tensor "
@@ -300,7 +337,17 @@ def check_drafter_dir(draft: Path, flag: str = "--draft", instead: str = "--draf
 
 
 def check_paths(args) -> None:
-    """Directories named by flags exist and hold what they must."""
+    """Directories named by flags exist and hold what they must; hub ids are replaced by their
+    snapshot in the Hugging Face cache (fetched there first unless HF_HUB_OFFLINE is set)."""
+    from eagle3_jax.assets import AssetError, resolve_model
+
+    try:
+        if args.target is not None:
+            args.target = str(resolve_model(args.target, args.revision))
+        if args.draft not in ("default", "none"):
+            args.draft = str(resolve_model(args.draft, drafter=True))
+    except AssetError as e:
+        raise UsageError(str(e)) from None
     if args.target is not None:
         check_target_dir(Path(args.target))
     if args.draft not in ("default", "none"):
@@ -329,7 +376,7 @@ def check_drafter(args) -> None:
         raise UsageError(f"--draft {args.draft}: {e} (use a drafter made for this target, or --draft none)") from None
 
 
-def _llm(args, num_prompts: int = 1):
+def _llm(args, num_prompts: int = 1, **engine):
     import jax
 
     from eagle3_jax.api import LLM
@@ -358,7 +405,7 @@ def _llm(args, num_prompts: int = 1):
     cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
                        speculation=args.speculation, speculative_max_batch=args.speculative_max_batch,
                        batch_invariant=args.batch_invariant, speculator=args.speculator,
-                       kv_memory_fraction=args.gpu_memory_utilization)
+                       kv_memory_fraction=args.gpu_memory_utilization, **engine)
     return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
                tree=drafting.tree)
 
@@ -395,7 +442,8 @@ def cmd_generate(args) -> int:
     prompts = args.prompt or [q["turns"][0] for q in mtbench_questions()[:args.mtbench]]
     llm = _llm(args, len(prompts))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = (llm.generate(prompts, params) if args.raw else
+               llm.chat([[{"role": "user", "content": p}] for p in prompts], params))
     elapsed = time.perf_counter() - start
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -448,6 +496,15 @@ def cmd_chat(args) -> int:
             print(f"[acceptance length {output.metrics.acceptance_length:.2f}]", file=sys.stderr)
         history.append({"role": "assistant", "content": llm.decode(reply)})
     return 0
+
+
+def cmd_serve(args) -> int:
+    from eagle3_jax.serve import server
+
+    server.configure_logging(args.log_level)
+    llm = _llm(args, args.max_num_seqs, max_num_seqs=args.max_num_seqs)
+    server.log_engine(llm)
+    return server.run(llm, args, args.served_model_name or args.target_name or DEFAULT_MODEL_NAME)
 
 
 def cmd_convert_draft(args) -> int:
@@ -523,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
             return train_main(rest)
         if rest:
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.command in ("generate", "chat"):
+        if args.command in ("generate", "chat", "serve"):
+            args.target_name = args.target  # as given: a hub id stays the name `serve` answers to
             check_paths(args)
         return _run(args)
     except UsageError as e:
@@ -540,8 +598,8 @@ def _run(args) -> int:
     from eagle3_jax.config import ConfigError
     from eagle3_jax.weights.tensors import CheckpointError
 
-    handlers = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "convert-draft": cmd_convert_draft,
-                "plan": cmd_plan}
+    handlers = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+                "convert-draft": cmd_convert_draft, "plan": cmd_plan}
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:

@@ -29,6 +29,7 @@ class SamplingParams:
         Gumbel coupling keyed by (seed, position), so the tokens depend on the
         prompt and seed alone, whatever the batch or speculation; "auto": see
         `acceptance_rule` (BENCHMARKS.md, "Sampled acceptance").
+      n: independent samples of the prompt (`samples` splits them, the i-th seeded seed + i).
     """
 
     max_tokens: int = 256
@@ -41,6 +42,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     draft_acceptance: str = "auto"
+    n: int = 1
 
     def __post_init__(self) -> None:
         def _set(name, value):
@@ -106,6 +108,18 @@ class SamplingParams:
                 f"draft_acceptance must be one of {DRAFT_ACCEPTANCE_MODES}, "
                 f"got {self.draft_acceptance!r}"
             )
+
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be a positive int, got {self.n!r}")
+        _set("n", int(self.n))
+
+    def samples(self) -> list[SamplingParams]:
+        """One single-sample SamplingParams per sample; the i-th seeded seed + i, so seeded samples
+        differ from each other and each reproduces."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
     def acceptance_rule(self, point_mass: bool = False) -> str:
         """draft_acceptance resolved: "auto" is "coupled" for a seeded request (a seed must reproduce

@@ -165,7 +165,7 @@ def _same(replies: list, reference: list) -> int:
     return sum(a == b for a, b in zip(replies, reference))
 
 
-def phase_smollm2(out: dict, target: str, questions: list[str], kinds: list[str], max_tokens: int) -> None:
+def phase_smollm2(out: dict, target: str, questions: list[list[dict]], kinds: list[str], max_tokens: int) -> None:
     from eagle3_jax.sampling_params import SamplingParams
 
     greedy = SamplingParams(max_tokens=max_tokens)
@@ -195,7 +195,7 @@ def phase_smollm2(out: dict, target: str, questions: list[str], kinds: list[str]
     out["equality"] = rows
 
 
-def phase_speed(out: dict, target: str, questions: list[str], max_tokens: int, batches: tuple[int, ...]) -> None:
+def phase_speed(out: dict, target: str, questions: list[list[dict]], max_tokens: int, batches: tuple[int, ...]) -> None:
     from eagle3_jax.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -238,7 +238,7 @@ def main() -> None:
     else:
         path = Path(args.questions) if args.questions else assets.fetch(assets.MTBENCH)
         lines = [line for line in path.read_text().splitlines() if line.strip()]
-        questions = [json.loads(line)["turns"][0] for line in lines][:args.prompts]
+        questions = [[{"role": "user", "content": json.loads(line)["turns"][0]}] for line in lines][:args.prompts]
         if args.phase == "smollm2":
             phase_smollm2(out, args.target, questions, args.kinds.split(","), args.max_tokens)
         else:

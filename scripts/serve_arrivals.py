@@ -53,7 +53,7 @@ import numpy as np
 from eagle3_jax import assets
 from eagle3_jax.bench.common import Column, Result, markdown_table
 from eagle3_jax.bench.harness import sized_engine_config
-from eagle3_jax.bench.phases import load_prompts, request_latencies
+from eagle3_jax.bench.phases import load_prompts, request_latencies, user_turn_encoder
 from eagle3_jax.cli import sizes
 from eagle3_jax.config import ATTENTION_KINDS, EngineConfig
 from eagle3_jax.engine.engine import Engine, EngineStats
@@ -142,7 +142,7 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
     engine = llm.engine
     warmup_s = engine.warmup(progress=False, greedy=True)  # every request here is greedy
     log(f"{mode}: warm-up {warmup_s:.1f} s")
-    prompts, source = load_prompts(a.questions, llm.encode if llm.tokenizer else None,
+    prompts, source = load_prompts(a.questions, user_turn_encoder(llm),
                                    engine.step_cfg.target.vocab_size, a.requests)
     params = SamplingParams(max_tokens=a.max_tokens)
     rows = []

@@ -199,3 +199,41 @@ def target_llm(smollm2_dir):
     """SmolLM2 alone, the reference of greedy outputs: each program built on first use (the
     tests' references are greedy, so warming up would also build the sampling ones for nothing)."""
     return make_llm(smollm2_dir, warmup=False)
+
+
+# A tiny random Llama with a tokenizer and a chat template, for what speaks text (the server, chat):
+# byte-level tokens (259: every byte and three specials), so any text encodes and any random
+# output decodes, incomplete UTF-8 characters included.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 (2 ends a turn: EOS)
+
+
+def write_byte_tokenizer(directory: Path) -> int:
+    """A byte-level tokenizer with CHAT_TEMPLATE in `directory`; -> its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bytes_ = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate([*CHAT_SPECIALS, *bytes_])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(CHAT_SPECIALS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+    fast.save_pretrained(str(directory))
+    return len(vocab)
+
+
+@pytest.fixture(scope="session")
+def chat_models(tmp_path_factory):
+    """(target directory with the byte tokenizer, drafter directory)."""
+    from eagle3_jax.bench.phases import write_random_models
+
+    root = tmp_path_factory.mktemp("chat_models")
+    vocab = 3 + 256
+    cfg = ModelConfig(**{**TINY.__dict__, "vocab_size": vocab})
+    target, draft = write_random_models(cfg, DraftConfig.like_target(cfg, vocab), root)
+    assert write_byte_tokenizer(target) == vocab
+    return target, draft

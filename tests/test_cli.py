@@ -138,6 +138,23 @@ def test_flag_mistakes_are_one_line_and_fast(command, flags, flag):
     assert seconds < FLAG_SECONDS, f"{seconds:.1f} s: a flag mistake must not wait for a model to load"
 
 
+SERVE_FLAG_MISTAKES = [
+    (["--port", "0"], "--port"),
+    (["--max-num-seqs", "x"], "--max-num-seqs"),
+    (["--max-waiting", "0"], "--max-waiting"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--num-draft", "100"], "--num-draft"),
+]
+
+
+@pytest.mark.parametrize("flags, flag", SERVE_FLAG_MISTAKES)
+def test_serve_flag_mistakes_are_one_line_and_fast(flags, flag):
+    proc, seconds = run_cli("serve", *flags)
+    line = one_line_error(proc)
+    assert line.startswith(f"eagle3-jax serve: error: argument {flag}") and flags[1] in line
+    assert seconds < FLAG_SECONDS, f"{seconds:.1f} s: a flag mistake must not wait for a model to load"
+
+
 def test_flag_messages_say_what_is_allowed():
     proc, _ = run_cli("generate", "--num-draft", "100")
     assert "outside 0..16" in one_line_error(proc)
@@ -153,7 +170,7 @@ def test_flag_messages_say_what_is_allowed():
 
 
 # ---- paths: checked right after parsing -------------------------------------------------------
-@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_missing_directories_are_one_line_and_fast(command, tmp_path):
     missing = tmp_path / "nowhere"
     proc, seconds = run_cli(command, "--target", str(missing))

@@ -118,6 +118,13 @@ def run_round(engine: Engine, prompts: Sequence[list[int]], params: SamplingPara
     return Round(reqs, wall, *request_latencies(reqs), steady)
 
 
+def user_turn_encoder(llm):
+    """text -> the ids of one user turn through the target's chat template (None: no tokenizer)."""
+    if llm.tokenizer is None:
+        return None
+    return lambda text: llm.encode_chat([{"role": "user", "content": text}])
+
+
 def load_prompts(questions: str | None, encode, vocab_size: int, count: int) -> tuple[list[list[int]], str]:
     """`count` prompts as token ids, and where they came from: MT-bench first turns in order
     (repeated as needed) through `encode` (the chat template), from the question.jsonl at
@@ -217,7 +224,7 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
     log(f"{mode}: compiled in {compile_s:.1f} s, Engine.warmup {warmup_s:.1f} s")
     target, draft = engine.step_cfg.target, engine.step_cfg.draft
     count = max(math.ceil(opts.prompts / b) * b for b in opts.batches)
-    prompts, source = load_prompts(opts.questions, llm.encode if llm.tokenizer else None, target.vocab_size, count)
+    prompts, source = load_prompts(opts.questions, user_turn_encoder(llm), target.vocab_size, count)
     params = SamplingParams(max_tokens=opts.max_tokens, ignore_eos=opts.ignore_eos)
     results = []
     for b in opts.batches:

@@ -151,6 +151,16 @@ class Engine:
         its metrics measure the time to the first token from there."""
         return self.scheduler.add(list(prompt), params, arrival_time)
 
+    def validate_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestError naming what `add_request` would refuse; safe from any thread."""
+        self.scheduler.validate(list(prompt), params)
+
+    def abort(self, request_id: int) -> Request | None:
+        """End a request now, finish_reason "abort": a waiting one leaves the queue, a running one
+        frees its slot and pages (an iteration already dispatched for it is discarded, as for a
+        finished request). -> the request, or None if it had finished."""
+        return self.scheduler.abort(request_id)
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -450,6 +460,7 @@ class Engine:
         if self.cfg.freeze_heap:
             freeze_heap()
         self.stats.warmup_s = time.perf_counter() - start
+        log.info("warm-up: %d programs ready in %.1f s", len(shapes), self.stats.warmup_s)
         return self.stats.warmup_s
 
 

@@ -92,7 +92,7 @@ class Request:
     num_cached: int = 0  # tokens its last admission found in the prefix cache: its prefill starts there
     admissions: int = 0  # results of a program dispatched before the latest admission are stale
     seed: int | None = None  # the engine's draw for a request without SamplingParams.seed, kept through preemption
-    finish_reason: str | None = None  # "stop" | "length" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     text: str | None = None  # set when a stop string cut the output text
 
@@ -143,6 +143,19 @@ class Scheduler:
 
     def add(self, prompt: list[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
         """Validate and queue a request (RequestError names the problem); arrival_time default now."""
+        max_tokens = self.validate(prompt, params)
+        metrics = RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft,
+                                 arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, max_tokens=max_tokens,
+                      metrics=metrics)
+        self.waiting.append(req)
+        return req
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens clipped to the context; raise RequestError naming what the
+        engine would refuse. Reads only the static config and the pool's capacity: safe from any thread."""
+        if params.n != 1:
+            raise RequestError(f"a request is one sample; split n={params.n} with SamplingParams.samples()")
         if len(prompt) == 0:
             raise RequestError("prompt is empty")
         ids = np.asarray(prompt)
@@ -165,12 +178,7 @@ class Scheduler:
             raise RequestError(f"prompt + max_tokens needs {needed} KV pages; the whole pool has "
                                f"{self.pool.capacity} (EngineConfig.num_pages, or kv_memory_fraction of the free "
                                "memory): lower max_tokens or shorten the prompt")
-        metrics = RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft,
-                                 arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
-        req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, max_tokens=max_tokens,
-                      metrics=metrics)
-        self.waiting.append(req)
-        return req
+        return max_tokens
 
     def schedule(self) -> tuple[list[Request], list[Request]]:
         """Before a step dispatches: publish filled pages, give each running request the pages its next
@@ -243,6 +251,20 @@ class Scheduler:
         self._free_slots.append(req.slot)
         self.pool.release(req.pages)
         req.slot, req.pages, req.published = None, [], 0
+
+    def abort(self, request_id: int) -> Request | None:
+        """End a waiting or running request with finish_reason "abort" (a running one's slot and
+        pages freed now); None when no such request is unfinished."""
+        for req in self.waiting:
+            if req.id == request_id:
+                self.waiting.remove(req)
+                self.finish(req, "abort")
+                return req
+        for req in self.running.values():
+            if req.id == request_id:
+                self.finish(req, "abort")
+                return req
+        return None
 
     def bucket(self, n: int) -> int:
         return smallest_bucket(self.cfg.batch_buckets, n)

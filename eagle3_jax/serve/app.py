@@ -1,0 +1,313 @@
+"""The HTTP routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, /health and
+/metrics. Every refusal is OpenAI's error body with its status; nothing here waits on the engine
+except a request's own updates."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from eagle3_jax.api import LLM
+from eagle3_jax.engine.scheduler import RequestError
+from eagle3_jax.sampling_params import SamplingParams
+from eagle3_jax.serve import protocol as P
+from eagle3_jax.serve.detokenize import TextStream
+from eagle3_jax.serve.engine_loop import EngineLoop, QueueFull, Submission, Unavailable, Update
+from eagle3_jax.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+RETRY_AFTER_S = "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class _Endpoint:
+    """What differs between chat and completions: ids, response and stream shapes."""
+
+    kind: str  # the id prefix
+    response: Callable
+    chunk: Callable
+    delta: Callable
+    role_first: bool  # chat streams open each choice with the assistant role
+
+
+CHAT = _Endpoint("chatcmpl", P.chat_response, P.chat_chunk,
+                 lambda i, text, reason=None: P.chat_delta(i, text or None, finish_reason=reason), True)
+COMPLETION = _Endpoint("cmpl", P.completion_response, P.completion_chunk, P.completion_delta, False)
+
+
+def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settings: Settings) -> FastAPI:
+    # One thread: a fast tokenizer used from several at once can fail ("Already borrowed").
+    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    created = int(time.time())
+    max_model_len = llm.engine.cfg.max_model_len
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start(asyncio.get_running_loop())
+        yield
+        engine_loop.stop()
+        tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="eagle3-jax", lifespan=lifespan, openapi_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+
+    def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+            raise P.APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                             "authentication_error", code="invalid_api_key")
+
+    def check_body(body: P.RequestBody) -> None:
+        if body.model != settings.model_name:
+            raise P.APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                             f"{settings.model_name!r}", param="model", code="model_not_found")
+        P.check_supported(body)
+
+    async def encode(fn: Callable, prompt, param: str) -> list[int]:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, prompt)
+        except RequestError as e:
+            raise P.invalid(str(e), param) from None
+
+    def samples(prompts: list[list[int]], params: SamplingParams, param: str) -> list[tuple[list[int], SamplingParams]]:
+        """Each prompt's `n` samples, once the engine's own checks pass for them."""
+        each = params.samples()
+        for ids in prompts:
+            try:
+                llm.engine.validate_request(ids, each[0])
+            except RequestError as e:
+                raise P.invalid(str(e), param) from None
+        return [(ids, sample) for ids in prompts for sample in each]
+
+    def submit(work: list[tuple[list[int], SamplingParams]], arrival: float) -> Submission:
+        try:
+            return engine_loop.submit(work, arrival)
+        except QueueFull as e:
+            raise P.APIError(429, f"{e}: retry later", "rate_limit_error", code="queue_full",
+                             headers={"Retry-After": RETRY_AFTER_S}) from None
+        except Unavailable as e:
+            raise P.APIError(503, str(e), "server_error", code="unavailable",
+                             headers={"Retry-After": RETRY_AFTER_S}) from None
+
+    async def respond(endpoint: _Endpoint, body: P.RequestBody, prompts: list[list[int]], param: str, request: Request,
+                      arrival: float):
+        params = body.sampling_params(max_model_len)
+        work = samples(prompts, params, param)
+        submission = submit(work, arrival)
+        prompt_tokens = sum(map(len, prompts))
+        texts = [TextStream(llm.decode, params.stop) for _ in work]
+        watcher = _abort_on_disconnect(request, engine_loop, submission)  # before the stream starts, if ever
+        if body.stream:
+            return StreamingResponse(stream(endpoint, body, submission, texts, prompt_tokens, watcher),
+                                     media_type="text/event-stream")
+        with _ending(engine_loop, submission, watcher):
+            choices = [choice async for choice in finished_choices(submission, texts)]
+        if failed := next((c for c in choices if c.finish_reason == "error"), None):
+            raise P.APIError(500, failed.text, "server_error")
+        choices.sort(key=lambda c: c.index)
+        response = endpoint.response(P.new_id(endpoint.kind), body.model, choices, prompt_tokens)
+        return P.with_token_ids(response, prompts, choices) if body.return_token_ids else response
+
+    async def finished_choices(submission: Submission, texts: list[TextStream]) -> AsyncIterator[P.Choice]:
+        while submission.unfinished:
+            update = await submission.updates.get()
+            texts[update.index].add(update.token_ids)
+            if update.finished:
+                submission.unfinished -= 1
+                yield _choice(update, texts[update.index], llm)
+
+    async def stream(endpoint: _Endpoint, body: P.RequestBody, submission: Submission, texts: list[TextStream],
+                     prompt_tokens: int, watcher: asyncio.Task) -> AsyncIterator[str]:
+        id, created = P.new_id(endpoint.kind), int(time.time())
+
+        def event(choices: list[dict], token_ids: list[int] | None = None, **extra) -> str:
+            if body.return_token_ids and token_ids is not None:
+                choices[0]["token_ids"] = token_ids
+            return _sse(endpoint.chunk(id, body.model, created, choices, **extra))
+
+        with _ending(engine_loop, submission, watcher):
+            if endpoint.role_first:
+                yield event([P.chat_delta(i, "", role="assistant") for i in range(len(texts))])
+            completion_tokens = 0
+            while submission.unfinished:
+                update = await submission.updates.get()
+                if not update.finished:
+                    text = texts[update.index].push(update.token_ids)
+                    if text or body.return_token_ids:
+                        yield event([endpoint.delta(update.index, text)], update.token_ids)
+                    continue
+                submission.unfinished -= 1
+                texts[update.index].add(update.token_ids)  # a stop string may cut them: the final text decides
+                choice = _choice(update, texts[update.index], llm)
+                completion_tokens += len(choice.token_ids)
+                if choice.finish_reason == "error":
+                    yield _sse(P.error_body(choice.text, "server_error"))
+                    continue
+                extra = {"metrics": P.request_metrics([choice])} if len(texts) == 1 else {}
+                yield event([endpoint.delta(update.index, texts[update.index].finish(choice.text),
+                                            choice.finish_reason)], update.token_ids, **extra)
+            if body.include_usage:
+                yield event([], usage=P.usage(prompt_tokens, completion_tokens))
+            yield "data: [DONE]\n\n"
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine_loop.healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
+                                            "owned_by": "eagle3-jax", "max_model_len": max_model_len}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        check_body(body)
+        ids = await encode(llm.encode_chat, [m.as_template_input() for m in body.messages], "messages")
+        return await respond(CHAT, body, [ids], "messages", request, arrival)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: P.CompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        check_body(body)
+        prompts = body.prompts()
+        if not prompts:
+            raise P.invalid("prompt is empty", "prompt")
+        ids = [await encode(llm.encode, p, "prompt") for p in prompts]
+        return await respond(COMPLETION, body, ids, "prompt", request, arrival)
+
+    return app
+
+
+def _choice(update: Update, text: TextStream, llm: LLM) -> P.Choice:
+    if update.finish_reason == "error":
+        return P.Choice(update.index, update.error or "the request failed", [], "error", update.metrics)
+    final = update.text if update.text is not None else llm.decode(text.token_ids)
+    return P.Choice(update.index, final, list(text.token_ids), update.finish_reason, update.metrics)
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _abort_on_disconnect(request: Request, engine_loop: EngineLoop, submission: Submission) -> asyncio.Task:
+    """A task aborting the submission's unfinished samples when the client hangs up. It also ends
+    once the response is complete (the server then reports a disconnect too)."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        if submission.unfinished:
+            engine_loop.abort(submission)
+
+    return asyncio.get_running_loop().create_task(watch())
+
+
+@contextlib.contextmanager
+def _ending(engine_loop: EngineLoop, submission: Submission, watcher: asyncio.Task):
+    """Leaving the body, early or not (an error, a closed stream), aborts what is unfinished."""
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        if submission.unfinished:
+            engine_loop.abort(submission)
+
+
+# ---- errors --------------------------------------------------------------------------------
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(P.APIError)
+    async def api_error(request: Request, e: P.APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(P.error_body(*_validation_message(e.errors()), code=None), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        code = "request_too_large" if e.status_code == 413 else None  # BodyLimit's, from a chunked body
+        return JSONResponse(P.error_body(str(e.detail), kind, code=code), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return JSONResponse(P.error_body("internal error (see the server's log)", "server_error"), status_code=500)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str, str | None]:
+    """(message, type, param) of pydantic's first error, naming the field it is about."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", \
+            "invalid_request_error", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "missing" and not loc:
+        return "the body is empty: send a JSON object", "invalid_request_error", None
+    where = ".".join(loc)
+    return (f"{where}: {first['msg']}" if where else first["msg"]), "invalid_request_error", (loc or [None])[0]
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `max_bytes` gets 413 before it is read whole (by its
+    Content-Length, or as its chunks arrive)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body is over {self.max_bytes} bytes (--max-request-bytes)"
+
+    async def _too_large(self, scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass  # read (unparsed) so the client, still sending, gets the answer rather than a reset
+        response = JSONResponse(P.error_body(self._message(), "invalid_request_error", code="request_too_large"),
+                                status_code=413)
+        await response(scope, receive, send)

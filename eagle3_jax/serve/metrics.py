@@ -1,0 +1,92 @@
+"""Prometheus metrics under `eagle3_jax:`, with vLLM's names where vLLM has the metric. Written
+by the engine thread only; prometheus-client makes reading them from the HTTP side safe."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from eagle3_jax.engine.scheduler import Request
+
+PREFIX = "eagle3_jax:"
+# Seconds; vLLM's buckets for the same histograms, trimmed.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                         0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = registry = CollectorRegistry()
+        label = {"labelnames": ["model_name"], "registry": registry}
+
+        def gauge(name, doc, *labels):
+            return Gauge(PREFIX + name, doc, labelnames=["model_name", *labels], registry=registry)
+
+        def counter(name, doc, *labels):
+            # prometheus-client appends _total itself.
+            return Counter(PREFIX + name.removesuffix("_total"), doc, labelnames=["model_name", *labels],
+                           registry=registry)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.").labels(model_name)
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.").labels(model_name)
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV pages in use (1 = all).").labels(model_name)
+        self.choice = gauge("speculation_choice", "1 for what each batch bucket runs now: a proposal "
+                            "(tree or chain) or target-only.", "bucket", "choice")
+        self.model_name = model_name
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens admitted.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.").labels(model_name)
+        self.finished = counter("request_success_total", "Requests finished, by reason.", "finished_reason")
+        self.drafts = counter("spec_decode_num_drafts_total", "Iterations that verified proposals.").labels(model_name)
+        self.draft_tokens = counter("spec_decode_num_draft_tokens_total", "Proposals verified.").labels(model_name)
+        self.accepted = counter("spec_decode_num_accepted_tokens_total", "Proposals accepted.").labels(model_name)
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos_total",
+                                        "Proposals accepted at each draft position.", "position")
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=LATENCY_BUCKETS, **label).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens (an iteration's "
+                             "several accepted tokens share its interval).", buckets=TOKEN_LATENCY_BUCKETS,
+                             **label).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=LATENCY_BUCKETS, **label).labels(model_name)
+        self._choices: dict[int, str] = {}
+
+    def admitted(self, req: Request) -> None:
+        self.prompt_tokens.inc(len(req.prompt))
+
+    def tokens(self, req: Request, count: int, previous_time: float | None) -> None:
+        """`count` new tokens of `req`, collected at req.metrics.last_token_time; the ones before
+        them at `previous_time` (None: these are its first)."""
+        self.generation_tokens.inc(count)
+        now = req.metrics.last_token_time
+        if previous_time is None:
+            self.ttft.observe(now - req.metrics.arrival_time)
+        else:
+            for _ in range(count):
+                self.itl.observe((now - previous_time) / count)
+
+    def finish(self, req: Request) -> None:
+        m = req.metrics
+        self.finished.labels(self.model_name, req.finish_reason).inc()
+        if m.last_token_time is not None:
+            self.e2e.observe(m.last_token_time - m.arrival_time)
+        self.drafts.inc(m.speculative_iterations)
+        self.draft_tokens.inc(m.drafted)
+        self.accepted.inc(m.accepted)
+        for position, count in enumerate(m.accepted_at):
+            self.accepted_per_pos.labels(self.model_name, str(position)).inc(count)
+
+    def engine_state(self, running: int, waiting: int, pages_free: int, pages: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(1 - pages_free / pages)
+
+    def choices(self, table: dict[int, str], labels: list[str]) -> dict[int, str]:
+        """Set each bucket's current choice (`labels`: every choice there is); -> the buckets whose
+        choice changed, with the new one."""
+        for bucket, chosen in table.items():
+            for label in labels:
+                self.choice.labels(self.model_name, str(bucket), label).set(float(label == chosen))
+        changed = {b: c for b, c in table.items() if self._choices.get(b) != c}
+        self._choices = dict(table)
+        return changed

@@ -1,0 +1,243 @@
+"""OpenAI's request bodies and response shapes, with vLLM's sampling extensions (top_k, min_p,
+ignore_eos, stop_token_ids). Pure: no engine, no HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3_jax.engine.scheduler import RequestMetrics
+from eagle3_jax.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """A request the server refuses: its HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# ---- requests ------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class RequestBody(BaseModel):
+    """What both endpoints share. Unknown fields are ignored, as OpenAI's server does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server cannot do, or None."""
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
+        return "logit_bias" if self.logit_bias else None
+
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """OpenAI's defaults (temperature 1, top_p 1; top_k off, or -1 as vLLM has it); no
+        max_tokens: the rest of the context. Raises APIError 400 naming a field out of range."""
+        try:
+            return SamplingParams(
+                max_tokens=self.output_limit() or default_max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k, min_p=self.min_p or 0.0,
+                seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+                ignore_eos=self.ignore_eos, n=self.n)
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            raise invalid(str(e), str(e).split()[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict:
+        """{"role", "content"} with the text parts joined, as chat templates take it."""
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(RequestBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs" if self.logprobs else "top_logprobs"
+        if self.tools:
+            return "tools"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format"
+        return super().unsupported()
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(RequestBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.echo or self.suffix:
+            return "echo" if self.echo else "suffix"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return super().unsupported()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts: texts or token-id lists."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(t, int) for t in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+def check_supported(body: RequestBody) -> None:
+    if field := body.unsupported():
+        raise invalid(f"{field} is not supported by this server", field)
+
+
+# ---- responses -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Choice:
+    """One finished sample as a response lists it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RequestMetrics
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculative_decoding(metrics: RequestMetrics) -> dict:
+    """A request's speculation as vLLM reports it: drafts are the iterations that verified
+    proposals; the mean acceptance length counts the bonus token (1 + accepted / drafts)."""
+    drafts = metrics.speculative_iterations
+    return {"num_drafts": drafts, "num_draft_tokens": metrics.drafted, "num_accepted_tokens": metrics.accepted,
+            "num_accepted_tokens_per_pos": list(metrics.accepted_at),
+            "mean_acceptance_length": 1 + metrics.accepted / drafts if drafts else 1.0}
+
+
+def request_metrics(choices: list[Choice]) -> dict | None:
+    """vLLM's per-request metrics object: one generation stream's, so none for n > 1."""
+    if len(choices) != 1:
+        return None
+    return {"speculative_decoding": speculative_decoding(choices[0].metrics)}
+
+
+def chat_response(id: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
+    return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+            "metrics": request_metrics(choices)}
+
+
+def completion_response(id: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
+    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                        for c in choices],
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+            "metrics": request_metrics(choices)}
+
+
+def with_token_ids(response: dict, prompt_token_ids: list[list[int]], choices: list[Choice]) -> dict:
+    """vLLM's return_token_ids fields: the prompt's ids (a list per prompt for completions of
+    several) and each choice's."""
+    ids = {c.index: c.token_ids for c in choices}
+    for choice in response["choices"]:
+        choice["token_ids"] = ids[choice["index"]]
+    response["prompt_token_ids"] = prompt_token_ids[0] if len(prompt_token_ids) == 1 else prompt_token_ids
+    return response
+
+
+def chat_chunk(id: str, model: str, created: int, choices: list[dict], **extra) -> dict:
+    return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
+            **extra}
+
+
+def chat_delta(index: int, content: str | None = None, role: str | None = None,
+               finish_reason: str | None = None) -> dict:
+    delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion_chunk(id: str, model: str, created: int, choices: list[dict], **extra) -> dict:
+    return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices, **extra}
+
+
+def completion_delta(index: int, text: str, finish_reason: str | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}

@@ -1,0 +1,200 @@
+"""The Python API as vLLM's: `chat` applies the chat template, `generate` takes text as it is;
+`n` samples in `RequestOutput.outputs`; `Engine.abort`; and the server's pieces without HTTP:
+its engine thread's drain, and its streamed text, which must add up to the final text. A tiny
+random target with a byte tokenizer (conftest's `chat_models`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from eagle3_jax import SamplingParams
+from eagle3_jax.serve.detokenize import TextStream
+
+
+@pytest.fixture(scope="module")
+def llm(chat_models):
+    from eagle3_jax.api import LLM
+    from eagle3_jax.config import EngineConfig
+
+    target, draft = chat_models
+    cfg = EngineConfig(batch_buckets=(1, 8), prefill_buckets=(64,), prefill_batch_buckets=(1,), max_model_len=128,
+                       speculation="always", freeze_heap=False)
+    return LLM(target, draft, num_speculative_tokens=3, tree=None, engine_config=cfg, warmup=False, progress=False)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.slow
+def test_generate_takes_raw_text_and_chat_applies_the_template(llm):
+    params = SamplingParams(max_tokens=8)
+    raw = llm.tokenizer("Hello there").input_ids
+    templated = llm.tokenizer.apply_chat_template(user("Hello there"), add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    assert len(templated) > len(raw)
+    (text,) = llm.generate("Hello there", params)
+    assert text.prompt_token_ids == raw and text.token_ids == llm.generate([raw], params)[0].token_ids
+    chats = llm.chat([user("Hello there"), user("Bye")], params)
+    assert chats[0].prompt_token_ids == list(templated)
+    assert chats[0].token_ids == llm.generate([list(templated)], params)[0].token_ids
+    assert llm.chat(user("Bye"), params)[0].token_ids == chats[1].token_ids  # one conversation, or a list of them
+    (bad,) = llm.chat([[{"role": "user"}]], params)
+    assert bad.finish_reason == "error" and "'role' and a 'content'" in bad.error
+    with pytest.raises(TypeError, match=r"LLM\.generate takes raw text"):
+        llm.chat("Hello there")
+
+
+@pytest.mark.slow
+def test_n_samples_come_in_outputs_each_seeded_seed_plus_i(llm):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, n=3)
+    (out,) = llm.generate(["Pick"], params)
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    alone = [llm.generate(["Pick"], SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i))[0].token_ids
+             for i in range(3)]
+    assert [o.token_ids for o in out.outputs] == alone and len({tuple(a) for a in alone}) == 3
+    assert (out.token_ids, out.text, out.finish_reason) == (alone[0], out.outputs[0].text, out.outputs[0].finish_reason)
+    grouped = dict(llm.generate_iter([("Pick", params), ("Other", SamplingParams(max_tokens=4))]))
+    assert [o.token_ids for o in grouped[0].outputs] == alone and len(grouped[1].outputs) == 1
+    with pytest.raises(ValueError, match="n=2"):
+        next(llm.stream("Pick", SamplingParams(n=2)))
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        SamplingParams(n=0)
+
+
+@pytest.mark.slow
+def test_abort_frees_the_slot_and_pages_of_a_running_request_and_dequeues_a_waiting_one(llm):
+    engine = llm.engine
+    free = engine.scheduler.pool.num_free
+    long = SamplingParams(max_tokens=64, ignore_eos=True)
+    running = [engine.add_request([5, 6, 7], long) for _ in range(engine.cfg.max_num_seqs)]
+    waiting = engine.add_request([8, 9], long)
+    engine.step()
+    assert engine.num_running == engine.cfg.max_num_seqs and engine.num_waiting == 1
+    assert engine.abort(waiting.id) is waiting and waiting.finish_reason == "abort" and engine.num_waiting == 0
+    assert engine.abort(running[0].id) is running[0] and engine.num_running == engine.cfg.max_num_seqs - 1
+    assert engine.abort(running[0].id) is None  # already ended
+    for req in running[1:]:
+        engine.abort(req.id)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_running == 0 and engine.scheduler.pool.num_free == free
+    assert [len(r.output) < 64 for r in running] == [True] * len(running)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace_s, reason", [(0.0, "abort"), (60.0, "length")])
+def test_a_drain_refuses_new_work_and_ends_what_runs_after_its_grace(llm, grace_s, reason):
+    from eagle3_jax.serve.engine_loop import EngineLoop, Unavailable
+    from eagle3_jax.serve.metrics import ServerMetrics
+
+    work = [([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))] * 3
+
+    async def drained() -> dict:
+        engine_loop = EngineLoop(llm.engine, ServerMetrics("tiny"))
+        engine_loop.start(asyncio.get_running_loop())
+        submission = engine_loop.submit(work, time.perf_counter())
+        finals = {}
+        try:
+            assert not (await asyncio.wait_for(submission.updates.get(), 60)).finished  # running
+            engine_loop.drain(grace_s)
+            with pytest.raises(Unavailable, match="shutting down"):
+                engine_loop.submit(work, time.perf_counter())
+            while len(finals) < len(work):
+                update = await asyncio.wait_for(submission.updates.get(), 60)
+                if update.finished:
+                    finals[update.index] = update
+        finally:
+            engine_loop.stop()
+        return finals
+
+    finals = asyncio.run(drained())
+    assert {u.finish_reason for u in finals.values()} == {reason}
+    assert llm.engine.num_running == 0 and llm.engine.scheduler.pool.num_free == llm.engine.scheduler.pool.capacity
+
+
+def engine_cut(decode, ids: list[int], stops) -> tuple[list[int], str]:
+    """(tokens, text) as the engine ends them: at the first token after which the text holds a
+    stop string, cut before it (Engine._hit_stop_string)."""
+    for k in range(1, len(ids) + 1):
+        text = decode(ids[:k])
+        for stop in stops:
+            if stop in text:
+                return ids[:k], text[:text.index(stop)]
+    return ids, decode(ids)
+
+
+@pytest.mark.parametrize("stops", [(), ("Q", "xyz")])
+def test_streamed_text_adds_up_to_the_final_text(llm, stops):
+    """Random bytes (split UTF-8 characters among them) pushed in random pieces, the last piece
+    recorded as the engine's final update is: the released text is a prefix of the final text
+    all along and adds up to it."""
+    rng = np.random.default_rng(0)
+    cut = 0
+    for _ in range(50):
+        ids, final = engine_cut(llm.decode, rng.integers(0, 259, 40).tolist(), stops)  # specials too
+        cut += len(ids) < 40
+        stream, released = TextStream(llm.decode, stops), ""
+        cuts = sorted(set(rng.integers(1, len(ids) + 1, 12).tolist()) | {len(ids)})
+        for start, end in zip([0, *cuts], cuts):
+            if end == len(ids):
+                stream.add(ids[start:end])
+                break
+            released += stream.push(ids[start:end])
+            assert final.startswith(released)
+        assert released + stream.finish(final) == final
+    assert cut > 0 if stops else cut == 0
+
+
+@pytest.mark.slow
+def test_streamed_text_of_a_real_tokenizer_is_the_whole_decode_at_every_step(tokenizer):
+    """SmolLM2's byte-level BPE, one to three tokens a push: what is released is always the
+    start of the whole decode, and each push decodes a few tokens, not all of them."""
+    from pathlib import Path
+
+    ids = tokenizer(Path(__file__).read_text())["input_ids"][:1500]
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)
+    decoded = []
+    stream, released, i = TextStream(lambda t: decoded.append(len(t)) or decode(t)), "", 0
+    rng = np.random.default_rng(1)
+    while i < len(ids):
+        step = int(rng.integers(1, 4))
+        released += stream.push(ids[i:i + step])
+        i += step
+        assert decode(ids[:i]).startswith(released) and len(decode(ids[:i])) - len(released) <= 1
+    assert released + stream.finish(decode(ids)) == decode(ids)
+    assert max(decoded) <= 8  # the last two pushes' tokens
+
+
+
+@pytest.mark.slow
+def test_an_engine_failure_ends_its_requests_and_refuses_new_ones(llm, monkeypatch):
+    from eagle3_jax.serve.engine_loop import EngineLoop, Unavailable
+    from eagle3_jax.serve.metrics import ServerMetrics
+
+    engine_loop = EngineLoop(llm.engine, ServerMetrics("tiny"))
+    work = [([5, 6, 7], SamplingParams(max_tokens=8))] * 2
+
+    def lost_device():
+        raise RuntimeError("device lost")
+
+    async def failing() -> list:
+        engine_loop.start(asyncio.get_running_loop())
+        monkeypatch.setattr(llm.engine, "step", lost_device)
+        submission = engine_loop.submit(work, time.perf_counter())
+        updates = [await asyncio.wait_for(submission.updates.get(), 30) for _ in work]
+        with pytest.raises(Unavailable, match="engine failed"):
+            engine_loop.submit(work, time.perf_counter())
+        engine_loop.stop()
+        return updates
+
+    updates = asyncio.run(failing())
+    assert [(u.finished, u.finish_reason) for u in updates] == [(True, "error")] * 2
+    assert "engine failed" in updates[0].error and not engine_loop.healthy
+    monkeypatch.undo()
+    for req in list(llm.engine.scheduler.waiting):  # what the failed steps left queued
+        llm.engine.abort(req.id)

@@ -1,0 +1,376 @@
+"""`eagle3-jax serve` as users run it: a subprocess on 127.0.0.1, driven by the official `openai`
+client (raw bodies through urllib). One server for the module, a tiny random target with a byte
+tokenizer (tests/conftest.py, `chat_models`); its greedy output is compared with `LLM.chat` and
+`LLM.generate` in this process on the same engine config. The last test stops it with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from eagle3_jax import SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny-chat"
+KEY = "test-key"
+MAX_MODEL_LEN = 128
+MAX_WAITING = 72
+START_S = 180  # start-up on a busy 2-core machine, compiles excluded (they happen on first use)
+REQUEST_S = 120  # a request that compiles the programs it needs first
+ENGINE = ["--num-draft", "3", "--tree", "none", "--speculation", "always", "--batch-buckets", "1,8",
+          "--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN)]
+GREEDY = {"temperature": 0, "max_tokens": 16}
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"/health did not answer 200 within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def server(chat_models, tmp_path_factory):
+    target, draft = chat_models
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    args = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--target", str(target), "--draft", str(draft), *ENGINE,
+            "--port", str(port), "--api-key", KEY, "--served-model-name", MODEL, "--max-waiting", str(MAX_WAITING),
+            "--shutdown-timeout", "0", "--log-level", "debug"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, START_S)
+        yield {"url": url, "proc": proc, "log": log}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=REQUEST_S)
+
+
+@pytest.fixture(scope="module")
+def llm(chat_models):
+    """The server's engine, in this process (the CLI's config for --max-num-seqs 8)."""
+    from eagle3_jax.api import LLM
+    from eagle3_jax.config import EngineConfig
+
+    target, draft = chat_models
+    cfg = EngineConfig(batch_buckets=(1, 8), prefill_batch_buckets=(1, 8), max_model_len=MAX_MODEL_LEN,
+                       speculation="always", max_num_seqs=8, freeze_heap=False)
+    return LLM(target, draft, num_speculative_tokens=3, tree=None, engine_config=cfg, warmup=False, progress=False)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def raw_post(url: str, path: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
+    """(status, JSON body) of a POST of `body` as it is."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"{url}{path}", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_S) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {series with labels: value}."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def metric(values: dict[str, float], name: str) -> float:
+    (value,) = [v for k, v in values.items() if re.fullmatch(rf"eagle3_jax:{name}(\{{.*\}})?", k)]
+    return value
+
+
+def wait_idle(url: str, timeout_s: float = 30) -> dict[str, float]:
+    """/metrics once nothing runs or waits and every KV page is free again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = scrape(url)
+        idle = [metric(values, n) for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        if idle == [0, 0, 0] or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)
+
+
+def stream_text(stream) -> tuple[str, list[int], str | None, dict | None]:
+    """(text, token ids, finish_reason, usage) of a streamed chat or completion."""
+    text, ids, reason, usage = [], [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            text.append(piece or "")
+            ids += (choice.model_extra or {}).get("token_ids") or []
+            reason = choice.finish_reason or reason
+    return "".join(text), ids, reason, usage
+
+
+# ---- the API -------------------------------------------------------------------------------
+def test_health_models_and_key(server, client):
+    assert urllib.request.urlopen(f"{server['url']}/health", timeout=10).status == 200  # no key needed
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for key in (None, "wrong"):
+        status, body = raw_post(server["url"], "/v1/completions", b'{"model": "tiny-chat", "prompt": "a"}', key)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key" and "Bearer" in body["error"]["message"]
+
+
+def test_chat_greedy_equals_llm_chat_with_usage_and_speculation_metrics(client, llm):
+    messages = user("Name a colour.")
+    response = client.chat.completions.create(model=MODEL, messages=messages, extra_body={"return_token_ids": True},
+                                              **GREEDY)
+    (want,) = llm.chat(messages, SamplingParams(max_tokens=16))
+    (choice,) = response.choices
+    assert choice.model_extra["token_ids"] == want.token_ids and choice.message.content == want.text
+    assert choice.finish_reason == want.finish_reason and choice.message.role == "assistant"
+    prompt_ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+    assert response.model_extra["prompt_token_ids"] == list(prompt_ids)
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), len(want.token_ids))
+    assert response.usage.total_tokens == len(prompt_ids) + len(want.token_ids)
+    spec = response.model_extra["metrics"]["speculative_decoding"]
+    m = want.metrics
+    assert spec["num_drafts"] == m.speculative_iterations > 0
+    assert spec["num_draft_tokens"] == 3 * m.speculative_iterations
+    assert spec["num_accepted_tokens_per_pos"] == m.accepted_at and spec["num_accepted_tokens"] == m.accepted
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + m.accepted / m.speculative_iterations)
+
+
+def test_metrics_use_vllms_names_and_count_what_was_served(server):
+    values = scrape(server["url"])
+    names = {re.sub(r"\{.*", "", k).removeprefix("eagle3_jax:") for k in values}
+    counters = ["prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
+                "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                "spec_decode_num_accepted_tokens_per_pos_total"]
+    histograms = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"]
+    gauges = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "speculation_choice"]
+    assert set(counters + gauges) | {f"{h}_bucket" for h in histograms} <= names
+    assert metric(values, "generation_tokens_total") > 0 and metric(values, "spec_decode_num_drafts_total") > 0
+    chosen = {k: v for k, v in values.items() if k.startswith("eagle3_jax:speculation_choice") and v == 1}
+    assert sorted(re.search(r'bucket="(\d+)"', k).group(1) for k in chosen) == ["1", "8"]  # one choice a bucket
+
+
+def test_completions_take_text_lists_and_token_ids_as_llm_generate_does(client, llm):
+    prompts = ["The sky is", "Once upon", [5, 6, 7, 8], [40, 41]]
+    want = llm.generate(prompts, SamplingParams(max_tokens=16))
+    got = [client.completions.create(model=MODEL, prompt=p, extra_body={"return_token_ids": True}, **GREEDY)
+           for p in prompts]
+    assert [r.choices[0].model_extra["token_ids"] for r in got] == [o.token_ids for o in want]
+    assert [r.choices[0].text for r in got] == [o.text for o in want]
+    assert [r.usage.prompt_tokens for r in got] == [len(llm.encode(p)) for p in prompts]
+    # A list of prompts (texts, then token-id lists): one choice each, in order.
+    for batch, outs in ((prompts[:2], want[:2]), (prompts[2:], want[2:])):
+        response = client.completions.create(model=MODEL, prompt=batch, **GREEDY)
+        assert [c.index for c in response.choices] == [0, 1]
+        assert [c.text for c in response.choices] == [o.text for o in outs]
+        assert response.usage.prompt_tokens == sum(len(llm.encode(p)) for p in batch)
+
+
+def test_streamed_equals_non_streamed(client, llm):
+    messages = user("Tell me a story.")
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"return_token_ids": True}, **GREEDY)
+    text, ids, reason, usage = stream_text(streamed)
+    assert text == whole.choices[0].message.content and reason == whole.choices[0].finish_reason
+    assert ids == llm.chat(messages, SamplingParams(max_tokens=16))[0].token_ids
+    assert usage == whole.usage.model_dump()
+    completion = client.completions.create(model=MODEL, prompt="Hello", **GREEDY)
+    text, _, reason, usage = stream_text(client.completions.create(model=MODEL, prompt="Hello", stream=True, **GREEDY))
+    assert (text, reason, usage) == (completion.choices[0].text, completion.choices[0].finish_reason, None)
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(client, llm):
+    full = llm.generate(["Hello"], SamplingParams(max_tokens=24))[0].text
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    cut = full[:full.index(stop)]
+    response = client.completions.create(model=MODEL, prompt="Hello", stop=[stop], temperature=0, max_tokens=24)
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (cut, "stop")
+    text, _, reason, _ = stream_text(client.completions.create(model=MODEL, prompt="Hello", stop=stop, stream=True,
+                                                               temperature=0, max_tokens=24))
+    assert (text, reason) == (cut, "stop")
+
+
+def test_seeded_samples_reproduce_and_n_samples_differ(client, llm):
+    sampled = {"temperature": 1.0, "max_tokens": 16, "seed": 7}
+    body = {"model": MODEL, "prompt": "Pick a word", **sampled, "extra_body": {"return_token_ids": True}}
+    first, again = (client.completions.create(**body).choices[0].model_extra["token_ids"] for _ in range(2))
+    assert first == again == llm.generate(["Pick a word"], SamplingParams(**sampled))[0].token_ids
+    pair = client.completions.create(**{**body, "n": 2})
+    ids = [c.model_extra["token_ids"] for c in pair.choices]
+    assert ids[0] == first and ids[1] != first  # the second sample is seeded seed + 1
+    assert pair.model_extra["metrics"] is None  # per-request metrics describe one sample
+    assert pair.usage.completion_tokens == sum(map(len, ids))
+    extensions = client.completions.create(model=MODEL, prompt="Pick a word", temperature=1.0, max_tokens=8, seed=3,
+                                           extra_body={"top_k": 5, "ignore_eos": True})
+    assert extensions.usage.completion_tokens == 8  # past any EOS
+    no_top_k = {"top_k": -1, "return_token_ids": True}  # vLLM's "off"
+    off = client.completions.create(model=MODEL, prompt="Pick a word", extra_body=no_top_k, **GREEDY)
+    greedy = llm.generate(["Pick a word"], SamplingParams(max_tokens=16))[0].token_ids
+    assert off.choices[0].model_extra["token_ids"] == greedy
+
+
+# ---- errors --------------------------------------------------------------------------------
+def assert_error(url: str, status: int, body: bytes, words: str, param: str | None = None, path="/v1/completions"):
+    got, error = raw_post(url, path, body)
+    assert got == status, error
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert words in error["error"]["message"] and error["error"]["param"] == param
+
+
+def test_each_error_has_its_status_and_body_and_the_server_keeps_serving(server, client):
+    url = server["url"]
+
+    def body(**fields) -> bytes:
+        return json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, **fields}).encode()
+
+    cases = [
+        (400, b"{bad json", "not valid JSON", None),
+        (400, b"", "empty", None),
+        (400, body(temperature=-1), "temperature must be", "temperature"),
+        (400, body(max_tokens=0), "greater than or equal to 1", "max_tokens"),
+        (400, body(prompt=[]), "prompt is empty", "prompt"),
+        (400, body(prompt="x" * (2 * MAX_MODEL_LEN)), "the context holds 128", "prompt"),
+        (400, body(prompt=[1, 10**6]), "outside the vocabulary", "prompt"),
+        (400, body(logprobs=2), "logprobs is not supported", "logprobs"),
+        (400, body(prompt={"not": "a prompt"}), "prompt", "prompt"),
+        (404, body(model="gpt-4"), "does not exist", "model"),
+        (413, b'{"prompt": "' + b"x" * (10 << 20) + b'"}', "over", None),
+    ]
+    for status, raw, words, param in cases:
+        assert_error(url, status, raw, words, param)
+        good = client.completions.create(model=MODEL, prompt="ok", max_tokens=2, extra_body={"ignore_eos": True})
+        assert good.usage.completion_tokens == 2 and good.choices[0].finish_reason == "length"
+    assert_error(url, 400, json.dumps({"model": MODEL, "messages": []}).encode(), "at least 1", "messages",
+                 path="/v1/chat/completions")
+    # 10 MB sent in chunks, with no length declared: refused as it arrives.
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=REQUEST_S)
+    big = b'{"prompt": "' + b"x" * (10 << 20) + b'"}'
+    conn.request("POST", "/v1/completions", body=(big[i:i + (1 << 16)] for i in range(0, len(big), 1 << 16)),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}, encode_chunked=True)
+    response = conn.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    with pytest.raises(openai.BadRequestError) as e:  # the client's own view of one of them
+        client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=4, logprobs=True)
+    assert e.value.status_code == 400 and e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve(MODEL + "-not")
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_drains(server, client):
+    """One request of MAX_WAITING samples fills the queue (8 run, the rest wait); the next is
+    refused with Retry-After until the first is dropped (its waiting samples leave the queue)."""
+    url = server["url"]
+    flood = client.completions.create(model=MODEL, prompt="flood", n=MAX_WAITING, temperature=1.0,
+                                      max_tokens=MAX_MODEL_LEN, stream=True)
+    next(iter(flood))  # its samples are queued and running
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=MODEL, prompt="one more", n=16, max_tokens=4)
+    assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+    assert e.value.body["code"] == "queue_full"
+    flood.close()  # a disconnect: every sample aborted, waiting or running
+    values = wait_idle(url)
+    assert metric(values, "num_requests_running") == 0 and metric(values, "kv_cache_usage_perc") == 0
+    again = client.completions.create(model=MODEL, prompt="one more", n=16, max_tokens=4,
+                                      extra_body={"ignore_eos": True})
+    assert again.usage.completion_tokens == 16 * 4
+
+
+# ---- under load ----------------------------------------------------------------------------
+def test_64_streams_with_16_disconnecting_finish_as_alone_and_free_everything(server, llm):
+    """64 concurrent streaming clients, every fourth hanging up after its first chunk: the others
+    get exactly the greedy tokens of their prompt alone, and the engine ends idle with every KV
+    page free."""
+    prompts = [f"Question {i}: what comes next?" for i in range(64)]
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24))]
+    aclient = openai.AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=REQUEST_S)
+
+    async def one(i: int) -> list[int] | None:
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i], temperature=0, max_tokens=24,
+                                                  stream=True, extra_body={"return_token_ids": True})
+        ids = []
+        async for chunk in stream:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+            if i % 4 == 3:
+                await stream.close()
+                return None
+        return ids
+
+    async def all_of_them():
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), REQUEST_S)
+        finally:
+            await aclient.close()
+
+    got = asyncio.run(all_of_them())
+    completed = [i for i in range(64) if i % 4 != 3]
+    assert [got[i] for i in completed] == [want[i] for i in completed]
+    values = wait_idle(server["url"])
+    assert [metric(values, n) for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")] == \
+        [0, 0, 0]
+    assert values['eagle3_jax:request_success_total{finished_reason="abort",model_name="tiny-chat"}'] >= 16
+    assert metric(values, "time_to_first_token_seconds_count") >= 64
+
+
+# ---- last: SIGTERM -------------------------------------------------------------------------
+def test_sigterm_mid_stream_ends_the_stream_and_exits_0(server, client):
+    proc = server["proc"]
+    stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, max_tokens=MAX_MODEL_LEN,
+                                       n=8, stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    reasons = {c.index: c.finish_reason for chunk in [first, *chunks] for c in chunk.choices if c.finish_reason}
+    assert sorted(reasons) == list(range(8)) and set(reasons.values()) <= {"abort", "length", "stop"}
+    assert proc.wait(60) == 0
+    log = server["log"].read_text()
+    assert "ready: serving 'tiny-chat'" in log and "Traceback" not in log
