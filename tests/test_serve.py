@@ -188,11 +188,14 @@ def test_metrics_use_vllms_names_and_count_what_was_served(server):
     names = {re.sub(r"\{.*", "", k).removeprefix("eagle3_jax:") for k in values}
     counters = ["prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                "spec_decode_num_accepted_tokens_per_pos_total"]
+                "spec_decode_num_accepted_tokens_per_pos_total", "num_preemptions_total", "prefix_cache_queries_total",
+                "prefix_cache_hits_total"]
     histograms = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"]
     gauges = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "speculation_choice"]
     assert set(counters + gauges) | {f"{h}_bucket" for h in histograms} <= names
     assert metric(values, "generation_tokens_total") > 0 and metric(values, "spec_decode_num_drafts_total") > 0
+    assert metric(values, "prefix_cache_queries_total") >= metric(values, "prefix_cache_hits_total") >= 0
+    assert metric(values, "prefix_cache_queries_total") > 0
     chosen = {k: v for k, v in values.items() if k.startswith("eagle3_jax:speculation_choice") and v == 1}
     assert sorted(re.search(r'bucket="(\d+)"', k).group(1) for k in chosen) == ["1", "8"]  # one choice a bucket
 

@@ -216,13 +216,14 @@ class EngineLoop:
 
     def _observe_engine(self) -> None:
         pool = self.engine.scheduler.pool
-        self.metrics.engine_state(self.engine.num_running, self.num_waiting, pool.num_free, pool.capacity)
+        self.metrics.engine_state(self.engine.num_running, self.num_waiting, pool.num_free, pool.capacity,
+                                  self.engine.stats)
         now = time.monotonic()
         if now - self._policy_read < POLICY_REFRESH_S or not self.engine.proposals:
             return
         self._policy_read = now
         table = {row.bucket: row.choice for row in self.engine.speculation_table()}
-        labels = [p.spec.label for p in self.engine.proposals] + ["target-only"]
+        labels = [p.label for p in self.engine.proposals] + ["target-only"]
         for bucket, choice in self.metrics.choices(table, labels).items():
             logger.info("speculation: batch bucket %d runs %s", bucket, choice)
 

@@ -42,6 +42,13 @@ class ServerMetrics:
         self.accepted = counter("spec_decode_num_accepted_tokens_total", "Proposals accepted.").labels(model_name)
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos_total",
                                         "Proposals accepted at each draft position.", "position")
+        self.preemptions = counter("num_preemptions_total", "Requests preempted (their KV freed, recomputed "
+                                   "on readmission).").labels(model_name)
+        self.prefix_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix "
+                                      "cache.").labels(model_name)
+        self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.").labels(
+            model_name)
+        self._engine_totals = (0, 0, 0)  # the engine's preemptions, prefix queries and hits counted so far
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=LATENCY_BUCKETS, **label).labels(model_name)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens (an iteration's "
@@ -76,10 +83,17 @@ class ServerMetrics:
         for position, count in enumerate(m.accepted_at):
             self.accepted_per_pos.labels(self.model_name, str(position)).inc(count)
 
-    def engine_state(self, running: int, waiting: int, pages_free: int, pages: int) -> None:
+    def engine_state(self, running: int, waiting: int, pages_free: int, pages: int, stats=None) -> None:
+        """The gauges now; with the engine's `stats` (EngineStats), its cumulative counts since the last call."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(1 - pages_free / pages)
+        if stats is not None:
+            totals = (stats.preemptions, stats.prefix_queried_tokens, stats.prefix_hit_tokens)
+            for counter, now, before in zip((self.preemptions, self.prefix_queries, self.prefix_hits), totals,
+                                            self._engine_totals):
+                counter.inc(max(now - before, 0))  # a stats reset starts the engine's counts again
+            self._engine_totals = totals
 
     def choices(self, table: dict[int, str], labels: list[str]) -> dict[int, str]:
         """Set each bucket's current choice (`labels`: every choice there is); -> the buckets whose
