@@ -111,3 +111,22 @@ def test_cli_names_an_unknown_speculator_in_one_line(tiny_models):
     proc, _ = run_cli("generate", "--target", str(tiny_models[0]), "--speculator", "medusa", "--prompt", "hi")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("--speculator medusa: not one of eagle3, ngram")
+
+
+@pytest.mark.slow
+def test_prefix_cache_hit_leaves_the_whole_prompt_in_the_history(tiny_models):
+    """A prompt found in the prefix cache prefills only its last pages; the lookup still sees its
+    whole text (not what the slot held before), and the reply is the target alone's."""
+    llm = make(tiny_models[0])
+    engine, params = llm.engine, SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = [(3 * j) % TINY_VOCAB for j in range(40)]
+    other = [(5 * j + 1) % TINY_VOCAB for j in range(40)]
+    for ids in (prompt, other):  # the second overwrites the slot's history
+        engine.run([engine.add_request(ids, params)])
+    again = engine.add_request(prompt, params)
+    engine.step()  # admits and prefills it
+    assert again.num_cached == 32  # two pages of 16 from the cache; the last 8 tokens prefilled
+    assert engine.runner.read_history(again.slot)[:len(prompt)].tolist() == prompt
+    engine.run([again])
+    alone = make(tiny_models[0], None).generate([prompt], params)[0].token_ids
+    assert again.output == alone

@@ -218,6 +218,8 @@ class Engine:
                 req.seed = int(self._seed_rng.integers(0, 2**63 - 1))
             self.stats.prefix_queried_tokens += req.context_len
             self.stats.prefix_hit_tokens += req.num_cached
+            if req.num_cached:  # a speculator's token history has the cached prefix too
+                self.runner.write_history(req.slot, req.tokens[:req.num_cached])
             starts = range(req.num_cached, req.context_len, largest)
             for start in starts[:-1]:
                 self._run_prefill_call([PrefillChunk(req, start)])

@@ -35,7 +35,14 @@ from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
 from eagle3_jax.runner import kv_memory, sampling
 from eagle3_jax.runner.speculators import Chain, Speculator, speculators_for
-from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
+from eagle3_jax.runner.state import (
+    DeviceState,
+    SlotLayout,
+    init_state,
+    state_shardings,
+    with_history,
+    with_lengths,
+)
 from eagle3_jax.runner.steps import (
     StepConfig,
     chain_step_jit,
@@ -149,8 +156,9 @@ class PrefillInputs:
                 self.num_generated)
 
 
-# The rows' cached lengths set in place (donated: the state keeps its addresses).
+# The rows' cached lengths, a slot's token history, set in place (donated: the state keeps its addresses).
 _set_lengths = jax.jit(with_lengths, donate_argnums=0)
+_set_history = jax.jit(with_history, donate_argnums=0)
 
 # A padding row never makes a call sample: greedy.
 PADDING_PARAMS = SamplingParams(max_tokens=1)
@@ -301,6 +309,20 @@ class ModelRunner:
         row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.point_mass)
         cfg = self.config(self.speculator, greedy=all(p.greedy for p in params))
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
+
+    def write_history(self, slot: int, tokens: Sequence[int]) -> None:
+        """Set `slot`'s token history to `tokens` from position 0, where the slots keep one: a
+        prefill that starts past a cached prefix writes only what it computes."""
+        history = self._state.slots.history
+        if history is not None:
+            row = np.zeros(history.shape[1], np.int32)
+            row[:len(tokens)] = tokens
+            self._state = _set_history(self._state, np.int32(slot), row)
+
+    def read_history(self, slot: int) -> np.ndarray | None:
+        """`slot`'s token history [M] on the host (None: not kept)."""
+        history = self._state.slots.history
+        return None if history is None else np.asarray(history[slot])
 
     def first_token(self, slot: int) -> jax.Array:
         """The first token [1] the last prefill into `slot` sampled; read it before the slot's next prefill."""

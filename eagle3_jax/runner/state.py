@@ -15,7 +15,8 @@ from eagle3_jax.config import DUMMY_SLOT, DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner.sampling import RowSampling
 
-__all__ = ["DUMMY_SLOT", "DeviceState", "SlotLayout", "Slots", "init_state", "state_shardings", "with_lengths"]
+__all__ = ["DUMMY_SLOT", "DeviceState", "SlotLayout", "Slots", "init_state", "state_shardings", "with_history",
+           "with_lengths"]
 
 
 @struct.dataclass
@@ -86,6 +87,12 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
 
 def history_width(engine: EngineConfig) -> int:
     return engine.max_blocks_per_seq * engine.page_size
+
+
+def with_history(state: DeviceState, slot, row) -> DeviceState:
+    """The state with `slot`'s token history set to `row` [M] (the slots keep one)."""
+    slots = state.slots
+    return state.replace(slots=slots.replace(history=slots.history.at[slot].set(row)))
 
 
 def with_lengths(state: DeviceState, rows, length: int) -> DeviceState:
