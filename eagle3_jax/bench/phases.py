@@ -807,12 +807,31 @@ def compare_tokens(got: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -
     }
 
 
+def tp_generate(target_dir: Path, draft_dir: Path | None, k: int, tp: int, ecfg: EngineConfig,
+                prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], dict]:
+    """Greedy replies of LLM(tensor_parallel_size=tp) in f32 -> (their tokens, the run's values)."""
+    from eagle3_jax.api import LLM
+
+    start = time.perf_counter()
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=k, dtype=jnp.float32, engine_config=ecfg,
+              tensor_parallel_size=tp, warmup=False, progress=False)
+    outs = llm.generate(prompts, params)
+    del llm
+    tokens = [o.token_ids for o in outs]
+    return tokens, {
+        "tp": tp,
+        "tokens": sum(map(len, tokens)),
+        "s": time.perf_counter() - start,
+        "acceptance_length": statistics.mean(o.metrics.acceptance_length for o in outs),
+        "iterations": sum(o.metrics.iterations for o in outs),
+        "speculative_iterations": sum(o.metrics.speculative_iterations for o in outs) if k else 0,
+    }
+
+
 def phase_tp(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
     """Greedy generation through LLM(tensor_parallel_size=...) (load straight to shards, the
     engine's sharded steps) at TP=1 and TP=N, target-only and EAGLE-3: every run's tokens against
     TP=1's of the same mode, and against target-only TP=1 (greedy EAGLE-3 is lossless)."""
-    from eagle3_jax.api import LLM
-
     n, k = opts.tp, max(opts.num_draft)
     target, draft = tp_check_models(opts)
     prompts = [
@@ -820,16 +839,10 @@ def phase_tp(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
         for i in range(opts.tp_check_prompts)
     ]
     longest = max(map(len, prompts)) + opts.tp_check_tokens
-    # Speculate at every iteration, so the EAGLE-3 runs verify drafts throughout (an engine that
-    # picks per bucket, EngineConfig.speculation, would run a random drafter's target alone).
-    always = {"speculation": "always"} if "speculation" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
-    ecfg = EngineConfig(
-        batch_buckets=(len(prompts),),
-        prefill_buckets=(32,),
-        num_speculative_tokens=k,
-        max_model_len=16 * math.ceil(longest / 16),
-        **always,
-    )
+    # Speculate at every iteration, so the EAGLE-3 runs verify drafts throughout ("auto" would run
+    # a random drafter's target alone).
+    ecfg = EngineConfig(batch_buckets=(len(prompts),), prefill_buckets=(32,), num_speculative_tokens=k,
+                        max_model_len=16 * math.ceil(longest / 16), speculation="always")
     params = SamplingParams(max_tokens=opts.tp_check_tokens, ignore_eos=True)
     runs = [("target-only", 1, 0), (f"EAGLE-3 K={k}", 1, k), ("target-only", n, 0), (f"EAGLE-3 K={k}", n, k)]
     tokens, results = {}, []
@@ -838,30 +851,8 @@ def phase_tp(opts: Options, notes: list[str]) -> tuple[list[Result], dict]:
         # the order of the sums, far below the logit gaps of greedy decoding.
         target_dir, draft_dir = write_random_models(target, draft, Path(tmp))
         for mode, tp, kk in runs:
-            start = time.perf_counter()
-            llm = LLM(
-                target=target_dir,
-                draft=draft_dir if kk else None,
-                num_speculative_tokens=kk,
-                dtype=jnp.float32,
-                engine_config=ecfg,
-                tensor_parallel_size=tp,
-                warmup=False,
-                progress=False,
-            )
-            outs = llm.generate(prompts, params)
-            del llm
-            tokens[mode, tp] = [o.token_ids for o in outs]
-            values = {
-                "tp": tp,
-                "tokens": sum(map(len, tokens[mode, tp])),
-                "s": time.perf_counter() - start,
-                "acceptance_length": statistics.mean(o.metrics.acceptance_length for o in outs),
-                "iterations": sum(o.metrics.iterations for o in outs),
-                "speculative_iterations": sum(
-                    getattr(o.metrics, "speculative_iterations", o.metrics.iterations) if kk else 0 for o in outs
-                ),
-            }
+            tokens[mode, tp], values = tp_generate(target_dir, draft_dir if kk else None, kk, tp, ecfg, prompts,
+                                                   params)
             if tp > 1:
                 values.update(compare_tokens(tokens[mode, tp], tokens[mode, 1]))
             if (mode, tp) != ("target-only", 1):

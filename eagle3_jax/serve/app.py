@@ -55,56 +55,49 @@ CHAT = _Endpoint("chatcmpl", P.chat_response, P.chat_chunk,
 COMPLETION = _Endpoint("cmpl", P.completion_response, P.completion_chunk, P.completion_delta, False)
 
 
-def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settings: Settings) -> FastAPI:
-    # One thread: a fast tokenizer used from several at once can fail ("Already borrowed").
-    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    created = int(time.time())
-    max_model_len = llm.engine.cfg.max_model_len
+class OpenAIServer:
+    """What the routes share: the engine (through its loop), the tokenizer's thread, the settings."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine_loop.start(asyncio.get_running_loop())
-        yield
-        engine_loop.stop()
-        tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+    def __init__(self, llm: LLM, engine_loop: EngineLoop, settings: Settings):
+        self.llm, self.engine_loop, self.settings = llm, engine_loop, settings
+        # One thread: a fast tokenizer used from several at once can fail ("Already borrowed").
+        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self.max_model_len = llm.engine.cfg.max_model_len
 
-    app = FastAPI(title="eagle3-jax", lifespan=lifespan, openapi_url=None)
-    install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
-
-    def check_key(request: Request) -> None:
-        if settings.api_key is None:
+    def check_key(self, request: Request) -> None:
+        if self.settings.api_key is None:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+        if not hmac.compare_digest(given.encode(), self.settings.api_key.encode()):
             raise P.APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                              "authentication_error", code="invalid_api_key")
 
-    def check_body(body: P.RequestBody) -> None:
-        if body.model != settings.model_name:
+    def check_body(self, body: P.RequestBody) -> None:
+        if body.model != self.settings.model_name:
             raise P.APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                             f"{settings.model_name!r}", param="model", code="model_not_found")
+                             f"{self.settings.model_name!r}", param="model", code="model_not_found")
         P.check_supported(body)
 
-    async def encode(fn: Callable, prompt, param: str) -> list[int]:
+    async def encode(self, fn: Callable, prompt, param: str) -> list[int]:
         try:
-            return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, prompt)
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, prompt)
         except RequestError as e:
             raise P.invalid(str(e), param) from None
 
-    def samples(prompts: list[list[int]], params: SamplingParams, param: str) -> list[tuple[list[int], SamplingParams]]:
+    def samples(self, prompts: list[list[int]], params: SamplingParams,
+                param: str) -> list[tuple[list[int], SamplingParams]]:
         """Each prompt's `n` samples, once the engine's own checks pass for them."""
         each = params.samples()
         for ids in prompts:
             try:
-                llm.engine.validate_request(ids, each[0])
+                self.llm.engine.validate_request(ids, each[0])
             except RequestError as e:
                 raise P.invalid(str(e), param) from None
         return [(ids, sample) for ids in prompts for sample in each]
 
-    def submit(work: list[tuple[list[int], SamplingParams]], arrival: float) -> Submission:
+    def submit(self, work: list[tuple[list[int], SamplingParams]], arrival: float) -> Submission:
         try:
-            return engine_loop.submit(work, arrival)
+            return self.engine_loop.submit(work, arrival)
         except QueueFull as e:
             raise P.APIError(429, f"{e}: retry later", "rate_limit_error", code="queue_full",
                              headers={"Retry-After": RETRY_AFTER_S}) from None
@@ -112,34 +105,34 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
             raise P.APIError(503, str(e), "server_error", code="unavailable",
                              headers={"Retry-After": RETRY_AFTER_S}) from None
 
-    async def respond(endpoint: _Endpoint, body: P.RequestBody, prompts: list[list[int]], param: str, request: Request,
-                      arrival: float):
-        params = body.sampling_params(max_model_len)
-        work = samples(prompts, params, param)
-        submission = submit(work, arrival)
+    async def respond(self, endpoint: _Endpoint, body: P.RequestBody, prompts: list[list[int]], param: str,
+                      request: Request, arrival: float):
+        params = body.sampling_params(self.max_model_len)
+        work = self.samples(prompts, params, param)
+        submission = self.submit(work, arrival)
         prompt_tokens = sum(map(len, prompts))
-        texts = [TextStream(llm.decode, params.stop) for _ in work]
-        watcher = _abort_on_disconnect(request, engine_loop, submission)  # before the stream starts, if ever
+        texts = [TextStream(self.llm.decode, params.stop) for _ in work]
+        watcher = _abort_on_disconnect(request, self.engine_loop, submission)  # before the stream starts, if ever
         if body.stream:
-            return StreamingResponse(stream(endpoint, body, submission, texts, prompt_tokens, watcher),
+            return StreamingResponse(self.stream(endpoint, body, submission, texts, prompt_tokens, watcher),
                                      media_type="text/event-stream")
-        with _ending(engine_loop, submission, watcher):
-            choices = [choice async for choice in finished_choices(submission, texts)]
+        with _ending(self.engine_loop, submission, watcher):
+            choices = [choice async for choice in self.finished_choices(submission, texts)]
         if failed := next((c for c in choices if c.finish_reason == "error"), None):
             raise P.APIError(500, failed.text, "server_error")
         choices.sort(key=lambda c: c.index)
         response = endpoint.response(P.new_id(endpoint.kind), body.model, choices, prompt_tokens)
         return P.with_token_ids(response, prompts, choices) if body.return_token_ids else response
 
-    async def finished_choices(submission: Submission, texts: list[TextStream]) -> AsyncIterator[P.Choice]:
+    async def finished_choices(self, submission: Submission, texts: list[TextStream]) -> AsyncIterator[P.Choice]:
         while submission.unfinished:
             update = await submission.updates.get()
             texts[update.index].add(update.token_ids)
             if update.finished:
                 submission.unfinished -= 1
-                yield _choice(update, texts[update.index], llm)
+                yield _choice(update, texts[update.index], self.llm)
 
-    async def stream(endpoint: _Endpoint, body: P.RequestBody, submission: Submission, texts: list[TextStream],
+    async def stream(self, endpoint: _Endpoint, body: P.RequestBody, submission: Submission, texts: list[TextStream],
                      prompt_tokens: int, watcher: asyncio.Task) -> AsyncIterator[str]:
         id, created = P.new_id(endpoint.kind), int(time.time())
 
@@ -148,7 +141,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
                 choices[0]["token_ids"] = token_ids
             return _sse(endpoint.chunk(id, body.model, created, choices, **extra))
 
-        with _ending(engine_loop, submission, watcher):
+        with _ending(self.engine_loop, submission, watcher):
             if endpoint.role_first:
                 yield event([P.chat_delta(i, "", role="assistant") for i in range(len(texts))])
             completion_tokens = 0
@@ -161,7 +154,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
                     continue
                 submission.unfinished -= 1
                 texts[update.index].add(update.token_ids)  # a stop string may cut them: the final text decides
-                choice = _choice(update, texts[update.index], llm)
+                choice = _choice(update, texts[update.index], self.llm)
                 completion_tokens += len(choice.token_ids)
                 if choice.finish_reason == "error":
                     yield _sse(P.error_body(choice.text, "server_error"))
@@ -173,6 +166,22 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
                 yield event([], usage=P.usage(prompt_tokens, completion_tokens))
             yield "data: [DONE]\n\n"
 
+
+def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settings: Settings) -> FastAPI:
+    server, created = OpenAIServer(llm, engine_loop, settings), int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start(asyncio.get_running_loop())
+        yield
+        engine_loop.stop()
+        server.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="eagle3-jax", lifespan=lifespan, openapi_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    keyed = [Depends(server.check_key)]
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine_loop.healthy else 503)
@@ -181,27 +190,27 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
-                                            "owned_by": "eagle3-jax", "max_model_len": max_model_len}]}
+                                            "owned_by": "eagle3-jax", "max_model_len": server.max_model_len}]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
-        check_body(body)
-        ids = await encode(llm.encode_chat, [m.as_template_input() for m in body.messages], "messages")
-        return await respond(CHAT, body, [ids], "messages", request, arrival)
+        server.check_body(body)
+        ids = await server.encode(llm.encode_chat, [m.as_template_input() for m in body.messages], "messages")
+        return await server.respond(CHAT, body, [ids], "messages", request, arrival)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: P.CompletionRequest, request: Request):
         arrival = time.perf_counter()
-        check_body(body)
+        server.check_body(body)
         prompts = body.prompts()
         if not prompts:
             raise P.invalid("prompt is empty", "prompt")
-        ids = [await encode(llm.encode, p, "prompt") for p in prompts]
-        return await respond(COMPLETION, body, ids, "prompt", request, arrival)
+        ids = [await server.encode(llm.encode, p, "prompt") for p in prompts]
+        return await server.respond(COMPLETION, body, ids, "prompt", request, arrival)
 
     return app
 
