@@ -311,8 +311,7 @@ class ModelRunner:
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
 
     def write_history(self, slot: int, tokens: Sequence[int]) -> None:
-        """Set `slot`'s token history to `tokens` from position 0, where the slots keep one: a
-        prefill that starts past a cached prefix writes only what it computes."""
+        """`slot`'s token history from position 0 (kept or not): a prefill past a cached prefix writes the rest."""
         history = self._state.slots.history
         if history is not None:
             row = np.zeros(history.shape[1], np.int32)

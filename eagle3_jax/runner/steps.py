@@ -189,8 +189,7 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
                                 jnp.arange(emitted.shape[1]) <= n[:, None])})
     draft_kv, carry, h_last = state.draft_kv, None, None
     if cfg.draft is not None:
-        # Over t = length..length+n; target-only programs too, so the draft's KV has no holes when
-        # speculation resumes.
+        # Over t = length..length+n, in target-only programs too: no holes when speculation resumes.
         ext_captures, ext_positions = spec.extend_inputs(captures, positions, path, s.length)
         ext_tokens = jnp.where(jnp.arange(spec.emitted_width) <= n[:, None], emitted, 0)
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, ext_tokens, ext_captures, ext_positions,
@@ -266,8 +265,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     tokens [P, T] (padded after num_valid [P]); next_tokens [P, T] the ids shifted left, -1 where
     the sampled first token goes; start [P] the position of tokens[:, 0]; block_table [P, nb];
     num_generated [P] once the chunk is in (1; g after preemption: keys continue); row [P]."""
-    # XLA's dots whatever the rows, so the KV a prompt leaves does not depend on how many prompts
-    # shared its call (the Mosaic GEMV takes one chunk, not eight).
+    # XLA's dots whatever the rows: a prompt's KV must not depend on how many shared its call.
     cfg = dataclasses.replace(cfg, gemv="xla")
     p, t = tokens.shape
     positions = start[:, None] + jnp.arange(t)
