@@ -244,3 +244,27 @@ def test_request_metrics_token_times():
     m.collected(2.5)
     m.collected(4.0)
     assert (m.first_token_time, m.last_token_time) == (1.0, 4.0)
+
+
+def test_stop_strings_decode_a_tail_and_cut_the_whole_text():
+    """A stop string is looked for in a tail of the output (each check after one more token), and
+    the text is cut before its first occurrence in the whole output."""
+    import types
+
+    from eagle3_jax.engine.engine import Engine
+
+    decoded = []
+
+    def detokenize(ids):  # one character a token: "a", "b", ...
+        decoded.append(len(ids))
+        return "".join(chr(97 + t) for t in ids)
+
+    engine = types.SimpleNamespace(detokenize=detokenize)
+    req = types.SimpleNamespace(params=SamplingParams(stop=("xyz", "q")), output=[], text=None)
+    hits = []
+    for t in [0] * 300 + [23, 24, 25, 1]:  # "aaa...axyzb"
+        req.output.append(t)
+        hits.append(Engine._hit_stop_string(engine, req))
+    assert hits.index(True) == 302 and req.text == "a" * 300
+    assert max(decoded[:302]) == 4 * 3 + 8  # tails only, until the hit decodes the whole output
+    assert decoded[303] == 303

@@ -345,12 +345,18 @@ class Engine:
                 break
 
     def _hit_stop_string(self, req: Request) -> bool:
+        """Whether the last token completed a stop string (then `req.text` is cut before it). It is
+        checked after every token, so it can only end in the last one's text: a tail of enough
+        tokens to hold the longest stop's bytes is decoded, not the whole output each time."""
+        tail = 4 * max(map(len, req.params.stop)) + 8  # tokens: each at least a byte, a char at most 4
+        recent = self.detokenize(req.output[-tail:])
+        if not any(stop in recent for stop in req.params.stop):
+            return False
         text = self.detokenize(req.output)
-        for stop in req.params.stop:
-            if (i := text.find(stop)) >= 0:
-                req.text = text[:i]
-                return True
-        return False
+        found = [i for stop in req.params.stop if (i := text.find(stop)) >= 0]
+        if found:  # (a tail decoded alone can differ at its start: the whole text decides)
+            req.text = text[:min(found)]
+        return bool(found)
 
     def run(self, requests: Iterable[Request], progress: bool = False) -> None:
         """Step until every given request has finished."""
