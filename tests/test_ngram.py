@@ -41,6 +41,24 @@ def test_lookup_repeats_a_loop_past_the_end_and_proposes_the_last_token_without_
     assert proposals([6], k=2) == [6, 6]  # a lone token
 
 
+def reference_proposals(history: list[int], k: int, max_n: int) -> list[int]:
+    """The rule in plain Python: the latest earlier match of the longest suffix, repeated by its period."""
+    last = len(history) - 1
+    for n in range(max_n, 0, -1):
+        ends = [j for j in range(n - 1, last) if last >= n - 1 and history[j - n + 1:j + 1] == history[last - n + 1:]]
+        if ends:
+            end = ends[-1]
+            return [history[end + 1 + i % (last - end)] for i in range(k)]
+    return [history[last]] * k
+
+
+def test_lookup_equals_the_rule_on_random_histories():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        history = rng.integers(0, 3, rng.integers(1, 20)).tolist()  # 3 symbols: many repeats
+        assert proposals(history, k=5, max_n=3) == reference_proposals(history, 5, 3), history
+
+
 def test_ngram_registered_and_shaped_as_a_chain():
     assert "ngram" in SPECULATORS
     spec = NGram(4)

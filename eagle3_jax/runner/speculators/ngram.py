@@ -29,24 +29,20 @@ class NGramCarry:
     drafts: jax.Array
 
 
-def latest_match(history: jax.Array, last: jax.Array, n: int) -> jax.Array:
-    """history [B, M], last [B] -> [B] the end position j < last of the latest occurrence of
-    history[last-n+1 .. last] (j its last token), -1 where none occurs."""
-    m = history.shape[1]
-    ends = jnp.arange(m)
-    match = (ends >= n - 1) & (ends < last[:, None]) & (last[:, None] >= n - 1)  # [B, M]
-    for i in range(n):
-        suffix = jnp.take_along_axis(history, jnp.maximum(last - i, 0)[:, None], axis=1)
-        shifted = jnp.pad(history, ((0, 0), (i, 0)), constant_values=-1)[:, :m]  # shifted[:, j] = history[:, j - i]
-        match &= shifted == suffix
-    return jnp.max(jnp.where(match, ends, -1), axis=1)
-
-
 def lookup(history: jax.Array, last: jax.Array, k: int, max_n: int) -> jax.Array:
     """history [B, M], last [B] -> the K proposals [B, K] for positions last+1..last+K."""
+    m = history.shape[1]
+    ends = jnp.arange(m)
+    match = ends < last[:, None]  # [B, M]: candidate ends j of an earlier occurrence
+    latest = []  # n = 1..max_n: [B] the end of the latest occurrence of the last n tokens, -1 if none
+    for i in range(max_n):  # the n = i + 1 windows are the n = i ones whose token i back matches too
+        suffix = jnp.take_along_axis(history, jnp.maximum(last - i, 0)[:, None], axis=1)
+        shifted = jnp.pad(history, ((0, 0), (i, 0)), constant_values=-1)[:, :m]  # shifted[:, j] = history[:, j - i]
+        match &= (shifted == suffix) & (ends >= i) & (last[:, None] >= i)
+        latest.append(jnp.max(jnp.where(match, ends, -1), axis=1))
     end = jnp.full_like(last, -1)
-    for n in range(max_n, 0, -1):
-        end = jnp.where(end < 0, latest_match(history, last, n), end)
+    for found in reversed(latest):  # the longest n that occurs wins
+        end = jnp.where(end < 0, found, end)
     period = jnp.maximum(last - end, 1)
     index = end[:, None] + 1 + jnp.arange(k) % period[:, None]
     index = jnp.where(end[:, None] >= 0, index, last[:, None])
