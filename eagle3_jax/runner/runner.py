@@ -34,7 +34,7 @@ from eagle3_jax.config import (
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
 from eagle3_jax.runner import kv_memory, sampling
-from eagle3_jax.runner.speculators import Chain, Speculator, speculators_for
+from eagle3_jax.runner.speculators import Speculator, speculators_for
 from eagle3_jax.runner.state import (
     DeviceState,
     SlotLayout,
@@ -44,6 +44,7 @@ from eagle3_jax.runner.state import (
     with_lengths,
 )
 from eagle3_jax.runner.steps import (
+    TARGET_ALONE,
     StepConfig,
     chain_step_jit,
     commit_step,
@@ -255,7 +256,7 @@ class ModelRunner:
             if proposal.uses_drafter:
                 check_proposal_fits(proposal.spec, draft)
         model = target_model_for(target)
-        main = self.proposals[0] if self.proposals else Chain(0)
+        main = self.proposals[0] if self.proposals else TARGET_ALONE
         drafting = any(p.uses_drafter for p in self.proposals)
         self.step_cfg = StepConfig(target=target, draft=draft if drafting else None, speculator=main, mesh=mesh,
                                    attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm,
@@ -287,7 +288,7 @@ class ModelRunner:
 
     @property
     def speculator(self) -> Speculator:
-        """The engine's proposal (Chain(0), the target alone, where it serves none). Prefills draft it."""
+        """The engine's proposal (TARGET_ALONE where it serves none). Prefills draft it."""
         return self.step_cfg.speculator
 
     @property
@@ -296,7 +297,7 @@ class ModelRunner:
         return max(p.positions_per_iteration for p in self.proposals or (self.speculator,))
 
     def config(self, proposal: Speculator, greedy: bool) -> StepConfig:
-        """The step config of one program: `proposal` (one of `proposals`, or Chain(0)), greedy or not."""
+        """The step config of one program: `proposal` (one of `proposals`, or TARGET_ALONE), greedy or not."""
         return dataclasses.replace(self.step_cfg, speculator=proposal, greedy=greedy)
 
     @property
@@ -311,7 +312,8 @@ class ModelRunner:
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
 
     def write_history(self, slot: int, tokens: Sequence[int]) -> None:
-        """`slot`'s token history from position 0 (kept or not): a prefill past a cached prefix writes the rest."""
+        """Set `slot`'s token history to `tokens` from position 0, where the slots keep one (a prefill
+        past a cached prefix writes only what it computes)."""
         history = self._state.slots.history
         if history is not None:
             row = np.zeros(history.shape[1], np.int32)

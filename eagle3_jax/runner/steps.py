@@ -111,17 +111,22 @@ def _per_device_target(params, cfg: StepConfig, tokens, positions, kv, block_tab
         return cfg.model.forward(params, cfg.target, tokens, positions, kv, block_tables, "invariant", None,
                                  "invariant", tp_axis=TP, **extra)
 
-    specs = (specs_like(params, cfg.model.param_specs(cfg.target, tp)), REPLICATED, REPLICATED, cache, REPLICATED,
+    specs = (_local_specs(params, cfg), REPLICATED, REPLICATED, cache, REPLICATED,
              jax.tree.map(lambda _: REPLICATED, extra))
     return jax.shard_map(body, mesh=cfg.mesh, in_specs=specs, out_specs=(REPLICATED, REPLICATED, cache),
                          check_vma=False)(params, tokens, positions, kv, block_tables, extra)
+
+
+def _local_specs(params, cfg: StepConfig):
+    """The served weights' partition specs on `cfg.mesh` (shard_map's in_specs for them)."""
+    return specs_like(params, cfg.model.param_specs(cfg.target, cfg.mesh.shape[TP]))
 
 
 def _logits(params, cfg: StepConfig, hidden):
     """Target logits [..., V], vocab-sharded under tensor parallelism where a greedy program needs
     only an argmax (per-shard (max, index) pairs move, not the logits)."""
     if cfg.per_device:
-        specs = specs_like(params, cfg.model.param_specs(cfg.target, cfg.mesh.shape[TP]))
+        specs = _local_specs(params, cfg)
         split = P(*[None] * (hidden.ndim - 1), TP) if vocab_split(cfg.target.vocab_size, cfg.mesh) else REPLICATED
         logits = jax.shard_map(lambda p, h: cfg.model.logits(p, h, "invariant"), mesh=cfg.mesh,
                                in_specs=(specs, REPLICATED), out_specs=split, check_vma=False)(params, hidden)
@@ -191,7 +196,7 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     if cfg.draft is not None:
         # Over t = length..length+n, in target-only programs too: no holes when speculation resumes.
         ext_captures, ext_positions = spec.extend_inputs(captures, positions, path, s.length)
-        ext_tokens = jnp.where(jnp.arange(spec.emitted_width) <= n[:, None], emitted, 0)
+        ext_tokens = jnp.where(jnp.arange(emitted.shape[1]) <= n[:, None], emitted, 0)
         h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, ext_tokens, ext_captures, ext_positions,
                                          draft_kv, block_tables, n)
     if cfg.speculative:

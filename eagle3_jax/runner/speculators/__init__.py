@@ -18,9 +18,9 @@ __all__ = ["SPECULATORS", "Chain", "DraftCarry", "DraftContext", "DraftStart", "
            "eagle3_proposal", "speculators_for"]
 
 
-def eagle3_proposal(spec: TreeSpec, measure_chain: bool = False) -> Speculator:
+def eagle3_proposal(spec: TreeSpec, measures_top1_chain: bool = False) -> Speculator:
     """The drafter's proposal of shape `spec`: TreeSpec(K, 1, K) is the chain of K."""
-    return Chain(spec.steps) if spec.is_chain else Tree(spec, measure_chain)
+    return Chain(spec.steps) if spec.is_chain else Tree(spec, measures_top1_chain)
 
 
 def eagle3_proposals(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[Speculator, ...]:
@@ -29,7 +29,7 @@ def eagle3_proposals(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[Spec
         return ()
     specs = cfg.speculative_proposals
     both = any(s.is_chain for s in specs) and not all(s.is_chain for s in specs)
-    return tuple(eagle3_proposal(spec, measure_chain=both) for spec in specs)
+    return tuple(eagle3_proposal(spec, measures_top1_chain=both) for spec in specs)
 
 
 # name -> (engine config, drafter or None) -> the proposals served, the engine's own first

@@ -87,10 +87,6 @@ class Chain:
         return self.k
 
     @property
-    def num_proposals(self) -> int:
-        return self.k
-
-    @property
     def num_draft_steps(self) -> int:
         return self.k
 
@@ -100,10 +96,6 @@ class Chain:
 
     @property
     def verify_width(self) -> int:
-        return self.k + 1
-
-    @property
-    def emitted_width(self) -> int:
         return self.k + 1
 
     @property

@@ -38,27 +38,19 @@ class TreeCarry:
 
 @dataclasses.dataclass(frozen=True)
 class Tree:
-    """T = spec.tokens nodes verified, up to spec.steps accepted; measure_chain: the verify also
+    """T = spec.tokens nodes verified, up to spec.steps accepted; measures_top1_chain: the verify also
     reports what the draft's top-1 chain would have accepted (an engine serving both)."""
 
     spec: TreeSpec
-    measure_chain: bool = False
+    measures_top1_chain: bool = False
     kind = 2
     uses_drafter = True
     point_mass = True
     top1_chain = 0
 
     @property
-    def measures_top1_chain(self) -> bool:
-        return self.measure_chain
-
-    @property
     def label(self) -> str:
         return self.spec.label
-
-    @property
-    def num_proposals(self) -> int:
-        return self.spec.tokens
 
     @property
     def num_draft_steps(self) -> int:
@@ -71,10 +63,6 @@ class Tree:
     @property
     def verify_width(self) -> int:
         return self.spec.verify_width
-
-    @property
-    def emitted_width(self) -> int:
-        return self.spec.steps + 1
 
     @property
     def positions_per_iteration(self) -> int:
@@ -97,7 +85,7 @@ class Tree:
 
     def accept(self, greedy: bool, dparams: DraftParams, logits: jax.Array, s: Slots, keys: jax.Array,
                vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """path [B, steps+1]: the accepted nodes by depth, -1 past n. top1 (measure_chain): what the
+        """path [B, steps+1]: the accepted nodes by depth, -1 past n. top1 (measures_top1_chain): what the
         draft's top-1 chain would have accepted; -1 on draft-q rows, whose chain would have sampled."""
         tree = self.tree(s)
         valid = s.drafted_by == self.kind
@@ -109,8 +97,9 @@ class Tree:
             noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + tree.depth + 1, vocab_size)
             n, path, emitted = T.sample_accept(self.spec, tree, logits, s.sampling, keys, noise=noise, valid=valid)
             measurable = s.sampling.greedy | s.sampling.coupled
-        top1 = jnp.where(measurable, T.top1_accepted(tree, path, n), -1) if self.measure_chain else jnp.full_like(n, -1)
-        return n, emitted, path, top1
+        if not self.measures_top1_chain:
+            return n, emitted, path, jnp.full_like(n, -1)
+        return n, emitted, path, jnp.where(measurable, T.top1_accepted(tree, path, n), -1)
 
     def extend_inputs(self, captures: jax.Array, positions: jax.Array, path: jax.Array,
                       length: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,5 +1,6 @@
 """The speculator's contract: steps.py verifies, accepts and drafts through these methods alone.
-B batch, W `verify_width`, E `emitted_width`, C the target's 3 captures, H the drafter's hidden size."""
+B batch, W `verify_width`, E = `max_accepted` + 1 (the most tokens emitted), C the target's 3 captures,
+H the drafter's hidden size."""
 
 from __future__ import annotations
 
@@ -54,11 +55,9 @@ class Speculator(Protocol):
     point_mass: bool  # proposals are a function of the context: no q kept, one-hot or coupled rules
     top1_chain: int  # it is the drafter's top-1 chain of this length (0: not), which a tree's verify can measure
     measures_top1_chain: bool
-    num_proposals: int
     num_draft_steps: int
     max_accepted: int
     verify_width: int
-    emitted_width: int
     positions_per_iteration: int  # KV positions written past the row's length (the scheduler's footprint)
     slot_layout: SlotLayout
 
