@@ -52,6 +52,13 @@ def _local_kv_heads(kv_heads: int, tp: int) -> int:
     return kv_heads // tp if kv_heads_split(kv_heads, tp) else kv_heads
 
 
+def kv_bytes_per_token(target: ModelConfig, draft: DraftConfig | None, tp: int, dtype_bytes: int) -> tuple[int, int]:
+    """Per device, one token's keys and values: (the target's over its layers, split by kv heads
+    where tp divides them; the drafter's, replicated)."""
+    target_bytes = target.num_layers * 2 * _local_kv_heads(target.num_kv_heads, tp) * target.head_dim * dtype_bytes
+    return target_bytes, 0 if draft is None else 2 * draft.num_kv_heads * draft.head_dim * dtype_bytes
+
+
 def plan_memory(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, tp: int, *,
                 dtype_bytes: int = 2, max_batch: int, max_len: int, page_size: int,
                 gpu_bytes: float = 141e9, mem_fraction: float = 0.9,
@@ -74,10 +81,7 @@ def plan_memory(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, tp: int,
     blocks = math.ceil(max_len / page_size)
     num_pages = max_batch * blocks + 1
     kvh_t = _local_kv_heads(t.num_kv_heads, tp)
-    kv_tok_target = t.num_layers * 2 * kvh_t * t.head_dim * dtype_bytes
-    kv_tok_draft = 0
-    if d is not None:  # replicated
-        kv_tok_draft = 1 * 2 * d.num_kv_heads * d.head_dim * dtype_bytes
+    kv_tok_target, kv_tok_draft = kv_bytes_per_token(t, d, tp, dtype_bytes)
     pool_tokens = num_pages * page_size
     kv_target, kv_draft = pool_tokens * kv_tok_target, pool_tokens * kv_tok_draft
 

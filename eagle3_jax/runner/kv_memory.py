@@ -9,18 +9,13 @@ import jax
 import numpy as np
 
 from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig
-from eagle3_jax.parallel import sharding
+from eagle3_jax.parallel import plan
 
 
 def page_bytes(target: ModelConfig, draft: DraftConfig | None, page_size: int, dtype, tp: int = 1) -> int:
-    """Bytes one page of the pool takes on each device: the target's keys and values over its
-    layers (split by kv heads under tensor parallelism where they divide) and the drafter's
-    (replicated)."""
-    heads = target.num_kv_heads // tp if sharding.kv_heads_split(target.num_kv_heads, tp) else target.num_kv_heads
-    per_token = target.num_layers * heads * target.head_dim
-    if draft is not None:
-        per_token += draft.num_kv_heads * draft.head_dim
-    return 2 * page_size * per_token * np.dtype(dtype).itemsize
+    """Bytes one page of the pool takes on each device, the target's KV and the drafter's
+    (`plan.kv_bytes_per_token`)."""
+    return page_size * sum(plan.kv_bytes_per_token(target, draft, tp, np.dtype(dtype).itemsize))
 
 
 def free_bytes(devices: Sequence[jax.Device]) -> int | None:
