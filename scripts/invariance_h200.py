@@ -3,7 +3,7 @@
 BENCHMARKS.md is to report, one phase a call.
 
     python3 scripts/invariance_h200.py --phase 8b --out-dir "$OUT"
-    python3 scripts/invariance_h200.py --phase smollm2 --target T --out-dir "$OUT"
+    python3 scripts/invariance_h200.py --phase lossless --target T --out-dir "$OUT"
     python3 scripts/invariance_h200.py --phase speed --target T --out-dir "$OUT"
 
 8b: Llama-3.1-8B shapes with random bf16 weights (near-uniform logits: every token a near-tie).
@@ -13,13 +13,19 @@ BENCHMARKS.md is to report, one phase a call.
   the same tokens; with EngineConfig.batch_invariant's kernels and with the default ones. Then the
   target forward's time (the step's logits included) at B = 1, 8, 64 for 1, 4 and 32 tokens a row,
   both ways.
-smollm2: SmolLM2-135M-Instruct in bf16 with the shipped drafter, the 80 MT-bench first turns
-  (chat template), 256 tokens: greedy replies of the target alone, the chain of 4 and the tree
-  (6, 8, 31) (speculation "always"), each prompt alone and all 80 at once, compared with the target
-  alone one prompt at a time; seeded sampling (T = 0.8, seed = the prompt's index) the same way.
-  Invariant kernels; the default kernels on the same comparisons beside them.
+lossless: SmolLM2-135M-Instruct in bf16 with the shipped drafter, the 80 MT-bench first turns
+  (chat template), 256 tokens: greedy replies of the target alone, the chain of 4, the tree (6, 8, 31)
+  and prompt lookup (K = 4) (speculation "always"), each prompt alone and all 80 at once, compared
+  with the target alone one prompt at a time; seeded sampling (T = 0.8, seed = the prompt's index)
+  the same way. Each engine in a process of its own (`--phase replies`), the pool sized by default,
+  prefix caching on; `--variants` reruns them with other pool settings. Invariant kernels; the
+  default kernels on the same comparisons beside them.
 speed: tok/s end to end, SmolLM2 with the shipped drafter, batch 1 (8 prompts one by one), 8 and
-  64 (one round), target alone, chain of 4 and tree, with and without batch_invariant.
+  64 (one round), target alone, chain of 4, tree and prompt lookup, with and without batch_invariant;
+  each engine in a process of its own, timed after a pass that compiled every shape it times.
+gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
+  1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
+  bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
 Prints a table per phase and writes PHASE.json under --out-dir.
 """
 
@@ -30,6 +36,7 @@ import dataclasses
 import functools
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -150,101 +157,243 @@ def phase_8b(out: dict, batches: tuple[int, ...]) -> None:
     out["forward_ms"] = times
 
 
-def _llm(target: str, kind: str, proposal: str):
+GEMM_SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
+               "lm_head": (4096, 128256)}
+GEMM_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 4, 3),
+              (16, 64, 4, 3)]
+
+
+def _time(fn, *args, calls: int = 30) -> float:
+    """ms per call of a jitted fn, dispatched back to back after two warm calls."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def phase_gemm(out: dict, rows: tuple[int, ...]) -> None:
+    from eagle3_jax.model import invariant_gemm
+
+    results = []
+    key = jax.random.PRNGKey(0)
+    for name, (k, n) in GEMM_SHAPES.items():
+        w = (0.02 * jax.random.normal(key, (k, n), jnp.float32)).astype(jnp.bfloat16)
+        xla = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+        for m in rows:
+            x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            row = dict(shape=name, k=k, n=n, m=m, xla_ms=round(_time(xla, x, w), 4))
+            ref = None
+            for tile in GEMM_TILES:
+                tiles = invariant_gemm.Tiles(*tile)
+                fn = jax.jit(functools.partial(invariant_gemm.matmul, tiles=tiles))
+                label = "x".join(map(str, tile))
+                try:
+                    y = np.asarray(fn(x, w))
+                    ms = _time(fn, x, w)
+                except Exception as e:  # noqa: BLE001 - a tile that does not lower is a result, not a stop
+                    row[label] = f"failed: {type(e).__name__}"
+                    continue
+                ref = y if ref is None else ref
+                row[label] = dict(ms=round(ms, 4), equal=bool(np.array_equal(y, ref)))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        del w
+    out["gemm"] = results
+
+
+PROPOSALS = ("target", "chain", "tree", "ngram")
+
+
+def _llm(target: str, kind: str, proposal: str, kv_fraction: float = 0.9, prefix_caching: bool = True,
+         warmup: bool = False, num_pages: int | None = None):
+    """SmolLM2 in bf16 as `proposal` runs it (speculation "always"), the kernels of `kind`."""
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig, TreeSpec
 
-    draft = None if proposal == "target" else str(assets.DEFAULT_DRAFT)
+    draft = str(assets.DEFAULT_DRAFT) if proposal in ("chain", "tree") else None
     tree = TreeSpec(6, 8, 31) if proposal == "tree" else None
-    cfg = EngineConfig(speculation="always", batch_invariant=kind == "invariant", max_model_len=1024)
-    return LLM(target=target, draft=draft, num_speculative_tokens=4 if draft else 0, engine_config=cfg,
-               dtype=jnp.bfloat16, warmup=False, progress=False, tree=tree)
+    cfg = EngineConfig(speculation="always", batch_invariant=kind == "invariant", max_model_len=1024,
+                       kv_memory_fraction=kv_fraction, prefix_caching=prefix_caching, num_pages=num_pages,
+                       speculator="ngram" if proposal == "ngram" else "eagle3")
+    return LLM(target=target, draft=draft, num_speculative_tokens=0 if proposal == "target" else 4,
+               engine_config=cfg, dtype=jnp.bfloat16, warmup=warmup, progress=False, tree=tree)
 
 
 def _same(replies: list, reference: list) -> int:
     return sum(a == b for a, b in zip(replies, reference))
 
 
-def phase_smollm2(out: dict, target: str, questions: list[list[dict]], kinds: list[str], max_tokens: int) -> None:
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two replies differ (None: equal)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def phase_replies(out: dict, args, questions: list[list[dict]]) -> None:
+    """One engine's replies (greedy, then seeded T = 0.8), each prompt alone and all at once."""
     from eagle3_jax.sampling_params import SamplingParams
 
-    greedy = SamplingParams(max_tokens=max_tokens)
-    sampled = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i) for i in range(len(questions))]
-    rows = []
-    for kind in kinds:
-        ref = {}
-        for proposal in ("target", "chain", "tree"):
-            llm = _llm(target, kind, proposal)
-            for mode, params in (("greedy", greedy), ("seeded T=0.8", sampled)):
+    t0 = time.perf_counter()
+    llm = _llm(args.target, args.kind, args.proposal, args.kv_fraction, not args.no_prefix_caching, args.warmup,
+               args.num_pages)
+    out.update(start_s=round(time.perf_counter() - t0, 1), num_pages=llm.engine.cfg.num_pages,
+               free_bytes=llm.engine.runner.free_bytes)
+    greedy = SamplingParams(max_tokens=args.max_tokens)
+    seeded = [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i) for i in range(len(questions))]
+    replies = {}
+    for mode in args.modes.split(","):
+        params = [greedy] * len(questions) if mode == "greedy" else seeded
+        t0 = time.perf_counter()
+        got = {"alone": [llm.chat(q, params[i])[0].token_ids for i, q in enumerate(questions)]}
+        t1 = time.perf_counter()
+        got["batch"] = [o.token_ids for o in llm.chat(questions, params)]
+        t2 = time.perf_counter()
+        if args.repeat:  # the same requests again, now past a warm prefix cache
+            got["again"] = [llm.chat(q, params[i])[0].token_ids for i, q in enumerate(questions)]
+        replies[mode] = got
+        print(dict(proposal=args.proposal, kind=args.kind, mode=mode, alone_s=round(t1 - t0, 1),
+                   batch_s=round(t2 - t1, 1), alone_vs_batch=_same(got["alone"], got["batch"])), flush=True)
+    out.update(replies=replies, stats=dict(preemptions=llm.engine.stats.preemptions,
+                                          prefix_hit_rate=round(llm.engine.stats.prefix_hit_rate, 3)))
+
+
+def phase_lossless(out: dict, args) -> None:
+    """Every configuration's replies in a process of its own, compared with the target alone's
+    replies one prompt at a time under the same kernels and pool settings."""
+    runs = {}
+    for kind in args.kinds.split(","):
+        for variant in args.variants.split(";"):
+            for proposal in args.proposals.split(","):
+                name = f"{kind}|{proposal}|{variant.strip() or 'default'}"
+                stem = "replies-" + "".join(c if c.isalnum() else "_" for c in name)
+                path = Path(args.out_dir) / f"{stem}.json"
+                cmd = [sys.executable, __file__, "--phase", "replies", "--target", args.target, "--kind", kind,
+                       "--proposal", proposal, "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
+                       "--modes", args.modes, "--out-dir", args.out_dir, "--out-name", stem, *variant.split()]
+                if args.questions:
+                    cmd += ["--questions", args.questions]
+                print("$", " ".join(cmd[2:]), flush=True)
                 t0 = time.perf_counter()
-                alone = [llm.generate([q], params if mode == "greedy" else params[i])[0].token_ids
-                         for i, q in enumerate(questions)]
-                t1 = time.perf_counter()
-                batch = [o.token_ids for o in llm.generate(questions, params)]
-                t2 = time.perf_counter()
-                if proposal == "target":
-                    ref[mode] = alone
-                n = len(questions)
-                rows.append(dict(kind=kind, proposal=proposal, mode=mode,
-                                 alone_vs_ref=f"{_same(alone, ref[mode])}/{n}",
-                                 batch_vs_ref=f"{_same(batch, ref[mode])}/{n}",
-                                 alone_vs_batch=f"{_same(alone, batch)}/{n}",
-                                 alone_s=round(t1 - t0, 1), batch_s=round(t2 - t1, 1)))
-                print(rows[-1], flush=True)
-            del llm
+                rc = subprocess.run(cmd).returncode
+                runs[name] = json.loads(path.read_text()) if rc == 0 and path.is_file() else dict(rc=rc)
+                runs[name]["wall_s"] = round(time.perf_counter() - t0, 1)
+    rows = []
+    for name, run in runs.items():
+        kind, proposal, variant = name.split("|")
+        ref = runs.get(f"{kind}|target|{variant}", {}).get("replies", {})
+        for mode, got in run.get("replies", {}).items():
+            reference = ref.get(mode, {}).get("alone", [])
+            n = len(got["alone"])
+            row = dict(kind=kind, proposal=proposal, variant=variant, mode=mode, num_pages=run.get("num_pages"),
+                       alone_vs_ref=f"{_same(got['alone'], reference)}/{n}",
+                       batch_vs_ref=f"{_same(got['batch'], reference)}/{n}",
+                       alone_vs_batch=f"{_same(got['alone'], got['batch'])}/{n}",
+                       first_differences=[_first_difference(a, b) for a, b in zip(got["alone"], reference)])
+            if "again" in got:
+                row["again_vs_alone"] = f"{_same(got['again'], got['alone'])}/{n}"
+            rows.append(row)
+            print(row, flush=True)
     out["equality"] = rows
+    out["runs"] = {name: {k: v for k, v in run.items() if k != "replies"} for name, run in runs.items()}
 
 
-def phase_speed(out: dict, target: str, questions: list[list[dict]], max_tokens: int, batches: tuple[int, ...]) -> None:
+def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tuple[int, ...]) -> None:
+    """One engine's tok/s at each batch size, timed after a pass over the same prompts compiled
+    every shape it runs (at batch 1 each prompt's prefill bucket)."""
     from eagle3_jax.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm = _llm(args.target, args.kind, args.proposal)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
-    for proposal in ("target", "chain", "tree"):
-        for kind in ("default", "invariant"):
-            llm = _llm(target, kind, proposal)
-            for b in batches:
-                prompts = questions[:8] if b == 1 else questions[:b]
-                warm = [llm.generate(prompts[:1] if b == 1 else prompts, params)]  # compiles these shapes
-                del warm
-                t0 = time.perf_counter()
-                outs = ([llm.generate([q], params)[0] for q in prompts] if b == 1 else llm.generate(prompts, params))
-                wall = time.perf_counter() - t0
-                tokens = sum(len(o.token_ids) for o in outs)
-                acc = np.mean([o.metrics.acceptance_length for o in outs]) if proposal != "target" else 1.0
-                rows.append(dict(proposal=proposal, kind=kind, b=b, tok_s=round(tokens / wall),
-                                 acceptance=round(acc, 3)))
-                print(rows[-1], flush=True)
-            del llm
+    for b in batches:
+        prompts = questions[:8] if b == 1 else questions[:b]
+
+        def run(prompts=prompts, b=b):
+            return [llm.chat(q, params)[0] for q in prompts] if b == 1 else llm.chat(prompts, params)
+
+        run()  # warm-up: the same shapes
+        t0 = time.perf_counter()
+        outs = run()
+        wall = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        acc = np.mean([o.metrics.acceptance_length for o in outs]) if args.proposal != "target" else 1.0
+        rows.append(dict(proposal=args.proposal, kind=args.kind, b=b, tok_s=round(tokens / wall),
+                         acceptance=round(float(acc), 3)))
+        print(rows[-1], flush=True)
+    out["speed"] = rows
+
+
+def phase_speed(out: dict, args) -> None:
+    """tok/s of each proposal with each kernel kind, every engine in a process of its own."""
+    rows = []
+    for proposal in args.proposals.split(","):
+        for kind in args.kinds.split(","):
+            stem = f"speed-{kind}-{proposal}"
+            cmd = [sys.executable, __file__, "--phase", "speed-engine", "--target", args.target, "--kind", kind,
+                   "--proposal", proposal, "--max-tokens", str(args.max_tokens), "--batches", args.batches,
+                   "--out-dir", args.out_dir, "--out-name", stem]
+            if args.questions:
+                cmd += ["--questions", args.questions]
+            print("$", " ".join(cmd[2:]), flush=True)
+            path = Path(args.out_dir) / f"{stem}.json"
+            if subprocess.run(cmd).returncode == 0 and path.is_file():
+                rows += json.loads(path.read_text())["speed"]
+    for row in rows:  # each kind's tok/s over the default kernels'
+        base = next((r for r in rows if r["proposal"] == row["proposal"] and r["b"] == row["b"]
+                     and r["kind"] == "default"), None)
+        row["vs_default"] = round(row["tok_s"] / base["tok_s"], 3) if base else None
     out["speed"] = rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("8b", "smollm2", "speed"), required=True)
+    p.add_argument("--phase", choices=("8b", "lossless", "replies", "speed", "speed-engine", "gemm"), required=True)
     p.add_argument("--target", help="converted SmolLM2 directory")
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--batches", default="1,8,64", help="8b, speed: rows of the steps checked and timed")
     p.add_argument("--max-tokens", type=int, default=256, help="smollm2, speed: tokens a reply")
     p.add_argument("--kinds", default="invariant,default")
+    p.add_argument("--proposals", default=",".join(PROPOSALS), help="lossless: the engines compared")
+    p.add_argument("--variants", default="",
+                   help="lossless: ';'-separated replies options to run each engine with ('' the defaults)")
+    p.add_argument("--modes", default="greedy,seeded")
+    # replies: one engine, in this process
+    p.add_argument("--kind", choices=tuple(KINDS), default="invariant")
+    p.add_argument("--proposal", choices=PROPOSALS, default="target")
+    p.add_argument("--kv-fraction", type=float, default=0.9)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--warmup", action="store_true")
+    p.add_argument("--repeat", action="store_true", help="replies: each prompt alone once more at the end")
     p.add_argument("--out-dir", default=".")
+    p.add_argument("--out-name", default=None, help="the JSON's name (default: the phase's)")
     args = p.parse_args()
     out: dict = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                      date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.phase == "8b":
         phase_8b(out, batches)
+    elif args.phase == "gemm":
+        phase_gemm(out, (1, 64, 320, 2048))
     else:
         path = Path(args.questions) if args.questions else assets.fetch(assets.MTBENCH)
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         questions = [[{"role": "user", "content": json.loads(line)["turns"][0]}] for line in lines][:args.prompts]
-        if args.phase == "smollm2":
-            phase_smollm2(out, args.target, questions, args.kinds.split(","), args.max_tokens)
+        if args.phase == "replies":
+            phase_replies(out, args, questions)
+        elif args.phase == "lossless":
+            phase_lossless(out, args)
+        elif args.phase == "speed-engine":
+            phase_speed_engine(out, args, questions, batches)
         else:
-            phase_speed(out, args.target, questions, args.max_tokens, batches)
+            phase_speed(out, args)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.out_dir) / f"{args.phase}.json").write_text(json.dumps(out, indent=1))
+    (Path(args.out_dir) / f"{args.out_name or args.phase}.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

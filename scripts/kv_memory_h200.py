@@ -38,11 +38,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FOLLOW_UPS = ("Now summarize your answer in two sentences.", "Give one more concrete example.")
 
 
-def llm_for(**engine):
+def llm_for(args, **engine):
+    """The default engine with these EngineConfig fields (`--batch-invariant`: its kernels too)."""
     from eagle3_jax.api import LLM
     from eagle3_jax.config import EngineConfig
 
-    return LLM(engine_config=EngineConfig(**engine), progress=False)
+    return LLM(engine_config=EngineConfig(batch_invariant=args.batch_invariant, **engine), progress=False)
 
 
 def chat_ids(llm, messages) -> list[int]:
@@ -83,7 +84,7 @@ def phase_throughput(args) -> dict:
     out = {}
     for name, engine in (("reserved_formula_pool", dict(page_reservation="whole", num_pages=formula)),
                          ("on_demand_sized_pool", dict())):
-        llm = llm_for(**engine)
+        llm = llm_for(args, **engine)
         result = serve(llm, mtbench_prompts(llm, args.requests), args.max_tokens)
         out[name] = {k: v for k, v in result.items() if k != "replies"}
         print(name, json.dumps(out[name]))
@@ -96,7 +97,7 @@ def phase_chat(args) -> dict:
     questions = assets.mtbench_questions()
     out = {}
     for caching in (False, True):
-        llm = llm_for(prefix_caching=caching, max_model_len=4096, kv_memory_fraction=0.4)  # two engines at once
+        llm = llm_for(args, prefix_caching=caching, max_model_len=4096, kv_memory_fraction=0.4)  # two engines at once
         system = " ".join(q["turns"][0] for q in questions)
         ids = llm.tokenizer(system)["input_ids"][:1500]
         system = llm.tokenizer.decode(ids)
@@ -120,14 +121,14 @@ def phase_chat(args) -> dict:
 
 
 def phase_preemption(args) -> dict:
-    sized = llm_for(kv_memory_fraction=0.4)  # room left for the second engine
+    sized = llm_for(args, kv_memory_fraction=0.4)  # room left for the second engine
     prompts = mtbench_prompts(sized, args.requests)
     reference = serve(sized, prompts, args.max_tokens)
     page = sized.engine.cfg.page_size
     demand = sum(-(-(len(p) + len(r)) // page) for p, r in zip(prompts, reference["replies"]))
     most = max(sized.engine.scheduler.pages_needed(len(p), args.max_tokens) for p in prompts)  # one request's
     del sized
-    half = llm_for(num_pages=max(demand // 2, most) + 1)
+    half = llm_for(args, num_pages=max(demand // 2, most) + 1)
     result = serve(half, prompts, args.max_tokens)
     out = {"demand_pages": demand, **{k: v for k, v in result.items() if k != "replies"},
            "replies_unchanged": result["replies"] == reference["replies"],
@@ -144,6 +145,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--chat-tokens", type=int, default=256)
+    p.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant for every engine")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     result = {"throughput": phase_throughput, "chat": phase_chat, "preemption": phase_preemption}[args.phase](args)

@@ -1,11 +1,14 @@
 """Batch-invariant weight projections: a Pallas (Triton) GEMM computing every output row by the same
 instructions in the same order whatever the rows beside it. XLA picks tiling, K split and library per
 shape, so a token's row rounds differently in a decode, a verify and a prefill chunk, and one ulp can
-flip a near-tie argmax. Here fixed tiles, the K loop in order, K split by (K, N) only, added in order.
+flip a near-tie argmax. Here the K loop runs in order in blocks and splits fixed by the weight (K, N)
+alone, the parts added in order; the M x N tile (`Tiles`) only says which program computes an output
+element, so it may follow the row count as long as every tile lowers to the same MMA instruction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -13,11 +16,24 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-BLOCK_M = 64  # one Hopper warpgroup MMA tile of rows, for every M
-BLOCK_N = 64
+BLOCK_M = 64  # one Hopper warpgroup MMA tile of rows
+BLOCK_N = 64  # the N tile `k_splits` counts programs by, whatever tile runs
 BLOCK_K = 64
 MIN_PROGRAMS = 128  # about one per SM of an H200 (132): fewer N tiles than this split K
 MIN_SPLIT_K = 1024  # never split a reduction into parts shorter than this
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The output tile of one program and its launch: any of these gives each element the same sum."""
+
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
+    num_warps: int = 4  # one warpgroup for a 64-row tile (wgmma)
+    num_stages: int = 3  # three stages hide the K loop's loads
+
+
+DEFAULT_TILES = Tiles()
 
 
 def block_k(k: int) -> int:
@@ -51,30 +67,32 @@ def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "transposed"))
-def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("out_dtype", "transposed", "tiles"))
+def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False,
+           tiles: Tiles = DEFAULT_TILES) -> jax.Array:
     """x [M, K] @ w [K, N] (transposed: w [N, K]) -> [M, N], each row's arithmetic independent of M."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, k = x.shape
     n = w.shape[0] if transposed else w.shape[1]
-    kp, np_, mp = -(-k // 16) * 16, -(-n // BLOCK_N) * BLOCK_N, -(-m // BLOCK_M) * BLOCK_M
+    bm, bn = tiles.block_m, tiles.block_n
+    kp, np_, mp = -(-k // 16) * 16, -(-n // bn) * bn, -(-m // bm) * bm
     # Zero padding adds exact zeros; real models' weights divide the tiles (test models' may not).
     x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
     if (kp, np_) != (k, n):
         w = jnp.pad(w, ((0, np_ - n), (0, kp - k)) if transposed else ((0, kp - k), (0, np_ - n)))
-    kb, splits = block_k(kp), k_splits(kp, np_)
+    kb, splits = block_k(kp), k_splits(kp, n)
     ks = kp // splits
-    w_spec = (pl.BlockSpec((BLOCK_N, ks), lambda s, i, j: (j, s)) if transposed
-              else pl.BlockSpec((ks, BLOCK_N), lambda s, i, j: (s, j)))
+    w_spec = (pl.BlockSpec((bn, ks), lambda s, i, j: (j, s)) if transposed
+              else pl.BlockSpec((ks, bn), lambda s, i, j: (s, j)))
     part_dtype = out_dtype if splits == 1 else jnp.float32
     parts = pl.pallas_call(
         functools.partial(_kernel, kb=kb, transposed=transposed),
-        grid=(splits, mp // BLOCK_M, np_ // BLOCK_N),
-        in_specs=[pl.BlockSpec((BLOCK_M, ks), lambda s, i, j: (i, s)), w_spec],
-        out_specs=pl.BlockSpec((None, BLOCK_M, BLOCK_N), lambda s, i, j: (s, i, j)),
+        grid=(splits, mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, ks), lambda s, i, j: (i, s)), w_spec],
+        out_specs=pl.BlockSpec((None, bm, bn), lambda s, i, j: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, mp, np_), part_dtype),
         interpret=_interpret(),
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params(tiles),
         name="eagle3_invariant_gemm",
     )(x, w)
     out = parts[0]
@@ -92,11 +110,10 @@ def project(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False
     return y.reshape(*lead, *out_shape)
 
 
-def _compiler_params():
+def _compiler_params(tiles: Tiles):
     from jax.experimental.pallas import triton as plgpu
 
-    # One warpgroup for a 64-row tile (wgmma); three stages hide the K loop's loads.
-    return plgpu.CompilerParams(num_warps=4, num_stages=3)
+    return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def _interpret() -> bool:
