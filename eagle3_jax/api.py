@@ -157,6 +157,17 @@ class LLM:
         if warmup or (warmup is None and jax.default_backend() != "cpu"):
             self.engine.warmup(progress=progress)
 
+    def close(self) -> None:
+        """Release the device memory now (KV pool, weights, buffers), ending unfinished requests;
+        `with LLM(...) as llm:` closes on leaving the block. Dropping the last reference frees it too."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: raw text tokenized as it is (with the tokenizer's special tokens,
         a BOS where it adds one), chat messages templated, token ids as they are. Raises

@@ -71,6 +71,10 @@ class EngineStats:
         return 1e3 * self.device_wait_s / max(self.steps, 1)
 
 
+class EngineClosedError(RuntimeError):
+    """Work asked of an engine after `close`."""
+
+
 @dataclasses.dataclass
 class _Pending:
     """A dispatched program whose results the host has not read yet."""
@@ -114,7 +118,7 @@ class Engine:
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
         most = max((p.max_accepted for p in self.proposals), default=0)
         self.scheduler = Scheduler(cfg, target.vocab_size, most, self.runner.positions_per_iteration)
-        log.info(pool_line(cfg, self.runner.free_bytes, explicit=not size_pool))
+        log.info(pool_line(cfg, self.runner.free_bytes, explicit=not size_pool, elsewhere=self.runner.held_elsewhere))
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._seed_rng = np.random.default_rng()
@@ -143,10 +147,23 @@ class Engine:
     def num_compilations(self) -> int:
         return self.runner.num_compilations
 
+    def close(self) -> None:
+        """End every unfinished request ("abort") and free the device memory now; the engine
+        refuses work after. Closing twice does nothing."""
+        for req in [*self.scheduler.waiting, *self.scheduler.running.values()]:
+            self.scheduler.abort(req.id)
+        self._pending.clear()
+        self.runner.close()
+
+    def _check_open(self) -> None:
+        if self.runner.closed:
+            raise EngineClosedError("this engine is closed (LLM.close released its device memory): build another")
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
         """Queue a request, or raise RequestError naming the problem. `arrival_time`
         (time.perf_counter(), default now): when it reached the server, for its time to first token."""
+        self._check_open()
         return self.scheduler.add(list(prompt), params, arrival_time)
 
     def validate_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -176,6 +193,7 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, run, postprocess: returns the requests that changed."""
+        self._check_open()
         start, waited = time.perf_counter(), self.stats.device_wait_s
         earlier = len(self._pending)  # dispatched in earlier steps
         admitted, preempted = self.scheduler.schedule()
@@ -471,13 +489,22 @@ def _stale(pending: _Pending, i: int) -> bool:
     return req.finished or req.admissions != pending.admissions[i]
 
 
-def pool_line(cfg: EngineConfig, sized_from: int | None, explicit: bool) -> str:
+# Memory held on the device beyond an engine's own weights when its pool is sized, from which the
+# start-up line says so: another engine of the process, most often, shrinking this one's pool.
+HELD_ELSEWHERE_NOTE_BYTES = 1 << 30
+
+
+def pool_line(cfg: EngineConfig, sized_from: int | None, explicit: bool, elsewhere: int | None = None) -> str:
     """The start-up line on the KV pool: its size in tokens and in rows at max_model_len, and what
-    sized it (`sized_from`: the free bytes it was taken from)."""
+    sized it (`sized_from`: the free bytes it was taken from; `elsewhere`: bytes in use on the
+    device beyond the engine's weights then)."""
     tokens = (cfg.num_pages - 1) * cfg.page_size
     source = ("EngineConfig.num_pages" if explicit
               else f"{cfg.kv_memory_fraction:g} of {sized_from / 2**30:.2f} GiB free" if sized_from is not None
               else "no memory reported: every slot at min(max_model_len, 1024) tokens")
+    if elsewhere is not None and elsewhere >= HELD_ELSEWHERE_NOTE_BYTES:
+        source += (f"; {elsewhere / 2**30:.2f} GiB of the device was already held by something else, another "
+                   "engine of this process perhaps (LLM.close() releases one)")
     return (f"KV pool: {cfg.num_pages - 1} pages of {cfg.page_size} tokens = {tokens} tokens, "
             f"{tokens // cfg.max_model_len} rows at max_model_len {cfg.max_model_len} ({source}); "
             f"pages {cfg.page_reservation.replace('_', ' ')}, prefix caching {'on' if cfg.prefix_caching else 'off'}")

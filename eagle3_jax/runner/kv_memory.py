@@ -26,6 +26,20 @@ def free_bytes(devices: Sequence[jax.Device]) -> int | None:
     return min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
 
 
+def held_elsewhere(devices: Sequence[jax.Device], own: Sequence[jax.Array]) -> int | None:
+    """Bytes in use on the busiest of `devices` beyond the arrays `own` (an engine's weights): what
+    another engine, or anything else in the process, holds there. None where nothing is reported."""
+    stats = [d.memory_stats() or {} for d in devices]
+    if not all("bytes_in_use" in s for s in stats):
+        return None
+    mine = dict.fromkeys(devices, 0)
+    for array in jax.tree.leaves(own):
+        for shard in array.addressable_shards:
+            if shard.device in mine:
+                mine[shard.device] += shard.data.nbytes
+    return max(s["bytes_in_use"] - mine[d] for d, s in zip(devices, stats))
+
+
 def pages_in(free: int, fraction: float, one_page: int) -> int:
     """The pages (scratch page included) that `fraction` of `free` bytes holds."""
     return int(free * fraction) // one_page

@@ -180,6 +180,11 @@ class PinnedBatch:
         self._verdicts: dict[int, tuple[jax.Array, jax.Array]] = {}  # bucket -> (oldest, newest)
         self._first_tokens: list[list[jax.Array]] = []  # slot -> [slot index [1], first token [1]]
 
+    def buffers(self) -> list[jax.Array]:
+        """Every device buffer held here."""
+        return jax.tree.leaves(([held[2] for held in self._by_bucket.values()], list(self._verdicts.values()),
+                                self._first_tokens))
+
     def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
         held = self._by_bucket.get(len(slots))
         if held is not None and np.array_equal(held[0], slots) and np.array_equal(held[1], tables):
@@ -268,11 +273,12 @@ class ModelRunner:
                 draft_params = sharding.place_draft(draft_params, params.embed, mesh)
         # As served: fewer argument buffers per dispatch (the caller's params are untouched).
         self._params, self._draft_params = model.for_serving(params), draft_params
-        self.free_bytes = None
+        self.free_bytes = self.held_elsewhere = None
         if size_pool:  # the caller's unfolded weights still count as in use: a margin
             devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
             cfg, self.free_bytes = kv_memory.sized_pool(cfg, target, self.step_cfg.draft, params.embed.dtype,
                                                         devices, tp)
+            self.held_elsewhere = kv_memory.held_elsewhere(devices, (params, self._params, self._draft_params))
             self.cfg = cfg
         layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
         make_state = functools.partial(init_state, target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
@@ -285,6 +291,20 @@ class ModelRunner:
         self._pinned = PinnedBatch(mesh)
         self._built_ahead: set[tuple] = set()  # the programs `compile_ahead` has built: ("iterate", b, cfg) ...
         CompileCounter.install()
+
+    def close(self) -> None:
+        """Free every device buffer this runner holds (weights, KV pool, slots, pinned batches) now,
+        whoever else still refers to them; the runner is unusable after."""
+        held = (self._params, self._draft_params, self._state, self._pinned.buffers())
+        self._params = self._draft_params = self._state = None
+        self._pinned = PinnedBatch(self.step_cfg.mesh)
+        for array in jax.tree.leaves(held):
+            if isinstance(array, jax.Array) and not array.is_deleted():
+                array.delete()
+
+    @property
+    def closed(self) -> bool:
+        return self._state is None
 
     @property
     def speculator(self) -> Speculator:
