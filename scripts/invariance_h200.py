@@ -23,6 +23,8 @@ lossless: SmolLM2-135M-Instruct in bf16 with the shipped drafter, the 80 MT-benc
 speed: tok/s end to end, SmolLM2 with the shipped drafter, batch 1 (8 prompts one by one), 8 and
   64 (one round), target alone, chain of 4, tree and prompt lookup, with and without batch_invariant;
   each engine in a process of its own, timed after a pass that compiled every shape it times.
+release: four engines one after another in one process, released by LLM.close(), by dropping the
+  last reference, and (the third) not at all: each one's pool, the memory held elsewhere, its reply.
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
   1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
   bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
@@ -301,6 +303,35 @@ def phase_lossless(out: dict, args) -> None:
     out["runs"] = {name: {k: v for k, v in run.items() if k != "replies"} for name, run in runs.items()}
 
 
+def phase_release(out: dict, args, questions: list[list[dict]]) -> None:
+    """Engines built one after another in one process: one closed (`LLM.close`), one dropped, one
+    kept while the fourth is built. The first three should size their pools from the same free
+    memory; the fourth gets what the third left (its start-up line says so)."""
+    import gc
+
+    from eagle3_jax.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=32)
+    rows, reference = [], None
+    kept = []
+    for i, how in enumerate(("close", "last reference dropped", "kept", "none (built while the third is kept)")):
+        llm = _llm(args.target, args.kind, "target")
+        reply = llm.chat(questions[0], params)[0].token_ids
+        reference = reference or reply
+        gib = [None if b is None else round(b / 2**30, 2)
+               for b in (llm.engine.runner.free_bytes, llm.engine.runner.held_elsewhere)]
+        rows.append(dict(engine=i + 1, released_by=how, num_pages=llm.engine.cfg.num_pages, free_gib=gib[0],
+                         held_elsewhere_gib=gib[1], reply_equal=reply == reference))
+        print(rows[-1], flush=True)
+        if how == "close":
+            llm.close()
+        elif how == "kept":
+            kept.append(llm)  # held while the next engine sizes its pool
+        del llm
+        gc.collect()
+    out["release"] = rows
+
+
 def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tuple[int, ...]) -> None:
     """One engine's tok/s at each batch size, timed after a pass over the same prompts compiled
     every shape it runs (at batch 1 each prompt's prefill bucket)."""
@@ -351,7 +382,8 @@ def phase_speed(out: dict, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("8b", "lossless", "replies", "speed", "speed-engine", "gemm"), required=True)
+    p.add_argument("--phase", choices=("8b", "lossless", "replies", "release", "speed", "speed-engine", "gemm"),
+                   required=True)
     p.add_argument("--target", help="converted SmolLM2 directory")
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
     p.add_argument("--prompts", type=int, default=80)
@@ -388,6 +420,8 @@ def main() -> None:
             phase_replies(out, args, questions)
         elif args.phase == "lossless":
             phase_lossless(out, args)
+        elif args.phase == "release":
+            phase_release(out, args, questions)
         elif args.phase == "speed-engine":
             phase_speed_engine(out, args, questions, batches)
         else:
