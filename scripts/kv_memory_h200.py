@@ -127,7 +127,7 @@ def phase_preemption(args) -> dict:
     page = sized.engine.cfg.page_size
     demand = sum(-(-(len(p) + len(r)) // page) for p, r in zip(prompts, reference["replies"]))
     most = max(sized.engine.scheduler.pages_needed(len(p), args.max_tokens) for p in prompts)  # one request's
-    del sized
+    sized.close()  # its memory back before the second engine sizes anything
     half = llm_for(args, num_pages=max(demand // 2, most) + 1)
     result = serve(half, prompts, args.max_tokens)
     out = {"demand_pages": demand, **{k: v for k, v in result.items() if k != "replies"},
