@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 BLOCK_M = 64  # one Hopper warpgroup MMA tile of rows
 BLOCK_N = 64  # the N tile `k_splits` counts programs by, whatever tile runs
@@ -53,18 +54,24 @@ def k_splits(k: int, n: int) -> int:
     return splits
 
 
-def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool):
-    # x_ref [BLOCK_M, Ks], w_ref [Ks, BLOCK_N] ([BLOCK_N, Ks] transposed); o_ref [BLOCK_M, BLOCK_N].
+def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool, block_m: int):
+    # x_ref [M, Ks] every row, this split's K range; w_ref [Ks, BN] ([BN, Ks] transposed); o_ref [M, BN].
+    # The program's block_m rows are read and written masked past M (no padded copy of x, no slice of
+    # the output: two fewer launches a projection); masked rows are zeros and never stored.
     contract = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+    first = pl.program_id(1) * block_m
+    rows = pl.ds(pl.multiple_of(first, block_m), block_m)
+    valid = (first + jnp.arange(block_m) < x_ref.shape[0])[:, None]
 
     def step(i, acc):
         ks = pl.ds(pl.multiple_of(i * kb, kb), kb)
         w = w_ref[:, ks] if transposed else w_ref[ks, :]
-        return acc + jax.lax.dot_general(x_ref[:, ks], w, contract, preferred_element_type=jnp.float32)
+        x = plgpu.load(x_ref.at[rows, ks], mask=valid, other=0.0)
+        return acc + jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
 
     steps = x_ref.shape[1] // kb
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, o_ref.shape[1]), jnp.float32))
+    plgpu.store(o_ref.at[rows, :], acc.astype(o_ref.dtype), mask=valid)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "transposed", "tiles"))
@@ -75,9 +82,10 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False,
     m, k = x.shape
     n = w.shape[0] if transposed else w.shape[1]
     bm, bn = tiles.block_m, tiles.block_n
-    kp, np_, mp = -(-k // 16) * 16, -(-n // bn) * bn, -(-m // bm) * bm
+    kp, np_ = -(-k // 16) * 16, -(-n // bn) * bn
     # Zero padding adds exact zeros; real models' weights divide the tiles (test models' may not).
-    x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
+    if kp != k:
+        x = jnp.pad(x, ((0, 0), (0, kp - k)))
     if (kp, np_) != (k, n):
         w = jnp.pad(w, ((0, np_ - n), (0, kp - k)) if transposed else ((0, kp - k), (0, np_ - n)))
     kb, splits = block_k(kp), k_splits(kp, n)
@@ -86,11 +94,11 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False,
               else pl.BlockSpec((ks, bn), lambda s, i, j: (s, j)))
     part_dtype = out_dtype if splits == 1 else jnp.float32
     parts = pl.pallas_call(
-        functools.partial(_kernel, kb=kb, transposed=transposed),
-        grid=(splits, mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, ks), lambda s, i, j: (i, s)), w_spec],
-        out_specs=pl.BlockSpec((None, bm, bn), lambda s, i, j: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, mp, np_), part_dtype),
+        functools.partial(_kernel, kb=kb, transposed=transposed, block_m=bm),
+        grid=(splits, -(-m // bm), np_ // bn),
+        in_specs=[pl.BlockSpec((m, ks), lambda s, i, j: (0, s)), w_spec],
+        out_specs=pl.BlockSpec((None, m, bn), lambda s, i, j: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, m, np_), part_dtype),
         interpret=_interpret(),
         compiler_params=_compiler_params(tiles),
         name="eagle3_invariant_gemm",
@@ -98,7 +106,7 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False,
     out = parts[0]
     for s in range(1, splits):  # in split order, whatever M is
         out = out + parts[s]
-    return out[:m, :n].astype(out_dtype)
+    return (out if np_ == n else out[:, :n]).astype(out_dtype)
 
 
 def project(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False) -> jax.Array:
@@ -111,8 +119,6 @@ def project(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False
 
 
 def _compiler_params(tiles: Tiles):
-    from jax.experimental.pallas import triton as plgpu
-
     return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
