@@ -201,6 +201,56 @@ def test_drafter_of_the_wrong_size_names_the_config_field(tiny_target, wrong_siz
         load_drafter(wrong_size_drafter, TINY, jnp.float32)
 
 
+@pytest.fixture(scope="module")
+def tiny_drafter(tmp_path_factory) -> Path:
+    return _drafter(tmp_path_factory.mktemp("tiny_drafter"), DraftConfig.like_target(TINY, draft_vocab_size=64))
+
+
+def with_config(path: Path, model: Path, config: bytes) -> Path:
+    """`path`: `model`'s weights beside a config.json holding `config`."""
+    path.mkdir()
+    for weights in model.glob("*.safetensors"):
+        (path / weights.name).symlink_to(weights)
+    (path / "config.json").write_bytes(config)
+    return path
+
+
+# Valid JSON that is no object, and bytes that are no UTF-8 text.
+NOT_A_CONFIG = [(b"[]", "holds an array, not the JSON object"), (b"null", "holds null, not the JSON object"),
+                (b"42", "holds a number, not the JSON object"), (b'{"model_type": "ll\xffama"}', "not UTF-8 text")]
+
+
+@pytest.mark.parametrize("config, words", NOT_A_CONFIG)
+def test_a_config_json_that_is_not_an_object_is_one_line(tiny_target, tiny_drafter, tmp_path, config, words):
+    from eagle3_jax.api import LLM
+
+    target = with_config(tmp_path / "target", tiny_target, config)
+    proc, _ = run_cli("generate", "--target", str(target), "--draft", "none", "--prompt", "hi")
+    line = one_line_error(proc)
+    assert f"{target / 'config.json'}: {words}" in line, line
+    draft = with_config(tmp_path / "draft", tiny_drafter, config)
+    proc, _ = run_cli("generate", "--target", str(tiny_target), "--draft", str(draft), "--prompt", "hi")
+    line = one_line_error(proc)
+    assert f"--draft {draft}: {draft / 'config.json'}: {words}" in line, line
+    # The library raises the same ConfigError, naming the file.
+    for kwargs, bad in (({"target": target, "draft": None}, target), ({"target": tiny_target, "draft": draft}, draft)):
+        with pytest.raises(ConfigError) as e:
+            LLM(**kwargs, warmup=False, progress=False)
+        assert str(e.value).startswith(f"{bad / 'config.json'}: {words}"), e.value
+
+
+def test_config_field_of_the_wrong_type_says_the_type_in_words(tmp_path):
+    config = json.loads((presets.CONFIGS / "Llama-3.1-8B-Instruct" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": "4096"}))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_json(tmp_path / "config.json")
+    assert "field 'hidden_size' must be an integer, got '4096'" in str(e.value) and "<class" not in str(e.value)
+    draft = json.loads((presets.CONFIGS / "EAGLE3-LLaMA3.1-Instruct-8B" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**draft, "eagle_config": [2, 16, 29]}))
+    with pytest.raises(ConfigError, match="field 'eagle_config' must be an object, got"):
+        DraftConfig.from_json(tmp_path / "config.json")
+
+
 def test_truncated_drafter_file_is_one_line(tiny_target, truncated_drafter):
     proc, seconds = run_cli("chat", "--target", str(tiny_target), "--draft", str(truncated_drafter), stdin="")
     line = one_line_error(proc)
