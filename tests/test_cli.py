@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -140,6 +141,7 @@ def test_flag_mistakes_are_one_line_and_fast(command, flags, flag):
 
 SERVE_FLAG_MISTAKES = [
     (["--port", "0"], "--port"),
+    (["--port", "99999"], "--port"),
     (["--max-num-seqs", "x"], "--max-num-seqs"),
     (["--max-waiting", "0"], "--max-waiting"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
@@ -155,6 +157,38 @@ def test_serve_flag_mistakes_are_one_line_and_fast(flags, flag):
     assert seconds < FLAG_SECONDS, f"{seconds:.1f} s: a flag mistake must not wait for a model to load"
 
 
+def test_serve_address_mistakes_are_one_line_before_the_model_loads(tiny_target):
+    """A port in use, a host that does not resolve or is not this machine's: found by binding as
+    uvicorn does, before JAX starts (not once the model has loaded)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags, words in [
+            (["--port", str(port)], f"--port {port}: 127.0.0.1:{port} is in use"),
+            (["--host", "localhost", "--port", str(port)], f"--port {port}: localhost:{port} is in use"),
+            (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: the name does not resolve"),
+            (["--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),  # TEST-NET-1
+        ]:
+            proc, _ = run_cli("serve", "--target", str(tiny_target), "--draft", "none", *flags, report_loaded=True)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+            assert proc.stderr.startswith(f"eagle3-jax serve: error: {words}"), proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+            assert json.loads(proc.stdout.strip().splitlines()[-1])["backend"] is False
+
+
+def test_serve_logging_leaves_out_jaxs_tpu_probe_only():
+    """JAX, started with no platform named, tries a TPU first and logs at info that libtpu is not
+    there: `serve`'s logging leaves that line out and keeps JAX's other records."""
+    probe = ("import logging, jax; from eagle3_jax.serve.server import configure_logging; configure_logging('info'); "
+             "jax.devices(); logging.getLogger('jax._src.xla_bridge').warning('a real warning')")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING jax._src.xla_bridge: a real warning" in proc.stderr
+    assert "libtpu" not in proc.stderr and "backend 'tpu'" not in proc.stderr, proc.stderr
+
+
 def test_flag_messages_say_what_is_allowed():
     proc, _ = run_cli("generate", "--num-draft", "100")
     assert "outside 0..16" in one_line_error(proc)
@@ -162,6 +196,8 @@ def test_flag_messages_say_what_is_allowed():
     assert "(0, 1]" in one_line_error(proc)
     proc, _ = run_cli("generate", "--prompt", "  ")
     assert "argument --prompt: the prompt is empty" in one_line_error(proc)
+    proc, _ = run_cli("serve", "--port", "65536")
+    assert "argument --port: 65536 is outside 1..65535" in one_line_error(proc)
     proc, _ = run_cli("generate", "--mtbench", "81")
     assert "outside 1..80" in one_line_error(proc)
     proc, _ = run_cli("chat", "--bogus")
