@@ -471,7 +471,8 @@ class EngineConfig:
     The KV pool:
     page_size, num_pages: the paged KV pool of target and drafter (page 0 is scratch). num_pages
         None: `kv_memory_fraction` of the free device memory after the weights; on a device that
-        reports none (the CPU), as `resolved` says. Only a request the pool cannot hold is refused.
+        reports none (the CPU), as `resolved` says, within a quarter of the host's available memory
+        (runner/kv_memory.py, `host_pool`). Only a request the pool cannot hold is refused.
     kv_memory_fraction: the share of free memory the pool takes; the rest is the programs' working
         memory (sized before warm-up, since every program is compiled for the pool's shape).
     page_reservation: "on_demand": pages taken as a request's tokens and iterations in flight need
