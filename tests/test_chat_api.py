@@ -154,6 +154,34 @@ def test_an_output_limit_that_does_not_fit_beside_the_prompt_is_refused():
     assert unlimited.sampling_params(128).max_tokens == 128  # the whole context, the engine keeps what is left
 
 
+def test_the_metrics_vllm_has_are_also_under_its_names_with_the_same_values():
+    """A dashboard built for vLLM's /metrics reads `vllm:` names: every metric of ours that vLLM
+    has is there too, with the same samples; ours alone (speculation_choice) only under ours."""
+    from prometheus_client import generate_latest
+
+    from eagle3_jax.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny")
+    metrics.prompt_tokens.inc(5)
+    metrics.ttft.observe(0.03)
+    metrics.finished.labels("tiny", "stop").inc()
+    metrics.accepted_per_pos.labels("tiny", "0").inc(2)
+    metrics.engine_state(running=1, waiting=2, pages_free=3, pages=4)
+    metrics.choices({1: "chain K=3"}, ["target-only", "chain K=3"])
+    series = dict(line.rsplit(" ", 1) for line in generate_latest(metrics.registry).decode().splitlines()
+                  if line and not line.startswith("#"))
+    ours = {k.removeprefix("eagle3_jax:"): v for k, v in series.items() if k.startswith("eagle3_jax:")}
+    vllms = {k.removeprefix("vllm:"): v for k, v in series.items() if k.startswith("vllm:")}
+    assert set(series) == {f"eagle3_jax:{k}" for k in ours} | {f"vllm:{k}" for k in vllms}
+    assert vllms == {k: v for k, v in ours.items() if not k.startswith("speculation_choice")}
+    assert float(vllms['prompt_tokens_total{model_name="tiny"}']) == 5
+    assert float(vllms['request_success_total{finished_reason="stop",model_name="tiny"}']) == 1
+    assert float(vllms['spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}']) == 2
+    assert float(vllms['time_to_first_token_seconds_count{model_name="tiny"}']) == 1
+    assert float(vllms['num_requests_waiting{model_name="tiny"}']) == 2
+    assert float(vllms['kv_cache_usage_perc{model_name="tiny"}']) == 0.25
+
+
 def engine_cut(decode, ids: list[int], stops) -> tuple[list[int], str]:
     """(tokens, text) as the engine ends them: at the first token after which the text holds a
     stop string, cut before it (Engine._hit_stop_string)."""
