@@ -147,6 +147,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def port(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is outside 1..65535")
+    return value
+
+
 def mtbench_count(text: str) -> int:
     value = _int(text)
     if not 1 <= value <= MTBENCH_QUESTIONS:
@@ -227,7 +234,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on the /v1 routes (default: none required)")
     p.add_argument("--served-model-name", default=None,
@@ -501,6 +508,10 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from eagle3_jax.serve import server
 
+    try:
+        server.check_address(args.host, args.port)  # before the model loads
+    except server.AddressError as e:
+        raise UsageError(str(e)) from None
     server.configure_logging(args.log_level)
     llm = _llm(args, args.max_num_seqs, max_num_seqs=args.max_num_seqs)
     server.log_engine(llm)

@@ -38,8 +38,18 @@ def _field(d: dict, name: str, kind: type | tuple[type, ...], where: str, defaul
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ConfigError(f"{where}: field '{name}' must be {kind}, got {value!r}")
+        raise ConfigError(f"{where}: field '{name}' must be {type_words(kind)}, got {value!r}")
     return value
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+               dict: "an object"}
+
+
+def type_words(kind: type | tuple[type, ...]) -> str:
+    """A type (or types) as a message says it: int -> "an integer", (int, str) -> "an integer or a string"."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(_TYPE_WORDS.get(k, k.__name__) for k in kinds)
 
 
 def _positive(value: int, name: str, where: str) -> int:
@@ -217,8 +227,8 @@ class DraftConfig:
         # No rope_theta in the public 8B drafter: the EAGLE reference falls back to 10000 (parse_rope's default).
         layer = _layer_fields(d, where)
         vocab = _field(d, "vocab_size", int, where)
-        eagle = d.get("eagle_config") or {}
-        aux = eagle.get("eagle_aux_hidden_state_layer_ids")
+        eagle = _field(d, "eagle_config", dict, where, {})
+        aux = _field(eagle, "eagle_aux_hidden_state_layer_ids", list, f"{where}: eagle_config", None)
         return cls(
             vocab_size=vocab,
             draft_vocab_size=_field(d, "draft_vocab_size", int, where, vocab),
@@ -311,13 +321,26 @@ def check_proposal_fits(spec: TreeSpec, draft: DraftConfig) -> None:
 
 
 def read_json(path: str | Path) -> dict:
+    """A config.json's object; ConfigError naming the file when it is not UTF-8 JSON holding one."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config not found: {path}")
     try:
-        return json.loads(path.read_text())
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); a config.json is JSON") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: holds {json_kind(d)}, not the JSON object {{...}} of a model's fields")
+    return d
+
+
+def json_kind(value: Any) -> str:
+    """A JSON value's kind in words: "an array", "null", "a number"."""
+    kinds = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"),
+             (list, "an array"), (dict, "an object"))
+    return "null" if value is None else next((kind for t, kind in kinds if isinstance(value, t)), type(value).__name__)
 
 
 MAX_SPECULATIVE_TOKENS = 16
@@ -448,7 +471,8 @@ class EngineConfig:
     The KV pool:
     page_size, num_pages: the paged KV pool of target and drafter (page 0 is scratch). num_pages
         None: `kv_memory_fraction` of the free device memory after the weights; on a device that
-        reports none (the CPU), as `resolved` says. Only a request the pool cannot hold is refused.
+        reports none (the CPU), as `resolved` says, within a quarter of the host's available memory
+        (runner/kv_memory.py, `host_pool`). Only a request the pool cannot hold is refused.
     kv_memory_fraction: the share of free memory the pool takes; the rest is the programs' working
         memory (sized before warm-up, since every program is compiled for the pool's shape).
     page_reservation: "on_demand": pages taken as a request's tokens and iterations in flight need

@@ -117,6 +117,71 @@ def test_a_drain_refuses_new_work_and_ends_what_runs_after_its_grace(llm, grace_
     assert llm.engine.num_running == 0 and llm.engine.scheduler.pool.num_free == llm.engine.scheduler.pool.capacity
 
 
+def test_chat_roles_are_openais_and_developer_is_the_system_where_the_template_lacks_it():
+    from pydantic import ValidationError
+
+    from eagle3_jax.serve import protocol as P
+
+    with pytest.raises(ValidationError, match="'system', 'user', 'assistant', 'tool' or 'developer'"):
+        P.ChatCompletionRequest(model="m", messages=[{"role": "wizard", "content": "hi"}])
+    body = P.ChatCompletionRequest(model="m", messages=[
+        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        {"role": "tool", "content": "42"}, {"role": "user", "content": "hi"}])
+    assert [m.as_template_input(developer_role=False) for m in body.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "tool", "content": "42"},
+        {"role": "user", "content": "hi"}]
+    assert body.messages[0].as_template_input(developer_role=True)["role"] == "developer"
+
+
+def test_an_output_limit_that_does_not_fit_beside_the_prompt_is_refused():
+    """OpenAI's and vLLM's 400 naming the prompt's length, the limit and max_model_len; with no
+    limit given the reply fills the context."""
+    from eagle3_jax.serve import protocol as P
+
+    completion = P.CompletionRequest(model="m", prompt="x", max_tokens=100)
+    P.check_fits(completion, 28, 128)  # exactly the context
+    with pytest.raises(P.APIError) as e:
+        P.check_fits(completion, 29, 128)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "max_tokens", "context_length_exceeded")
+    assert e.value.message.startswith("max_tokens 100 does not fit: the prompt has 29 tokens and max_model_len is "
+                                      "128 (29 + 100 > 128); ask for at most 99"), e.value.message
+    chat = P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=128)
+    with pytest.raises(P.APIError, match="max_completion_tokens 128 does not fit") as e:
+        P.check_fits(chat, 1, 128)
+    assert e.value.param == "max_completion_tokens"
+    unlimited = P.CompletionRequest(model="m", prompt="x")
+    P.check_fits(unlimited, 127, 128)
+    assert unlimited.sampling_params(128).max_tokens == 128  # the whole context, the engine keeps what is left
+
+
+def test_the_metrics_vllm_has_are_also_under_its_names_with_the_same_values():
+    """A dashboard built for vLLM's /metrics reads `vllm:` names: every metric of ours that vLLM
+    has is there too, with the same samples; ours alone (speculation_choice) only under ours."""
+    from prometheus_client import generate_latest
+
+    from eagle3_jax.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny")
+    metrics.prompt_tokens.inc(5)
+    metrics.ttft.observe(0.03)
+    metrics.finished.labels("tiny", "stop").inc()
+    metrics.accepted_per_pos.labels("tiny", "0").inc(2)
+    metrics.engine_state(running=1, waiting=2, pages_free=3, pages=4)
+    metrics.choices({1: "chain K=3"}, ["target-only", "chain K=3"])
+    series = dict(line.rsplit(" ", 1) for line in generate_latest(metrics.registry).decode().splitlines()
+                  if line and not line.startswith("#"))
+    ours = {k.removeprefix("eagle3_jax:"): v for k, v in series.items() if k.startswith("eagle3_jax:")}
+    vllms = {k.removeprefix("vllm:"): v for k, v in series.items() if k.startswith("vllm:")}
+    assert set(series) == {f"eagle3_jax:{k}" for k in ours} | {f"vllm:{k}" for k in vllms}
+    assert vllms == {k: v for k, v in ours.items() if not k.startswith("speculation_choice")}
+    assert float(vllms['prompt_tokens_total{model_name="tiny"}']) == 5
+    assert float(vllms['request_success_total{finished_reason="stop",model_name="tiny"}']) == 1
+    assert float(vllms['spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}']) == 2
+    assert float(vllms['time_to_first_token_seconds_count{model_name="tiny"}']) == 1
+    assert float(vllms['num_requests_waiting{model_name="tiny"}']) == 2
+    assert float(vllms['kv_cache_usage_perc{model_name="tiny"}']) == 0.25
+
+
 def engine_cut(decode, ids: list[int], stops) -> tuple[list[int], str]:
     """(tokens, text) as the engine ends them: at the first token after which the text holds a
     stop string, cut before it (Engine._hit_stop_string)."""

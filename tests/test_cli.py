@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -140,6 +141,7 @@ def test_flag_mistakes_are_one_line_and_fast(command, flags, flag):
 
 SERVE_FLAG_MISTAKES = [
     (["--port", "0"], "--port"),
+    (["--port", "99999"], "--port"),
     (["--max-num-seqs", "x"], "--max-num-seqs"),
     (["--max-waiting", "0"], "--max-waiting"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
@@ -155,6 +157,38 @@ def test_serve_flag_mistakes_are_one_line_and_fast(flags, flag):
     assert seconds < FLAG_SECONDS, f"{seconds:.1f} s: a flag mistake must not wait for a model to load"
 
 
+def test_serve_address_mistakes_are_one_line_before_the_model_loads(tiny_target):
+    """A port in use, a host that does not resolve or is not this machine's: found by binding as
+    uvicorn does, before JAX starts (not once the model has loaded)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags, words in [
+            (["--port", str(port)], f"--port {port}: 127.0.0.1:{port} is in use"),
+            (["--host", "localhost", "--port", str(port)], f"--port {port}: localhost:{port} is in use"),
+            (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: the name does not resolve"),
+            (["--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),  # TEST-NET-1
+        ]:
+            proc, _ = run_cli("serve", "--target", str(tiny_target), "--draft", "none", *flags, report_loaded=True)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+            assert proc.stderr.startswith(f"eagle3-jax serve: error: {words}"), proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+            assert json.loads(proc.stdout.strip().splitlines()[-1])["backend"] is False
+
+
+def test_serve_logging_leaves_out_jaxs_tpu_probe_only():
+    """JAX, started with no platform named, tries a TPU first and logs at info that libtpu is not
+    there: `serve`'s logging leaves that line out and keeps JAX's other records."""
+    probe = ("import logging, jax; from eagle3_jax.serve.server import configure_logging; configure_logging('info'); "
+             "jax.devices(); logging.getLogger('jax._src.xla_bridge').warning('a real warning')")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING jax._src.xla_bridge: a real warning" in proc.stderr
+    assert "libtpu" not in proc.stderr and "backend 'tpu'" not in proc.stderr, proc.stderr
+
+
 def test_flag_messages_say_what_is_allowed():
     proc, _ = run_cli("generate", "--num-draft", "100")
     assert "outside 0..16" in one_line_error(proc)
@@ -162,6 +196,8 @@ def test_flag_messages_say_what_is_allowed():
     assert "(0, 1]" in one_line_error(proc)
     proc, _ = run_cli("generate", "--prompt", "  ")
     assert "argument --prompt: the prompt is empty" in one_line_error(proc)
+    proc, _ = run_cli("serve", "--port", "65536")
+    assert "argument --port: 65536 is outside 1..65535" in one_line_error(proc)
     proc, _ = run_cli("generate", "--mtbench", "81")
     assert "outside 1..80" in one_line_error(proc)
     proc, _ = run_cli("chat", "--bogus")
@@ -199,6 +235,56 @@ def test_drafter_of_the_wrong_size_names_the_config_field(tiny_target, wrong_siz
     # The library says the same: the config is checked before any tensor.
     with pytest.raises(ConfigError, match="drafter hidden_size 48 does not match the target's hidden_size 32"):
         load_drafter(wrong_size_drafter, TINY, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tmp_path_factory) -> Path:
+    return _drafter(tmp_path_factory.mktemp("tiny_drafter"), DraftConfig.like_target(TINY, draft_vocab_size=64))
+
+
+def with_config(path: Path, model: Path, config: bytes) -> Path:
+    """`path`: `model`'s weights beside a config.json holding `config`."""
+    path.mkdir()
+    for weights in model.glob("*.safetensors"):
+        (path / weights.name).symlink_to(weights)
+    (path / "config.json").write_bytes(config)
+    return path
+
+
+# Valid JSON that is no object, and bytes that are no UTF-8 text.
+NOT_A_CONFIG = [(b"[]", "holds an array, not the JSON object"), (b"null", "holds null, not the JSON object"),
+                (b"42", "holds a number, not the JSON object"), (b'{"model_type": "ll\xffama"}', "not UTF-8 text")]
+
+
+@pytest.mark.parametrize("config, words", NOT_A_CONFIG)
+def test_a_config_json_that_is_not_an_object_is_one_line(tiny_target, tiny_drafter, tmp_path, config, words):
+    from eagle3_jax.api import LLM
+
+    target = with_config(tmp_path / "target", tiny_target, config)
+    proc, _ = run_cli("generate", "--target", str(target), "--draft", "none", "--prompt", "hi")
+    line = one_line_error(proc)
+    assert f"{target / 'config.json'}: {words}" in line, line
+    draft = with_config(tmp_path / "draft", tiny_drafter, config)
+    proc, _ = run_cli("generate", "--target", str(tiny_target), "--draft", str(draft), "--prompt", "hi")
+    line = one_line_error(proc)
+    assert f"--draft {draft}: {draft / 'config.json'}: {words}" in line, line
+    # The library raises the same ConfigError, naming the file.
+    for kwargs, bad in (({"target": target, "draft": None}, target), ({"target": tiny_target, "draft": draft}, draft)):
+        with pytest.raises(ConfigError) as e:
+            LLM(**kwargs, warmup=False, progress=False)
+        assert str(e.value).startswith(f"{bad / 'config.json'}: {words}"), e.value
+
+
+def test_config_field_of_the_wrong_type_says_the_type_in_words(tmp_path):
+    config = json.loads((presets.CONFIGS / "Llama-3.1-8B-Instruct" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": "4096"}))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_json(tmp_path / "config.json")
+    assert "field 'hidden_size' must be an integer, got '4096'" in str(e.value) and "<class" not in str(e.value)
+    draft = json.loads((presets.CONFIGS / "EAGLE3-LLaMA3.1-Instruct-8B" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**draft, "eagle_config": [2, 16, 29]}))
+    with pytest.raises(ConfigError, match="field 'eagle_config' must be an object, got"):
+        DraftConfig.from_json(tmp_path / "config.json")
 
 
 def test_truncated_drafter_file_is_one_line(tiny_target, truncated_drafter):

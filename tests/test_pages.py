@@ -4,6 +4,8 @@ many rows a pool runs at once against reserving every page up front. Host code o
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -190,8 +192,6 @@ class ReportingDevice:
 
 
 def test_pool_sized_from_the_least_free_memory_of_its_devices():
-    import jax
-
     from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
     from eagle3_jax.runner.kv_memory import page_bytes, sized_pool
 
@@ -208,6 +208,38 @@ def test_pool_sized_from_the_least_free_memory_of_its_devices():
     devices = [ReportingDevice(1000 * one, 100 * one), ReportingDevice(1000 * one, 200 * one)]
     sized, free = sized_pool(cfg, target, draft, "bfloat16", devices)
     assert (free, sized.num_pages) == (800 * one, 400)
-    assert sized_pool(cfg, target, draft, "bfloat16", jax.devices("cpu")) == (cfg, None)
     with pytest.raises(ConfigError, match=r"holds 16 tokens of KV; one request at max_model_len 64 needs"):
         sized_pool(cfg, target, draft, "bfloat16", [ReportingDevice(4 * one, 0)])
+
+
+def test_a_cpu_pool_takes_at_most_a_quarter_of_the_hosts_available_memory(monkeypatch):
+    """The CPU reports no memory: every slot at min(max_model_len, 1024) tokens as `resolved` has
+    it, unless a quarter of the host's available memory holds less; one request at max_model_len
+    always fits. Each CPU device's share of a page is host memory."""
+    import jax
+
+    from eagle3_jax.config import DraftConfig, ModelConfig
+    from eagle3_jax.runner import kv_memory
+
+    target = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8,
+                         num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+                         max_position_embeddings=256, tie_word_embeddings=False, eos_token_ids=(2,))
+    draft = DraftConfig.like_target(target, 100)
+    cfg = EngineConfig(max_model_len=64, page_size=16, batch_buckets=(1, 8))
+    one = kv_memory.page_bytes(target, draft, 16, "float32")
+    wanted = cfg.resolved().num_pages
+    assert wanted == 8 * 4 + 8 + 1  # 8 slots x 4 pages, one request at 64 tokens + two iterations (8), scratch
+    available = kv_memory.host_available_bytes()
+    assert available is not None and available > 0  # Linux says
+
+    def pool(host_bytes: int | None, devices=None) -> int:
+        monkeypatch.setattr(kv_memory, "host_available_bytes", lambda: host_bytes)
+        devices = devices or jax.devices("cpu")[:1]
+        sized, free = kv_memory.sized_pool(cfg, target, draft, "float32", devices)
+        assert free is None and dataclasses.replace(sized, num_pages=None) == cfg
+        return sized.num_pages
+
+    assert pool(None) == pool(4 * wanted * one) == pool(1 << 40) == wanted
+    assert pool(4 * 20 * one) == 20
+    assert pool(4 * 20 * one, [jax.devices("cpu")[0]] * 2) == 10  # two devices' shares
+    assert pool(0) == 8 + 1

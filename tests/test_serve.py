@@ -198,6 +198,11 @@ def test_metrics_use_vllms_names_and_count_what_was_served(server):
     assert metric(values, "prefix_cache_queries_total") > 0
     chosen = {k: v for k, v in values.items() if k.startswith("eagle3_jax:speculation_choice") and v == 1}
     assert sorted(re.search(r'bucket="(\d+)"', k).group(1) for k in chosen) == ["1", "8"]  # one choice a bucket
+    # vLLM's own names too, for its dashboards: the same samples (speculation_choice is ours alone).
+    vllms = {k.removeprefix("vllm:"): v for k, v in values.items() if k.startswith("vllm:")}
+    assert vllms == {k.removeprefix("eagle3_jax:"): v for k, v in values.items()
+                     if k.startswith("eagle3_jax:") and not k.startswith("eagle3_jax:speculation_choice")}
+    assert vllms['generation_tokens_total{model_name="tiny-chat"}'] > 0
 
 
 def test_completions_take_text_lists_and_token_ids_as_llm_generate_does(client, llm):
@@ -282,6 +287,8 @@ def test_each_error_has_its_status_and_body_and_the_server_keeps_serving(server,
         (400, body(max_tokens=0), "greater than or equal to 1", "max_tokens"),
         (400, body(prompt=[]), "prompt is empty", "prompt"),
         (400, body(prompt="x" * (2 * MAX_MODEL_LEN)), "the context holds 128", "prompt"),
+        (400, body(max_tokens=MAX_MODEL_LEN - 1), "max_tokens 127 does not fit: the prompt has 2 tokens and "
+                                                  "max_model_len is 128", "max_tokens"),
         (400, body(prompt=[1, 10**6]), "outside the vocabulary", "prompt"),
         (400, body(logprobs=2), "logprobs is not supported", "logprobs"),
         (400, body(prompt={"not": "a prompt"}), "prompt", "prompt"),
@@ -294,6 +301,14 @@ def test_each_error_has_its_status_and_body_and_the_server_keeps_serving(server,
         assert good.usage.completion_tokens == 2 and good.choices[0].finish_reason == "length"
     assert_error(url, 400, json.dumps({"model": MODEL, "messages": []}).encode(), "at least 1", "messages",
                  path="/v1/chat/completions")
+    assert_error(url, 400, json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(),
+                 "'system', 'user', 'assistant', 'tool' or 'developer'", "messages", path="/v1/chat/completions")
+    with pytest.raises(openai.BadRequestError) as e:  # a limit the context has no room for
+        client.chat.completions.create(model=MODEL, messages=user("hi"), max_completion_tokens=MAX_MODEL_LEN)
+    assert (e.value.body["param"], e.value.body["code"]) == ("max_completion_tokens", "context_length_exceeded")
+    # No limit: the reply may fill the rest of the context.
+    whole = client.completions.create(model=MODEL, prompt="hi", extra_body={"ignore_eos": True})
+    assert (whole.usage.completion_tokens, whole.choices[0].finish_reason) == (MAX_MODEL_LEN - 2, "length")
     # 10 MB sent in chunks, with no length declared: refused as it arrives.
     conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=REQUEST_S)
     big = b'{"prompt": "' + b"x" * (10 << 20) + b'"}'
@@ -314,7 +329,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_drains(server, client):
     refused with Retry-After until the first is dropped (its waiting samples leave the queue)."""
     url = server["url"]
     flood = client.completions.create(model=MODEL, prompt="flood", n=MAX_WAITING, temperature=1.0,
-                                      max_tokens=MAX_MODEL_LEN, stream=True)
+                                      stream=True)  # no max_tokens: the rest of the context
     next(iter(flood))  # its samples are queued and running
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=MODEL, prompt="one more", n=16, max_tokens=4)
@@ -367,8 +382,8 @@ def test_64_streams_with_16_disconnecting_finish_as_alone_and_free_everything(se
 # ---- last: SIGTERM -------------------------------------------------------------------------
 def test_sigterm_mid_stream_ends_the_stream_and_exits_0(server, client):
     proc = server["proc"]
-    stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, max_tokens=MAX_MODEL_LEN,
-                                       n=8, stream=True)
+    stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, n=8,
+                                       stream=True)  # no max_tokens: the rest of the context
     chunks = iter(stream)
     first = next(chunks)
     proc.send_signal(signal.SIGTERM)

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, default_batch_buckets, smallest_bucket
 from eagle3_jax.engine import policy
 from eagle3_jax.engine.scheduler import Request, Scheduler
+from eagle3_jax.runner.kv_memory import HOST_KV_SHARE
 from eagle3_jax.runner.runner import PADDING_PARAMS, ModelRunner, PrefillInputs
 from eagle3_jax.runner.steps import TARGET_ALONE, StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
@@ -501,7 +502,8 @@ def pool_line(cfg: EngineConfig, sized_from: int | None, explicit: bool, elsewhe
     tokens = (cfg.num_pages - 1) * cfg.page_size
     source = ("EngineConfig.num_pages" if explicit
               else f"{cfg.kv_memory_fraction:g} of {sized_from / 2**30:.2f} GiB free" if sized_from is not None
-              else "no memory reported: every slot at min(max_model_len, 1024) tokens")
+              else "no memory reported: every slot at min(max_model_len, 1024) tokens, within "
+                   f"{HOST_KV_SHARE:g} of the host's available memory")
     if elsewhere is not None and elsewhere >= HELD_ELSEWHERE_NOTE_BYTES:
         source += (f"; {elsewhere / 2**30:.2f} GiB of the device was already held by something else, another "
                    "engine of this process perhaps (LLM.close() releases one)")

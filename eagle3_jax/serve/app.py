@@ -63,6 +63,8 @@ class OpenAIServer:
         # One thread: a fast tokenizer used from several at once can fail ("Already borrowed").
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.max_model_len = llm.engine.cfg.max_model_len
+        # Whether the chat template renders OpenAI's developer role itself (else it is the system's).
+        self.developer_role = "developer" in str(getattr(llm.tokenizer, "chat_template", None) or "")
 
     def check_key(self, request: Request) -> None:
         if self.settings.api_key is None:
@@ -109,6 +111,7 @@ class OpenAIServer:
                       request: Request, arrival: float):
         params = body.sampling_params(self.max_model_len)
         work = self.samples(prompts, params, param)
+        P.check_fits(body, max(map(len, prompts)), self.max_model_len)
         submission = self.submit(work, arrival)
         prompt_tokens = sum(map(len, prompts))
         texts = [TextStream(self.llm.decode, params.stop) for _ in work]
@@ -199,7 +202,8 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         server.check_body(body)
-        ids = await server.encode(llm.encode_chat, [m.as_template_input() for m in body.messages], "messages")
+        messages = [m.as_template_input(server.developer_role) for m in body.messages]
+        ids = await server.encode(llm.encode_chat, messages, "messages")
         return await server.respond(CHAT, body, [ids], "messages", request, arrival)
 
     @app.post("/v1/completions", dependencies=keyed)

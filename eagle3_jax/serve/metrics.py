@@ -1,13 +1,25 @@
-"""Prometheus metrics under `eagle3_jax:`, with vLLM's names where vLLM has the metric. Written
-by the engine thread only; prometheus-client makes reading them from the HTTP side safe."""
+"""Prometheus metrics under `eagle3_jax:`, with vLLM's names where vLLM has the metric, and those
+also under vLLM's own prefix, `vllm:`, so that dashboards built for vLLM read them. Written by the
+engine thread only; prometheus-client makes reading them from the HTTP side safe."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from eagle3_jax.engine.scheduler import Request
 
 PREFIX = "eagle3_jax:"
+VLLM_PREFIX = "vllm:"
+# The metrics vLLM has under these names (counters without their _total), meaning the same here.
+VLLM_METRICS = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "request_success", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"})
 # Seconds; vLLM's buckets for the same histograms, trimmed.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -17,7 +29,7 @@ TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025,
 
 class ServerMetrics:
     def __init__(self, model_name: str):
-        self.registry = registry = CollectorRegistry()
+        registry = CollectorRegistry()  # ours; /metrics reads `self.registry`: them and their vLLM names
         label = {"labelnames": ["model_name"], "registry": registry}
 
         def gauge(name, doc, *labels):
@@ -57,6 +69,8 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=LATENCY_BUCKETS, **label).labels(model_name)
         self._choices: dict[int, str] = {}
+        self.registry = CollectorRegistry()
+        self.registry.register(WithVllmNames(registry))
 
     def admitted(self, req: Request) -> None:
         self.prompt_tokens.inc(len(req.prompt))
@@ -104,3 +118,20 @@ class ServerMetrics:
         changed = {b: c for b, c in table.items() if self._choices.get(b) != c}
         self._choices = dict(table)
         return changed
+
+
+class WithVllmNames(Collector):
+    """`source`'s metrics, those of VLLM_METRICS twice: under VLLM_PREFIX as well (one count, two
+    names), read at each scrape."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            yield family
+            name = family.name.removeprefix(PREFIX)
+            if family.name.startswith(PREFIX) and name in VLLM_METRICS:
+                renamed = Metric(VLLM_PREFIX + name, family.documentation, family.type, family.unit)
+                renamed.samples = [s._replace(name=VLLM_PREFIX + s.name.removeprefix(PREFIX)) for s in family.samples]
+                yield renamed

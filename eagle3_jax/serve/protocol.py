@@ -72,6 +72,10 @@ class RequestBody(BaseModel):
     def output_limit(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def output_limit_field(self) -> str:
+        return "max_tokens"
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """OpenAI's defaults (temperature 1, top_p 1; top_k off, or -1 as vLLM has it); no
         max_tokens: the rest of the context. Raises APIError 400 naming a field out of range."""
@@ -99,15 +103,18 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]  # OpenAI's roles
     content: str | list[TextPart] | None = None
 
-    def as_template_input(self) -> dict:
-        """{"role", "content"} with the text parts joined, as chat templates take it."""
+    def as_template_input(self, developer_role: bool = True) -> dict:
+        """{"role", "content"} with the text parts joined, as chat templates take it; without
+        `developer_role` (a template that never names it) a developer message is the system's,
+        as OpenAI means it."""
         content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        role = "system" if self.role == "developer" and not developer_role else self.role
+        return {"role": role, "content": content}
 
 
 class ChatCompletionRequest(RequestBody):
@@ -129,6 +136,10 @@ class ChatCompletionRequest(RequestBody):
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def output_limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
 class CompletionRequest(RequestBody):
@@ -159,6 +170,19 @@ class CompletionRequest(RequestBody):
 def check_supported(body: RequestBody) -> None:
     if field := body.unsupported():
         raise invalid(f"{field} is not supported by this server", field)
+
+
+def check_fits(body: RequestBody, prompt_tokens: int, max_model_len: int) -> None:
+    """400 when the output limit asked for does not fit beside the prompt, as OpenAI and vLLM
+    answer, rather than a reply cut at the context's end; without one the reply fills the rest."""
+    wanted = body.output_limit()
+    if wanted is None or prompt_tokens + wanted <= max_model_len:
+        return
+    field = body.output_limit_field
+    raise APIError(400, f"{field} {wanted} does not fit: the prompt has {prompt_tokens} tokens and max_model_len is "
+                   f"{max_model_len} ({prompt_tokens} + {wanted} > {max_model_len}); ask for at most "
+                   f"{max_model_len - prompt_tokens}, or leave {field} out to fill the context", param=field,
+                   code="context_length_exceeded")
 
 
 # ---- responses -----------------------------------------------------------------------------

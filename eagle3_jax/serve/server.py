@@ -5,8 +5,12 @@ requests, gives the running ones --shutdown-timeout seconds, ends the rest with 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
+import importlib.util
 import logging
 import signal
+import socket
 import sys
 
 import prometheus_client
@@ -54,11 +58,60 @@ def run(llm: LLM, args: argparse.Namespace, model_name: str) -> int:
     return 0 if engine_loop.healthy else 1
 
 
+class AddressError(Exception):
+    """--host or --port where uvicorn could not listen; the message names the flag and what to do."""
+
+
+def check_address(host: str, port: int) -> None:
+    """AddressError unless `host` resolves and `port` binds on each of its addresses, bound as
+    uvicorn binds them (the event loop's create_server: SO_REUSEADDR, IPv6 sockets IPv6 only) and
+    closed again: found in a second, not after the model has loaded."""
+
+    async def bind() -> None:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host, port, start_serving=False)
+        server.close()
+        await server.wait_closed()
+
+    try:
+        asyncio.run(bind())
+    except socket.gaierror as e:
+        raise AddressError(f"--host {host}: the name does not resolve ({e.strerror}); give a host name or an "
+                           "address of this machine (127.0.0.1: this machine only, 0.0.0.0: every interface)") from None
+    except OSError as e:
+        raise AddressError(_bind_problem(host, port, e)) from None
+
+
+def _bind_problem(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"--port {port}: {host}:{port} is in use (another server listens there): give another --port"
+    if e.errno == errno.EACCES:
+        return f"--port {port}: not permitted to listen on {host}:{port} (ports below 1024 need privileges)"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (f"--host {host}: not an address of this machine (127.0.0.1: this machine only, 0.0.0.0: every "
+                "interface)")
+    return f"--host {host} --port {port}: cannot listen there ({e.strerror or e})"
+
+
+class _NoTpuProbe(logging.Filter):
+    """Drops JAX's report, at every start, that its TPU backend did not start because libtpu is not
+    installed: on a CPU or a GPU it is no news. Its other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable to initialize backend 'tpu'")
+
+
+NO_TPU_PROBE = _NoTpuProbe()
+JAX_BACKENDS_LOGGER = "jax._src.xla_bridge"  # where JAX reports the backends it tried
+
+
 def configure_logging(level: str) -> None:
-    """The package's loggers at `level`, everything else (uvicorn, JAX) at info at most."""
+    """The package's loggers at `level`, everything else (uvicorn, JAX) at info at most, without
+    JAX's TPU probe where no libtpu is installed."""
     logging.basicConfig(level=max(logging.INFO, getattr(logging, level.upper())), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("eagle3_jax").setLevel(level.upper())
+    if importlib.util.find_spec("libtpu") is None:
+        logging.getLogger(JAX_BACKENDS_LOGGER).addFilter(NO_TPU_PROBE)
 
 
 def log_engine(llm: LLM) -> None:
