@@ -23,6 +23,8 @@ lossless: SmolLM2-135M-Instruct in bf16 with the shipped drafter, the 80 MT-benc
 speed: tok/s end to end, SmolLM2 with the shipped drafter, batch 1 (8 prompts one by one), 8 and
   64 (one round), target alone, chain of 4, tree and prompt lookup, with and without batch_invariant;
   each engine in a process of its own, timed after a pass that compiled every shape it times.
+pool: the target's forward alone on pools of 2,000 to 150,000 pages (SmolLM2's config, random
+  weights): a decode against itself repeated and against a verify, bit for bit.
 release: four engines one after another in one process, released by LLM.close(), by dropping the
   last reference, and (the third) not at all: each one's pool, the memory held elsewhere, its reply.
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
@@ -38,6 +40,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -273,14 +276,18 @@ def phase_lossless(out: dict, args) -> None:
                 name = f"{kind}|{proposal}|{variant.strip() or 'default'}"
                 stem = "replies-" + "".join(c if c.isalnum() else "_" for c in name)
                 path = Path(args.out_dir) / f"{stem}.json"
+                # NAME=value words of a variant are the process's environment (XLA_FLAGS, say), the rest options.
+                words = variant.split()
+                env = dict(w.split("=", 1) for w in words if re.match(r"[A-Z_][A-Z0-9_]*=", w))
                 cmd = [sys.executable, __file__, "--phase", "replies", "--target", args.target, "--kind", kind,
                        "--proposal", proposal, "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
-                       "--modes", args.modes, "--out-dir", args.out_dir, "--out-name", stem, *variant.split()]
+                       "--modes", args.modes, "--out-dir", args.out_dir, "--out-name", stem,
+                       *[w for w in words if not re.match(r"[A-Z_][A-Z0-9_]*=", w)]]
                 if args.questions:
                     cmd += ["--questions", args.questions]
-                print("$", " ".join(cmd[2:]), flush=True)
+                print("$", *(f"{k}={v}" for k, v in env.items()), " ".join(cmd[2:]), flush=True)
                 t0 = time.perf_counter()
-                rc = subprocess.run(cmd).returncode
+                rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
                 runs[name] = json.loads(path.read_text()) if rc == 0 and path.is_file() else dict(rc=rc)
                 runs[name]["wall_s"] = round(time.perf_counter() - t0, 1)
     rows = []
@@ -301,6 +308,37 @@ def phase_lossless(out: dict, args) -> None:
             print(row, flush=True)
     out["equality"] = rows
     out["runs"] = {name: {k: v for k, v in run.items() if k != "replies"} for name, run in runs.items()}
+
+
+def phase_pool(out: dict, args) -> None:
+    """The target's forward alone (SmolLM2's config, random bf16 weights, the invariant kernels) on
+    pools of several sizes, its pages low or at the pool's end: a decode against itself repeated and
+    against a verify of 5 tokens, bit for bit; the engine's programs aside."""
+    from eagle3_jax.config import ModelConfig
+
+    cfg = ModelConfig.from_json(Path(args.target) / "config.json")
+    params = llama.fold_norm_gains(llama.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16))
+    ctx, page = 40, 16
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, ctx + 5), dtype=np.int32)
+    step = _step_fn(cfg, "invariant")
+    rows = []
+    for num_pages in (int(n) for n in args.pool_pages.split(",")):
+        for at_end in (False, True):
+            table = np.zeros((1, 68), np.int32)
+            table[0, :8] = np.arange(num_pages - 9, num_pages - 1) if at_end else np.arange(1, 9)
+            cache = llama.KVCache.zeros(cfg.num_layers, num_pages, page, cfg.num_kv_heads, cfg.head_dim, jnp.bfloat16)
+            _, cache = step(params, tokens[:, :ctx], np.arange(ctx)[None], cache, table)
+            logits = []
+            for t in (1, 1, 5):  # decode, decode again, verify
+                got, cache = step(params, tokens[:, ctx:ctx + t], np.arange(ctx, ctx + t)[None], cache, table)
+                logits.append(np.asarray(got)[0, 0])
+            del cache
+            rows.append(dict(num_pages=num_pages, pages_at_end=at_end,
+                             decode_repeats=bool(np.array_equal(logits[0], logits[1])),
+                             decode_equals_verify=bool(np.array_equal(logits[0], logits[2])),
+                             max_difference=float(np.abs(logits[0] - logits[2]).max())))
+            print(rows[-1], flush=True)
+    out["pool"] = rows
 
 
 def phase_release(out: dict, args, questions: list[list[dict]]) -> None:
@@ -382,7 +420,7 @@ def phase_speed(out: dict, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("8b", "lossless", "replies", "release", "speed", "speed-engine", "gemm"),
+    p.add_argument("--phase", choices=("8b", "lossless", "replies", "pool", "release", "speed", "speed-engine", "gemm"),
                    required=True)
     p.add_argument("--target", help="converted SmolLM2 directory")
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
@@ -392,7 +430,8 @@ def main() -> None:
     p.add_argument("--kinds", default="invariant,default")
     p.add_argument("--proposals", default=",".join(PROPOSALS), help="lossless: the engines compared")
     p.add_argument("--variants", default="",
-                   help="lossless: ';'-separated replies options to run each engine with ('' the defaults)")
+                   help="lossless: ';'-separated replies options to run each engine with ('' the defaults; "
+                        "NAME=value words set its environment)")
     p.add_argument("--modes", default="greedy,seeded")
     # replies: one engine, in this process
     p.add_argument("--kind", choices=tuple(KINDS), default="invariant")
@@ -402,6 +441,7 @@ def main() -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--warmup", action="store_true")
     p.add_argument("--repeat", action="store_true", help="replies: each prompt alone once more at the end")
+    p.add_argument("--pool-pages", default="2000,60000,100000,150000", help="pool: the pool sizes tried")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--out-name", default=None, help="the JSON's name (default: the phase's)")
     args = p.parse_args()
@@ -420,6 +460,8 @@ def main() -> None:
             phase_replies(out, args, questions)
         elif args.phase == "lossless":
             phase_lossless(out, args)
+        elif args.phase == "pool":
+            phase_pool(out, args)
         elif args.phase == "release":
             phase_release(out, args, questions)
         elif args.phase == "speed-engine":
