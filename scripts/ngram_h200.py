@@ -7,7 +7,8 @@ acceptance and tok/s on MT-bench first turns and on HumanEval code completions.
 
 SmolLM2-135M-Instruct in bf16, greedy, chat template, speculation "always": the target alone,
 prompt lookup with K = 4 and 8, the shipped drafter's chain of 4 and its tree (6, 8, 31). Batch 1
-runs the prompts one at a time, batch B the first B at once (both after a warm-up round). Every
+runs the prompts one at a time, batch B the first B at once (both after an untimed pass over the
+same prompts, so no compile is timed), each engine closed before the next is built. Every
 reply is compared with the target alone's. Prints a table and writes ngram.json under --out-dir.
 """
 
@@ -59,7 +60,8 @@ def _llm(target: str, label: str):
 def measure(llm, prompts: list, params, batch: int) -> tuple[float, float, list]:
     """-> (tok/s, mean acceptance length, replies' token ids) of the prompts at `batch`."""
     runs = [[p] for p in prompts] if batch == 1 else [prompts[:batch]]
-    llm.chat(runs[0], params)  # compiles the shapes this batch runs
+    for run in runs:  # warm-up: every shape timed below (at batch 1 each prompt's prefill bucket) compiled
+        llm.chat(run, params)
     start, outs = time.perf_counter(), []
     for run in runs:
         outs += llm.chat(run, params)
@@ -101,7 +103,7 @@ def main() -> None:
                 rows.append(dict(proposal=label, workload=workload, batch=b, tok_s=round(tok_s),
                                  acceptance=round(acceptance, 3), same_as_target=f"{same}/{len(ref)}"))
                 print(rows[-1], flush=True)
-        del llm
+        llm.close()
     for row in rows:
         base = next(r for r in rows if r["proposal"] == "target alone" and r["workload"] == row["workload"]
                     and r["batch"] == row["batch"])
