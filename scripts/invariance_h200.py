@@ -245,6 +245,7 @@ def phase_replies(out: dict, args, questions: list[list[dict]]) -> None:
     t0 = time.perf_counter()
     llm = _llm(args.target, args.kind, args.proposal, args.kv_fraction, not args.no_prefix_caching, args.warmup,
                args.num_pages)
+    llm.engine.overlap = not args.no_overlap
     out.update(start_s=round(time.perf_counter() - t0, 1), num_pages=llm.engine.cfg.num_pages,
                free_bytes=llm.engine.runner.free_bytes)
     greedy = SamplingParams(max_tokens=args.max_tokens)
@@ -440,6 +441,7 @@ def main() -> None:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--warmup", action="store_true")
+    p.add_argument("--no-overlap", action="store_true", help="replies: the host waits for each step's results")
     p.add_argument("--repeat", action="store_true", help="replies: each prompt alone once more at the end")
     p.add_argument("--pool-pages", default="2000,60000,100000,150000", help="pool: the pool sizes tried")
     p.add_argument("--out-dir", default=".")
