@@ -51,10 +51,10 @@ import jax
 import numpy as np
 
 from eagle3_jax import assets
+from eagle3_jax.arguments import sizes
 from eagle3_jax.bench.common import Column, Result, markdown_table
 from eagle3_jax.bench.harness import sized_engine_config
 from eagle3_jax.bench.phases import load_prompts, request_latencies, user_turn_encoder
-from eagle3_jax.cli import sizes
 from eagle3_jax.config import ATTENTION_KINDS, EngineConfig
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
