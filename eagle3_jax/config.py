@@ -12,7 +12,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class ConfigError(ValueError):
@@ -388,6 +388,44 @@ class TreeSpec:
         if self.is_chain:  # the chain's own reservation (its later draft steps past it hit scratch)
             return self.steps + 1
         return max(self.tokens + 1, self.steps + 1 + self.draft_slots)
+
+
+class SlotLayout(NamedTuple):
+    """What a speculator keeps per slot (runner/state.py's `Slots`): proposals = Slots.drafts columns,
+    q_rows = Slots.draft_probs rows, emitted = Slots.emitted columns; parents, history: whether kept."""
+
+    proposals: int
+    q_rows: int
+    parents: bool
+    emitted: int
+    history: bool = False
+
+    @staticmethod
+    def union(layouts) -> SlotLayout:
+        layouts = list(layouts)
+        return SlotLayout(proposals=max(x.proposals for x in layouts), q_rows=max(x.q_rows for x in layouts),
+                          parents=any(x.parents for x in layouts), emitted=max(x.emitted for x in layouts),
+                          history=any(x.history for x in layouts))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculatorFacts:
+    """What the host knows of a speculator (runner/speculators/): fixed by its configuration, read by
+    the engine, the scheduler and the policy to plan around it, and by the runner to size the
+    programs and state it runs on. The speculator's methods are the device work."""
+
+    label: str  # the name in tables and logs: "chain K=4", "tree 5,4,15", "ngram K=4"
+    spec: TreeSpec | None  # its shape (None: the target alone)
+    kind: int  # tags its proposals in Slots.drafted_by: a verify treats another kind's as none
+    uses_drafter: bool  # drafts with the EAGLE-3 head
+    point_mass: bool  # proposals are a function of the context: no q kept, one-hot or coupled rules
+    top1_chain: int  # it is the drafter's top-1 chain of this length (0: not), which a tree's verify can measure
+    measures_top1_chain: bool  # its verify reports what the drafter's top-1 chain would have accepted
+    num_draft_steps: int
+    max_accepted: int  # the most proposals one iteration accepts
+    verify_width: int  # W: tokens per row the target verifies
+    positions_per_iteration: int  # KV positions written past the row's length (the scheduler's footprint)
+    slot_layout: SlotLayout
 
 
 # Row 0 of the per-slot state is the dummy slot padded batch rows read and write; page 0 of the

@@ -173,7 +173,7 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     one per sampled distribution: the verify and each of the K draft tokens). The driver picks
     the program from the requests' parameters."""
     engine = spec_llm.engine
-    k = engine.step_cfg.speculator.max_accepted
+    k = engine.step_cfg.speculator.facts.max_accepted
     bucket = engine.cfg.batch_buckets[1]  # padded rows: the same program as real ones
 
     def branches(cfg) -> int:
@@ -204,7 +204,7 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     changes, and the verdicts stay in the state until a gather of their own copies them out, into
     two buffers per bucket taken in turn (nothing may be allocated between iterations either)."""
     engine = spec_llm.engine
-    k = engine.step_cfg.speculator.max_accepted
+    k = engine.step_cfg.speculator.facts.max_accepted
     bucket = engine.cfg.batch_buckets[1]
     slots = np.full(bucket, DUMMY_SLOT, np.int32)
     tables = np.zeros((bucket, engine.cfg.max_blocks_per_seq), np.int32)
@@ -271,7 +271,7 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     states = {
         cfg.num_layers: jax.eval_shape(
             lambda c=cfg: init_state(c, DraftConfig.like_target(c, 64), engine_cfg, jax.numpy.bfloat16,
-                                     Chain(4).slot_layout)
+                                     Chain(4).facts.slot_layout)
         )
         for cfg in (smollm2_cfg, shallow)
     }

@@ -122,6 +122,6 @@ def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypa
     iteration = engine.runner.trace_iteration(2, cfg).lower(lowering_platforms=("cuda",))
     # target: 4 projections a layer + lm_head; draft extend: fc + its 4; each of K - 1 chain steps:
     # its 4; K draft lm_heads
-    k = cfg.speculator.max_accepted
+    k = cfg.speculator.facts.max_accepted
     assert len(calls) == 4 * target.num_layers + 1 + 5 + 4 * (k - 1) + k, calls
     assert "mosaic_gpu" in iteration.as_text()

@@ -62,9 +62,10 @@ def test_lookup_equals_the_rule_on_random_histories():
 def test_ngram_registered_and_shaped_as_a_chain():
     assert "ngram" in SPECULATORS
     spec = NGram(4)
-    assert (spec.verify_width, spec.max_accepted, spec.num_draft_steps, spec.uses_drafter) == (5, 4, 1, False)
-    assert spec.slot_layout.history and spec.slot_layout.q_rows == 0
-    assert spec.label == "ngram K=4" and spec != NGram(4, max_n=2) and hash(spec) == hash(NGram(4))
+    facts = spec.facts
+    assert (facts.verify_width, facts.max_accepted, facts.num_draft_steps, facts.uses_drafter) == (5, 4, 1, False)
+    assert facts.slot_layout.history and facts.slot_layout.q_rows == 0
+    assert facts.label == "ngram K=4" and spec != NGram(4, max_n=2) and hash(spec) == hash(NGram(4))
 
 
 # ---- the engine --------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_mode
     llm = make(tiny_models[0], tiny_models[1]["shared"], spec, warmup=True, batch_buckets=(2, 4), speculation="auto",
                step_costs=((2, 1.0, 100.0, 0.5), (4, 1.0, 0.5, 100.0)))
     engine = llm.engine
-    assert [p.spec for p in engine.proposals] == [spec, TreeSpec.chain(3)]
+    assert [p.facts.spec for p in engine.proposals] == [spec, TreeSpec.chain(3)]
     assert [c.choice for c in engine.speculation_table()] == ["chain K=3", "tree 3,2,5"]
     built = engine.num_compilations
     lengths = [8, 16, 24, 40]
@@ -400,13 +400,13 @@ def test_a_tree_wider_than_the_draft_vocabulary_is_refused(tiny_models):
     # The "own" drafter's draft vocabulary holds 8 of the 12 tokens: a node cannot have 9 children.
     with pytest.raises(ConfigError, match=r"^tree 2,9,3: top_k 9 exceeds the drafter's draft vocabulary of 8 tokens$"):
         make(tiny_models[0], tiny_models[1]["own"], TreeSpec(2, 9, 3))
-    assert make(tiny_models[0], tiny_models[1]["own"], TreeSpec(2, 8, 3)).engine.proposals[0].spec.top_k == 8
+    assert make(tiny_models[0], tiny_models[1]["own"], TreeSpec(2, 8, 3)).engine.proposals[0].facts.spec.top_k == 8
 
 
 def test_scheduler_reserves_two_tree_iterations():
     cfg = EngineConfig(batch_buckets=(2,), page_size=4, num_pages=64, max_model_len=64, tree=TreeSpec(3, 2, 5))
-    s = Scheduler(cfg, VOCAB, 3, Tree(TreeSpec(3, 2, 5)).positions_per_iteration)
-    assert Tree(TreeSpec(3, 2, 5)).positions_per_iteration == 8  # max(5 + 1, 3 + 1 + 2 * 2)
+    s = Scheduler(cfg, VOCAB, 3, Tree(TreeSpec(3, 2, 5)).facts.positions_per_iteration)
+    assert Tree(TreeSpec(3, 2, 5)).facts.positions_per_iteration == 8  # max(5 + 1, 3 + 1 + 2 * 2)
     assert s.pages_needed(4, 4) == 6  # 4 + 4 + 2 * 8 = 24 tokens
     assert s.add([1], greedy(1)).metrics.accepted_at == [0, 0, 0]  # by depth
     assert Scheduler(cfg, VOCAB, 3).pages_needed(4, 4) == 4  # a chain of 3: 4 + 4 + 2 * 4 = 16 tokens

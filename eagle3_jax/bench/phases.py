@@ -262,9 +262,9 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         if ceilings is not None:
             ran = engine.iterate_config(bucket)
             itemsize = jnp.dtype(opts.dtype).itemsize
-            spec = ran.speculator.spec if ran.speculative else None
+            spec = ran.speculator.facts.spec if ran.speculative else None
             cost = (tree_iteration_cost(target, draft, spec, bucket, context, itemsize) if spec and not spec.is_chain
-                    else iteration_cost(target, draft, ran.speculator.max_accepted, bucket, context, itemsize))
+                    else iteration_cost(target, draft, ran.speculator.facts.max_accepted, bucket, context, itemsize))
             values["floor_ms"] = 1e3 * cost.floor_s(ceilings)
         results.append(Result("smollm2", mode, b, values))
         log(f"{mode}, batch {b}: {values['tok_s']:.0f} tok/s, acceptance length {values['acceptance_length']:.2f}, "
@@ -347,7 +347,7 @@ verify_only = jit_per_gemm(_verify_only, static_argnames=("cfg", "mesh", "attent
 
 
 def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
-                    mesh: Mesh | None = None, layout: SlotLayout = TARGET_ALONE.slot_layout) -> DeviceState:
+                    mesh: Mesh | None = None, layout: SlotLayout = TARGET_ALONE.facts.slot_layout) -> DeviceState:
     """init_state with random KV (never time on zeros), random last tokens and proposals (a tree's
     nodes all under the root: its parents stay 0). Under a mesh, in the layout the engine keeps
     (state_shardings), each KV page array created on its shards. layout: the slots' (init_state's)."""
@@ -514,7 +514,7 @@ def precompile_steps(opts: Options, scfgs: dict[StepKind, StepConfig], calls: di
     # Lowered first, one kind's state at a time (lowering keeps only shapes and shardings).
     lower_start, lowered = time.perf_counter(), {}
     for kind, scfg in scfgs.items():
-        state = synthetic_state(scfg.target, scfg.draft, ecfg, opts.dtype, mesh, scfg.speculator.slot_layout)
+        state = synthetic_state(scfg.target, scfg.draft, ecfg, opts.dtype, mesh, scfg.speculator.facts.slot_layout)
         for b in opts.batches_8b:
             fn, args, kw = calls[kind, b][1](state)
             lowered[kind, b] = fn.lower(*args, **kw)
@@ -712,7 +712,7 @@ def phase_8b(
     kernels: dict[str, profile.DeviceActivity] = {}  # --profile: "kind, batch b" -> the device's activity
     by_source: dict[str, list] = {}  # --profile: "kind, batch b" -> (source line, kernels, us) per call
     for kind, scfg in scfgs.items():
-        state = synthetic_state(target, scfg.draft, ecfg, opts.dtype, mesh, scfg.speculator.slot_layout)
+        state = synthetic_state(target, scfg.draft, ecfg, opts.dtype, mesh, scfg.speculator.facts.slot_layout)
         for b in opts.batches_8b:
             state, samples, activity, sources = measure_step(opts, kind, b, calls[kind, b][0], state, ecfg,
                                                              sites.get((kind, b)), notes)

@@ -111,12 +111,12 @@ class Engine:
         cfg = dataclasses.replace(cfg, num_pages=self.runner.cfg.num_pages)
         self.proposals = self.runner.proposals  # what an iteration may draft, the engine's proposal first
         if cfg.batch_buckets is None:
-            cfg = dataclasses.replace(cfg, batch_buckets=default_batch_buckets([p.spec for p in self.proposals]))
+            cfg = dataclasses.replace(cfg, batch_buckets=default_batch_buckets([p.facts.spec for p in self.proposals]))
         self.cfg = cfg
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
-        most = max((p.max_accepted for p in self.proposals), default=0)
+        most = max((p.facts.max_accepted for p in self.proposals), default=0)
         self.scheduler = Scheduler(cfg, target.vocab_size, most, self.runner.positions_per_iteration)
         log.info(pool_line(cfg, self.runner.free_bytes, explicit=not size_pool, elsewhere=self.runner.held_elsewhere))
         self.stats = EngineStats()
@@ -127,7 +127,7 @@ class Engine:
         # proposal whose proposals it holds fresh, drafted at its current position (-1 after a
         # target-only iteration: the next verify checks stale proposals, no measure of the drafter).
         self.policy = policy.SpeculationPolicy()
-        self.acceptance = tuple(policy.AcceptanceEstimate.prior(p.max_accepted) for p in self.proposals)
+        self.acceptance = tuple(policy.AcceptanceEstimate.prior(p.facts.max_accepted) for p in self.proposals)
         self.step_costs: dict[int, policy.BucketCost] = {
             int(c[0]): policy.BucketCost(c[1], tuple(c[2:])) for c in cfg.step_costs or ()
             if c[0] in cfg.batch_buckets and self.proposals}
@@ -332,7 +332,7 @@ class Engine:
     def _observe(self, pending: _Pending, accepted: np.ndarray, top1: np.ndarray) -> None:
         """Update the acceptance estimates from one iteration's accepted, top1 [n], over rows still
         running whose proposals were drafted fresh. The proposal that ran measures its own; a
-        verify that reports the top-1 chain's acceptance (`Speculator.measures_top1_chain`)
+        verify that reports the top-1 chain's acceptance (`SpeculatorFacts.measures_top1_chain`)
         measures the chains served beside it too, without probing them."""
         measured = np.array([bool(fresh) and not _stale(pending, i) for i, fresh in enumerate(pending.fresh)], bool)
         ran = None if pending.proposal is None else self.proposals[pending.proposal]
@@ -340,8 +340,9 @@ class Engine:
         for i, (est, proposal) in enumerate(zip(self.acceptance, self.proposals)):
             if i == pending.proposal:
                 est = policy.observe(est, accepted, measured, self.policy)
-            elif ran is not None and ran.measures_top1_chain and proposal.top1_chain:
-                est = policy.observe(est, np.minimum(top1, proposal.top1_chain), measured & (top1 >= 0), self.policy)
+            elif ran is not None and ran.facts.measures_top1_chain and proposal.facts.top1_chain:
+                longest = proposal.facts.top1_chain
+                est = policy.observe(est, np.minimum(top1, longest), measured & (top1 >= 0), self.policy)
             else:
                 est = policy.observe(est, accepted, np.zeros_like(measured), self.policy)
             estimates.append(est)
@@ -402,7 +403,7 @@ class Engine:
         if self.cfg.speculation == "always":
             return 0
         return policy.choose(self.bucket_cost(bucket), self.acceptance,
-                             [p.max_accepted + 1 for p in self.proposals], self.policy)
+                             [p.facts.max_accepted + 1 for p in self.proposals], self.policy)
 
     def bucket_cost(self, bucket: int) -> policy.BucketCost | None:
         """The bucket's cost as the policy takes it: warm-up's (or injected), each choice's replaced
@@ -414,7 +415,7 @@ class Engine:
         return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy)
 
     def _label(self, choice: int | None) -> str:
-        return "target-only" if choice is None else self.proposals[choice].label
+        return "target-only" if choice is None else self.proposals[choice].facts.label
 
     def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
         """The iteration a bucket runs now: its choice's proposal, or the target alone (pending
@@ -428,7 +429,7 @@ class Engine:
 
     def policy_report(self) -> str:
         """The speculation table and each proposal's acceptance estimate, as plain text."""
-        labels = [p.label for p in self.proposals]
+        labels = [p.facts.label for p in self.proposals]
         return policy.format_table(self.speculation_table(), list(zip(labels, self.acceptance)))
 
     # ---- compilation -------------------------------------------------------------------------

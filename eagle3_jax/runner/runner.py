@@ -258,11 +258,11 @@ class ModelRunner:
         self.cfg = cfg
         self.proposals: tuple[Speculator, ...] = speculators_for(cfg, draft)
         for proposal in self.proposals:
-            if proposal.uses_drafter:
-                check_proposal_fits(proposal.spec, draft)
+            if proposal.facts.uses_drafter:
+                check_proposal_fits(proposal.facts.spec, draft)
         model = target_model_for(target)
         main = self.proposals[0] if self.proposals else TARGET_ALONE
-        drafting = any(p.uses_drafter for p in self.proposals)
+        drafting = any(p.facts.uses_drafter for p in self.proposals)
         self.step_cfg = StepConfig(target=target, draft=draft if drafting else None, speculator=main, mesh=mesh,
                                    attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm,
                                    model=model, batch_invariant=batch_invariant(cfg, target, mesh))
@@ -280,7 +280,7 @@ class ModelRunner:
                                                         devices, tp)
             self.held_elsewhere = kv_memory.held_elsewhere(devices, (params, self._params, self._draft_params))
             self.cfg = cfg
-        layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
+        layout = SlotLayout.union(p.facts.slot_layout for p in self.proposals or (main,))
         make_state = functools.partial(init_state, target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
         if mesh is None:
             self._state = make_state()
@@ -314,7 +314,7 @@ class ModelRunner:
     @property
     def positions_per_iteration(self) -> int:
         """KV positions past a row's length the widest of the proposals writes per iteration."""
-        return max(p.positions_per_iteration for p in self.proposals or (self.speculator,))
+        return max(p.facts.positions_per_iteration for p in self.proposals or (self.speculator,))
 
     def config(self, proposal: Speculator, greedy: bool) -> StepConfig:
         """The step config of one program: `proposal` (one of `proposals`, or TARGET_ALONE), greedy or not."""
@@ -327,7 +327,7 @@ class ModelRunner:
     def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None]) -> None:
         """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
         (None: its params carry a seed); the greedy program when every row is greedy."""
-        row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.point_mass)
+        row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.facts.point_mass)
         cfg = self.config(self.speculator, greedy=all(p.greedy for p in params))
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
 
@@ -358,7 +358,7 @@ class ModelRunner:
             return verdicts
         slots, tables = self._pinned.get(slots, tables)
         state, _, _, carry = iterate_head_step(self._params, self._draft_params, self._state, slots, tables, cfg=cfg)
-        for j in range(1, cfg.speculator.num_draft_steps):
+        for j in range(1, cfg.speculator.facts.num_draft_steps):
             state, carry = chain_step_jit(self._draft_params, self._params.embed, state, carry, tables, j, cfg=cfg)
         self._state = commit_step(state, slots, carry, cfg=cfg)
         return self._pinned.read_verdicts(self._state, slots)

@@ -4,14 +4,12 @@ between iterations. Slot 0 is the dummy padded rows read and write; its block ta
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from eagle3_jax.config import DUMMY_SLOT, DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import DUMMY_SLOT, DraftConfig, EngineConfig, ModelConfig, SlotLayout
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner.sampling import RowSampling
 
@@ -34,24 +32,6 @@ class Slots:
     parents: jax.Array | None = None  # [S, T] i32: a tree's node i+1's parent in the verify layout (0: root)
     drafted_by: jax.Array | None = None  # [S] i32: the `kind` of the pending proposal (0: none yet)
     history: jax.Array | None = None  # [S, M] i32: the row's tokens by position (`SlotLayout.history`)
-
-
-class SlotLayout(NamedTuple):
-    """What a speculator keeps per slot (`Speculator.slot_layout`): proposals = Slots.drafts columns,
-    q_rows = Slots.draft_probs rows, emitted = Slots.emitted columns; parents, history: whether kept."""
-
-    proposals: int
-    q_rows: int
-    parents: bool
-    emitted: int
-    history: bool = False
-
-    @staticmethod
-    def union(layouts) -> SlotLayout:
-        layouts = list(layouts)
-        return SlotLayout(proposals=max(x.proposals for x in layouts), q_rows=max(x.q_rows for x in layouts),
-                          parents=any(x.parents for x in layouts), emitted=max(x.emitted for x in layouts),
-                          history=any(x.history for x in layouts))
 
 
 @struct.dataclass

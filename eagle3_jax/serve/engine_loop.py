@@ -223,7 +223,7 @@ class EngineLoop:
             return
         self._policy_read = now
         table = {row.bucket: row.choice for row in self.engine.speculation_table()}
-        labels = [p.label for p in self.engine.proposals] + ["target-only"]
+        labels = [p.facts.label for p in self.engine.proposals] + ["target-only"]
         for bucket, choice in self.metrics.choices(table, labels).items():
             logger.info("speculation: batch bucket %d runs %s", bucket, choice)
 
