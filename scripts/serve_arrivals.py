@@ -155,7 +155,7 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
         values = figures(requests, wall_s, engine.stats, engine.num_compilations - compiled)
         rows.append(Result("serve", mode, len(requests), {"rate": rate_label(rate), **values}))
         log(f"{mode}, {rate_label(rate)}: {values['tok_s']:.1f} tok/s, TTFT p50 {values['ttft_p50_ms']:.0f} ms")
-    table = engine.policy_report() if speculation == "auto" else None
+    table = engine.speculation.report() if speculation == "auto" else None
     return rows, source, table
 
 

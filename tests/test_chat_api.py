@@ -119,7 +119,7 @@ def test_a_drain_refuses_new_work_and_ends_what_runs_after_its_grace(llm, grace_
 
 def engine_cut(decode, ids: list[int], stops) -> tuple[list[int], str]:
     """(tokens, text) as the engine ends them: at the first token after which the text holds a
-    stop string, cut before it (Engine._hit_stop_string)."""
+    stop string, cut before it (scheduler.hit_stop_string)."""
     for k in range(1, len(ids) + 1):
         text = decode(ids[:k])
         for stop in stops:

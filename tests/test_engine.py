@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import CyclicGarbage, make_llm
+from runner_probe import buffer_addresses, pinned_batch, trace_iteration, trace_prefill
 from test_policy import speculate
 
 from eagle3_jax import SamplingParams, TreeSpec, assets
@@ -177,11 +178,11 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     bucket = engine.cfg.batch_buckets[1]  # padded rows: the same program as real ones
 
     def branches(cfg) -> int:
-        return engine.runner.trace_iteration(bucket, cfg).lower().as_text().count('"stablehlo.case"')
+        return trace_iteration(engine.runner, bucket, cfg).lower().as_text().count('"stablehlo.case"')
 
     greedy, sampling = (engine.iterate_config(bucket, greedy=g) for g in (True, False))
     assert (branches(greedy), branches(sampling)) == (0, k + 1)
-    first = engine.runner.trace_prefill(1, 32, dataclasses.replace(engine.step_cfg, greedy=True)).lower().as_text()
+    first = trace_prefill(engine.runner, 1, 32, dataclasses.replace(engine.step_cfg, greedy=True)).lower().as_text()
     assert '"stablehlo.case"' not in first
 
     ran = []
@@ -213,7 +214,7 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     runner = engine.runner
 
     def addresses() -> list[int]:
-        return runner.buffer_addresses() + [x.unsafe_buffer_pointer() for x in runner.pinned_batch(slots, tables)]
+        return buffer_addresses(runner) + [x.unsafe_buffer_pointer() for x in pinned_batch(runner, slots, tables)]
 
     runner.iterate(slots, tables, cfg)
     before = addresses()
@@ -224,7 +225,7 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
         verdicts = runner.iterate(slots, tables, cfg)
         verdict_addresses.append(verdicts.unsafe_buffer_pointer())
     assert verdicts.shape == (bucket, 2 + k + 1)  # proposals accepted, top1_accepted, then the tokens emitted
-    assert runner.pinned_batch(slots, tables)[1][0, -1] == 2
+    assert pinned_batch(runner, slots, tables)[1][0, -1] == 2
     assert addresses() == before
     a, b = verdict_addresses[:2]
     assert a != b and verdict_addresses == [a, b, a, b]
@@ -246,10 +247,10 @@ def test_first_tokens_are_read_into_buffers_held_per_slot(spec_llm, chat_ids, mo
         return first
 
     monkeypatch.setattr(runner, "first_token", recording)
-    state_addresses = runner.buffer_addresses()
+    state_addresses = buffer_addresses(runner)
     for _ in range(2):  # three requests admitted in one step, twice into the same three slots
         outputs = spec_llm.generate(chat_ids[:3], SamplingParams(max_tokens=2))
-    assert runner.buffer_addresses() == state_addresses
+    assert buffer_addresses(runner) == state_addresses
     assert all(o.metrics.arrival_time < o.metrics.first_token_time <= o.metrics.last_token_time for o in outputs)
     slots = sorted({slot for slot, _ in reads})
     assert len(reads) == 6 and len(slots) == 3

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from runner_probe import trace_iteration, trace_prefill
 
 from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig
 from eagle3_jax.model import llama, mosaic_gemv
@@ -116,10 +117,10 @@ def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypa
     monkeypatch.setattr(mosaic_gemv, "project", lambda x, w, out_dtype=None: calls.append(w.shape) or
                         project(x, w, out_dtype))
 
-    prefill = engine.runner.trace_prefill(1, 32, cfg).lower(lowering_platforms=("cuda",))
+    prefill = trace_prefill(engine.runner, 1, 32, cfg).lower(lowering_platforms=("cuda",))
     assert calls == [] and "mosaic_gpu" not in prefill.as_text()
 
-    iteration = engine.runner.trace_iteration(2, cfg).lower(lowering_platforms=("cuda",))
+    iteration = trace_iteration(engine.runner, 2, cfg).lower(lowering_platforms=("cuda",))
     # target: 4 projections a layer + lm_head; draft extend: fc + its 4; each of K - 1 chain steps:
     # its 4; K draft lm_heads
     k = cfg.speculator.facts.max_accepted

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB
+from runner_probe import read_history
 from test_cli import run_cli
 
 from eagle3_jax import SamplingParams
@@ -145,7 +146,7 @@ def test_prefix_cache_hit_leaves_the_whole_prompt_in_the_history(tiny_models):
     again = engine.add_request(prompt, params)
     engine.step()  # admits and prefills it
     assert again.num_cached == 32  # two pages of 16 from the cache; the last 8 tokens prefilled
-    assert engine.runner.read_history(again.slot)[:len(prompt)].tolist() == prompt
+    assert read_history(engine.runner, again.slot)[:len(prompt)].tolist() == prompt
     engine.run([again])
     alone = make(tiny_models[0], None).generate([prompt], params)[0].token_ids
     assert again.output == alone

@@ -251,7 +251,7 @@ def test_stop_strings_decode_a_tail_and_cut_the_whole_text():
     the text is cut before its first occurrence in the whole output."""
     import types
 
-    from eagle3_jax.engine.engine import Engine
+    from eagle3_jax.engine.scheduler import hit_stop_string
 
     decoded = []
 
@@ -259,12 +259,11 @@ def test_stop_strings_decode_a_tail_and_cut_the_whole_text():
         decoded.append(len(ids))
         return "".join(chr(97 + t) for t in ids)
 
-    engine = types.SimpleNamespace(detokenize=detokenize)
     req = types.SimpleNamespace(params=SamplingParams(stop=("xyz", "q")), output=[], text=None)
     hits = []
     for t in [0] * 300 + [23, 24, 25, 1]:  # "aaa...axyzb"
         req.output.append(t)
-        hits.append(Engine._hit_stop_string(engine, req))
+        hits.append(hit_stop_string(req, detokenize))
     assert hits.index(True) == 302 and req.text == "a" * 300
     assert max(decoded[:302]) == 4 * 3 + 8  # tails only, until the hit decodes the whole output
     assert decoded[303] == 303

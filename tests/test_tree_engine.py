@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB
+from runner_probe import read_kv, set_proposals
 
 from eagle3_jax import SamplingParams, TreeSpec
 from eagle3_jax.config import ConfigError, EngineConfig, default_batch_buckets
@@ -136,7 +137,7 @@ def prefill_kv(llm, sequence: list[int], draft: bool = False):
     engine.overlap = False
     req = engine.add_request(sequence, greedy(4))
     engine.step()  # the prefill (and one iteration, writing from position len(sequence) on)
-    kv = engine.runner.read_kv(engine.scheduler.block_tables[req.slot], range(len(sequence)), draft)
+    kv = read_kv(engine.runner, engine.scheduler.block_tables[req.slot], range(len(sequence)), draft)
     while engine.has_unfinished():
         engine.step()
     engine.overlap = True
@@ -160,7 +161,7 @@ def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_l
         n = len(req.output)
         depth = int(rng.integers(spec.steps + 1))
         tokens, parents = forced_tree(spec, ref[n:n + depth + 1], rng)
-        engine.runner.set_proposals(req.slot, tokens, parents)
+        set_proposals(engine.runner, req.slot, tokens, parents)
         accepted = req.metrics.accepted
         engine.step()
         assert req.metrics.accepted - accepted == depth
@@ -169,7 +170,7 @@ def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_l
     assert set(depths) == set(range(spec.steps + 1))
     cached = prompt + req.output[:-1]  # the last token is not in the cache yet
     table = engine.scheduler.block_tables[req.slot]
-    got = {cache: engine.runner.read_kv(table, range(len(cached)), cache == "draft") for cache in ("target", "draft")}
+    got = {cache: read_kv(engine.runner, table, range(len(cached)), cache == "draft") for cache in ("target", "draft")}
     while engine.has_unfinished():
         engine.step()
     engine.overlap = True
@@ -185,9 +186,9 @@ def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_l
 def test_set_proposals_checks_the_tree(tree_llm):
     runner = tree_llm.engine.runner
     with pytest.raises(ValueError, match="parents are given for a tree's proposals"):
-        runner.set_proposals(1, [1, 2, 3, 4, 5])
+        set_proposals(runner, 1, [1, 2, 3, 4, 5])
     with pytest.raises(ValueError, match=r"parents \[0, 0, 3, 1, 2\]: node i\+1's parent"):
-        runner.set_proposals(1, [1, 2, 3, 4, 5], [0, 0, 3, 1, 2])
+        set_proposals(runner, 1, [1, 2, 3, 4, 5], [0, 0, 3, 1, 2])
 
 
 # ---- compiles, target-only iterations, sampled rows ---------------------------------------------
@@ -203,7 +204,7 @@ def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_mode
                step_costs=((2, 1.0, 100.0, 0.5), (4, 1.0, 0.5, 100.0)))
     engine = llm.engine
     assert [p.facts.spec for p in engine.proposals] == [spec, TreeSpec.chain(3)]
-    assert [c.choice for c in engine.speculation_table()] == ["chain K=3", "tree 3,2,5"]
+    assert [c.choice for c in engine.speculation.table()] == ["chain K=3", "tree 3,2,5"]
     built = engine.num_compilations
     lengths = [8, 16, 24, 40]
     outputs = llm.generate(PROMPTS, [greedy(n) for n in lengths])
@@ -211,12 +212,12 @@ def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_mode
     by_proposal = engine.stats.proposal_iterations
     assert set(by_proposal) == {"tree 3,2,5", "chain K=3"}
     assert set(by_proposal["tree 3,2,5"]) == {4} and set(by_proposal["chain K=3"]) == {2}
-    assert all(est.rows > 0 for est in engine.acceptance)
+    assert all(est.rows > 0 for est in engine.speculation.acceptance)
     sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True) for i in range(2)]
     llm.generate(PROMPTS[:2], sampled)
     llm.generate(PROMPTS, [greedy(12), sampled[0], greedy(12), sampled[1]])
     assert engine.num_compilations == built, "serving tree requests compiled after warm-up"
-    assert "tree 3,2,5: acceptance length L" in engine.policy_report()
+    assert "tree 3,2,5: acceptance length L" in engine.speculation.report()
 
 
 @pytest.mark.slow
@@ -230,18 +231,18 @@ def test_a_tree_measures_its_chain_without_running_it(tiny_models, reference):
     after 256 iterations then)."""
     spec = TreeSpec(3, 2, 5)
     llm = make(tiny_models[0], tiny_models[1]["shared"], spec, speculation="auto", step_costs=((4, 1.0, 0.5, 0.6),))
-    engine = llm.engine
-    engine.policy = dataclasses.replace(engine.policy, probe_every=4)
+    engine, speculation = llm.engine, llm.engine.speculation
+    speculation.policy = dataclasses.replace(speculation.policy, probe_every=4)
     outputs = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outputs] == reference
     assert set(engine.stats.proposal_iterations) == {"tree 3,2,5"}
-    tree_est, chain_est = engine.acceptance
+    tree_est, chain_est = speculation.acceptance
     assert chain_est.rows == tree_est.rows > 0 and chain_est.unmeasured == tree_est.unmeasured
     assert 1.0 <= chain_est.mean < tree_est.mean
-    engine.policy = dataclasses.replace(engine.policy, probe_every=256)  # no probe of the chain now
+    speculation.policy = dataclasses.replace(speculation.policy, probe_every=256)  # no probe of the chain now
     draft_q = SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True, draft_acceptance="draft_q")
     llm.generate(PROMPTS[:1], draft_q)
-    assert engine.acceptance[0].rows > tree_est.rows and engine.acceptance[1].rows == chain_est.rows
+    assert speculation.acceptance[0].rows > tree_est.rows and speculation.acceptance[1].rows == chain_est.rows
 
 
 @pytest.mark.slow

@@ -271,7 +271,7 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
             f"device {values['device_ms']:.2f} ms/iter")
     if speculation == "auto":
         notes.append(f"{mode}: speculation policy after the run (engine/policy.py):\n"
-                     + engine.policy_report())
+                     + engine.speculation.report())
     return results, source
 
 

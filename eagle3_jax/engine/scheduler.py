@@ -110,6 +110,33 @@ class Request:
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
 
+def stop_reason(req: Request, token: int, eos_token_ids: frozenset[int], detokenize=None) -> str | None:
+    """Whether `token`, just appended to `req.output`, ends the request: "stop" (an EOS unless
+    ignore_eos, a stop token, a stop string: `detokenize`, list[int] -> str, decodes), "length"
+    (max_tokens), or None."""
+    params = req.params
+    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return "stop"
+    if params.stop and detokenize is not None and hit_stop_string(req, detokenize):
+        return "stop"
+    return "length" if len(req.output) >= req.max_tokens else None
+
+
+def hit_stop_string(req: Request, detokenize) -> bool:
+    """Whether the last token completed a stop string (then `req.text` is cut before it). It is
+    checked after every token, so it can only end in the last one's text: a tail of enough
+    tokens to hold the longest stop's bytes is decoded, not the whole output each time."""
+    tail = 4 * max(map(len, req.params.stop)) + 8  # tokens: each at least a byte, a char at most 4
+    recent = detokenize(req.output[-tail:])
+    if not any(stop in recent for stop in req.params.stop):
+        return False
+    text = detokenize(req.output)
+    found = [i for stop in req.params.stop if (i := text.find(stop)) >= 0]
+    if found:  # (a tail decoded alone can differ at its start: the whole text decides)
+        req.text = text[:min(found)]
+    return bool(found)
+
+
 class Scheduler:
     """num_draft: the most proposals an iteration accepts (len of accepted_at). positions_per_iteration:
     KV positions past a request's length one iteration writes (None: num_draft + 1, a chain's)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -129,6 +130,16 @@ def gemv_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
         raise ConfigError(f"engine config: gemv 'mosaic' runs on one Hopper GPU only, not on "
                           f"{device.device_kind}{where} (use 'xla')")
     return cfg.gemv
+
+
+def freeze_heap() -> None:
+    """Collect, then move every tracked object out of the cyclic collector's reach (`gc.freeze`),
+    as vLLM and SGLang do after start-up: a compiled engine leaves hundreds of thousands of objects
+    (JAX's caches, traced programs) that every full collection would walk while requests wait.
+    Frozen objects are still freed by reference counting; the next warm-up unfreezes first."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 @dataclasses.dataclass
@@ -340,11 +351,6 @@ class ModelRunner:
             row[:len(tokens)] = tokens
             self._state = _set_history(self._state, np.int32(slot), row)
 
-    def read_history(self, slot: int) -> np.ndarray | None:
-        """`slot`'s token history [M] on the host (None: not kept)."""
-        history = self._state.slots.history
-        return None if history is None else np.asarray(history[slot])
-
     def first_token(self, slot: int) -> jax.Array:
         """The first token [1] the last prefill into `slot` sampled; read it before the slot's next prefill."""
         return self._pinned.read_first_token(self._state, slot)
@@ -422,52 +428,3 @@ class ModelRunner:
         state, samples = time_calls(call, self._state, reset, calls, rounds)
         self._state = state if context is None else _set_lengths(state, rows, 0)
         return samples
-
-    def trace_iteration(self, bucket: int, cfg: StepConfig):
-        """The fused iteration at `bucket`, traced on padding rows passed as serving passes them (`PinnedBatch`):
-        the very program an iteration runs (`.lower()` for its HLO, on any platform)."""
-        return iterate_in_place_step(cfg, bucket).trace(self._params, self._draft_params, self._state,
-                                                        *self._pinned.get(*self.padding_rows(bucket)), cfg=cfg)
-
-    def trace_prefill(self, rows: int, size: int, cfg: StepConfig):
-        """The prefill program of `rows` x `size` tokens under `cfg`, traced."""
-        return prefill_step.trace(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
-                                  cfg=cfg)
-
-    def buffer_addresses(self) -> list[int]:
-        """The device address of every state buffer (they never move while serving)."""
-        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(self._state)]
-
-    def pinned_batch(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """The device copies of slots [B] and block tables [B, nb] an iteration reads (`PinnedBatch`)."""
-        return self._pinned.get(slots, tables)
-
-    def set_proposals(self, slot: int, drafts: Sequence[int], parents: Sequence[int] | None = None) -> None:
-        """Overwrite one slot's pending proposals: the next iteration verifies them. A chain's
-        drafts are K target ids; a tree's are its T nodes' target ids, with `parents` [T]: node
-        i+1's parent in the verify layout (0 the root, else an earlier node)."""
-        s = self._state.slots
-        if (parents is None) != (s.parents is None):
-            raise ValueError("parents are given for a tree's proposals, and only for those")
-        s = s.replace(drafts=s.drafts.at[slot].set(np.asarray(drafts, np.int32)))
-        if parents is not None:
-            parents = np.asarray(parents, np.int32)
-            if not all(0 <= p <= i for i, p in enumerate(parents)):
-                raise ValueError(f"parents {parents.tolist()}: node i+1's parent must be 0 (the root) .. i")
-            s = s.replace(parents=s.parents.at[slot].set(parents))
-        self._state = self._state.replace(slots=s)
-
-    def pending_proposals(self, slot: int) -> np.ndarray:
-        """One slot's pending proposals on the host, target ids [P]: what the next iteration verifies."""
-        return np.asarray(self._state.slots.drafts[slot])
-
-    def read_kv(self, block_table: np.ndarray, positions: Sequence[int], draft: bool = False
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """The target's (or, `draft`, the drafter's) cached keys and values of one row at
-        `positions` [M], through its block table [nb] (the scheduler's row of the slot):
-        -> (k, v) [L, M, kvh, hd], on the host."""
-        positions = np.asarray(positions)
-        pages = np.asarray(block_table)[positions // self.cfg.page_size]
-        offsets = positions % self.cfg.page_size
-        kv = self._state.draft_kv if draft else self._state.target_kv
-        return np.asarray(kv.k[:, pages, offsets]), np.asarray(kv.v[:, pages, offsets])

@@ -66,4 +66,4 @@ def log_engine(llm: LLM) -> None:
     logger.info("engine: batch buckets %s, %d slots, max_model_len %d, %d KV pages of %d tokens",
                 cfg.batch_buckets, cfg.max_num_seqs, cfg.max_model_len, pool.capacity, cfg.page_size)
     if llm.engine.proposals:
-        logger.info("speculation (%s):\n%s", cfg.speculation, llm.engine.policy_report())
+        logger.info("speculation (%s):\n%s", cfg.speculation, llm.engine.speculation.report())
