@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -215,10 +214,7 @@ def check_drafter(args) -> None:
 
 
 def _llm(args, num_prompts: int = 1, **engine):
-    import jax
-
     from eagle3_jax.api import LLM
-    from eagle3_jax.config import EngineConfig, default_batch_buckets, default_tree
     from eagle3_jax.runner.speculators import SPECULATORS
 
     if args.speculator not in SPECULATORS:
@@ -227,25 +223,15 @@ def _llm(args, num_prompts: int = 1, **engine):
         args.draft = "none"  # the shipped drafter is an EAGLE-3 head
     check_drafter(args)
     draft = None if args.draft == "none" else args.draft
-    speculates = draft is not None or args.speculator != "eagle3"
-    # By default powers of two from the engine's smallest default bucket (1, or 2 for a chain) up
-    # to the batch: compile only what this run can use.
-    drafting = EngineConfig(num_speculative_tokens=args.num_draft if speculates else 0, speculator=args.speculator,
-                            tree=None if args.tree == "auto" or not draft else args.tree,
-                            speculation=args.speculation)
-    if args.tree == "auto":
-        drafting = dataclasses.replace(drafting, tree=default_tree(drafting, draft is not None, jax.default_backend()))
-    start = default_batch_buckets(drafting.speculative_proposals)[0]
-    top = max(start, 1 << (num_prompts - 1).bit_length())
-    buckets = args.batch_buckets or tuple(2 ** i for i in range(start.bit_length() - 1, top.bit_length()))
-    # Prompts per prefill call: likewise, no more than this run has.
-    rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
-    cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
-                       speculation=args.speculation, speculative_max_batch=args.speculative_max_batch,
-                       batch_invariant=args.batch_invariant, speculator=args.speculator,
-                       kv_memory_fraction=args.gpu_memory_utilization, **engine)
-    return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
-               tree=drafting.tree)
+    # Compile only what this run can use: the engine's default buckets up to the batch, and no
+    # more prompts per prefill call than it has. Without a drafter, no tree.
+    return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft,
+               tree=args.tree if draft is not None else None, batch_buckets=args.batch_buckets,
+               batch_buckets_up_to=num_prompts,
+               prefill_batch_buckets=tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])})),
+               max_model_len=args.max_model_len, speculation=args.speculation,
+               speculative_max_batch=args.speculative_max_batch, batch_invariant=args.batch_invariant,
+               speculator=args.speculator, gpu_memory_utilization=args.gpu_memory_utilization, **engine)
 
 
 def _sampling(args):

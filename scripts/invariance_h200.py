@@ -240,8 +240,8 @@ def phase_replies(out: dict, args, questions: list[list[dict]]) -> None:
     t0 = time.perf_counter()
     llm = _llm(args.target, args.kind, args.proposal, args.kv_fraction, not args.no_prefix_caching, args.warmup,
                args.num_pages)
-    out.update(start_s=round(time.perf_counter() - t0, 1), num_pages=llm.engine.cfg.num_pages,
-               free_bytes=llm.engine.runner.free_bytes)
+    out.update(start_s=round(time.perf_counter() - t0, 1), num_pages=llm.engine.cfg.pool.num_pages,
+               free_bytes=llm.engine.device.free_bytes)
     greedy = SamplingParams(max_tokens=args.max_tokens)
     seeded = [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i) for i in range(len(questions))]
     replies = {}

@@ -237,13 +237,16 @@ def run_draft_programs(tp: int, batch: int, t: int, blocks: int) -> dict:
 
 def _runner(cfg: ModelConfig, dcfg: DraftConfig | None, tp: int, own_embedding: bool = True):
     from eagle3_jax.config import EngineConfig
-    from eagle3_jax.runner.runner import ModelRunner
+    from eagle3_jax.runner.runner import ModelRunner, place_weights
+    from eagle3_jax.runner.served import DeviceFacts, served_config
 
     engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
-                              num_speculative_tokens=3 if dcfg else 0, page_size=PAGE, num_pages=64,
-                              max_model_len=64).resolved()  # as an engine hands it to its runner
+                              num_speculative_tokens=3 if dcfg else 0, page_size=PAGE, num_pages=64, max_model_len=64)
     dparams = None if dcfg is None else E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding)
-    return ModelRunner(cfg, jax.tree.map(jnp.asarray, random_params(cfg)), dcfg, dparams, engine_cfg, S.make_mesh(tp))
+    mesh = S.make_mesh(tp)
+    weights = place_weights(cfg, jax.tree.map(jnp.asarray, random_params(cfg)), dcfg, dparams, mesh)
+    served = served_config(engine_cfg, cfg, dcfg, DeviceFacts.of(mesh), jnp.float32)  # as an engine settles it
+    return ModelRunner(served, cfg, dcfg, weights, mesh)
 
 
 def run_runner_hlo() -> dict:

@@ -13,7 +13,7 @@ import weakref
 import jax
 import numpy as np
 import pytest
-from conftest import CyclicGarbage, make_llm
+from conftest import CyclicGarbage, make_llm, served
 from runner_probe import buffer_addresses, pinned_batch, trace_iteration, trace_prefill
 from test_policy import speculate
 
@@ -208,7 +208,7 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     k = engine.step_cfg.speculator.facts.max_accepted
     bucket = engine.cfg.batch_buckets[1]
     slots = np.full(bucket, DUMMY_SLOT, np.int32)
-    tables = np.zeros((bucket, engine.cfg.max_blocks_per_seq), np.int32)
+    tables = np.zeros((bucket, engine.cfg.pool.max_blocks_per_seq), np.int32)
     cfg = engine.iterate_config(bucket, greedy=True)
 
     runner = engine.runner
@@ -267,7 +267,7 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     from eagle3_jax.runner.speculators import Chain
     from eagle3_jax.runner.state import init_state
 
-    engine_cfg = EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256).resolved()
+    engine_cfg = served(EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256))
     shallow = dataclasses.replace(smollm2_cfg, num_layers=2, capture_layer_ids=(0, 1, 1))
     states = {
         cfg.num_layers: jax.eval_shape(
@@ -278,7 +278,7 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     }
     assert len(jax.tree.leaves(states[30])) == len(jax.tree.leaves(states[2]))
     k = states[30].target_kv.k
-    assert k.shape == (30, engine_cfg.num_pages, engine_cfg.page_size, 3, 64)
+    assert k.shape == (30, engine_cfg.pool.num_pages, engine_cfg.pool.page_size, 3, 64)
     assert states[30].draft_kv.k.shape[0] == 1  # the drafter's one layer
 
 

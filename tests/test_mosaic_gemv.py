@@ -18,7 +18,7 @@ from runner_probe import trace_iteration, trace_prefill
 from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig
 from eagle3_jax.model import llama, mosaic_gemv
 from eagle3_jax.model.mosaic_gemv import Tiling
-from eagle3_jax.runner.runner import gemv_kind
+from eagle3_jax.runner.served import DeviceFacts, gemv_kind
 
 
 def test_tiles_of_the_8b_and_smollm2_projections():
@@ -90,8 +90,8 @@ def test_the_gemv_setting_names_what_is_wrong():
     with pytest.raises(ConfigError, match="gemv must be one of xla, mosaic, got 'fast'"):
         EngineConfig(gemv="fast")
     with pytest.raises(ConfigError, match="gemv 'mosaic' runs on one Hopper GPU only, not on cpu"):
-        gemv_kind(EngineConfig(gemv="mosaic"), None)  # the suite runs on the CPU
-    assert gemv_kind(EngineConfig(), None) == "xla"
+        gemv_kind(EngineConfig(gemv="mosaic"), DeviceFacts.of(None))  # the suite runs on the CPU
+    assert gemv_kind(EngineConfig(), DeviceFacts.of(None)) == "xla"
 
 
 def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import served
 
 from eagle3_jax.config import EngineConfig
 from eagle3_jax.engine.pages import ROOT_KEY, PagePool, page_key, page_keys
@@ -21,7 +22,7 @@ def scheduler(num_pages: int, buckets=(2, 4), max_model_len: int = 64, reservati
               page_size: int = PAGE, prefix_caching: bool = True) -> Scheduler:
     cfg = EngineConfig(batch_buckets=buckets, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
                        page_reservation=reservation, prefix_caching=prefix_caching)
-    return Scheduler(cfg, VOCAB, K)
+    return Scheduler(served(cfg), VOCAB, K)
 
 
 def generate(s: Scheduler, req, n: int) -> None:
@@ -193,7 +194,7 @@ def test_pool_sized_from_the_least_free_memory_of_its_devices():
     import jax
 
     from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
-    from eagle3_jax.runner.kv_memory import page_bytes, sized_pool
+    from eagle3_jax.runner.kv_memory import free_bytes, page_bytes
 
     target = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8,
                          num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
@@ -206,8 +207,8 @@ def test_pool_sized_from_the_least_free_memory_of_its_devices():
     cfg = EngineConfig(max_model_len=64, page_size=16, kv_memory_fraction=0.5)
     one = page_bytes(target, draft, 16, "bfloat16")
     devices = [ReportingDevice(1000 * one, 100 * one), ReportingDevice(1000 * one, 200 * one)]
-    sized, free = sized_pool(cfg, target, draft, "bfloat16", devices)
-    assert (free, sized.num_pages) == (800 * one, 400)
-    assert sized_pool(cfg, target, draft, "bfloat16", jax.devices("cpu")) == (cfg, None)
+    free = free_bytes(devices)
+    assert (free, served(cfg, draft, target, free).pool.num_pages) == (800 * one, 400)
+    assert free_bytes(jax.devices("cpu")) is None  # nothing reported: no pool sized from memory
     with pytest.raises(ConfigError, match=r"holds 16 tokens of KV; one request at max_model_len 64 needs"):
-        sized_pool(cfg, target, draft, "bfloat16", [ReportingDevice(4 * one, 0)])
+        served(cfg, draft, target, free_bytes([ReportingDevice(4 * one, 0)]))

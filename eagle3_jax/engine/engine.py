@@ -25,12 +25,14 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, default_batch_buckets
+from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.engine.prefill import PrefillChunk, chunks_of, group_last_chunks, prefill_call
 from eagle3_jax.engine.scheduler import Request, Scheduler, stop_reason
 from eagle3_jax.engine.speculation import Choice, Speculation
 from eagle3_jax.engine.stats import EngineStats
-from eagle3_jax.runner.runner import ModelRunner, freeze_heap
+from eagle3_jax.runner import kv_memory
+from eagle3_jax.runner.runner import ModelRunner, freeze_heap, place_weights
+from eagle3_jax.runner.served import DeviceFacts, served_config
 from eagle3_jax.runner.steps import TARGET_ALONE, StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
 
@@ -58,23 +60,21 @@ class Engine:
 
     def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params, cfg: EngineConfig,
                  eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None):
-        """`params`, `draft_params`: weight pytrees as `weights/` loads them; the runner places them."""
-        size_pool = cfg.num_pages is None
-        cfg = cfg.resolved()
-        self.runner = ModelRunner(target, params, draft, draft_params, cfg, mesh, size_pool)
-        cfg = dataclasses.replace(cfg, num_pages=self.runner.cfg.num_pages)
-        self.proposals = self.runner.proposals  # what an iteration may draft, the engine's proposal first
-        if cfg.batch_buckets is None:
-            cfg = dataclasses.replace(cfg, batch_buckets=default_batch_buckets([p.facts.spec for p in self.proposals]))
-        self.cfg = cfg
+        """`params`, `draft_params`: weight pytrees as `weights/` loads them; placed on the devices here.
+        `cfg` is served as `served_config` settles it, read from `self.cfg` by every part."""
+        weights = place_weights(target, params, draft, draft_params, mesh)
+        # The pool is sized from the memory free once the weights are placed (the caller's still held: a margin).
+        self.device = device = DeviceFacts.of(mesh, weights.arrays() if cfg.num_pages is None else None)
+        self.cfg = served = served_config(cfg, target, draft, device, weights.placed.embed.dtype)
+        self.runner = ModelRunner(served, target, draft, weights, mesh)
+        self.proposals = served.speculation.proposals  # what an iteration may draft, the engine's proposal first
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
-        most = max((p.facts.max_accepted for p in self.proposals), default=0)
-        self.scheduler = Scheduler(cfg, target.vocab_size, most, self.runner.positions_per_iteration)
-        self.speculation = Speculation([p.facts for p in self.proposals], cfg.speculation, cfg.speculative_max_batch,
-                                       cfg.step_costs, cfg.batch_buckets, cfg.max_num_seqs + 1)
-        log.info(pool_line(cfg, self.runner.free_bytes, explicit=not size_pool, elsewhere=self.runner.held_elsewhere))
+        spec = served.speculation
+        self.scheduler = Scheduler(served, target.vocab_size, spec.max_accepted, spec.positions_per_iteration)
+        self.speculation = Speculation(spec, served.batch_buckets, served.max_num_seqs + 1)
+        log.info(kv_memory.pool_line(served, device.free_bytes, cfg.num_pages is not None, device.held_elsewhere))
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._seed_rng = np.random.default_rng()
@@ -274,7 +274,7 @@ class Engine:
         BENCHMARKS.md, "Start-up"). Then the heap is frozen (`freeze_heap`). -> seconds."""
         start = time.perf_counter()
         iterations, prefills = self.programs(greedy)
-        if self.cfg.fused_iteration:
+        if self.cfg.speculation.fused_iteration:
             self.runner.compile_ahead(iterations, prefills, progress)
         shapes = [("iterate", *job) for job in iterations] + [("prefill", *job) for job in prefills]
         for kind, *job in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
@@ -292,24 +292,3 @@ def _stale(pending: _Pending, i: int) -> bool:
     """Whether row i's results no longer apply: its request finished, or was preempted since."""
     req = pending.reqs[i]
     return req.finished or req.admissions != pending.admissions[i]
-
-
-# Memory held on the device beyond an engine's own weights when its pool is sized, from which the
-# start-up line says so: another engine of the process, most often, shrinking this one's pool.
-HELD_ELSEWHERE_NOTE_BYTES = 1 << 30
-
-
-def pool_line(cfg: EngineConfig, sized_from: int | None, explicit: bool, elsewhere: int | None = None) -> str:
-    """The start-up line on the KV pool: its size in tokens and in rows at max_model_len, and what
-    sized it (`sized_from`: the free bytes it was taken from; `elsewhere`: bytes in use on the
-    device beyond the engine's weights then)."""
-    tokens = (cfg.num_pages - 1) * cfg.page_size
-    source = ("EngineConfig.num_pages" if explicit
-              else f"{cfg.kv_memory_fraction:g} of {sized_from / 2**30:.2f} GiB free" if sized_from is not None
-              else "no memory reported: every slot at min(max_model_len, 1024) tokens")
-    if elsewhere is not None and elsewhere >= HELD_ELSEWHERE_NOTE_BYTES:
-        source += (f"; {elsewhere / 2**30:.2f} GiB of the device was already held by something else, another "
-                   "engine of this process perhaps (LLM.close() releases one)")
-    return (f"KV pool: {cfg.num_pages - 1} pages of {cfg.page_size} tokens = {tokens} tokens, "
-            f"{tokens // cfg.max_model_len} rows at max_model_len {cfg.max_model_len} ({source}); "
-            f"pages {cfg.page_reservation.replace('_', ' ')}, prefix caching {'on' if cfg.prefix_caching else 'off'}")

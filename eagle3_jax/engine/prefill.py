@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from eagle3_jax.config import EngineConfig, smallest_bucket
+from eagle3_jax.config import ServedConfig, smallest_bucket
 from eagle3_jax.engine.scheduler import Request
 from eagle3_jax.runner.runner import PADDING_PARAMS, PrefillInputs
 from eagle3_jax.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ def chunks_of(req: Request, largest: int) -> list[PrefillChunk]:
     return [PrefillChunk(req, start) for start in range(req.num_cached, req.context_len, largest)]
 
 
-def group_last_chunks(chunks: Sequence[PrefillChunk], cfg: EngineConfig) -> list[list[PrefillChunk]]:
+def group_last_chunks(chunks: Sequence[PrefillChunk], cfg: ServedConfig) -> list[list[PrefillChunk]]:
     """Last chunks grouped into calls: by chunk bucket, at most the largest prefill batch bucket a call."""
     largest, most = cfg.prefill_buckets[-1], cfg.prefill_batch_buckets[-1]
     by_bucket: dict[int, list[PrefillChunk]] = collections.defaultdict(list)
@@ -43,7 +43,7 @@ def group_last_chunks(chunks: Sequence[PrefillChunk], cfg: EngineConfig) -> list
     return [group[i:i + most] for group in by_bucket.values() for i in range(0, len(group), most)]
 
 
-def prefill_call(chunks: Sequence[PrefillChunk], cfg: EngineConfig, block_tables: np.ndarray
+def prefill_call(chunks: Sequence[PrefillChunk], cfg: ServedConfig, block_tables: np.ndarray
                  ) -> tuple[PrefillInputs, list[SamplingParams], list[int | None]]:
     """One prefill call over `chunks`, a row each, padded to the smallest batch bucket and chunk
     bucket that hold them: -> (its inputs, each row's sampling params, each row's seed).
@@ -52,7 +52,7 @@ def prefill_call(chunks: Sequence[PrefillChunk], cfg: EngineConfig, block_tables
     largest = cfg.prefill_buckets[-1]
     pieces = [c.tokens(largest) for c in chunks]
     size = smallest_bucket(cfg.prefill_buckets, max(map(len, pieces)))
-    inputs = PrefillInputs.padding(rows, size, cfg.max_blocks_per_seq)
+    inputs = PrefillInputs.padding(rows, size, cfg.pool.max_blocks_per_seq)
     for i, (chunk, piece) in enumerate(zip(chunks, pieces)):
         known, start = chunk.req.tokens, chunk.start
         following = known[start + 1:start + len(piece) + 1]  # the ids shifted left by one

@@ -13,26 +13,25 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from eagle3_jax.config import SpeculatorFacts
+from eagle3_jax.config import SpeculationConfig, SpeculatorFacts
 from eagle3_jax.engine import policy
 
 Choice = int | None
 
 
 class Speculation:
-    """facts: the proposals an iteration may draft, the engine's own first. mode: "auto" (the policy
-    chooses) or "always" (the engine's proposal wherever a bucket may speculate). max_batch: buckets
-    above it run the target alone (None: no cap). step_costs: injected (bucket, target-only seconds,
-    then each proposal's), which serving never replaces. num_slots: the slots, the dummy included."""
+    """cfg: what iterations may draft (the proposals, the engine's own first), in which mode ("auto":
+    the policy chooses; "always": the engine's proposal wherever a bucket may speculate), up to
+    which bucket, and the injected step costs, which serving never replaces. buckets: the batch
+    buckets; num_slots: the slots, the dummy included."""
 
-    def __init__(self, facts: Sequence[SpeculatorFacts], mode: str, max_batch: int | None,
-                 step_costs: Sequence[Sequence[float]] | None, buckets: Sequence[int], num_slots: int):
-        self.facts = tuple(facts)
-        self.mode, self.max_batch, self.buckets = mode, max_batch, tuple(buckets)
+    def __init__(self, cfg: SpeculationConfig, buckets: Sequence[int], num_slots: int):
+        self.facts: tuple[SpeculatorFacts, ...] = cfg.facts
+        self.mode, self.max_batch, self.buckets = cfg.mode, cfg.speculative_max_batch, tuple(buckets)
         self.policy = policy.SpeculationPolicy()
         self.acceptance = tuple(policy.AcceptanceEstimate.prior(f.max_accepted) for f in self.facts)
         self.step_costs: dict[int, policy.BucketCost] = {
-            int(c[0]): policy.BucketCost(c[1], tuple(c[2:])) for c in step_costs or ()
+            int(c[0]): policy.BucketCost(c[1], tuple(c[2:])) for c in cfg.step_costs or ()
             if c[0] in self.buckets and self.facts}
         self._injected = frozenset(self.step_costs)
         # Per bucket, each choice's served time, and the (bucket, choice) of the last step's iteration

@@ -1,14 +1,22 @@
-"""The KV pool sized from the device's free memory (EngineConfig.kv_memory_fraction)."""
+"""The KV pool sized from the device's free memory (EngineConfig.kv_memory_fraction), and its start-up line."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
-from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import (
+    ConfigError,
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    PoolConfig,
+    ServedConfig,
+    TreeSpec,
+    blocks_per_seq,
+)
 from eagle3_jax.parallel import plan
 
 
@@ -45,18 +53,45 @@ def pages_in(free: int, fraction: float, one_page: int) -> int:
     return int(free * fraction) // one_page
 
 
-def sized_pool(cfg: EngineConfig, target: ModelConfig, draft: DraftConfig | None, dtype,
-               devices: Sequence[jax.Device], tp: int = 1) -> tuple[EngineConfig, int | None]:
-    """`cfg` with num_pages taken from kv_memory_fraction of the free memory of `devices` (each
-    holds its share of every page): -> (that config, the free bytes), or (cfg, None) unchanged
-    where the devices report no memory. ConfigError when it holds no request at max_model_len."""
-    free = free_bytes(devices)
-    if free is None:
-        return cfg, None
-    num_pages = pages_in(free, cfg.kv_memory_fraction, page_bytes(target, draft, cfg.page_size, dtype, tp))
-    if num_pages - 1 < cfg.max_blocks_per_seq:
-        raise ConfigError(f"engine config: {cfg.kv_memory_fraction} of the {free / 2**30:.2f} GiB free holds "
-                          f"{max(num_pages - 1, 0) * cfg.page_size} tokens of KV; one request at max_model_len "
-                          f"{cfg.max_model_len} needs {cfg.max_blocks_per_seq * cfg.page_size}: lower max_model_len, "
-                          "raise kv_memory_fraction or free memory")
-    return dataclasses.replace(cfg, num_pages=num_pages), free
+def pool_config(cfg: EngineConfig, max_num_seqs: int, tree: TreeSpec | None, one_page: Callable[[], int],
+                free: int | None) -> PoolConfig:
+    """The pool as served: `cfg.num_pages`, else `kv_memory_fraction` of the `free` bytes in pages of
+    `one_page()` bytes (each device holds its share of every page), else, where the devices report
+    no memory, every one of `max_num_seqs` slots at min(max_model_len, 1024) tokens plus one request
+    at max_model_len. ConfigError when the memory holds no request at max_model_len."""
+    max_blocks = blocks_per_seq(cfg.max_model_len, cfg.page_size, tree)
+    num_pages = cfg.num_pages
+    if num_pages is None and free is not None:
+        num_pages = pages_in(free, cfg.kv_memory_fraction, one_page())
+        if num_pages - 1 < max_blocks:
+            raise ConfigError(f"engine config: {cfg.kv_memory_fraction} of the {free / 2**30:.2f} GiB free holds "
+                              f"{max(num_pages - 1, 0) * cfg.page_size} tokens of KV; one request at max_model_len "
+                              f"{cfg.max_model_len} needs {max_blocks * cfg.page_size}: lower max_model_len, "
+                              "raise kv_memory_fraction or free memory")
+    elif num_pages is None:
+        num_pages = max_num_seqs * -(-min(cfg.max_model_len, 1024) // cfg.page_size) + max_blocks + 1
+    return PoolConfig(page_size=cfg.page_size, num_pages=num_pages, max_blocks_per_seq=max_blocks,
+                      page_reservation=cfg.page_reservation, prefix_caching=cfg.prefix_caching,
+                      kv_memory_fraction=cfg.kv_memory_fraction)
+
+
+# Memory held on the device beyond an engine's own weights when its pool is sized, from which the
+# start-up line says so: another engine of the process, most often, shrinking this one's pool.
+HELD_ELSEWHERE_NOTE_BYTES = 1 << 30
+
+
+def pool_line(cfg: ServedConfig, sized_from: int | None, given: bool, elsewhere: int | None = None) -> str:
+    """The start-up line on the KV pool: its size in tokens and in rows at max_model_len, and what
+    sized it (`given`: EngineConfig.num_pages; `sized_from`: the free bytes it was taken from;
+    `elsewhere`: bytes in use on the device beyond the engine's weights then)."""
+    pool = cfg.pool
+    tokens = (pool.num_pages - 1) * pool.page_size
+    source = ("EngineConfig.num_pages" if given
+              else f"{pool.kv_memory_fraction:g} of {sized_from / 2**30:.2f} GiB free" if sized_from is not None
+              else "no memory reported: every slot at min(max_model_len, 1024) tokens")
+    if elsewhere is not None and elsewhere >= HELD_ELSEWHERE_NOTE_BYTES:
+        source += (f"; {elsewhere / 2**30:.2f} GiB of the device was already held by something else, another "
+                   "engine of this process perhaps (LLM.close() releases one)")
+    return (f"KV pool: {pool.num_pages - 1} pages of {pool.page_size} tokens = {tokens} tokens, "
+            f"{tokens // cfg.max_model_len} rows at max_model_len {cfg.max_model_len} ({source}); "
+            f"pages {pool.page_reservation.replace('_', ' ')}, prefix caching {'on' if pool.prefix_caching else 'off'}")

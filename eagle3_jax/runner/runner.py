@@ -23,19 +23,11 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from eagle3_jax.config import (
-    DUMMY_SLOT,
-    ConfigError,
-    DraftConfig,
-    EngineConfig,
-    ModelConfig,
-    check_draft_fits,
-    check_proposal_fits,
-)
+from eagle3_jax.config import DUMMY_SLOT, DraftConfig, ModelConfig, ServedConfig, check_draft_fits
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
-from eagle3_jax.runner import kv_memory, sampling
-from eagle3_jax.runner.speculators import Speculator, speculators_for
+from eagle3_jax.runner import sampling
+from eagle3_jax.runner.speculators import Speculator
 from eagle3_jax.runner.state import (
     DeviceState,
     SlotLayout,
@@ -100,36 +92,6 @@ class CompileCounter:
 
         jax.monitoring.register_event_duration_secs_listener(on_duration)
         jax.monitoring.register_event_listener(on_event)
-
-
-def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
-    """EngineConfig.attention resolved: "auto" is Pallas on one GPU (XLA does not partition a pallas_call)."""
-    if cfg.attention == "pallas" and mesh is not None:
-        raise ConfigError("engine config: attention 'pallas' does not run under tensor parallelism "
-                          "(use 'auto' or 'xla')")
-    if cfg.attention != "auto":
-        return cfg.attention
-    return "pallas" if jax.default_backend() == "gpu" and mesh is None else "xla"
-
-
-def batch_invariant(cfg: EngineConfig, target: ModelConfig, mesh: Mesh | None) -> bool:
-    """EngineConfig.batch_invariant, checked: under tp each device must hold whole kv groups (`per_device`)."""
-    tp = 1 if mesh is None else mesh.shape[sharding.TP]
-    if cfg.batch_invariant and not sharding.kv_heads_split(target.num_kv_heads, tp):
-        raise ConfigError(f"engine config: batch_invariant under tensor parallelism needs the {target.num_kv_heads} "
-                          f"kv heads split evenly over tp={tp} (use batch_invariant=False, or a tp dividing them)")
-    return cfg.batch_invariant
-
-
-def gemv_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
-    """EngineConfig.gemv, checked: the Mosaic kernel needs one Hopper GPU (wgmma, TMA; XLA won't partition it)."""
-    device = jax.devices()[0]
-    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
-    if cfg.gemv == "mosaic" and (mesh is not None or not hopper):
-        where = " under tensor parallelism" if mesh is not None else ""
-        raise ConfigError(f"engine config: gemv 'mosaic' runs on one Hopper GPU only, not on "
-                          f"{device.device_kind}{where} (use 'xla')")
-    return cfg.gemv
 
 
 def freeze_heap() -> None:
@@ -257,42 +219,53 @@ def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: De
     return state, samples
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacedWeights:
+    """The weights an engine serves, on its devices: the target's folded for serving (fewer argument
+    buffers per dispatch), the drafter's beside them. `placed`: the target's as placed, before
+    folding, which the caller still holds while the engine is built (in use when the pool is sized)."""
+
+    params: Any
+    draft_params: DraftParams | None
+    placed: Any
+
+    def arrays(self) -> tuple:
+        return self.placed, self.params, self.draft_params
+
+
+def place_weights(target: ModelConfig, params, draft: DraftConfig | None, draft_params: DraftParams | None,
+                  mesh: Mesh | None = None) -> PlacedWeights:
+    """The weights as `weights/` loads them, checked against each other and placed on the devices:
+    under a mesh the target sharded (weights its loader placed stay where they are) and the drafter
+    replicated, with an embedding of its own (no collective in the draft). The caller's are untouched."""
+    if draft is not None:
+        check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
+    model = target_model_for(target)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh, model.param_specs(target, mesh.shape[sharding.TP]))
+        if draft_params is not None:
+            draft_params = sharding.place_draft(draft_params, params.embed, mesh)
+    return PlacedWeights(model.for_serving(params), draft_params, params)
+
+
 class ModelRunner:
     """The target and drafter on the device, their state, and the programs that step it."""
 
-    def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params: DraftParams | None,
-                 cfg: EngineConfig, mesh: Mesh | None = None, size_pool: bool = False):
-        """`size_pool`: take num_pages from the free memory once the weights are placed
-        (`kv_memory.sized_pool`; `free_bytes` is then what was free, None where nothing is reported)."""
-        if draft is not None:
-            check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
+    def __init__(self, cfg: ServedConfig, target: ModelConfig, draft: DraftConfig | None, weights: PlacedWeights,
+                 mesh: Mesh | None = None):
+        """`cfg`: the engine's served configuration (runner/served.py); `weights`: `place_weights`'."""
         self.cfg = cfg
-        self.proposals: tuple[Speculator, ...] = speculators_for(cfg, draft)
-        for proposal in self.proposals:
-            if proposal.facts.uses_drafter:
-                check_proposal_fits(proposal.facts.spec, draft)
-        model = target_model_for(target)
+        self.proposals: tuple[Speculator, ...] = cfg.speculation.proposals
         main = self.proposals[0] if self.proposals else TARGET_ALONE
         drafting = any(p.facts.uses_drafter for p in self.proposals)
+        kernels = cfg.kernels
         self.step_cfg = StepConfig(target=target, draft=draft if drafting else None, speculator=main, mesh=mesh,
-                                   attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm,
-                                   model=model, batch_invariant=batch_invariant(cfg, target, mesh))
-        tp = 1 if mesh is None else mesh.shape[sharding.TP]
-        if mesh is not None:  # weights already placed by their loader stay where they are
-            params = sharding.shard_params(params, mesh, model.param_specs(target, tp))
-            if draft_params is not None:  # replicated, with an embedding of its own: no collective in the draft
-                draft_params = sharding.place_draft(draft_params, params.embed, mesh)
-        # As served: fewer argument buffers per dispatch (the caller's params are untouched).
-        self._params, self._draft_params = model.for_serving(params), draft_params
-        self.free_bytes = self.held_elsewhere = None
-        if size_pool:  # the caller's unfolded weights still count as in use: a margin
-            devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-            cfg, self.free_bytes = kv_memory.sized_pool(cfg, target, self.step_cfg.draft, params.embed.dtype,
-                                                        devices, tp)
-            self.held_elsewhere = kv_memory.held_elsewhere(devices, (params, self._params, self._draft_params))
-            self.cfg = cfg
+                                   attention=kernels.attention, gemv=kernels.gemv, gemm=kernels.gemm,
+                                   model=target_model_for(target), batch_invariant=kernels.batch_invariant)
+        self._params, self._draft_params = weights.params, weights.draft_params
         layout = SlotLayout.union(p.facts.slot_layout for p in self.proposals or (main,))
-        make_state = functools.partial(init_state, target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
+        make_state = functools.partial(init_state, target, self.step_cfg.draft, cfg, weights.placed.embed.dtype,
+                                       layout)
         if mesh is None:
             self._state = make_state()
         else:  # each device builds its own share: the whole pool never sits on one
@@ -321,11 +294,6 @@ class ModelRunner:
     def speculator(self) -> Speculator:
         """The engine's proposal (TARGET_ALONE where it serves none). Prefills draft it."""
         return self.step_cfg.speculator
-
-    @property
-    def positions_per_iteration(self) -> int:
-        """KV positions past a row's length the widest of the proposals writes per iteration."""
-        return max(p.facts.positions_per_iteration for p in self.proposals or (self.speculator,))
 
     def config(self, proposal: Speculator, greedy: bool) -> StepConfig:
         """The step config of one program: `proposal` (one of `proposals`, or TARGET_ALONE), greedy or not."""
@@ -358,7 +326,7 @@ class ModelRunner:
     def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig) -> jax.Array:
         """One iteration over `slots` [B], `tables` [B, nb], fused or a program per draft step -> verdicts
         [B, 2 + E] (`steps.split_verdicts`), to read before the bucket's next iteration but one."""
-        if self.cfg.fused_iteration or not cfg.speculative:
+        if self.cfg.speculation.fused_iteration or not cfg.speculative:
             self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,
                                                    tables, cfg)
             return verdicts
@@ -371,11 +339,11 @@ class ModelRunner:
 
     def padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
-        return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
+        return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.pool.max_blocks_per_seq), np.int32)
 
     def _padding_prefill(self, rows: int, size: int) -> tuple:
         """`prefill_step`'s arguments after the state for `rows` padding rows of `size` tokens."""
-        inputs = PrefillInputs.padding(rows, size, self.cfg.max_blocks_per_seq)
+        inputs = PrefillInputs.padding(rows, size, self.cfg.pool.max_blocks_per_seq)
         return (*inputs.arrays(), sampling.row_sampling_from_params([PADDING_PARAMS] * rows, [0] * rows))
 
     def compile_iteration(self, bucket: int, cfg: StepConfig) -> None:

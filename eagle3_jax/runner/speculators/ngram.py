@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, SlotLayout, SpeculatorFacts
+from eagle3_jax.config import ConfigError, DraftConfig, SlotLayout, SpeculatorFacts, TreeSpec
 from eagle3_jax.runner.speculators.chain import Chain
 from eagle3_jax.runner.speculators.protocol import DraftContext, DraftStart
 
@@ -73,11 +73,10 @@ class NGram(Chain):
         return carry.replace(drafts=lookup(carry.history, carry.last, self.k, self.max_n)), draft_kv
 
 
-def proposals(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[NGram, ...]:
-    """The n-gram speculator of an engine: K = num_speculative_tokens (none for 0)."""
+def proposals(specs: tuple[TreeSpec, ...], draft: DraftConfig | None) -> tuple[NGram, ...]:
+    """The n-gram speculator of an engine: the chain of K (none for K = 0)."""
     if draft is not None:
         raise ConfigError("speculator ngram drafts from the prompt and needs no drafter: pass draft=None")
-    if cfg.tree is not None and not cfg.tree.is_chain:
-        raise ConfigError(f"speculator ngram proposes a chain; tree {cfg.tree.label} needs the EAGLE-3 drafter")
-    k = cfg.resolved().num_speculative_tokens
-    return (NGram(k),) if k else ()
+    if trees := [s for s in specs if not s.is_chain]:
+        raise ConfigError(f"speculator ngram proposes a chain; tree {trees[0].label} needs the EAGLE-3 drafter")
+    return tuple(NGram(s.steps) for s in specs[:1])

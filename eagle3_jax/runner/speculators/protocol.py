@@ -11,7 +11,7 @@ from typing import Protocol
 import jax
 from flax import struct
 
-from eagle3_jax.config import DraftConfig, SpeculatorFacts
+from eagle3_jax.config import DraftConfig, Proposal, SpeculatorFacts
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner import sampling
@@ -46,7 +46,7 @@ class DraftStart:
     keys: jax.Array
 
 
-class Speculator(Protocol):
+class Speculator(Proposal, Protocol):
     """One kind of proposal; frozen and hashable (part of every StepConfig). A new one is a file
     here and a line in `SPECULATORS` (__init__.py)."""
 
