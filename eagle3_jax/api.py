@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import assets
-from eagle3_jax.config import EngineConfig, ModelConfig, TreeSpec, default_tree, parse_tree
+from eagle3_jax.config import EngineConfig, ModelConfig, TreeSpec, parse_tree
 from eagle3_jax.engine.engine import Engine
 from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
 from eagle3_jax.parallel import sharding
@@ -97,12 +97,15 @@ class LLM:
     revision: the target's hub revision (branch, tag or commit; default main).
     warmup: compile every program first (True) or each on first use (False); None: on accelerators
         only, where "auto" speculation times each bucket (on the CPU all shapes take minutes).
+    engine_config: what the engine serves (EngineConfig()); the engine settles what it leaves open
+        once, for the target, the drafter and the device (runner/served.py). Each of the arguments
+        below, and any EngineConfig field passed by name (`max_model_len=...`), replaces its field:
     num_speculative_tokens: K, the chain's proposals (0: the target alone).
-    speculator, batch_invariant: set EngineConfig's fields (None: engine_config's); "ngram" needs
-        no drafter (a "default" draft is then None).
+    speculator, batch_invariant: EngineConfig's fields (None: engine_config's); "ngram" needs no
+        drafter (a "default" draft is then None).
     tree: EngineConfig.tree as a TreeSpec or "steps,top_k,tokens" (as `--tree` takes it); "auto":
         engine_config's tree, else `config.default_tree`'s; None or "none": the chain only.
-    gpu_memory_utilization: sets EngineConfig.kv_memory_fraction (None: engine_config's).
+    gpu_memory_utilization: EngineConfig.kv_memory_fraction (None: engine_config's).
     """
 
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
@@ -110,18 +113,16 @@ class LLM:
                  tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
                  tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None,
                  speculator: str | None = None, gpu_memory_utilization: float | None = None,
-                 revision: str | None = None):
-        engine_config = engine_config or EngineConfig()
-        if speculator is not None:
-            engine_config = dataclasses.replace(engine_config, speculator=speculator)
-        if batch_invariant is not None:
-            engine_config = dataclasses.replace(engine_config, batch_invariant=batch_invariant)
-        if gpu_memory_utilization is not None:
-            engine_config = dataclasses.replace(engine_config, kv_memory_fraction=gpu_memory_utilization)
+                 revision: str | None = None, **engine_fields):
+        given = dict(speculator=speculator, batch_invariant=batch_invariant, kv_memory_fraction=gpu_memory_utilization)
+        fields = {name: value for name, value in given.items() if value is not None}
         tree = parse_tree(tree)
-        # K and the tree checked now, before anything loads ("auto" resolved once the drafter is known).
-        engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens,
-                                            tree=engine_config.tree if tree == "auto" else tree)
+        engine_config = engine_config or EngineConfig()
+        if tree != "auto" or not isinstance(engine_config.tree, TreeSpec):  # "auto" keeps a tree the config names
+            fields["tree"] = tree
+        # Checked now, before anything loads.
+        engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens, **fields,
+                                            **engine_fields)
         enable_compilation_cache()
         if target is None:
             target = assets.prepare_default_target(progress=progress)
@@ -131,9 +132,6 @@ class LLM:
             draft = assets.DEFAULT_DRAFT if shipped else None
         elif draft is not None:
             draft = assets.resolve_model(draft, drafter=True)
-        if tree == "auto":
-            engine_config = dataclasses.replace(
-                engine_config, tree=default_tree(engine_config, draft is not None, jax.default_backend()))
         dtype = dtype or default_dtype()
         mesh = place = None
         if tensor_parallel_size > 1:

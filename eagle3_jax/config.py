@@ -12,7 +12,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 
 class ConfigError(ValueError):
@@ -413,6 +413,51 @@ class TreeSpec:
         return max(self.tokens + 1, self.steps + 1 + self.draft_slots)
 
 
+class SlotLayout(NamedTuple):
+    """What a speculator keeps per slot (runner/state.py's `Slots`): proposals = Slots.drafts columns,
+    q_rows = Slots.draft_probs rows, emitted = Slots.emitted columns; parents, history: whether kept."""
+
+    proposals: int
+    q_rows: int
+    parents: bool
+    emitted: int
+    history: bool = False
+
+    @staticmethod
+    def union(layouts) -> SlotLayout:
+        layouts = list(layouts)
+        return SlotLayout(proposals=max(x.proposals for x in layouts), q_rows=max(x.q_rows for x in layouts),
+                          parents=any(x.parents for x in layouts), emitted=max(x.emitted for x in layouts),
+                          history=any(x.history for x in layouts))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculatorFacts:
+    """What the host knows of a speculator (runner/speculators/): fixed by its configuration, read by
+    the engine, the scheduler and the policy to plan around it, and by the runner to size the
+    programs and state it runs on. The speculator's methods are the device work."""
+
+    label: str  # the name in tables and logs: "chain K=4", "tree 5,4,15", "ngram K=4"
+    spec: TreeSpec | None  # its shape (None: the target alone)
+    kind: int  # tags its proposals in Slots.drafted_by: a verify treats another kind's as none
+    uses_drafter: bool  # drafts with the EAGLE-3 head
+    point_mass: bool  # proposals are a function of the context: no q kept, one-hot or coupled rules
+    top1_chain: int  # it is the drafter's top-1 chain of this length (0: not), which a tree's verify can measure
+    measures_top1_chain: bool  # its verify reports what the drafter's top-1 chain would have accepted
+    num_draft_steps: int
+    max_accepted: int  # the most proposals one iteration accepts
+    verify_width: int  # W: tokens per row the target verifies
+    positions_per_iteration: int  # KV positions written past the row's length (the scheduler's footprint)
+    slot_layout: SlotLayout
+
+
+class Proposal(Protocol):
+    """A speculator as the host sees it: its facts (runner/speculators/ adds the device methods)."""
+
+    @property
+    def facts(self) -> SpeculatorFacts: ...
+
+
 # Row 0 of the per-slot state is the dummy slot padded batch rows read and write; page 0 of the
 # KV pool is the scratch page unused block-table entries point at. Neither belongs to a request.
 DUMMY_SLOT = 0
@@ -430,22 +475,57 @@ def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
 BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
-def default_batch_buckets(proposals: Sequence[TreeSpec]) -> tuple[int, ...]:
-    """From 2 rows for chains only (a lone chain iteration is cheaper padded to two rows), else from
-    1 (BENCHMARKS.md, "Host overhead")."""
+def default_batch_buckets(proposals: Sequence[TreeSpec], up_to: int | None = None) -> tuple[int, ...]:
+    """Powers of two from 2 rows for chains only (a lone chain iteration is cheaper padded to two
+    rows), else from 1 (BENCHMARKS.md, "Host overhead"), up to the smallest holding `up_to` rows
+    (None: BATCH_BUCKETS' largest)."""
     chains_only = bool(proposals) and all(p.is_chain for p in proposals)
-    return (() if chains_only else (1,)) + BATCH_BUCKETS
+    start = 2 if chains_only else 1
+    top = BATCH_BUCKETS[-1] if up_to is None else max(start, 1 << (up_to - 1).bit_length())
+    return tuple(1 << i for i in range(start.bit_length() - 1, top.bit_length()))
+
+
+def drafted(tree: TreeSpec | None, num_speculative_tokens: int) -> tuple[TreeSpec | None, int]:
+    """(the tree drafted, the chain's K): a chain-shaped tree is the chain of its steps."""
+    if tree is not None and tree.is_chain:
+        return None, tree.steps
+    return tree, num_speculative_tokens
+
+
+def proposal_specs(tree: TreeSpec | None, num_speculative_tokens: int, speculation: str) -> tuple[TreeSpec, ...]:
+    """What a bucket may draft, the engine's proposal first: the tree (and under "auto" the chain
+    of K beside it), else the chain of K (none when K is 0)."""
+    tree, k = drafted(tree, num_speculative_tokens)
+    chain = (TreeSpec.chain(k),) if k else ()
+    if tree is None:
+        return chain
+    return (tree, *chain) if speculation == "auto" else (tree,)
+
+
+def blocks_per_seq(max_model_len: int, page_size: int, tree: TreeSpec | None) -> int:
+    """A block table's pages: the committed tokens plus two iterations in flight at the largest K
+    (so the pool does not depend on K) or the tree's; a multiple of 4 pages, the attention
+    kernel's table read."""
+    tree = drafted(tree, 0)[0]
+    per_iteration = max(MAX_SPECULATIVE_TOKENS + 1, tree.positions_per_iteration if tree else 0)
+    pages = -(-(max_model_len + 2 * per_iteration) // page_size)
+    return -(-pages // 4) * 4
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Shapes of the compiled step functions and of the KV pool, and how the engine serves.
+    """What the user asks of an engine: shapes of the compiled step functions and of the KV pool,
+    and how it serves. What a field leaves open ("auto", None) is settled once per engine, for the
+    target, the drafter and the device, by runner/served.py's `served_config` into a ServedConfig,
+    which everything downstream reads.
 
     Serving:
     max_model_len: longest prompt + output a request may have.
     max_num_seqs: the most requests running at once, at most the largest batch bucket (None: it).
     batch_buckets: decode batch sizes compiled; n running requests run in the smallest bucket >= n,
         padded rows pointing at the dummy slot. None: `default_batch_buckets` for what it drafts.
+    batch_buckets_up_to: with batch_buckets None, the default buckets end at the smallest holding
+        this many rows (None: at 64): a run that knows its largest batch compiles no larger one.
     prefill_buckets: prompt chunk lengths compiled; longer prompts prefill in chunks of the largest.
     prefill_batch_buckets: prompts per prefill call compiled; prompts admitted in one step whose last
         chunks share a chunk bucket share a call (BENCHMARKS.md, "Serving with arrivals").
@@ -457,7 +537,8 @@ class EngineConfig:
         the K tokens after an earlier match of the row's last 1-4, no drafter (runner/speculators/ngram.py).
     num_speculative_tokens: K, the proposals of the chain (0: the target alone).
     tree: None drafts the chain of K; a TreeSpec(steps, top_k, tokens) drafts EAGLE-2's dynamic
-        tree, in fused iterations only. TreeSpec(K, 1, K) is the chain of K (`resolved`).
+        tree, in fused iterations only. TreeSpec(K, 1, K) is the chain of K (`drafted`). "auto":
+        `default_tree`'s, once the drafter and the device are known (LLM's default).
     speculation: "auto" runs per bucket and iteration the fastest of the target alone and
         `speculative_proposals` (engine/policy.py), warm-up compiling them all so switching never
         compiles; "always" runs the engine's proposal at every bucket, for measuring a drafter. A
@@ -471,8 +552,9 @@ class EngineConfig:
     The KV pool:
     page_size, num_pages: the paged KV pool of target and drafter (page 0 is scratch). num_pages
         None: `kv_memory_fraction` of the free device memory after the weights; on a device that
-        reports none (the CPU), as `resolved` says, within a quarter of the host's available memory
-        (runner/kv_memory.py, `host_pool`). Only a request the pool cannot hold is refused.
+        reports none (the CPU), every slot at min(max_model_len, 1024) tokens plus one request at
+        max_model_len, within a quarter of the host's available memory (runner/kv_memory.py,
+        `host_pool`). Only a request the pool cannot hold is refused.
     kv_memory_fraction: the share of free memory the pool takes; the rest is the programs' working
         memory (sized before warm-up, since every program is compiled for the pool's shape).
     page_reservation: "on_demand": pages taken as a request's tokens and iterations in flight need
@@ -495,13 +577,15 @@ class EngineConfig:
         speculation is token-identical to the target alone in bf16 too; under tensor parallelism
         the target runs per device, sums added in rank order. The drafter is unaffected.
 
-    Every field keeps the value given; what follows from them is a property or `resolved()`.
+    Every field keeps the value given; what follows from them alone is a property, what follows
+    from them and the models and device is the ServedConfig.
     """
 
     # serving
     max_model_len: int = 2048
     max_num_seqs: int | None = None
     batch_buckets: tuple[int, ...] | None = None
+    batch_buckets_up_to: int | None = None
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     prefill_batch_buckets: tuple[int, ...] = (1, 8)
     freeze_heap: bool = True
@@ -509,7 +593,7 @@ class EngineConfig:
     # speculation
     speculator: str = "eagle3"
     num_speculative_tokens: int = 3
-    tree: TreeSpec | None = None
+    tree: TreeSpec | str | None = None
     speculation: str = "auto"
     speculative_max_batch: int | None = None
     step_costs: tuple[tuple[float, ...], ...] | None = None
@@ -547,16 +631,11 @@ class EngineConfig:
                 continue
             if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
                 raise ConfigError(f"{where}: {name} must be increasing positive sizes, got {buckets}")
-        if self.tree is not None:
+        if self.tree not in (None, "auto"):
             if not isinstance(self.tree, TreeSpec):
-                raise ConfigError(f"{where}: tree must be a TreeSpec(steps, top_k, tokens) or None, got "
+                raise ConfigError(f'{where}: tree must be a TreeSpec(steps, top_k, tokens), "auto" or None, got '
                                   f"{self.tree!r}")
-            if self.tree.steps > MAX_SPECULATIVE_TOKENS:
-                raise ConfigError(f"{where}: tree.steps must be in 1..{MAX_SPECULATIVE_TOKENS}, got "
-                                  f"{self.tree.steps}")
-            if not self.fused_iteration and not self.tree.is_chain:
-                raise ConfigError(f"{where}: fused_iteration=False does not run a tree ({self.tree} runs as "
-                                  "fused iterations only): use fused_iteration=True, or a chain")
+            check_tree(self.tree, self.fused_iteration)
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"{where}: num_speculative_tokens must be in 0..16, got "
                               f"{self.num_speculative_tokens}")
@@ -566,19 +645,11 @@ class EngineConfig:
             raise ConfigError(f"{where}: speculation must be one of {', '.join(SPECULATION_MODES)}, got "
                               f"{self.speculation!r}")
         if self.step_costs is not None:
-            # A tuple of tuples, so the config stays hashable whatever sequence it was given as.
-            width = 2 + len(self.speculative_proposals)
-            costs = tuple(tuple(c) for c in self.step_costs)
-            if wrong := [c for c in costs if len(c) != width]:
-                names = ", ".join(p.label for p in self.speculative_proposals)
-                raise ConfigError(f"{where}: step_costs entries are (bucket, target-only seconds, then seconds of "
-                                  f"{names}): {width} numbers, got {wrong[0]}")
-            bad = [c for c in costs if not all(t > 0 for t in c[1:])]
-            if bad:
-                raise ConfigError(f"{where}: step_costs must be positive seconds, got {bad[0]}")
-            if len({c[0] for c in costs}) != len(costs):
-                raise ConfigError(f"{where}: step_costs lists a bucket twice: {costs}")
-            object.__setattr__(self, "step_costs", costs)
+            # A tuple of tuples, so the config stays hashable whatever sequence it was given as. With
+            # step_costs, "auto" drafts no tree (`default_tree`).
+            specs = proposal_specs(None if self.tree == "auto" else self.tree, self.num_speculative_tokens,
+                                   self.speculation)
+            object.__setattr__(self, "step_costs", checked_step_costs(self.step_costs, specs))
         fraction = self.kv_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
             raise ConfigError(f"{where}: kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction!r}")
@@ -589,39 +660,23 @@ class EngineConfig:
             raise ConfigError(f"{where}: prefix_caching must be True or False, got {self.prefix_caching!r}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"{where}: num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
-        largest = (self.batch_buckets or BATCH_BUCKETS)[-1]
-        if self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= largest:
-            raise ConfigError(f"{where}: max_num_seqs must be in 1..{largest} (the largest batch bucket runs them "
-                              f"all), got {self.max_num_seqs}; add a larger bucket to batch_buckets for more")
+        if self.batch_buckets_up_to is not None:
+            _positive(self.batch_buckets_up_to, "batch_buckets_up_to", where)
+        # Default buckets end where `served_config` finds (a tree's may end one row below a chain's):
+        # the chain's bound here, the exact one there.
+        largest = (self.batch_buckets or default_batch_buckets((TreeSpec.chain(1),), self.batch_buckets_up_to))[-1]
+        check_max_num_seqs(self.max_num_seqs, largest)
 
-    def resolved(self) -> EngineConfig:
-        """The config as served: a chain-shaped tree as the chain of its steps, max_num_seqs and
-        num_pages filled in (the CPU's pool: every slot at min(max_model_len, 1024) tokens, plus one
-        request at max_model_len). Idempotent."""
-        tree, k = self._drafted
-        seqs = self.max_num_seqs or (self.batch_buckets or BATCH_BUCKETS)[-1]
-        served = dataclasses.replace(self, tree=tree, num_speculative_tokens=k, max_num_seqs=seqs)
-        if served.num_pages is not None:
-            return served
-        typical = -(-min(self.max_model_len, 1024) // self.page_size)
-        return dataclasses.replace(served, num_pages=seqs * typical + served.max_blocks_per_seq + 1)
-
-    @property
-    def _drafted(self) -> tuple[TreeSpec | None, int]:
-        """(the tree drafted, the chain's K): a chain-shaped tree is the chain of its steps."""
-        if self.tree is not None and self.tree.is_chain:
-            return None, self.tree.steps
-        return self.tree, self.num_speculative_tokens
+    def _given_tree(self) -> TreeSpec | None:
+        if self.tree == "auto":
+            raise ConfigError('engine config: tree "auto" is settled once the drafter and the device are known: '
+                              "read it from the served config (runner/served.py)")
+        return self.tree
 
     @property
     def speculative_proposals(self) -> tuple[TreeSpec, ...]:
-        """What a bucket may draft, the engine's proposal first: the tree (and in "auto" the chain
-        of K beside it), else the chain of K (none when K is 0)."""
-        tree, k = self._drafted
-        chain = (TreeSpec.chain(k),) if k else ()
-        if tree is None:
-            return chain
-        return (tree, *chain) if self.speculation == "auto" else (tree,)
+        """What a bucket may draft, the engine's proposal first (`proposal_specs`)."""
+        return proposal_specs(self._given_tree(), self.num_speculative_tokens, self.speculation)
 
     @property
     def max_proposals(self) -> int:
@@ -629,12 +684,41 @@ class EngineConfig:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        # The committed tokens plus two iterations in flight at the largest K (so the pool does not
-        # depend on K) or the tree's; a multiple of 4 pages, the attention kernel's table read.
-        tree = self._drafted[0]
-        per_iteration = max(MAX_SPECULATIVE_TOKENS + 1, tree.positions_per_iteration if tree else 0)
-        pages = -(-(self.max_model_len + 2 * per_iteration) // self.page_size)
-        return -(-pages // 4) * 4
+        return blocks_per_seq(self.max_model_len, self.page_size, self._given_tree())
+
+
+def check_tree(tree: TreeSpec, fused_iteration: bool) -> None:
+    """ConfigError unless `tree` can be drafted: at most MAX_SPECULATIVE_TOKENS deep, in fused iterations."""
+    where = "engine config"
+    if tree.steps > MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"{where}: tree.steps must be in 1..{MAX_SPECULATIVE_TOKENS}, got {tree.steps}")
+    if not fused_iteration and not tree.is_chain:
+        raise ConfigError(f"{where}: fused_iteration=False does not run a tree ({tree} runs as fused iterations "
+                          "only): use fused_iteration=True, or a chain")
+
+
+def checked_step_costs(step_costs, specs: tuple[TreeSpec, ...]) -> tuple[tuple[float, ...], ...]:
+    """`step_costs` as a tuple of tuples, checked against the proposals they time."""
+    where = "engine config"
+    width = 2 + len(specs)
+    costs = tuple(tuple(c) for c in step_costs)
+    if wrong := [c for c in costs if len(c) != width]:
+        names = ", ".join(p.label for p in specs)
+        raise ConfigError(f"{where}: step_costs entries are (bucket, target-only seconds, then seconds of "
+                          f"{names}): {width} numbers, got {wrong[0]}")
+    bad = [c for c in costs if not all(t > 0 for t in c[1:])]
+    if bad:
+        raise ConfigError(f"{where}: step_costs must be positive seconds, got {bad[0]}")
+    if len({c[0] for c in costs}) != len(costs):
+        raise ConfigError(f"{where}: step_costs lists a bucket twice: {costs}")
+    return costs
+
+
+def check_max_num_seqs(max_num_seqs: int | None, largest: int) -> None:
+    """ConfigError unless the largest batch bucket runs `max_num_seqs` (None: it) requests at once."""
+    if max_num_seqs is not None and not 1 <= max_num_seqs <= largest:
+        raise ConfigError(f"engine config: max_num_seqs must be in 1..{largest} (the largest batch bucket runs them "
+                          f"all), got {max_num_seqs}; add a larger bucket to batch_buckets for more")
 
 
 # A GPU engine's tree beside its chain unless told otherwise (`default_tree`): the fastest proposal
@@ -673,8 +757,78 @@ def default_tree(engine_config: EngineConfig, drafting: bool, backend: str) -> T
     drafter with K > 0 under "auto" (which runs the tree only where it is faster) on an accelerator.
     Not on the CPU (a tree's programs compile slowest there), under "always" (the chain everywhere)
     or with `step_costs` (whose entries do not name the tree)."""
-    if engine_config.tree is not None:
+    if isinstance(engine_config.tree, TreeSpec):
         return engine_config.tree
     wanted = (drafting and engine_config.num_speculative_tokens > 0 and engine_config.speculation == "auto"
               and engine_config.step_costs is None and backend != "cpu")
     return DEFAULT_TREE if wanted else None
+
+
+# ---- the engine configuration as served ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig:
+    """What iterations draft, settled: EngineConfig's speculation fields with "auto" trees chosen,
+    a chain-shaped tree as the chain of its steps, and the speculators built."""
+
+    speculator: str  # the name in runner/speculators' SPECULATORS
+    num_speculative_tokens: int  # K, the chain's proposals
+    tree: TreeSpec | None  # the tree drafted beside (or instead of) the chain
+    proposals: tuple[Proposal, ...]  # what an iteration may draft, the engine's own first (none: the target alone)
+    mode: str  # EngineConfig.speculation: "auto" or "always"
+    speculative_max_batch: int | None
+    step_costs: tuple[tuple[float, ...], ...] | None
+    fused_iteration: bool
+
+    @property
+    def facts(self) -> tuple[SpeculatorFacts, ...]:
+        return tuple(p.facts for p in self.proposals)
+
+    @property
+    def max_accepted(self) -> int:
+        """The most proposals one iteration accepts, over the proposals."""
+        return max((f.max_accepted for f in self.facts), default=0)
+
+    @property
+    def positions_per_iteration(self) -> int:
+        """KV positions past a row's length the widest iteration writes (the target alone: 1)."""
+        return max((f.positions_per_iteration for f in self.facts), default=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """The paged KV pool of target and drafter, sized (page 0 is scratch)."""
+
+    page_size: int
+    num_pages: int
+    max_blocks_per_seq: int  # a block table's pages (`blocks_per_seq`)
+    page_reservation: str
+    prefix_caching: bool
+    kv_memory_fraction: float
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """How the step functions compute, settled for the device: attention "pallas" or "xla"."""
+
+    attention: str
+    gemv: str
+    gemm: str
+    batch_invariant: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedConfig:
+    """The engine configuration as served: an EngineConfig with everything it leaves open settled
+    for the target, the drafter and the device (runner/served.py's `served_config`, once per engine,
+    before the runner is built). The engine, its scheduler and speculation bookkeeping, the runner
+    and its step configs all read this one object; hashable."""
+
+    max_model_len: int
+    max_num_seqs: int
+    batch_buckets: tuple[int, ...]
+    prefill_buckets: tuple[int, ...]
+    prefill_batch_buckets: tuple[int, ...]
+    freeze_heap: bool
+    speculation: SpeculationConfig
+    pool: PoolConfig
+    kernels: KernelConfig

@@ -32,9 +32,9 @@ import statistics
 import time
 
 from eagle3_jax.api import LLM
+from eagle3_jax.arguments import tree_spec
 from eagle3_jax.bench.harness import sized_engine_config
 from eagle3_jax.bench.phases import load_prompts, run_round
-from eagle3_jax.cli import tree_spec
 from eagle3_jax.sampling_params import SamplingParams
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3_jax import LLM, SamplingParams, assets
-from eagle3_jax.cli import tree_spec
+from eagle3_jax.arguments import tree_spec
 from eagle3_jax.config import EngineConfig, default_batch_buckets
 
 

@@ -246,8 +246,8 @@ def phase_replies(out: dict, args, questions: list[list[dict]]) -> None:
     llm = _llm(args.target, args.kind, args.proposal, args.kv_fraction, not args.no_prefix_caching, args.warmup,
                args.num_pages)
     llm.engine.overlap = not args.no_overlap
-    out.update(start_s=round(time.perf_counter() - t0, 1), num_pages=llm.engine.cfg.num_pages,
-               free_bytes=llm.engine.runner.free_bytes)
+    out.update(start_s=round(time.perf_counter() - t0, 1), num_pages=llm.engine.cfg.pool.num_pages,
+               free_bytes=llm.engine.device.free_bytes)
     greedy = SamplingParams(max_tokens=args.max_tokens)
     seeded = [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i) for i in range(len(questions))]
     replies = {}
@@ -358,8 +358,8 @@ def phase_release(out: dict, args, questions: list[list[dict]]) -> None:
         reply = llm.chat(questions[0], params)[0].token_ids
         reference = reference or reply
         gib = [None if b is None else round(b / 2**30, 2)
-               for b in (llm.engine.runner.free_bytes, llm.engine.runner.held_elsewhere)]
-        rows.append(dict(engine=i + 1, released_by=how, num_pages=llm.engine.cfg.num_pages, free_gib=gib[0],
+               for b in (llm.engine.device.free_bytes, llm.engine.device.held_elsewhere)]
+        rows.append(dict(engine=i + 1, released_by=how, num_pages=llm.engine.cfg.pool.num_pages, free_gib=gib[0],
                          held_elsewhere_gib=gib[1], reply_equal=reply == reference))
         print(rows[-1], flush=True)
         if how == "close":

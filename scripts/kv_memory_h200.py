@@ -21,7 +21,6 @@ Prints the figures and writes PHASE.json under --out-dir.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -66,7 +65,7 @@ def serve(llm, prompts, max_tokens: int) -> dict:
     tokens = sum(len(r.output) for r in reqs)
     return {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "rows_mean": statistics.mean(rows),
             "rows_max": max(rows), "preemptions": engine.stats.preemptions,
-            "prefix_hit_rate": engine.stats.prefix_hit_rate, "pages": engine.cfg.num_pages - 1,
+            "prefix_hit_rate": engine.stats.prefix_hit_rate, "pages": engine.cfg.pool.num_pages - 1,
             "replies": [r.output for r in reqs]}
 
 
@@ -78,9 +77,11 @@ def mtbench_prompts(llm, n: int) -> list[list[int]]:
 
 
 def phase_throughput(args) -> dict:
-    from eagle3_jax.config import EngineConfig
+    from eagle3_jax.config import BATCH_BUCKETS, EngineConfig
+    from eagle3_jax.runner.kv_memory import pool_config
 
-    formula = dataclasses.replace(EngineConfig(), num_pages=None).resolved().num_pages
+    # The pool a device reporting no memory gets: every one of the default 64 slots at 1024 tokens.
+    formula = pool_config(EngineConfig(), BATCH_BUCKETS[-1], None, lambda: 0, free=None).num_pages
     out = {}
     for name, engine in (("reserved_formula_pool", dict(page_reservation="whole", num_pages=formula)),
                          ("on_demand_sized_pool", dict())):
@@ -124,7 +125,7 @@ def phase_preemption(args) -> dict:
     sized = llm_for(args, kv_memory_fraction=0.4)  # room left for the second engine
     prompts = mtbench_prompts(sized, args.requests)
     reference = serve(sized, prompts, args.max_tokens)
-    page = sized.engine.cfg.page_size
+    page = sized.engine.cfg.pool.page_size
     demand = sum(-(-(len(p) + len(r)) // page) for p, r in zip(prompts, reference["replies"]))
     most = max(sized.engine.scheduler.pages_needed(len(p), args.max_tokens) for p in prompts)  # one request's
     sized.close()  # its memory back before the second engine sizes anything

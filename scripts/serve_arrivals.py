@@ -51,10 +51,10 @@ import jax
 import numpy as np
 
 from eagle3_jax import assets
+from eagle3_jax.arguments import sizes
 from eagle3_jax.bench.common import Column, Result, markdown_table
 from eagle3_jax.bench.harness import sized_engine_config
 from eagle3_jax.bench.phases import load_prompts, request_latencies, user_turn_encoder
-from eagle3_jax.cli import sizes
 from eagle3_jax.config import ATTENTION_KINDS, EngineConfig
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
@@ -155,7 +155,7 @@ def run_mode(a: argparse.Namespace, mode: str, draft: Path | None, k: int, specu
         values = figures(requests, wall_s, engine.stats, engine.num_compilations - compiled)
         rows.append(Result("serve", mode, len(requests), {"rate": rate_label(rate), **values}))
         log(f"{mode}, {rate_label(rate)}: {values['tok_s']:.1f} tok/s, TTFT p50 {values['ttft_p50_ms']:.0f} ms")
-    table = engine.policy_report() if speculation == "auto" else None
+    table = engine.speculation.report() if speculation == "auto" else None
     return rows, source, table
 
 

@@ -150,6 +150,15 @@ TINY = ModelConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, 
                    max_position_embeddings=128, tie_word_embeddings=False, eos_token_ids=(2,))
 
 
+
+def served(cfg, draft: DraftConfig | None = None, target: ModelConfig = TINY, free_bytes: int | None = None):
+    """`cfg` (an EngineConfig) as an engine on one CPU device serves it (runner/served.py), for
+    `target` and `draft` (None: no drafter); `free_bytes`: the memory the device reports free."""
+    from eagle3_jax.runner.served import DeviceFacts, served_config
+
+    device = DeviceFacts(backend="cpu", name="cpu", hopper=False, tp=None, free_bytes=free_bytes)
+    return served_config(cfg, target, draft, device, "bfloat16")
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """TINY's target directory, and two drafters: one reading the target's embedding ("shared"),

@@ -21,6 +21,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from runner_probe import pending_proposals, set_proposals, trace_iteration, trace_prefill
 
 from eagle3_jax import presets
 from eagle3_jax.config import DraftConfig, ModelConfig
@@ -236,13 +237,16 @@ def run_draft_programs(tp: int, batch: int, t: int, blocks: int) -> dict:
 
 def _runner(cfg: ModelConfig, dcfg: DraftConfig | None, tp: int, own_embedding: bool = True):
     from eagle3_jax.config import EngineConfig
-    from eagle3_jax.runner.runner import ModelRunner
+    from eagle3_jax.runner.runner import ModelRunner, place_weights
+    from eagle3_jax.runner.served import DeviceFacts, served_config
 
     engine_cfg = EngineConfig(batch_buckets=(4,), prefill_buckets=(16,), prefill_batch_buckets=(1,),
-                              num_speculative_tokens=3 if dcfg else 0, page_size=PAGE, num_pages=64,
-                              max_model_len=64).resolved()  # as an engine hands it to its runner
+                              num_speculative_tokens=3 if dcfg else 0, page_size=PAGE, num_pages=64, max_model_len=64)
     dparams = None if dcfg is None else E.init_draft_params(dcfg, jax.random.key(1), jnp.float32, own_embedding)
-    return ModelRunner(cfg, jax.tree.map(jnp.asarray, random_params(cfg)), dcfg, dparams, engine_cfg, S.make_mesh(tp))
+    mesh = S.make_mesh(tp)
+    weights = place_weights(cfg, jax.tree.map(jnp.asarray, random_params(cfg)), dcfg, dparams, mesh)
+    served = served_config(engine_cfg, cfg, dcfg, DeviceFacts.of(mesh), jnp.float32)  # as an engine settles it
+    return ModelRunner(served, cfg, dcfg, weights, mesh)
 
 
 def run_runner_hlo() -> dict:
@@ -254,7 +258,7 @@ def run_runner_hlo() -> dict:
     wide = _runner(cfg, DraftConfig.like_target(cfg, 128), 4, own_embedding=False)  # the target's width
 
     def compiled(runner, k: int) -> list[dict]:
-        return collectives(runner.trace_iteration(4, runner.config(Chain(k), True)).lower().compile().as_text())
+        return collectives(trace_iteration(runner, 4, runner.config(Chain(k), True)).lower().compile().as_text())
 
     return dict(no_drafter_tp8=compiled(bare, 0), target_embedding_tp4=compiled(wide, 3))
 
@@ -319,7 +323,7 @@ def forced_run(engine, prompts, ref, k: int, target_only_every: int) -> dict:
     engine.overlap = False  # read each step before forcing the next one's proposals
     done = [0]
     if target_only_every:
-        engine.choice = lambda bucket: None if done[0] % target_only_every == target_only_every - 1 else 0
+        engine.speculation.choice = lambda bucket: None if done[0] % target_only_every == target_only_every - 1 else 0
     target_only = sum(engine.stats.target_only_iterations.values())
     reqs = [engine.add_request(p, SamplingParams(max_tokens=len(r))) for p, r in zip(prompts, ref)]
     history, drafted = [[] for _ in reqs], [[] for _ in reqs]
@@ -333,12 +337,12 @@ def forced_run(engine, prompts, ref, k: int, target_only_every: int) -> dict:
             if r.finished or not r.output:
                 continue
             n = len(r.output)
-            drafted[i].append(engine.runner.pending_proposals(r.slot).tolist())
+            drafted[i].append(pending_proposals(engine.runner, r.slot).tolist())
             drafts = (ref[i][n:n + k] + [0] * k)[:k]
             wrong = WRONG[(done[0] + i) % len(WRONG)]
             if wrong is not None:
                 drafts[wrong] = (drafts[wrong] + 1) % engine.step_cfg.target.vocab_size
-            engine.runner.set_proposals(r.slot, drafts)
+            set_proposals(engine.runner, r.slot, drafts)
     vars(engine).pop("choice", None)  # the engine's own choice again
     return dict(tokens=[r.output for r in reqs], history=history, drafted=drafted,
                 target_only_iterations=sum(engine.stats.target_only_iterations.values()) - target_only)
@@ -400,16 +404,16 @@ def _serve(models: tuple, engine_cfg, tp: int, prompts: list[list[int]]):
 
 def program_collectives(runner, sampling_and_prefill: bool) -> dict:
     """Collectives of the runner's greedy fused iterations, EAGLE-3 (K=3) and target-only (K=0, the
-    draft extend inside), at bucket 4 (ModelRunner.trace_iteration: the programs the engine ran,
+    draft extend inside), at bucket 4 (runner_probe.trace_iteration: the programs the engine ran,
     found built); optionally of the sampling EAGLE-3 iteration and a one-prompt prefill of 16."""
     def compiled(traced) -> list[dict]:
         return collectives(traced.lower().compile().as_text())
 
-    res = {name: compiled(runner.trace_iteration(4, runner.config(Chain(k), True))) for name, k in (("eagle", 3),
+    res = {name: compiled(trace_iteration(runner, 4, runner.config(Chain(k), True))) for name, k in (("eagle", 3),
                                                                                                     ("decode", 0))}
     if sampling_and_prefill:
-        res["eagle_sampling"] = compiled(runner.trace_iteration(4, runner.config(Chain(3), False)))
-        res["prefill"] = compiled(runner.trace_prefill(1, 16, runner.config(Chain(3), True)))
+        res["eagle_sampling"] = compiled(trace_iteration(runner, 4, runner.config(Chain(3), False)))
+        res["prefill"] = compiled(trace_prefill(runner, 1, 16, runner.config(Chain(3), True)))
     return res
 
 

@@ -27,7 +27,7 @@ import pytest
 from conftest import CyclicGarbage
 
 from eagle3_jax import bench
-from eagle3_jax.cli import UsageError
+from eagle3_jax.arguments import UsageError
 from eagle3_jax.config import DraftConfig, ModelConfig
 from eagle3_jax.model.eagle3 import init_draft_params
 from eagle3_jax.model.llama import init_params

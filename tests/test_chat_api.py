@@ -184,7 +184,7 @@ def test_the_metrics_vllm_has_are_also_under_its_names_with_the_same_values():
 
 def engine_cut(decode, ids: list[int], stops) -> tuple[list[int], str]:
     """(tokens, text) as the engine ends them: at the first token after which the text holds a
-    stop string, cut before it (Engine._hit_stop_string)."""
+    stop string, cut before it (scheduler.hit_stop_string)."""
     for k in range(1, len(ids) + 1):
         text = decode(ids[:k])
         for stop in stops:

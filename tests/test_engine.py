@@ -13,7 +13,8 @@ import weakref
 import jax
 import numpy as np
 import pytest
-from conftest import CyclicGarbage, make_llm
+from conftest import CyclicGarbage, make_llm, served
+from runner_probe import buffer_addresses, pinned_batch, trace_iteration, trace_prefill
 from test_policy import speculate
 
 from eagle3_jax import SamplingParams, TreeSpec, assets
@@ -173,15 +174,15 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
     one per sampled distribution: the verify and each of the K draft tokens). The driver picks
     the program from the requests' parameters."""
     engine = spec_llm.engine
-    k = engine.step_cfg.speculator.max_accepted
+    k = engine.step_cfg.speculator.facts.max_accepted
     bucket = engine.cfg.batch_buckets[1]  # padded rows: the same program as real ones
 
     def branches(cfg) -> int:
-        return engine.runner.trace_iteration(bucket, cfg).lower().as_text().count('"stablehlo.case"')
+        return trace_iteration(engine.runner, bucket, cfg).lower().as_text().count('"stablehlo.case"')
 
     greedy, sampling = (engine.iterate_config(bucket, greedy=g) for g in (True, False))
     assert (branches(greedy), branches(sampling)) == (0, k + 1)
-    first = engine.runner.trace_prefill(1, 32, dataclasses.replace(engine.step_cfg, greedy=True)).lower().as_text()
+    first = trace_prefill(engine.runner, 1, 32, dataclasses.replace(engine.step_cfg, greedy=True)).lower().as_text()
     assert '"stablehlo.case"' not in first
 
     ran = []
@@ -204,16 +205,16 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
     changes, and the verdicts stay in the state until a gather of their own copies them out, into
     two buffers per bucket taken in turn (nothing may be allocated between iterations either)."""
     engine = spec_llm.engine
-    k = engine.step_cfg.speculator.max_accepted
+    k = engine.step_cfg.speculator.facts.max_accepted
     bucket = engine.cfg.batch_buckets[1]
     slots = np.full(bucket, DUMMY_SLOT, np.int32)
-    tables = np.zeros((bucket, engine.cfg.max_blocks_per_seq), np.int32)
+    tables = np.zeros((bucket, engine.cfg.pool.max_blocks_per_seq), np.int32)
     cfg = engine.iterate_config(bucket, greedy=True)
 
     runner = engine.runner
 
     def addresses() -> list[int]:
-        return runner.buffer_addresses() + [x.unsafe_buffer_pointer() for x in runner.pinned_batch(slots, tables)]
+        return buffer_addresses(runner) + [x.unsafe_buffer_pointer() for x in pinned_batch(runner, slots, tables)]
 
     runner.iterate(slots, tables, cfg)
     before = addresses()
@@ -224,7 +225,7 @@ def test_iteration_buffers_keep_their_addresses(spec_llm):
         verdicts = runner.iterate(slots, tables, cfg)
         verdict_addresses.append(verdicts.unsafe_buffer_pointer())
     assert verdicts.shape == (bucket, 2 + k + 1)  # proposals accepted, top1_accepted, then the tokens emitted
-    assert runner.pinned_batch(slots, tables)[1][0, -1] == 2
+    assert pinned_batch(runner, slots, tables)[1][0, -1] == 2
     assert addresses() == before
     a, b = verdict_addresses[:2]
     assert a != b and verdict_addresses == [a, b, a, b]
@@ -246,10 +247,10 @@ def test_first_tokens_are_read_into_buffers_held_per_slot(spec_llm, chat_ids, mo
         return first
 
     monkeypatch.setattr(runner, "first_token", recording)
-    state_addresses = runner.buffer_addresses()
+    state_addresses = buffer_addresses(runner)
     for _ in range(2):  # three requests admitted in one step, twice into the same three slots
         outputs = spec_llm.generate(chat_ids[:3], SamplingParams(max_tokens=2))
-    assert runner.buffer_addresses() == state_addresses
+    assert buffer_addresses(runner) == state_addresses
     assert all(o.metrics.arrival_time < o.metrics.first_token_time <= o.metrics.last_token_time for o in outputs)
     slots = sorted({slot for slot, _ in reads})
     assert len(reads) == 6 and len(slots) == 3
@@ -266,18 +267,18 @@ def test_state_buffers_do_not_grow_with_the_layers(smollm2_cfg):
     from eagle3_jax.runner.speculators import Chain
     from eagle3_jax.runner.state import init_state
 
-    engine_cfg = EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256).resolved()
+    engine_cfg = served(EngineConfig(batch_buckets=(2,), num_speculative_tokens=4, max_model_len=256))
     shallow = dataclasses.replace(smollm2_cfg, num_layers=2, capture_layer_ids=(0, 1, 1))
     states = {
         cfg.num_layers: jax.eval_shape(
             lambda c=cfg: init_state(c, DraftConfig.like_target(c, 64), engine_cfg, jax.numpy.bfloat16,
-                                     Chain(4).slot_layout)
+                                     Chain(4).facts.slot_layout)
         )
         for cfg in (smollm2_cfg, shallow)
     }
     assert len(jax.tree.leaves(states[30])) == len(jax.tree.leaves(states[2]))
     k = states[30].target_kv.k
-    assert k.shape == (30, engine_cfg.num_pages, engine_cfg.page_size, 3, 64)
+    assert k.shape == (30, engine_cfg.pool.num_pages, engine_cfg.pool.page_size, 3, 64)
     assert states[30].draft_kv.k.shape[0] == 1  # the drafter's one layer
 
 

@@ -9,10 +9,11 @@ import weakref
 
 import jax
 import pytest
-from conftest import make_llm
+from conftest import make_llm, served
 
-from eagle3_jax.engine.engine import HELD_ELSEWHERE_NOTE_BYTES, EngineClosedError, pool_line
+from eagle3_jax.engine.engine import EngineClosedError
 from eagle3_jax.runner import kv_memory
+from eagle3_jax.runner.kv_memory import HELD_ELSEWHERE_NOTE_BYTES, pool_line
 from eagle3_jax.sampling_params import SamplingParams
 
 PROMPTS = [[1, 5, 7, 3, 9], [4, 4, 8, 1, 6, 2]]
@@ -64,8 +65,8 @@ def test_closing_mid_request_ends_it_as_aborted(tiny_models):
 def test_the_pool_line_says_when_the_device_was_held_elsewhere():
     from eagle3_jax.config import EngineConfig
 
-    cfg = EngineConfig(max_model_len=1024, num_pages=1025)
-    assert "already held" not in pool_line(cfg, 8 << 30, explicit=False, elsewhere=HELD_ELSEWHERE_NOTE_BYTES - 1)
-    line = pool_line(cfg, 8 << 30, explicit=False, elsewhere=60 << 30)
+    cfg = served(EngineConfig(max_model_len=1024, num_pages=1025))
+    assert "already held" not in pool_line(cfg, 8 << 30, given=False, elsewhere=HELD_ELSEWHERE_NOTE_BYTES - 1)
+    line = pool_line(cfg, 8 << 30, given=False, elsewhere=60 << 30)
     assert "60.00 GiB of the device was already held" in line and "LLM.close()" in line
     assert kv_memory.held_elsewhere(jax.devices("cpu"), ()) is None  # the CPU reports no memory

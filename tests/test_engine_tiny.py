@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import TINY_VOCAB
+from runner_probe import set_proposals
 
 from eagle3_jax import SamplingParams
 from eagle3_jax.config import EngineConfig
@@ -93,16 +94,16 @@ def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(tiny_models, 
 
     llm = make(tiny_models, warmup=True, speculation="auto", step_costs=((8, 0.010, 0.100), (16, 1.0, 1.0)))
     engine = llm.engine
-    engine.policy = dataclasses.replace(engine.policy, time_served=False)
+    engine.speculation.policy = dataclasses.replace(engine.speculation.policy, time_served=False)
     compiled = engine.num_compilations
-    assert set(engine.step_costs) == {2, 8}  # 16 is no bucket: ignored
-    assert engine.step_costs[8] == BucketCost(0.010, 0.100)  # injected, not timed
-    timed = engine.step_costs[2]
+    assert set(engine.speculation.step_costs) == {2, 8}  # 16 is no bucket: ignored
+    assert engine.speculation.step_costs[8] == BucketCost(0.010, 0.100)  # injected, not timed
+    timed = engine.speculation.step_costs[2]
     assert timed.target_only_s > 0 and len(timed.speculative_s) == 1 and timed.speculative_s[0] > 0
-    engine.step_costs[2] = BucketCost(target_only_s=0.010, speculative_s=0.008)
-    table = engine.speculation_table()
+    engine.speculation.step_costs[2] = BucketCost(target_only_s=0.010, speculative_s=0.008)
+    table = engine.speculation.table()
     assert [(c.bucket, c.choice) for c in table] == [(2, "chain K=3"), (8, "target-only")]
-    assert "target-only" in engine.policy_report()
+    assert "target-only" in engine.speculation.report()
 
     lengths = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
     outputs = llm.generate(PROMPTS[:10], [greedy(n) for n in lengths])
@@ -115,15 +116,15 @@ def test_auto_follows_the_cost_table_per_bucket_and_stays_lossless(tiny_models, 
     # Requests' metrics tell the two apart; the estimator saw only speculative, fresh rows.
     spec_iters = sum(o.metrics.speculative_iterations for o in outputs)
     assert 0 < spec_iters < sum(o.metrics.iterations for o in outputs)
-    (est,) = engine.acceptance  # one proposal: the chain
+    (est,) = engine.speculation.acceptance  # one proposal: the chain
     assert 0 < est.rows <= spec_iters and 1.0 <= est.mean <= 4.0
     for o in outputs:
         assert all(0.0 <= r <= 1.0 for r in o.metrics.acceptance_rates)
     # Plain "auto" times every bucket in warm-up; past speculative_max_batch nothing speculates,
     # so nothing is timed there.
     capped = make(tiny_models, warmup=True, speculation="auto", speculative_max_batch=2)
-    assert set(capped.engine.step_costs) == {2}
-    assert capped.engine.speculation_table()[1] == policy.BucketChoice(8, None, "target-only")
+    assert set(capped.engine.speculation.step_costs) == {2}
+    assert capped.engine.speculation.table()[1] == policy.BucketChoice(8, None, "target-only")
 
 
 # ---- proposals forced by hand: none, some and all accepted; EOS and max_tokens inside a run --------
@@ -165,7 +166,7 @@ def run_forced(llm, prompt, ref, max_tokens, choose_mismatch):
         wrong = choose_mismatch(min(len(ref), max_tokens) - n)
         if wrong is not None:
             proposals[wrong] = (proposals[wrong] + 1) % TINY_VOCAB
-        engine.runner.set_proposals(req.slot, proposals)  # the next iteration verifies these
+        set_proposals(engine.runner, req.slot, proposals)  # the next iteration verifies these
     while engine.has_unfinished():
         engine.step()
     engine.overlap = True
@@ -253,15 +254,15 @@ def test_auto_replaces_warmup_costs_by_served_step_times_but_not_injected_ones(t
     cost (policy.py, "The costs"), and never for a bucket whose costs the user injected."""
     llm = make(tiny_models, warmup=True, speculation="auto", step_costs=((8, 0.010, 0.100),))
     engine = llm.engine
-    warm = engine.step_costs[2]
+    warm = engine.speculation.step_costs[2]
     outputs = llm.generate(PROMPTS[:2], greedy(40))  # one bucket-2 batch, many steady steps
     assert [o.token_ids for o in outputs] == [ref[:40] for ref in alone[:2]]
-    served = engine.served[2]
-    assert set(engine.served) == {2} and served  # bucket 8 (injected) never timed
+    served = engine.speculation.served[2]
+    assert set(engine.speculation.served) == {2} and served  # bucket 8 (injected) never timed
     assert all(t.samples >= 1 and 0 < t.mean < 5.0 for t in served.values())
-    cost = engine.bucket_cost(2)
+    cost = engine.speculation.bucket_cost(2)
     expect_t0 = served[None].mean if None in served else warm.target_only_s
     expect_spec = served[0].mean if 0 in served else warm.speculative_s[0]
     assert (cost.target_only_s, cost.speculative_s) == (expect_t0, (expect_spec,))
-    assert engine.bucket_cost(8) == BucketCost(0.010, 0.100)
-    assert engine.speculation_table()[0].cost == cost
+    assert engine.speculation.bucket_cost(8) == BucketCost(0.010, 0.100)
+    assert engine.speculation.table()[0].cost == cost

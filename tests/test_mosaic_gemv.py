@@ -13,11 +13,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from runner_probe import trace_iteration, trace_prefill
 
 from eagle3_jax.config import ConfigError, EngineConfig, ModelConfig
 from eagle3_jax.model import llama, mosaic_gemv
 from eagle3_jax.model.mosaic_gemv import Tiling
-from eagle3_jax.runner.runner import gemv_kind
+from eagle3_jax.runner.served import DeviceFacts, gemv_kind
 
 
 def test_tiles_of_the_8b_and_smollm2_projections():
@@ -89,8 +90,8 @@ def test_the_gemv_setting_names_what_is_wrong():
     with pytest.raises(ConfigError, match="gemv must be one of xla, mosaic, got 'fast'"):
         EngineConfig(gemv="fast")
     with pytest.raises(ConfigError, match="gemv 'mosaic' runs on one Hopper GPU only, not on cpu"):
-        gemv_kind(EngineConfig(gemv="mosaic"), None)  # the suite runs on the CPU
-    assert gemv_kind(EngineConfig(), None) == "xla"
+        gemv_kind(EngineConfig(gemv="mosaic"), DeviceFacts.of(None))  # the suite runs on the CPU
+    assert gemv_kind(EngineConfig(), DeviceFacts.of(None)) == "xla"
 
 
 def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypatch):
@@ -116,12 +117,12 @@ def test_the_engine_runs_the_kernel_in_iterations_and_never_in_prefills(monkeypa
     monkeypatch.setattr(mosaic_gemv, "project", lambda x, w, out_dtype=None: calls.append(w.shape) or
                         project(x, w, out_dtype))
 
-    prefill = engine.runner.trace_prefill(1, 32, cfg).lower(lowering_platforms=("cuda",))
+    prefill = trace_prefill(engine.runner, 1, 32, cfg).lower(lowering_platforms=("cuda",))
     assert calls == [] and "mosaic_gpu" not in prefill.as_text()
 
-    iteration = engine.runner.trace_iteration(2, cfg).lower(lowering_platforms=("cuda",))
+    iteration = trace_iteration(engine.runner, 2, cfg).lower(lowering_platforms=("cuda",))
     # target: 4 projections a layer + lm_head; draft extend: fc + its 4; each of K - 1 chain steps:
     # its 4; K draft lm_heads
-    k = cfg.speculator.max_accepted
+    k = cfg.speculator.facts.max_accepted
     assert len(calls) == 4 * target.num_layers + 1 + 5 + 4 * (k - 1) + k, calls
     assert "mosaic_gpu" in iteration.as_text()

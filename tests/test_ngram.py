@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB
+from runner_probe import read_history
 from test_cli import run_cli
 
 from eagle3_jax import SamplingParams
@@ -62,9 +63,10 @@ def test_lookup_equals_the_rule_on_random_histories():
 def test_ngram_registered_and_shaped_as_a_chain():
     assert "ngram" in SPECULATORS
     spec = NGram(4)
-    assert (spec.verify_width, spec.max_accepted, spec.num_draft_steps, spec.uses_drafter) == (5, 4, 1, False)
-    assert spec.slot_layout.history and spec.slot_layout.q_rows == 0
-    assert spec.label == "ngram K=4" and spec != NGram(4, max_n=2) and hash(spec) == hash(NGram(4))
+    facts = spec.facts
+    assert (facts.verify_width, facts.max_accepted, facts.num_draft_steps, facts.uses_drafter) == (5, 4, 1, False)
+    assert facts.slot_layout.history and facts.slot_layout.q_rows == 0
+    assert facts.label == "ngram K=4" and spec != NGram(4, max_n=2) and hash(spec) == hash(NGram(4))
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -144,7 +146,7 @@ def test_prefix_cache_hit_leaves_the_whole_prompt_in_the_history(tiny_models):
     again = engine.add_request(prompt, params)
     engine.step()  # admits and prefills it
     assert again.num_cached == 32  # two pages of 16 from the cache; the last 8 tokens prefilled
-    assert engine.runner.read_history(again.slot)[:len(prompt)].tolist() == prompt
+    assert read_history(engine.runner, again.slot)[:len(prompt)].tolist() == prompt
     engine.run([again])
     alone = make(tiny_models[0], None).generate([prompt], params)[0].token_ids
     assert again.output == alone

@@ -4,10 +4,9 @@ many rows a pool runs at once against reserving every page up front. Host code o
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
+from conftest import served
 
 from eagle3_jax.config import EngineConfig
 from eagle3_jax.engine.pages import ROOT_KEY, PagePool, page_key, page_keys
@@ -23,7 +22,7 @@ def scheduler(num_pages: int, buckets=(2, 4), max_model_len: int = 64, reservati
               page_size: int = PAGE, prefix_caching: bool = True) -> Scheduler:
     cfg = EngineConfig(batch_buckets=buckets, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
                        page_reservation=reservation, prefix_caching=prefix_caching)
-    return Scheduler(cfg, VOCAB, K)
+    return Scheduler(served(cfg), VOCAB, K)
 
 
 def generate(s: Scheduler, req, n: int) -> None:
@@ -192,8 +191,10 @@ class ReportingDevice:
 
 
 def test_pool_sized_from_the_least_free_memory_of_its_devices():
+    import jax
+
     from eagle3_jax.config import ConfigError, DraftConfig, ModelConfig
-    from eagle3_jax.runner.kv_memory import page_bytes, sized_pool
+    from eagle3_jax.runner.kv_memory import free_bytes, page_bytes
 
     target = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8,
                          num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
@@ -206,18 +207,17 @@ def test_pool_sized_from_the_least_free_memory_of_its_devices():
     cfg = EngineConfig(max_model_len=64, page_size=16, kv_memory_fraction=0.5)
     one = page_bytes(target, draft, 16, "bfloat16")
     devices = [ReportingDevice(1000 * one, 100 * one), ReportingDevice(1000 * one, 200 * one)]
-    sized, free = sized_pool(cfg, target, draft, "bfloat16", devices)
-    assert (free, sized.num_pages) == (800 * one, 400)
+    free = free_bytes(devices)
+    assert (free, served(cfg, draft, target, free).pool.num_pages) == (800 * one, 400)
+    assert free_bytes(jax.devices("cpu")) is None  # nothing reported: no pool sized from memory
     with pytest.raises(ConfigError, match=r"holds 16 tokens of KV; one request at max_model_len 64 needs"):
-        sized_pool(cfg, target, draft, "bfloat16", [ReportingDevice(4 * one, 0)])
+        served(cfg, draft, target, free_bytes([ReportingDevice(4 * one, 0)]))
 
 
 def test_a_cpu_pool_takes_at_most_a_quarter_of_the_hosts_available_memory(monkeypatch):
-    """The CPU reports no memory: every slot at min(max_model_len, 1024) tokens as `resolved` has
-    it, unless a quarter of the host's available memory holds less; one request at max_model_len
-    always fits. Each CPU device's share of a page is host memory."""
-    import jax
-
+    """The CPU reports no memory: every slot at min(max_model_len, 1024) tokens, unless a quarter of
+    the host's available memory holds less; one request at max_model_len always fits. Each CPU
+    device's share of a page is host memory."""
     from eagle3_jax.config import DraftConfig, ModelConfig
     from eagle3_jax.runner import kv_memory
 
@@ -225,21 +225,17 @@ def test_a_cpu_pool_takes_at_most_a_quarter_of_the_hosts_available_memory(monkey
                          num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
                          max_position_embeddings=256, tie_word_embeddings=False, eos_token_ids=(2,))
     draft = DraftConfig.like_target(target, 100)
-    cfg = EngineConfig(max_model_len=64, page_size=16, batch_buckets=(1, 8))
+    cfg = EngineConfig(max_model_len=64, page_size=16)
     one = kv_memory.page_bytes(target, draft, 16, "float32")
-    wanted = cfg.resolved().num_pages
-    assert wanted == 8 * 4 + 8 + 1  # 8 slots x 4 pages, one request at 64 tokens + two iterations (8), scratch
+    wanted = 8 * 4 + 8 + 1  # 8 slots x 4 pages, one request at 64 tokens + two iterations (8), scratch
     available = kv_memory.host_available_bytes()
     assert available is not None and available > 0  # Linux says
 
-    def pool(host_bytes: int | None, devices=None) -> int:
+    def pool(host_bytes: int | None, devices: int = 1) -> int:
         monkeypatch.setattr(kv_memory, "host_available_bytes", lambda: host_bytes)
-        devices = devices or jax.devices("cpu")[:1]
-        sized, free = kv_memory.sized_pool(cfg, target, draft, "float32", devices)
-        assert free is None and dataclasses.replace(sized, num_pages=None) == cfg
-        return sized.num_pages
+        return kv_memory.pool_config(cfg, 8, None, lambda: one, None, devices).num_pages
 
     assert pool(None) == pool(4 * wanted * one) == pool(1 << 40) == wanted
     assert pool(4 * 20 * one) == 20
-    assert pool(4 * 20 * one, [jax.devices("cpu")[0]] * 2) == 10  # two devices' shares
+    assert pool(4 * 20 * one, devices=2) == 10  # two devices' shares
     assert pool(0) == 8 + 1

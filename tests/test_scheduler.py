@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import served
 
 from eagle3_jax.config import EngineConfig
 from eagle3_jax.engine.pages import PagePool
@@ -26,7 +27,7 @@ def scheduler(num_pages: int = 64, buckets=(2, 4), max_model_len: int = 64, k: i
               reservation: str = "whole", prefix_caching: bool = True) -> Scheduler:
     cfg = EngineConfig(batch_buckets=buckets, page_size=PAGE, num_pages=num_pages, max_model_len=max_model_len,
                        page_reservation=reservation, prefix_caching=prefix_caching)
-    return Scheduler(cfg, VOCAB, k)
+    return Scheduler(served(cfg), VOCAB, k)
 
 
 def params(max_tokens: int) -> SamplingParams:
@@ -59,7 +60,7 @@ def test_pages_needed_covers_prompt_output_and_two_iterations_in_flight():
     assert scheduler(k=0).pages_needed(5, 3) == 3  # 5 + 3 + 2 = 10 tokens
     # A tree writes more positions per iteration than it accepts: 2 x 8 in flight here.
     cfg = EngineConfig(batch_buckets=(2,), page_size=PAGE, num_pages=64, max_model_len=64)
-    tree = Scheduler(cfg, VOCAB, 3, positions_per_iteration=8)
+    tree = Scheduler(served(cfg), VOCAB, 3, positions_per_iteration=8)
     assert tree.pages_needed(5, 3) == 6  # 5 + 3 + 16 = 24 tokens
     assert tree.add([1] * 5, params(3)).metrics.accepted_at == [0, 0, 0]  # one count per depth, K = 3
 
@@ -139,7 +140,7 @@ def test_batch_pads_to_the_bucket_with_the_dummy_slot_and_scratch_rows():
     assert batch == reqs
     np.testing.assert_array_equal(slots, [1, 2, 3, DUMMY])
     assert slots.dtype == np.int32
-    assert tables.shape == (4, s.cfg.max_blocks_per_seq)
+    assert tables.shape == (4, s.cfg.pool.max_blocks_per_seq)
     for i, r in enumerate(reqs):
         np.testing.assert_array_equal(tables[i, :len(r.pages)], r.pages)
     assert (tables[3] == SCRATCH).all()
@@ -251,7 +252,7 @@ def test_stop_strings_decode_a_tail_and_cut_the_whole_text():
     the text is cut before its first occurrence in the whole output."""
     import types
 
-    from eagle3_jax.engine.engine import Engine
+    from eagle3_jax.engine.scheduler import hit_stop_string
 
     decoded = []
 
@@ -259,12 +260,11 @@ def test_stop_strings_decode_a_tail_and_cut_the_whole_text():
         decoded.append(len(ids))
         return "".join(chr(97 + t) for t in ids)
 
-    engine = types.SimpleNamespace(detokenize=detokenize)
     req = types.SimpleNamespace(params=SamplingParams(stop=("xyz", "q")), output=[], text=None)
     hits = []
     for t in [0] * 300 + [23, 24, 25, 1]:  # "aaa...axyzb"
         req.output.append(t)
-        hits.append(Engine._hit_stop_string(engine, req))
+        hits.append(hit_stop_string(req, detokenize))
     assert hits.index(True) == 302 and req.text == "a" * 300
     assert max(decoded[:302]) == 4 * 3 + 8  # tails only, until the hit decodes the whole output
     assert decoded[303] == 303

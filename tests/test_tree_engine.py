@@ -15,7 +15,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, served
+from runner_probe import read_kv, set_proposals
 
 from eagle3_jax import SamplingParams, TreeSpec
 from eagle3_jax.config import ConfigError, EngineConfig, default_batch_buckets
@@ -93,7 +94,7 @@ def test_pallas_attention_engine_is_token_identical(tiny_models, reference):
     spec = TreeSpec(3, 2, 5)
     from jax.sharding import Mesh
 
-    from eagle3_jax.runner.runner import attention_kind
+    from eagle3_jax.runner.served import DeviceFacts, attention_kind
 
     target, drafters = tiny_models
     llm = make(target, drafters["shared"], spec, attention="pallas")
@@ -101,9 +102,9 @@ def test_pallas_attention_engine_is_token_identical(tiny_models, reference):
     outputs = llm.generate(PROMPTS, greedy(16))
     assert [o.token_ids for o in outputs] == [ref[:16] for ref in reference]
     assert sum(o.metrics.accepted for o in outputs) > 0
-    assert attention_kind(EngineConfig(), None) == "xla"  # "auto" off the GPU
+    assert attention_kind(EngineConfig(), DeviceFacts.of(None)) == "xla"  # "auto" off the GPU
     with pytest.raises(ConfigError, match="tensor parallelism"):
-        attention_kind(EngineConfig(attention="pallas"), Mesh(np.array(jax.devices()[:1]), ("tp",)))
+        attention_kind(EngineConfig(attention="pallas"), DeviceFacts.of(Mesh(np.array(jax.devices()[:1]), ("tp",))))
 
 
 # ---- forced trees: every depth, on any branch; the KV a plain prefill leaves ------------------
@@ -136,7 +137,7 @@ def prefill_kv(llm, sequence: list[int], draft: bool = False):
     engine.overlap = False
     req = engine.add_request(sequence, greedy(4))
     engine.step()  # the prefill (and one iteration, writing from position len(sequence) on)
-    kv = engine.runner.read_kv(engine.scheduler.block_tables[req.slot], range(len(sequence)), draft)
+    kv = read_kv(engine.runner, engine.scheduler.block_tables[req.slot], range(len(sequence)), draft)
     while engine.has_unfinished():
         engine.step()
     engine.overlap = True
@@ -160,7 +161,7 @@ def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_l
         n = len(req.output)
         depth = int(rng.integers(spec.steps + 1))
         tokens, parents = forced_tree(spec, ref[n:n + depth + 1], rng)
-        engine.runner.set_proposals(req.slot, tokens, parents)
+        set_proposals(engine.runner, req.slot, tokens, parents)
         accepted = req.metrics.accepted
         engine.step()
         assert req.metrics.accepted - accepted == depth
@@ -169,7 +170,7 @@ def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_l
     assert set(depths) == set(range(spec.steps + 1))
     cached = prompt + req.output[:-1]  # the last token is not in the cache yet
     table = engine.scheduler.block_tables[req.slot]
-    got = {cache: engine.runner.read_kv(table, range(len(cached)), cache == "draft") for cache in ("target", "draft")}
+    got = {cache: read_kv(engine.runner, table, range(len(cached)), cache == "draft") for cache in ("target", "draft")}
     while engine.has_unfinished():
         engine.step()
     engine.overlap = True
@@ -185,9 +186,9 @@ def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_l
 def test_set_proposals_checks_the_tree(tree_llm):
     runner = tree_llm.engine.runner
     with pytest.raises(ValueError, match="parents are given for a tree's proposals"):
-        runner.set_proposals(1, [1, 2, 3, 4, 5])
+        set_proposals(runner, 1, [1, 2, 3, 4, 5])
     with pytest.raises(ValueError, match=r"parents \[0, 0, 3, 1, 2\]: node i\+1's parent"):
-        runner.set_proposals(1, [1, 2, 3, 4, 5], [0, 0, 3, 1, 2])
+        set_proposals(runner, 1, [1, 2, 3, 4, 5], [0, 0, 3, 1, 2])
 
 
 # ---- compiles, target-only iterations, sampled rows ---------------------------------------------
@@ -202,8 +203,8 @@ def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_mode
     llm = make(tiny_models[0], tiny_models[1]["shared"], spec, warmup=True, batch_buckets=(2, 4), speculation="auto",
                step_costs=((2, 1.0, 100.0, 0.5), (4, 1.0, 0.5, 100.0)))
     engine = llm.engine
-    assert [p.spec for p in engine.proposals] == [spec, TreeSpec.chain(3)]
-    assert [c.choice for c in engine.speculation_table()] == ["chain K=3", "tree 3,2,5"]
+    assert [p.facts.spec for p in engine.proposals] == [spec, TreeSpec.chain(3)]
+    assert [c.choice for c in engine.speculation.table()] == ["chain K=3", "tree 3,2,5"]
     built = engine.num_compilations
     lengths = [8, 16, 24, 40]
     outputs = llm.generate(PROMPTS, [greedy(n) for n in lengths])
@@ -211,12 +212,12 @@ def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_mode
     by_proposal = engine.stats.proposal_iterations
     assert set(by_proposal) == {"tree 3,2,5", "chain K=3"}
     assert set(by_proposal["tree 3,2,5"]) == {4} and set(by_proposal["chain K=3"]) == {2}
-    assert all(est.rows > 0 for est in engine.acceptance)
+    assert all(est.rows > 0 for est in engine.speculation.acceptance)
     sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True) for i in range(2)]
     llm.generate(PROMPTS[:2], sampled)
     llm.generate(PROMPTS, [greedy(12), sampled[0], greedy(12), sampled[1]])
     assert engine.num_compilations == built, "serving tree requests compiled after warm-up"
-    assert "tree 3,2,5: acceptance length L" in engine.policy_report()
+    assert "tree 3,2,5: acceptance length L" in engine.speculation.report()
 
 
 @pytest.mark.slow
@@ -230,18 +231,18 @@ def test_a_tree_measures_its_chain_without_running_it(tiny_models, reference):
     after 256 iterations then)."""
     spec = TreeSpec(3, 2, 5)
     llm = make(tiny_models[0], tiny_models[1]["shared"], spec, speculation="auto", step_costs=((4, 1.0, 0.5, 0.6),))
-    engine = llm.engine
-    engine.policy = dataclasses.replace(engine.policy, probe_every=4)
+    engine, speculation = llm.engine, llm.engine.speculation
+    speculation.policy = dataclasses.replace(speculation.policy, probe_every=4)
     outputs = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outputs] == reference
     assert set(engine.stats.proposal_iterations) == {"tree 3,2,5"}
-    tree_est, chain_est = engine.acceptance
+    tree_est, chain_est = speculation.acceptance
     assert chain_est.rows == tree_est.rows > 0 and chain_est.unmeasured == tree_est.unmeasured
     assert 1.0 <= chain_est.mean < tree_est.mean
-    engine.policy = dataclasses.replace(engine.policy, probe_every=256)  # no probe of the chain now
+    speculation.policy = dataclasses.replace(speculation.policy, probe_every=256)  # no probe of the chain now
     draft_q = SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True, draft_acceptance="draft_q")
     llm.generate(PROMPTS[:1], draft_q)
-    assert engine.acceptance[0].rows > tree_est.rows and engine.acceptance[1].rows == chain_est.rows
+    assert speculation.acceptance[0].rows > tree_est.rows and speculation.acceptance[1].rows == chain_est.rows
 
 
 @pytest.mark.slow
@@ -318,7 +319,7 @@ def test_engine_config_tree():
     assert cfg.num_speculative_tokens == 2 and cfg.max_proposals == 4  # K: the chain "auto" may choose
     chain = EngineConfig(tree=TreeSpec.chain(3), fused_iteration=False)  # the chain of 3: it stands for K
     assert chain.tree == TreeSpec.chain(3) and chain.speculative_proposals == (TreeSpec.chain(3),)
-    assert chain.resolved().num_speculative_tokens == 3 and chain.resolved().tree is None
+    assert served(chain).speculation.num_speculative_tokens == 3 and served(chain).speculation.tree is None
     # Two iterations of a tree's footprint fit the block tables: (6, 8, 31) writes 47 positions past the length.
     wide = EngineConfig(tree=TreeSpec(6, 8, 31), page_size=16, max_model_len=2048)
     assert TreeSpec(6, 8, 31).positions_per_iteration == 47
@@ -333,24 +334,25 @@ def test_engine_config_tree():
 
 def test_engine_config_keeps_the_values_given():
     """Fields stay as given (a chain-shaped tree, no pool size, no slot count); what follows from
-    them is a property, or the resolved copy the engine serves, which resolves to itself."""
+    them is a property, or the served configuration, settled the same way each time."""
     cfg = EngineConfig(tree=TreeSpec(4, 1, 4), batch_buckets=(2, 8), max_model_len=64, page_size=16)
     assert cfg.tree == TreeSpec(4, 1, 4) and cfg.num_speculative_tokens == 3
     assert (cfg.num_pages, cfg.max_num_seqs) == (None, None)
     assert cfg.speculative_proposals == (TreeSpec.chain(4),) and cfg.max_proposals == 4
-    served = cfg.resolved()
-    assert (served.tree, served.num_speculative_tokens, served.max_num_seqs) == (None, 4, 8)
-    assert served.num_pages == 8 * 4 + served.max_blocks_per_seq + 1  # 8 slots of 64 tokens, one full row more
-    assert served.resolved() == served and cfg.resolved() == served
+    settled = served(cfg)
+    spec, pool = settled.speculation, settled.pool
+    assert (spec.tree, spec.num_speculative_tokens, settled.max_num_seqs) == (None, 4, 8)
+    assert pool.num_pages == 8 * 4 + pool.max_blocks_per_seq + 1  # 8 slots of 64 tokens, one full row more
+    assert served(cfg) == settled and cfg.tree == TreeSpec(4, 1, 4)
     given = EngineConfig(step_costs=[[2, 0.01, 0.02]], num_pages=40)
-    assert given.step_costs == ((2, 0.01, 0.02),) and given.resolved().num_pages == 40
+    assert given.step_costs == ((2, 0.01, 0.02),) and served(given).pool.num_pages == 40
 
 
 def test_max_num_seqs_is_set_and_checked():
-    assert EngineConfig().max_num_seqs is None and EngineConfig(batch_buckets=(2, 8)).resolved().max_num_seqs == 8
+    assert EngineConfig().max_num_seqs is None and served(EngineConfig(batch_buckets=(2, 8))).max_num_seqs == 8
     cfg = EngineConfig(batch_buckets=(2, 8), max_num_seqs=5, page_size=4, num_pages=64, max_model_len=64)
-    assert cfg.max_num_seqs == 5 and cfg.resolved().max_num_seqs == 5
-    assert Scheduler(cfg, VOCAB, 3).block_tables.shape[0] == 6  # five slots and the dummy
+    assert cfg.max_num_seqs == 5 and served(cfg).max_num_seqs == 5
+    assert Scheduler(served(cfg), VOCAB, 3).block_tables.shape[0] == 6  # five slots and the dummy
     for buckets, seqs in (((2, 8), 9), (None, 65), ((2, 8), 0)):
         bound = 8 if buckets else 64
         with pytest.raises(ConfigError, match=rf"max_num_seqs must be in 1\.\.{bound} \(the largest batch bucket runs "
@@ -365,9 +367,38 @@ def test_engine_serves_a_chain_shaped_tree_and_fewer_slots(tiny_models, referenc
     llm = make(tiny_models[0], tiny_models[1]["shared"], TreeSpec(4, 1, 4), max_num_seqs=3)
     engine = llm.engine
     assert engine.runner.speculator == Chain(4)
-    assert (engine.cfg.tree, engine.cfg.num_speculative_tokens, engine.cfg.max_num_seqs) == (None, 4, 3)
+    spec = engine.cfg.speculation
+    assert (spec.tree, spec.num_speculative_tokens, engine.cfg.max_num_seqs) == (None, 4, 3)
     assert engine.scheduler.block_tables.shape[0] == 4
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == reference
+
+
+def test_llm_arguments_reach_the_step_configs_through_one_served_configuration(tiny_models, monkeypatch):
+    """LLM(...) forwards K, the tree and any EngineConfig field by name into one EngineConfig; the
+    engine settles it once (`served_config`, tree "auto" chosen there and only there) before the
+    runner is built; the engine, its scheduler and speculation bookkeeping, the runner and the
+    step configs then read that one object, never a copy of it."""
+    from eagle3_jax.api import LLM
+    from eagle3_jax.engine import engine as engine_module
+    from eagle3_jax.runner import served as served_module
+
+    events, asked = [], []
+    settle, build, choose_tree = engine_module.served_config, engine_module.ModelRunner, served_module.default_tree
+    monkeypatch.setattr(engine_module, "served_config", lambda cfg, *a: events.append("served") or asked.append(cfg)
+                        or settle(cfg, *a))
+    monkeypatch.setattr(engine_module, "ModelRunner", lambda *a: events.append("runner") or build(*a))
+    monkeypatch.setattr(served_module, "default_tree", lambda *a: events.append("auto") or choose_tree(*a))
+    llm = LLM(tiny_models[0], tiny_models[1]["shared"], num_speculative_tokens=5, tree="auto", warmup=False,
+              progress=False, engine_config=EngineConfig(**ENGINE), max_model_len=96)
+    assert events == ["served", "auto", "runner"]  # settled once, "auto" inside it, then the runner
+    (cfg,) = asked
+    assert (cfg.num_speculative_tokens, cfg.tree, cfg.max_model_len) == (5, "auto", 96)
+    engine, served = llm.engine, llm.engine.cfg
+    assert engine.runner.cfg is served and engine.scheduler.cfg is served and served.max_model_len == 96
+    assert (served.speculation.num_speculative_tokens, served.speculation.tree) == (5, None)  # no tree on the CPU
+    (chain,) = served.speculation.proposals
+    assert chain == Chain(5) and engine.speculation.facts == (chain.facts,) and engine.scheduler.num_draft == 5
+    assert engine.step_cfg.speculator is chain and engine.iterate_config(4).speculator is chain
 
 
 def test_default_buckets_follow_what_the_engine_drafts(tiny_models):
@@ -377,7 +408,7 @@ def test_default_buckets_follow_what_the_engine_drafts(tiny_models):
     assert default_batch_buckets((TreeSpec.chain(4),)) == rest
     assert default_batch_buckets((TreeSpec(5, 4, 15), TreeSpec.chain(4))) == (1, *rest)
     assert default_batch_buckets(()) == (1, *rest)
-    assert EngineConfig().batch_buckets is None and EngineConfig().resolved().max_num_seqs == 64
+    assert EngineConfig().batch_buckets is None and served(EngineConfig()).max_num_seqs == 64
     target, drafters = tiny_models
     for draft, tree, first in ((drafters["shared"], TreeSpec(3, 2, 5), 1), (drafters["shared"], None, 2),
                                (None, None, 1), (drafters["shared"], TreeSpec.chain(3), 2)):
@@ -400,16 +431,16 @@ def test_a_tree_wider_than_the_draft_vocabulary_is_refused(tiny_models):
     # The "own" drafter's draft vocabulary holds 8 of the 12 tokens: a node cannot have 9 children.
     with pytest.raises(ConfigError, match=r"^tree 2,9,3: top_k 9 exceeds the drafter's draft vocabulary of 8 tokens$"):
         make(tiny_models[0], tiny_models[1]["own"], TreeSpec(2, 9, 3))
-    assert make(tiny_models[0], tiny_models[1]["own"], TreeSpec(2, 8, 3)).engine.proposals[0].spec.top_k == 8
+    assert make(tiny_models[0], tiny_models[1]["own"], TreeSpec(2, 8, 3)).engine.proposals[0].facts.spec.top_k == 8
 
 
 def test_scheduler_reserves_two_tree_iterations():
     cfg = EngineConfig(batch_buckets=(2,), page_size=4, num_pages=64, max_model_len=64, tree=TreeSpec(3, 2, 5))
-    s = Scheduler(cfg, VOCAB, 3, Tree(TreeSpec(3, 2, 5)).positions_per_iteration)
-    assert Tree(TreeSpec(3, 2, 5)).positions_per_iteration == 8  # max(5 + 1, 3 + 1 + 2 * 2)
+    s = Scheduler(served(cfg), VOCAB, 3, Tree(TreeSpec(3, 2, 5)).facts.positions_per_iteration)
+    assert Tree(TreeSpec(3, 2, 5)).facts.positions_per_iteration == 8  # max(5 + 1, 3 + 1 + 2 * 2)
     assert s.pages_needed(4, 4) == 6  # 4 + 4 + 2 * 8 = 24 tokens
     assert s.add([1], greedy(1)).metrics.accepted_at == [0, 0, 0]  # by depth
-    assert Scheduler(cfg, VOCAB, 3).pages_needed(4, 4) == 4  # a chain of 3: 4 + 4 + 2 * 4 = 16 tokens
+    assert Scheduler(served(cfg), VOCAB, 3).pages_needed(4, 4) == 4  # a chain of 3: 4 + 4 + 2 * 4 = 16 tokens
 
 
 def test_cli_tree_flag():

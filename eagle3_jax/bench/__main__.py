@@ -2,6 +2,7 @@
 
 import sys
 
-from eagle3_jax.cli import main
+from eagle3_jax.arguments import PROG, run_command
+from eagle3_jax.bench.main import main
 
-sys.exit(main(["bench", *sys.argv[1:]]))
+sys.exit(run_command(f"{PROG} bench", lambda: main(sys.argv[1:])))

@@ -10,7 +10,15 @@ import numpy as np
 
 from eagle3_jax.bench.common import STEP_PRESETS
 from eagle3_jax.bench.options import Options
-from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig, TreeSpec, default_batch_buckets, smallest_bucket
+from eagle3_jax.config import (
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    ServedConfig,
+    TreeSpec,
+    default_batch_buckets,
+    smallest_bucket,
+)
 
 
 def draft_config_like(target: ModelConfig, draft_vocab_size: int = 32000) -> DraftConfig:
@@ -56,8 +64,7 @@ def sized_engine_config(batches: Sequence[int], k: int, max_model_len: int,
                         tree: TreeSpec | None = None, gemm: str = "auto") -> EngineConfig:
     """Buckets = the batch sizes, none below `min_bucket` (a smaller batch runs padded to it;
     None: the smallest of the engine's default buckets for this mode, `default_batch_buckets`);
-    a KV pool of exactly one full-length row per slot; resolved (`EngineConfig.resolved`), as the
-    runner takes it. "always": an EAGLE-3 row measures
+    a KV pool of exactly one full-length row per slot. "always": an EAGLE-3 row measures
     speculation at every batch size. `prefill_batch_buckets` None keeps the engine's default;
     `tree`: EngineConfig.tree; k = 0 without a tree: the target alone; `gemm`: EngineConfig.gemm."""
     cfg = EngineConfig(prefill_buckets=tuple(prefill_buckets), num_speculative_tokens=k,
@@ -66,18 +73,18 @@ def sized_engine_config(batches: Sequence[int], k: int, max_model_len: int,
                        tree=tree, gemm=gemm)
     if min_bucket is None:
         min_bucket = default_batch_buckets(cfg.speculative_proposals)[0]
-    cfg = dataclasses.replace(cfg, batch_buckets=tuple(sorted({max(b, min_bucket) for b in batches}))).resolved()
-    return dataclasses.replace(cfg, num_pages=1 + cfg.max_num_seqs * cfg.max_blocks_per_seq)
+    buckets = tuple(sorted({max(b, min_bucket) for b in batches}))
+    return dataclasses.replace(cfg, batch_buckets=buckets, num_pages=1 + buckets[-1] * cfg.max_blocks_per_seq)
 
 
-def bucket_for(cfg: EngineConfig, batch: int) -> int:
+def bucket_for(cfg: ServedConfig, batch: int) -> int:
     return smallest_bucket(cfg.batch_buckets, batch)
 
 
 # ==== synthetic rows =========================================================================
-def synthetic_rows(ecfg: EngineConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
+def synthetic_rows(cfg: ServedConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Slots 1..batch, each with pages of its own: (rows [B], block tables [B, nb])."""
-    nb = ecfg.max_blocks_per_seq
-    if 1 + batch * nb > ecfg.num_pages:
-        raise ValueError(f"{batch} rows of {nb} pages need {1 + batch * nb} pages; the pool has {ecfg.num_pages}")
+    nb, num_pages = cfg.pool.max_blocks_per_seq, cfg.pool.num_pages
+    if 1 + batch * nb > num_pages:
+        raise ValueError(f"{batch} rows of {nb} pages need {1 + batch * nb} pages; the pool has {num_pages}")
     return np.arange(1, batch + 1, dtype=np.int32), (1 + np.arange(batch * nb, dtype=np.int32)).reshape(batch, nb)

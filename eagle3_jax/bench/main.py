@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from eagle3_jax import assets
+from eagle3_jax.arguments import UsageError
 from eagle3_jax.bench import profile
 from eagle3_jax.bench.collectives import allreduce_shapes, measure_links, use_allreduce
 from eagle3_jax.bench.common import Result, log
@@ -28,7 +29,6 @@ from eagle3_jax.bench.options import Options, build_parser
 from eagle3_jax.bench.peer import peer_worker, phase_peer
 from eagle3_jax.bench.phases import phase_8b, phase_smollm2, phase_tp
 from eagle3_jax.bench.report import device_name, plot, report_markdown, summary_ratios
-from eagle3_jax.cli import UsageError
 from eagle3_jax.parallel import sharding
 
 

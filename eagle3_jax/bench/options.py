@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import assets
-from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHASES, STEP_PRESETS
-from eagle3_jax.cli import (
+from eagle3_jax.arguments import (
     ArgumentParser,
     UsageError,
     check_drafter_dir,
@@ -26,6 +25,7 @@ from eagle3_jax.cli import (
     sizes,
     tree_spec,
 )
+from eagle3_jax.bench.common import DEFAULT_PHASES, LLAMA31_8B, LLAMA33_70B, PHASES, STEP_PRESETS
 from eagle3_jax.config import ATTENTION_KINDS, GEMM_KINDS, GEMV_KINDS, ModelConfig, TreeSpec
 from eagle3_jax.parallel.plan import target_weight_bytes
 

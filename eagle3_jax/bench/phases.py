@@ -40,7 +40,15 @@ from eagle3_jax.bench.harness import (
     synthetic_rows,
 )
 from eagle3_jax.bench.options import Options
-from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, TreeSpec, check_draft_fits
+from eagle3_jax.config import (
+    ConfigError,
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    ServedConfig,
+    TreeSpec,
+    check_draft_fits,
+)
 from eagle3_jax.engine.engine import Engine, EngineStats
 from eagle3_jax.engine.scheduler import Request
 from eagle3_jax.model import llama
@@ -50,12 +58,11 @@ from eagle3_jax.runner.runner import (
     CompileCounter,
     Job,
     PinnedBatch,
-    attention_kind,
     compile_on_pool,
-    gemv_kind,
     iterate_pinned,
     time_calls,
 )
+from eagle3_jax.runner.served import DeviceFacts, attention_kind, served_config
 from eagle3_jax.runner.speculators import Chain, eagle3_proposal
 from eagle3_jax.runner.state import DeviceState, SlotLayout, init_state, state_shardings, with_lengths
 from eagle3_jax.runner.steps import (
@@ -262,16 +269,16 @@ def run_mode(opts: Options, mode: str, draft_dir: Path | None, k: int, ceilings:
         if ceilings is not None:
             ran = engine.iterate_config(bucket)
             itemsize = jnp.dtype(opts.dtype).itemsize
-            spec = ran.speculator.spec if ran.speculative else None
+            spec = ran.speculator.facts.spec if ran.speculative else None
             cost = (tree_iteration_cost(target, draft, spec, bucket, context, itemsize) if spec and not spec.is_chain
-                    else iteration_cost(target, draft, ran.speculator.max_accepted, bucket, context, itemsize))
+                    else iteration_cost(target, draft, ran.speculator.facts.max_accepted, bucket, context, itemsize))
             values["floor_ms"] = 1e3 * cost.floor_s(ceilings)
         results.append(Result("smollm2", mode, b, values))
         log(f"{mode}, batch {b}: {values['tok_s']:.0f} tok/s, acceptance length {values['acceptance_length']:.2f}, "
             f"device {values['device_ms']:.2f} ms/iter")
     if speculation == "auto":
         notes.append(f"{mode}: speculation policy after the run (engine/policy.py):\n"
-                     + engine.policy_report())
+                     + engine.speculation.report())
     return results, source
 
 
@@ -325,7 +332,7 @@ def phase_smollm2(opts: Options, ceilings: Ceilings | None, notes: list[str]) ->
             "prefill_batch_buckets": list(opts.prefill_batch_buckets or EngineConfig.prefill_batch_buckets),
             "dtype": jnp.dtype(opts.dtype).name,
             "compile": "parallel precompile, then Engine.warmup" if opts.parallel_compile else "Engine.warmup",
-            "paged attention": attention_kind(EngineConfig(attention=opts.attention), None),
+            "paged attention": attention_kind(EngineConfig(attention=opts.attention), DeviceFacts.of(None)),
             "few-row projections": opts.gemv, "GEMMs": opts.gemm}
     return results, info
 
@@ -346,14 +353,14 @@ def _verify_only(params, kv, tokens, positions, block_tables, cfg: ModelConfig, 
 verify_only = jit_per_gemm(_verify_only, static_argnames=("cfg", "mesh", "attention", "gemv"), donate_argnames="kv")
 
 
-def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
-                    mesh: Mesh | None = None, layout: SlotLayout = TARGET_ALONE.slot_layout) -> DeviceState:
+def synthetic_state(target: ModelConfig, draft: DraftConfig | None, served: ServedConfig, dtype,
+                    mesh: Mesh | None = None, layout: SlotLayout = TARGET_ALONE.facts.slot_layout) -> DeviceState:
     """init_state with random KV (never time on zeros), random last tokens and proposals (a tree's
     nodes all under the root: its parents stay 0). Under a mesh, in the layout the engine keeps
     (state_shardings), each KV page array created on its shards. layout: the slots' (init_state's)."""
     if mesh is not None:
-        return _sharded_synthetic_state(target, draft, ecfg, dtype, mesh, layout)
-    state = init_state(target, draft, ecfg, dtype, layout)
+        return _sharded_synthetic_state(target, draft, served, dtype, mesh, layout)
+    state = init_state(target, draft, served, dtype, layout)
     keys = iter(jax.random.split(jax.random.PRNGKey(2), 4 * target.num_layers + 8))
 
     def fill(kv):
@@ -367,14 +374,14 @@ def synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: Engine
     return DeviceState(target_kv=fill(state.target_kv), draft_kv=fill(state.draft_kv), slots=slots)
 
 
-def _sharded_synthetic_state(target: ModelConfig, draft: DraftConfig | None, ecfg: EngineConfig, dtype,
+def _sharded_synthetic_state(target: ModelConfig, draft: DraftConfig | None, served: ServedConfig, dtype,
                              mesh: Mesh, layout: SlotLayout) -> DeviceState:
-    shapes = jax.eval_shape(lambda: init_state(target, draft, ecfg, dtype, layout))
+    shapes = jax.eval_shape(lambda: init_state(target, draft, served, dtype, layout))
     where = state_shardings(shapes, target, draft, mesh)
     k_target, k_draft, k_slots = jax.random.split(jax.random.PRNGKey(2), 3)
 
     def make_slots(key):  # jit drops init_state's KV pool: only the (replicated) slots are made
-        s = init_state(target, draft, ecfg, dtype, layout).slots
+        s = init_state(target, draft, served, dtype, layout).slots
         k1, k2 = jax.random.split(key)
         return s.replace(last_token=jax.random.randint(k1, s.last_token.shape, 0, target.vocab_size),
                          drafts=jax.random.randint(k2, s.drafts.shape, 0, target.vocab_size))
@@ -469,10 +476,10 @@ def step_kinds(k: int, trees: Sequence[TreeSpec]) -> list[StepKind]:
 
 
 def step_configs(opts: Options, kinds: Sequence[StepKind], target: ModelConfig, draft: DraftConfig,
-                 ecfg: EngineConfig, mesh: Mesh | None, notes: list[str]) -> dict[StepKind, StepConfig]:
-    """Each kind's StepConfig, with the kernels `ecfg` resolves to under `mesh` (noted)."""
+                 served: ServedConfig, mesh: Mesh | None, notes: list[str]) -> dict[StepKind, StepConfig]:
+    """Each kind's StepConfig, with the kernels `served` settled under `mesh` (noted)."""
     # Greedy programs: what a batch of greedy requests runs (StepConfig.greedy).
-    attention, gemv, gemm = attention_kind(ecfg, mesh), gemv_kind(ecfg, mesh), ecfg.gemm
+    attention, gemv, gemm = served.kernels.attention, served.kernels.gemv, served.kernels.gemm
     notes.append(
         f"8b: paged attention {attention} (--attention {opts.attention}); few-row projections {gemv} "
         f"(--gemv {opts.gemv}); GEMMs {gemm} (--gemm {opts.gemm}: under auto, cuBLAS where a call verifies "
@@ -493,12 +500,12 @@ def step_configs(opts: Options, kinds: Sequence[StepKind], target: ModelConfig, 
     }
 
 
-def step_calls(opts: Options, scfgs: dict[StepKind, StepConfig], params, dparams, ecfg: EngineConfig,
+def step_calls(opts: Options, scfgs: dict[StepKind, StepConfig], params, dparams, served: ServedConfig,
                k: int) -> dict[tuple[StepKind, int], tuple[Callable, Callable[[DeviceState], Job]]]:
     """(kind, batch) -> step_call's (call, precompile job), at every batch of --batches-8b."""
     return {
         (kind, b): step_call(
-            kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(ecfg, b), kind.tokens or k + 1,
+            kind, params, dparams if kind.num_draft else None, scfg, *synthetic_rows(served, b), kind.tokens or k + 1,
             opts.context,
         )
         for kind, scfg in scfgs.items()
@@ -506,7 +513,7 @@ def step_calls(opts: Options, scfgs: dict[StepKind, StepConfig], params, dparams
     }
 
 
-def precompile_steps(opts: Options, scfgs: dict[StepKind, StepConfig], calls: dict, ecfg: EngineConfig,
+def precompile_steps(opts: Options, scfgs: dict[StepKind, StepConfig], calls: dict, served: ServedConfig,
                      mesh: Mesh | None) -> tuple[dict[str, float], dict, dict]:
     """Lower, then compile every call's program at once. -> (seconds of each, under a mesh
     (kind, batch) -> the program's collectives (hlo_collectives), under --profile (kind, batch) ->
@@ -514,7 +521,7 @@ def precompile_steps(opts: Options, scfgs: dict[StepKind, StepConfig], calls: di
     # Lowered first, one kind's state at a time (lowering keeps only shapes and shardings).
     lower_start, lowered = time.perf_counter(), {}
     for kind, scfg in scfgs.items():
-        state = synthetic_state(scfg.target, scfg.draft, ecfg, opts.dtype, mesh, scfg.speculator.slot_layout)
+        state = synthetic_state(scfg.target, scfg.draft, served, opts.dtype, mesh, scfg.speculator.facts.slot_layout)
         for b in opts.batches_8b:
             fn, args, kw = calls[kind, b][1](state)
             lowered[kind, b] = fn.lower(*args, **kw)
@@ -557,12 +564,12 @@ def profile_step(opts: Options, label: str, call: Callable, state: DeviceState, 
     return state, activity, rows
 
 
-def measure_step(opts: Options, kind: StepKind, b: int, call: Callable, state: DeviceState, ecfg: EngineConfig,
+def measure_step(opts: Options, kind: StepKind, b: int, call: Callable, state: DeviceState, served: ServedConfig,
                  site: tuple[str, list] | None,
                  notes: list[str]) -> tuple[DeviceState, list[float], profile.DeviceActivity | None, list]:
     """Seconds per call of one (kind, batch), a sample per round; under --profile, its trace too
     (profile_step). -> (state, samples, activity or None, by-source rows)."""
-    rows, _ = synthetic_rows(ecfg, b)
+    rows, _ = synthetic_rows(served, b)
     # One call first: it builds the small programs around the step (the pinned arguments' copy,
     # the verdicts' gather), and the eager scatter of with_lengths compiles here too.
     state, _ = call(state)
@@ -701,20 +708,21 @@ def phase_8b(
     k, own = max(opts.num_draft), own_embedding(target, draft)
     ecfg = sized_engine_config(opts.batches_8b, k, opts.max_model_len_8b, min_bucket=1, attention=opts.attention,
                                gemv=opts.gemv, gemm=opts.gemm)  # the step functions at exactly these batch sizes
+    served = served_config(ecfg, target, draft, DeviceFacts.of(mesh), opts.dtype)  # its kernels and pool
     params, dparams, init_s, held = random_step_weights(target, draft, own, opts.dtype, mesh)
     kinds = step_kinds(k, opts.trees)
-    scfgs = step_configs(opts, kinds, target, draft, ecfg, mesh, notes)
-    calls = step_calls(opts, scfgs, params, dparams, ecfg, k)
+    scfgs = step_configs(opts, kinds, target, draft, served, mesh, notes)
+    calls = step_calls(opts, scfgs, params, dparams, served, k)
     compile_s, collectives, sites = {}, {}, {}  # see precompile_steps
     if opts.parallel_compile:  # 70B programs take minutes, one core each: all compile at once
-        compile_s, collectives, sites = precompile_steps(opts, scfgs, calls, ecfg, mesh)
+        compile_s, collectives, sites = precompile_steps(opts, scfgs, calls, served, mesh)
     results = []
     kernels: dict[str, profile.DeviceActivity] = {}  # --profile: "kind, batch b" -> the device's activity
     by_source: dict[str, list] = {}  # --profile: "kind, batch b" -> (source line, kernels, us) per call
     for kind, scfg in scfgs.items():
-        state = synthetic_state(target, scfg.draft, ecfg, opts.dtype, mesh, scfg.speculator.slot_layout)
+        state = synthetic_state(target, scfg.draft, served, opts.dtype, mesh, scfg.speculator.facts.slot_layout)
         for b in opts.batches_8b:
-            state, samples, activity, sources = measure_step(opts, kind, b, calls[kind, b][0], state, ecfg,
+            state, samples, activity, sources = measure_step(opts, kind, b, calls[kind, b][0], state, served,
                                                              sites.get((kind, b)), notes)
             if activity is not None:
                 kernels[f"{kind.name}, batch {b}"] = activity

@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from eagle3_jax.config import DUMMY_SLOT, SCRATCH_PAGE, EngineConfig, smallest_bucket
+from eagle3_jax.config import DUMMY_SLOT, SCRATCH_PAGE, ServedConfig, smallest_bucket
 from eagle3_jax.engine.pages import PagePool, page_keys
 from eagle3_jax.sampling_params import SamplingParams
 
@@ -110,22 +110,49 @@ class Request:
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
 
+def stop_reason(req: Request, token: int, eos_token_ids: frozenset[int], detokenize=None) -> str | None:
+    """Whether `token`, just appended to `req.output`, ends the request: "stop" (an EOS unless
+    ignore_eos, a stop token, a stop string: `detokenize`, list[int] -> str, decodes), "length"
+    (max_tokens), or None."""
+    params = req.params
+    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return "stop"
+    if params.stop and detokenize is not None and hit_stop_string(req, detokenize):
+        return "stop"
+    return "length" if len(req.output) >= req.max_tokens else None
+
+
+def hit_stop_string(req: Request, detokenize) -> bool:
+    """Whether the last token completed a stop string (then `req.text` is cut before it). It is
+    checked after every token, so it can only end in the last one's text: a tail of enough
+    tokens to hold the longest stop's bytes is decoded, not the whole output each time."""
+    tail = 4 * max(map(len, req.params.stop)) + 8  # tokens: each at least a byte, a char at most 4
+    recent = detokenize(req.output[-tail:])
+    if not any(stop in recent for stop in req.params.stop):
+        return False
+    text = detokenize(req.output)
+    found = [i for stop in req.params.stop if (i := text.find(stop)) >= 0]
+    if found:  # (a tail decoded alone can differ at its start: the whole text decides)
+        req.text = text[:min(found)]
+    return bool(found)
+
+
 class Scheduler:
     """num_draft: the most proposals an iteration accepts (len of accepted_at). positions_per_iteration:
     KV positions past a request's length one iteration writes (None: num_draft + 1, a chain's)."""
 
-    def __init__(self, cfg: EngineConfig, vocab_size: int, num_draft: int, positions_per_iteration: int | None = None):
-        self.cfg = cfg = cfg.resolved()  # the slots and the pool as served
+    def __init__(self, cfg: ServedConfig, vocab_size: int, num_draft: int, positions_per_iteration: int | None = None):
+        self.cfg = cfg
         self.vocab_size = vocab_size
         self.num_draft = num_draft
         self.positions_per_iteration = num_draft + 1 if positions_per_iteration is None else positions_per_iteration
-        self.pool = PagePool(cfg.num_pages, cfg.prefix_caching)
+        self.pool = PagePool(cfg.pool.num_pages, cfg.pool.prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request, in admission order
         self._free_slots = list(range(cfg.max_num_seqs, DUMMY_SLOT, -1))
         self._ids = itertools.count()
         # [S, max_blocks] page ids; rows of free slots (and the dummy) point at scratch.
-        self.block_tables = np.full((cfg.max_num_seqs + 1, cfg.max_blocks_per_seq), SCRATCH_PAGE, np.int32)
+        self.block_tables = np.full((cfg.max_num_seqs + 1, cfg.pool.max_blocks_per_seq), SCRATCH_PAGE, np.int32)
 
     @property
     def in_flight(self) -> int:
@@ -133,13 +160,13 @@ class Scheduler:
         return 2 * self.positions_per_iteration
 
     def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
-        return -(-(prompt_len + max_tokens + self.in_flight) // self.cfg.page_size)
+        return -(-(prompt_len + max_tokens + self.in_flight) // self.cfg.pool.page_size)
 
     def pages_to_hold(self, req: Request) -> int:
         """The pages `req` holds before the next iteration is dispatched."""
-        if self.cfg.page_reservation == "whole":
+        if self.cfg.pool.page_reservation == "whole":
             return self.pages_needed(len(req.prompt), req.max_tokens)
-        return -(-(req.context_len + self.in_flight) // self.cfg.page_size)
+        return -(-(req.context_len + self.in_flight) // self.cfg.pool.page_size)
 
     def add(self, prompt: list[int], params: SamplingParams, arrival_time: float | None = None) -> Request:
         """Validate and queue a request (RequestError names the problem); arrival_time default now."""
@@ -199,14 +226,14 @@ class Scheduler:
         while self.waiting and self._free_slots:
             req = self.waiting[0]
             self._publish(req)
-            hit = self.pool.match(req.keys[:(req.context_len - 1) // self.cfg.page_size])
+            hit = self.pool.match(req.keys[:(req.context_len - 1) // self.cfg.pool.page_size])
             fresh = self.pool.allocate(self.pages_to_hold(req) - len(hit))
             if fresh is None:
                 self.pool.release(hit)
                 break
             self.waiting.popleft()
             req.slot, req.admissions = self._free_slots.pop(), req.admissions + 1
-            req.num_cached = len(hit) * self.cfg.page_size
+            req.num_cached = len(hit) * self.cfg.pool.page_size
             req.metrics.cached_tokens += req.num_cached
             self._hold(req, hit + fresh)
             req.published = len(hit)
@@ -239,8 +266,8 @@ class Scheduler:
     def _publish(self, req: Request) -> None:
         """Key the request's full pages (tokens known) and cache those it holds: the KV of every
         token the host knows was written by a program already dispatched."""
-        if (len(req.prompt) + len(req.output) - 1) // self.cfg.page_size > len(req.keys):
-            req.keys = page_keys(req.tokens, self.cfg.page_size, req.keys)
+        if (len(req.prompt) + len(req.output) - 1) // self.cfg.pool.page_size > len(req.keys):
+            req.keys = page_keys(req.tokens, self.cfg.pool.page_size, req.keys)
         done, req.published = req.published, min(len(req.keys), len(req.pages))
         self.pool.publish(req.pages[done:req.published], req.keys[done:req.published])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -22,19 +23,11 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from eagle3_jax.config import (
-    DUMMY_SLOT,
-    ConfigError,
-    DraftConfig,
-    EngineConfig,
-    ModelConfig,
-    check_draft_fits,
-    check_proposal_fits,
-)
+from eagle3_jax.config import DUMMY_SLOT, DraftConfig, ModelConfig, ServedConfig, check_draft_fits
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
-from eagle3_jax.runner import kv_memory, sampling
-from eagle3_jax.runner.speculators import Speculator, speculators_for
+from eagle3_jax.runner import sampling
+from eagle3_jax.runner.speculators import Speculator
 from eagle3_jax.runner.state import (
     DeviceState,
     SlotLayout,
@@ -101,34 +94,14 @@ class CompileCounter:
         jax.monitoring.register_event_listener(on_event)
 
 
-def attention_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
-    """EngineConfig.attention resolved: "auto" is Pallas on one GPU (XLA does not partition a pallas_call)."""
-    if cfg.attention == "pallas" and mesh is not None:
-        raise ConfigError("engine config: attention 'pallas' does not run under tensor parallelism "
-                          "(use 'auto' or 'xla')")
-    if cfg.attention != "auto":
-        return cfg.attention
-    return "pallas" if jax.default_backend() == "gpu" and mesh is None else "xla"
-
-
-def batch_invariant(cfg: EngineConfig, target: ModelConfig, mesh: Mesh | None) -> bool:
-    """EngineConfig.batch_invariant, checked: under tp each device must hold whole kv groups (`per_device`)."""
-    tp = 1 if mesh is None else mesh.shape[sharding.TP]
-    if cfg.batch_invariant and not sharding.kv_heads_split(target.num_kv_heads, tp):
-        raise ConfigError(f"engine config: batch_invariant under tensor parallelism needs the {target.num_kv_heads} "
-                          f"kv heads split evenly over tp={tp} (use batch_invariant=False, or a tp dividing them)")
-    return cfg.batch_invariant
-
-
-def gemv_kind(cfg: EngineConfig, mesh: Mesh | None) -> str:
-    """EngineConfig.gemv, checked: the Mosaic kernel needs one Hopper GPU (wgmma, TMA; XLA won't partition it)."""
-    device = jax.devices()[0]
-    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
-    if cfg.gemv == "mosaic" and (mesh is not None or not hopper):
-        where = " under tensor parallelism" if mesh is not None else ""
-        raise ConfigError(f"engine config: gemv 'mosaic' runs on one Hopper GPU only, not on "
-                          f"{device.device_kind}{where} (use 'xla')")
-    return cfg.gemv
+def freeze_heap() -> None:
+    """Collect, then move every tracked object out of the cyclic collector's reach (`gc.freeze`),
+    as vLLM and SGLang do after start-up: a compiled engine leaves hundreds of thousands of objects
+    (JAX's caches, traced programs) that every full collection would walk while requests wait.
+    Frozen objects are still freed by reference counting; the next warm-up unfreezes first."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 @dataclasses.dataclass
@@ -246,42 +219,53 @@ def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: De
     return state, samples
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacedWeights:
+    """The weights an engine serves, on its devices: the target's folded for serving (fewer argument
+    buffers per dispatch), the drafter's beside them. `placed`: the target's as placed, before
+    folding, which the caller still holds while the engine is built (in use when the pool is sized)."""
+
+    params: Any
+    draft_params: DraftParams | None
+    placed: Any
+
+    def arrays(self) -> tuple:
+        return self.placed, self.params, self.draft_params
+
+
+def place_weights(target: ModelConfig, params, draft: DraftConfig | None, draft_params: DraftParams | None,
+                  mesh: Mesh | None = None) -> PlacedWeights:
+    """The weights as `weights/` loads them, checked against each other and placed on the devices:
+    under a mesh the target sharded (weights its loader placed stay where they are) and the drafter
+    replicated, with an embedding of its own (no collective in the draft). The caller's are untouched."""
+    if draft is not None:
+        check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
+    model = target_model_for(target)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh, model.param_specs(target, mesh.shape[sharding.TP]))
+        if draft_params is not None:
+            draft_params = sharding.place_draft(draft_params, params.embed, mesh)
+    return PlacedWeights(model.for_serving(params), draft_params, params)
+
+
 class ModelRunner:
     """The target and drafter on the device, their state, and the programs that step it."""
 
-    def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params: DraftParams | None,
-                 cfg: EngineConfig, mesh: Mesh | None = None, size_pool: bool = False):
-        """`size_pool`: take num_pages from the free memory once the weights are placed
-        (`kv_memory.sized_pool`; `free_bytes` is then what was free, None where nothing is reported)."""
-        if draft is not None:
-            check_draft_fits(target, draft, has_own_embedding=draft_params.embed is not None)
+    def __init__(self, cfg: ServedConfig, target: ModelConfig, draft: DraftConfig | None, weights: PlacedWeights,
+                 mesh: Mesh | None = None):
+        """`cfg`: the engine's served configuration (runner/served.py); `weights`: `place_weights`'."""
         self.cfg = cfg
-        self.proposals: tuple[Speculator, ...] = speculators_for(cfg, draft)
-        for proposal in self.proposals:
-            if proposal.uses_drafter:
-                check_proposal_fits(proposal.spec, draft)
-        model = target_model_for(target)
+        self.proposals: tuple[Speculator, ...] = cfg.speculation.proposals
         main = self.proposals[0] if self.proposals else TARGET_ALONE
-        drafting = any(p.uses_drafter for p in self.proposals)
+        drafting = any(p.facts.uses_drafter for p in self.proposals)
+        kernels = cfg.kernels
         self.step_cfg = StepConfig(target=target, draft=draft if drafting else None, speculator=main, mesh=mesh,
-                                   attention=attention_kind(cfg, mesh), gemv=gemv_kind(cfg, mesh), gemm=cfg.gemm,
-                                   model=model, batch_invariant=batch_invariant(cfg, target, mesh))
-        tp = 1 if mesh is None else mesh.shape[sharding.TP]
-        if mesh is not None:  # weights already placed by their loader stay where they are
-            params = sharding.shard_params(params, mesh, model.param_specs(target, tp))
-            if draft_params is not None:  # replicated, with an embedding of its own: no collective in the draft
-                draft_params = sharding.place_draft(draft_params, params.embed, mesh)
-        # As served: fewer argument buffers per dispatch (the caller's params are untouched).
-        self._params, self._draft_params = model.for_serving(params), draft_params
-        self.free_bytes = self.held_elsewhere = None
-        if size_pool:  # the caller's unfolded weights still count as in use: a margin
-            devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-            cfg, self.free_bytes = kv_memory.sized_pool(cfg, target, self.step_cfg.draft, params.embed.dtype,
-                                                        devices, tp)
-            self.held_elsewhere = kv_memory.held_elsewhere(devices, (params, self._params, self._draft_params))
-            self.cfg = cfg
-        layout = SlotLayout.union(p.slot_layout for p in self.proposals or (main,))
-        make_state = functools.partial(init_state, target, self.step_cfg.draft, cfg, params.embed.dtype, layout)
+                                   attention=kernels.attention, gemv=kernels.gemv, gemm=kernels.gemm,
+                                   model=target_model_for(target), batch_invariant=kernels.batch_invariant)
+        self._params, self._draft_params = weights.params, weights.draft_params
+        layout = SlotLayout.union(p.facts.slot_layout for p in self.proposals or (main,))
+        make_state = functools.partial(init_state, target, self.step_cfg.draft, cfg, weights.placed.embed.dtype,
+                                       layout)
         if mesh is None:
             self._state = make_state()
         else:  # each device builds its own share: the whole pool never sits on one
@@ -311,11 +295,6 @@ class ModelRunner:
         """The engine's proposal (TARGET_ALONE where it serves none). Prefills draft it."""
         return self.step_cfg.speculator
 
-    @property
-    def positions_per_iteration(self) -> int:
-        """KV positions past a row's length the widest of the proposals writes per iteration."""
-        return max(p.positions_per_iteration for p in self.proposals or (self.speculator,))
-
     def config(self, proposal: Speculator, greedy: bool) -> StepConfig:
         """The step config of one program: `proposal` (one of `proposals`, or TARGET_ALONE), greedy or not."""
         return dataclasses.replace(self.step_cfg, speculator=proposal, greedy=greedy)
@@ -327,7 +306,7 @@ class ModelRunner:
     def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None]) -> None:
         """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
         (None: its params carry a seed); the greedy program when every row is greedy."""
-        row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.point_mass)
+        row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.facts.point_mass)
         cfg = self.config(self.speculator, greedy=all(p.greedy for p in params))
         self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
 
@@ -340,11 +319,6 @@ class ModelRunner:
             row[:len(tokens)] = tokens
             self._state = _set_history(self._state, np.int32(slot), row)
 
-    def read_history(self, slot: int) -> np.ndarray | None:
-        """`slot`'s token history [M] on the host (None: not kept)."""
-        history = self._state.slots.history
-        return None if history is None else np.asarray(history[slot])
-
     def first_token(self, slot: int) -> jax.Array:
         """The first token [1] the last prefill into `slot` sampled; read it before the slot's next prefill."""
         return self._pinned.read_first_token(self._state, slot)
@@ -352,24 +326,24 @@ class ModelRunner:
     def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig) -> jax.Array:
         """One iteration over `slots` [B], `tables` [B, nb], fused or a program per draft step -> verdicts
         [B, 2 + E] (`steps.split_verdicts`), to read before the bucket's next iteration but one."""
-        if self.cfg.fused_iteration or not cfg.speculative:
+        if self.cfg.speculation.fused_iteration or not cfg.speculative:
             self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,
                                                    tables, cfg)
             return verdicts
         slots, tables = self._pinned.get(slots, tables)
         state, _, _, carry = iterate_head_step(self._params, self._draft_params, self._state, slots, tables, cfg=cfg)
-        for j in range(1, cfg.speculator.num_draft_steps):
+        for j in range(1, cfg.speculator.facts.num_draft_steps):
             state, carry = chain_step_jit(self._draft_params, self._params.embed, state, carry, tables, j, cfg=cfg)
         self._state = commit_step(state, slots, carry, cfg=cfg)
         return self._pinned.read_verdicts(self._state, slots)
 
     def padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
-        return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.max_blocks_per_seq), np.int32)
+        return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.pool.max_blocks_per_seq), np.int32)
 
     def _padding_prefill(self, rows: int, size: int) -> tuple:
         """`prefill_step`'s arguments after the state for `rows` padding rows of `size` tokens."""
-        inputs = PrefillInputs.padding(rows, size, self.cfg.max_blocks_per_seq)
+        inputs = PrefillInputs.padding(rows, size, self.cfg.pool.max_blocks_per_seq)
         return (*inputs.arrays(), sampling.row_sampling_from_params([PADDING_PARAMS] * rows, [0] * rows))
 
     def compile_iteration(self, bucket: int, cfg: StepConfig) -> None:
@@ -422,52 +396,3 @@ class ModelRunner:
         state, samples = time_calls(call, self._state, reset, calls, rounds)
         self._state = state if context is None else _set_lengths(state, rows, 0)
         return samples
-
-    def trace_iteration(self, bucket: int, cfg: StepConfig):
-        """The fused iteration at `bucket`, traced on padding rows passed as serving passes them (`PinnedBatch`):
-        the very program an iteration runs (`.lower()` for its HLO, on any platform)."""
-        return iterate_in_place_step(cfg, bucket).trace(self._params, self._draft_params, self._state,
-                                                        *self._pinned.get(*self.padding_rows(bucket)), cfg=cfg)
-
-    def trace_prefill(self, rows: int, size: int, cfg: StepConfig):
-        """The prefill program of `rows` x `size` tokens under `cfg`, traced."""
-        return prefill_step.trace(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
-                                  cfg=cfg)
-
-    def buffer_addresses(self) -> list[int]:
-        """The device address of every state buffer (they never move while serving)."""
-        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(self._state)]
-
-    def pinned_batch(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """The device copies of slots [B] and block tables [B, nb] an iteration reads (`PinnedBatch`)."""
-        return self._pinned.get(slots, tables)
-
-    def set_proposals(self, slot: int, drafts: Sequence[int], parents: Sequence[int] | None = None) -> None:
-        """Overwrite one slot's pending proposals: the next iteration verifies them. A chain's
-        drafts are K target ids; a tree's are its T nodes' target ids, with `parents` [T]: node
-        i+1's parent in the verify layout (0 the root, else an earlier node)."""
-        s = self._state.slots
-        if (parents is None) != (s.parents is None):
-            raise ValueError("parents are given for a tree's proposals, and only for those")
-        s = s.replace(drafts=s.drafts.at[slot].set(np.asarray(drafts, np.int32)))
-        if parents is not None:
-            parents = np.asarray(parents, np.int32)
-            if not all(0 <= p <= i for i, p in enumerate(parents)):
-                raise ValueError(f"parents {parents.tolist()}: node i+1's parent must be 0 (the root) .. i")
-            s = s.replace(parents=s.parents.at[slot].set(parents))
-        self._state = self._state.replace(slots=s)
-
-    def pending_proposals(self, slot: int) -> np.ndarray:
-        """One slot's pending proposals on the host, target ids [P]: what the next iteration verifies."""
-        return np.asarray(self._state.slots.drafts[slot])
-
-    def read_kv(self, block_table: np.ndarray, positions: Sequence[int], draft: bool = False
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """The target's (or, `draft`, the drafter's) cached keys and values of one row at
-        `positions` [M], through its block table [nb] (the scheduler's row of the slot):
-        -> (k, v) [L, M, kvh, hd], on the host."""
-        positions = np.asarray(positions)
-        pages = np.asarray(block_table)[positions // self.cfg.page_size]
-        offsets = positions % self.cfg.page_size
-        kv = self._state.draft_kv if draft else self._state.target_kv
-        return np.asarray(kv.k[:, pages, offsets]), np.asarray(kv.v[:, pages, offsets])

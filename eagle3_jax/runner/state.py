@@ -4,14 +4,12 @@ between iterations. Slot 0 is the dummy padded rows read and write; its block ta
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from eagle3_jax.config import DUMMY_SLOT, DraftConfig, EngineConfig, ModelConfig
+from eagle3_jax.config import DUMMY_SLOT, DraftConfig, ModelConfig, ServedConfig, SlotLayout
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner.sampling import RowSampling
 
@@ -36,24 +34,6 @@ class Slots:
     history: jax.Array | None = None  # [S, M] i32: the row's tokens by position (`SlotLayout.history`)
 
 
-class SlotLayout(NamedTuple):
-    """What a speculator keeps per slot (`Speculator.slot_layout`): proposals = Slots.drafts columns,
-    q_rows = Slots.draft_probs rows, emitted = Slots.emitted columns; parents, history: whether kept."""
-
-    proposals: int
-    q_rows: int
-    parents: bool
-    emitted: int
-    history: bool = False
-
-    @staticmethod
-    def union(layouts) -> SlotLayout:
-        layouts = list(layouts)
-        return SlotLayout(proposals=max(x.proposals for x in layouts), q_rows=max(x.q_rows for x in layouts),
-                          parents=any(x.parents for x in layouts), emitted=max(x.emitted for x in layouts),
-                          history=any(x.history for x in layouts))
-
-
 @struct.dataclass
 class DeviceState:
     target_kv: KVCache
@@ -61,11 +41,12 @@ class DeviceState:
     slots: Slots
 
 
-def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineConfig,
+def init_state(target: ModelConfig, draft: DraftConfig | None, served: ServedConfig,
                dtype, layout: SlotLayout) -> DeviceState:
-    s = engine.max_num_seqs + 1
+    """Zeros for `served`'s slots (max_num_seqs and the dummy) and KV pool, the slots as `layout` keeps them."""
+    s = served.max_num_seqs + 1
     vd = draft.draft_vocab_size if draft else 1
-    pages = (engine.num_pages, engine.page_size)
+    pages = (served.pool.num_pages, served.pool.page_size)
     target_kv = KVCache.zeros(target.num_layers, *pages, target.num_kv_heads, target.head_dim, dtype)
     draft_kv = (KVCache.zeros(1, *pages, draft.num_kv_heads, draft.head_dim, dtype) if draft else None)
     def zeros_i():  # a fresh buffer each: donated leaves must not alias
@@ -81,12 +62,12 @@ def init_state(target: ModelConfig, draft: DraftConfig | None, engine: EngineCon
                   draft_probs=jnp.zeros((s, layout.q_rows, vd), jnp.float32), sampling=sampling,
                   num_generated=zeros_i(), accepted=jnp.zeros((s, 2), jnp.int32),
                   emitted=jnp.zeros((s, layout.emitted), jnp.int32), parents=parents, drafted_by=zeros_i(),
-                  history=jnp.zeros((s, history_width(engine)), jnp.int32) if layout.history else None)
+                  history=jnp.zeros((s, history_width(served)), jnp.int32) if layout.history else None)
     return DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots)
 
 
-def history_width(engine: EngineConfig) -> int:
-    return engine.max_blocks_per_seq * engine.page_size
+def history_width(served: ServedConfig) -> int:
+    return served.pool.max_blocks_per_seq * served.pool.page_size
 
 
 def with_history(state: DeviceState, slot, row) -> DeviceState:

@@ -59,8 +59,8 @@ class StepConfig:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        if self.speculative and self.speculator.uses_drafter and self.draft is None:
-            raise ConfigError(f"step config: {self.speculator.label} drafts with the EAGLE-3 head; draft is None")
+        if self.speculative and self.speculator.facts.uses_drafter and self.draft is None:
+            raise ConfigError(f"step config: {self.speculator.facts.label} drafts with the EAGLE-3 head; draft is None")
 
     @property
     def target_attention(self) -> str:
@@ -77,7 +77,7 @@ class StepConfig:
     @property
     def speculative(self) -> bool:
         """This program drafts a proposal (whether or not a drafter is loaded)."""
-        return self.speculator.num_draft_steps > 0
+        return self.speculator.facts.num_draft_steps > 0
 
     @property
     def draft_context(self) -> DraftContext:
@@ -329,7 +329,7 @@ def gemm_for(setting: str, target: ModelConfig, verify_rows: int) -> str:
 
 
 def iteration_gemm(cfg: StepConfig, rows: int) -> str:
-    return gemm_for(cfg.gemm, cfg.target, rows * cfg.speculator.verify_width)
+    return gemm_for(cfg.gemm, cfg.target, rows * cfg.speculator.facts.verify_width)
 
 
 def jit_per_gemm(fun, **jit_kwargs) -> dict:

@@ -222,8 +222,8 @@ class EngineLoop:
         if now - self._policy_read < POLICY_REFRESH_S or not self.engine.proposals:
             return
         self._policy_read = now
-        table = {row.bucket: row.choice for row in self.engine.speculation_table()}
-        labels = [p.label for p in self.engine.proposals] + ["target-only"]
+        table = {row.bucket: row.choice for row in self.engine.speculation.table()}
+        labels = [p.facts.label for p in self.engine.proposals] + ["target-only"]
         for bucket, choice in self.metrics.choices(table, labels).items():
             logger.info("speculation: batch bucket %d runs %s", bucket, choice)
 

@@ -117,6 +117,6 @@ def configure_logging(level: str) -> None:
 def log_engine(llm: LLM) -> None:
     cfg, pool = llm.engine.cfg, llm.engine.scheduler.pool
     logger.info("engine: batch buckets %s, %d slots, max_model_len %d, %d KV pages of %d tokens",
-                cfg.batch_buckets, cfg.max_num_seqs, cfg.max_model_len, pool.capacity, cfg.page_size)
+                cfg.batch_buckets, cfg.max_num_seqs, cfg.max_model_len, pool.capacity, cfg.pool.page_size)
     if llm.engine.proposals:
-        logger.info("speculation (%s):\n%s", cfg.speculation, llm.engine.policy_report())
+        logger.info("speculation (%s):\n%s", cfg.speculation.mode, llm.engine.speculation.report())

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eagle3_jax.cli import (
+from eagle3_jax.arguments import (
     ArgumentParser,
     UsageError,
     check_drafter_dir,
@@ -867,6 +867,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from eagle3_jax.cli import main as cli_main  # one-line errors, as `eagle3-jax train-draft`
+    from eagle3_jax.arguments import PROG, run_command  # one-line errors, as `eagle3-jax train-draft`
 
-    sys.exit(cli_main(["train-draft", *sys.argv[1:]]))
+    sys.exit(run_command(f"{PROG} train-draft", lambda: main(sys.argv[1:])))

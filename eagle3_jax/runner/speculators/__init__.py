@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig, TreeSpec
+from eagle3_jax.config import ConfigError, DraftConfig, TreeSpec
 from eagle3_jax.runner.speculators import ngram
 from eagle3_jax.runner.speculators.chain import Chain, DraftCarry
 from eagle3_jax.runner.speculators.dynamic_tree import Tree
@@ -23,23 +23,22 @@ def eagle3_proposal(spec: TreeSpec, measures_top1_chain: bool = False) -> Specul
     return Chain(spec.steps) if spec.is_chain else Tree(spec, measures_top1_chain)
 
 
-def eagle3_proposals(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[Speculator, ...]:
-    """EngineConfig.speculative_proposals by the EAGLE-3 head; a tree beside a chain measures it."""
+def eagle3_proposals(specs: tuple[TreeSpec, ...], draft: DraftConfig | None) -> tuple[Speculator, ...]:
+    """Each proposal shape by the EAGLE-3 head (none without a drafter); a tree beside a chain measures it."""
     if draft is None:
         return ()
-    specs = cfg.speculative_proposals
     both = any(s.is_chain for s in specs) and not all(s.is_chain for s in specs)
     return tuple(eagle3_proposal(spec, measures_top1_chain=both) for spec in specs)
 
 
-# name -> (engine config, drafter or None) -> the proposals served, the engine's own first
-SPECULATORS: dict[str, Callable[[EngineConfig, DraftConfig | None], tuple[Speculator, ...]]] = {
+# name -> (the proposals' shapes, the engine's first; the drafter or None) -> the speculators drafting them
+SPECULATORS: dict[str, Callable[[tuple[TreeSpec, ...], DraftConfig | None], tuple[Speculator, ...]]] = {
     "eagle3": eagle3_proposals,
     "ngram": ngram.proposals,
 }
 
 
-def speculators_for(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[Speculator, ...]:
-    if cfg.speculator not in SPECULATORS:
-        raise ConfigError(f"speculator must be one of {', '.join(SPECULATORS)}, got {cfg.speculator!r}")
-    return SPECULATORS[cfg.speculator](cfg, draft)
+def speculators_for(name: str, specs: tuple[TreeSpec, ...], draft: DraftConfig | None) -> tuple[Speculator, ...]:
+    if name not in SPECULATORS:
+        raise ConfigError(f"speculator must be one of {', '.join(SPECULATORS)}, got {name!r}")
+    return SPECULATORS[name](specs, draft)

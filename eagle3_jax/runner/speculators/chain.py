@@ -9,18 +9,19 @@ token t+1 and runs at RoPE position t; step j runs at t+j (docs/EAGLE3.md, "The 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from eagle3_jax.config import TreeSpec
+from eagle3_jax.config import SlotLayout, SpeculatorFacts, TreeSpec
 from eagle3_jax.model import eagle3
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner import sampling
 from eagle3_jax.runner.speculators.protocol import DraftContext, DraftStart
-from eagle3_jax.runner.state import SlotLayout, Slots
+from eagle3_jax.runner.state import Slots
 
 
 @struct.dataclass
@@ -69,42 +70,16 @@ class Chain:
     """K proposals in a line; a chain of 0 is the target alone (it verifies the last token)."""
 
     k: int
-    kind = 1
-    uses_drafter = True
-    point_mass = False  # each proposal is drawn from q, kept for the verify
-    measures_top1_chain = False
 
-    @property
-    def label(self) -> str:
-        return f"chain K={self.k}"
-
-    @property
-    def spec(self) -> TreeSpec:
-        return TreeSpec.chain(self.k)
-
-    @property
-    def top1_chain(self) -> int:
-        return self.k
-
-    @property
-    def num_draft_steps(self) -> int:
-        return self.k
-
-    @property
-    def max_accepted(self) -> int:
-        return self.k
-
-    @property
-    def verify_width(self) -> int:
-        return self.k + 1
-
-    @property
-    def positions_per_iteration(self) -> int:
-        return self.k + 1
-
-    @property
-    def slot_layout(self) -> SlotLayout:
-        return SlotLayout(proposals=self.k, q_rows=self.k, parents=False, emitted=self.k + 1)
+    @functools.cached_property
+    def facts(self) -> SpeculatorFacts:
+        """Each proposal drawn from q, which the slots keep for the verify."""
+        return SpeculatorFacts(label=f"chain K={self.k}", spec=TreeSpec.chain(self.k) if self.k else None, kind=1,
+                               uses_drafter=True, point_mass=False, top1_chain=self.k, measures_top1_chain=False,
+                               num_draft_steps=self.k, max_accepted=self.k, verify_width=self.k + 1,
+                               positions_per_iteration=self.k + 1,
+                               slot_layout=SlotLayout(proposals=self.k, q_rows=self.k, parents=False,
+                                                      emitted=self.k + 1))
 
     def verify_layout(self, s: Slots) -> tuple[jax.Array, jax.Array, None]:
         tokens = jnp.concatenate([s.last_token[:, None], s.drafts[:, :self.k]], axis=1)
@@ -113,11 +88,11 @@ class Chain:
     def accept(self, greedy: bool, dparams: DraftParams | None, logits: jax.Array, s: Slots, keys: jax.Array,
                vocab_size: int) -> tuple[jax.Array, jax.Array, None, jax.Array]:
         drafts = s.drafts[:, :self.k]
-        valid = s.drafted_by == self.kind  # [B]: the row's pending proposals are this kind's
+        valid = s.drafted_by == self.facts.kind  # [B]: the row's pending proposals are this kind's
         if greedy:
             n, emitted = sampling.greedy_verify(logits, drafts, valid)
         else:
-            keeps_q = self.k and self.slot_layout.q_rows
+            keeps_q = self.k and self.facts.slot_layout.q_rows
             q = _target_probs(dparams, s.draft_probs[:, :self.k], vocab_size) if keeps_q else None
             # Logits row i chooses the token at position length + 1 + i.
             noise = sampling.coupling_noise(s.sampling.key, s.length[:, None] + 1 + jnp.arange(self.k + 1),
@@ -157,7 +132,7 @@ class Chain:
 
     def propose(self, ctx: DraftContext, dparams: DraftParams, target_embed: jax.Array, carry: DraftCarry,
                 draft_kv, block_table: jax.Array, start: int = 0) -> tuple[DraftCarry, object]:
-        for j in range(start, self.num_draft_steps):
+        for j in range(start, self.facts.num_draft_steps):
             carry, draft_kv = self.draft_step(ctx, dparams, target_embed, carry, draft_kv, block_table, j)
         return carry, draft_kv
 
@@ -165,7 +140,7 @@ class Chain:
         """A greedy program leaves q as it is: greedy verification never reads it, and a sampled
         row only ever runs in sampling programs, which write its q."""
         slots = slots.replace(drafts=slots.drafts.at[rows, :self.k].set(carry.drafts),
-                              drafted_by=slots.drafted_by.at[rows].set(self.kind))
-        if not greedy and self.slot_layout.q_rows:
+                              drafted_by=slots.drafted_by.at[rows].set(self.facts.kind))
+        if not greedy and self.facts.slot_layout.q_rows:
             slots = slots.replace(draft_probs=slots.draft_probs.at[rows].set(carry.q))  # [S, K, Vd] f32
         return slots

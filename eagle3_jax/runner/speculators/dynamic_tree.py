@@ -9,12 +9,13 @@ deterministic top-k tree, so no q is kept); the path's KV then moves to contiguo
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from eagle3_jax.config import TreeSpec
+from eagle3_jax.config import SlotLayout, SpeculatorFacts, TreeSpec
 from eagle3_jax.model import eagle3, layers
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
@@ -22,7 +23,7 @@ from eagle3_jax.runner import sampling
 from eagle3_jax.runner import tree as T
 from eagle3_jax.runner.speculators.chain import draft_noise
 from eagle3_jax.runner.speculators.protocol import DraftContext, DraftStart
-from eagle3_jax.runner.state import SlotLayout, Slots
+from eagle3_jax.runner.state import Slots
 
 
 @struct.dataclass
@@ -43,34 +44,17 @@ class Tree:
 
     spec: TreeSpec
     measures_top1_chain: bool = False
-    kind = 2
-    uses_drafter = True
-    point_mass = True
-    top1_chain = 0
 
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    @property
-    def num_draft_steps(self) -> int:
-        return self.spec.steps
-
-    @property
-    def max_accepted(self) -> int:
-        return self.spec.steps
-
-    @property
-    def verify_width(self) -> int:
-        return self.spec.verify_width
-
-    @property
-    def positions_per_iteration(self) -> int:
-        return self.spec.positions_per_iteration
-
-    @property
-    def slot_layout(self) -> SlotLayout:
-        return SlotLayout(proposals=self.spec.tokens, q_rows=0, parents=True, emitted=self.spec.steps + 1)
+    @functools.cached_property
+    def facts(self) -> SpeculatorFacts:
+        """Point mass: the deterministic top-k tree keeps no q."""
+        spec = self.spec
+        return SpeculatorFacts(label=spec.label, spec=spec, kind=2, uses_drafter=True, point_mass=True, top1_chain=0,
+                               measures_top1_chain=self.measures_top1_chain, num_draft_steps=spec.steps,
+                               max_accepted=spec.steps, verify_width=spec.verify_width,
+                               positions_per_iteration=spec.positions_per_iteration,
+                               slot_layout=SlotLayout(proposals=spec.tokens, q_rows=0, parents=True,
+                                                      emitted=spec.steps + 1))
 
     def tree(self, s: Slots) -> T.Tree:
         """The slots' tree in the verify layout, the last token at the root: [B, T+1] each."""
@@ -88,7 +72,7 @@ class Tree:
         """path [B, steps+1]: the accepted nodes by depth, -1 past n. top1 (measures_top1_chain): what the
         draft's top-1 chain would have accepted; -1 on draft-q rows, whose chain would have sampled."""
         tree = self.tree(s)
-        valid = s.drafted_by == self.kind
+        valid = s.drafted_by == self.facts.kind
         if greedy:
             n, path, emitted = T.greedy_accept(self.spec, tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), valid)
             measurable = True
@@ -147,7 +131,7 @@ class Tree:
 
     def propose(self, ctx: DraftContext, dparams: DraftParams, target_embed: jax.Array, carry: TreeCarry,
                 draft_kv, block_table: jax.Array, start: int = 0) -> tuple[TreeCarry, object]:
-        for j in range(start, self.num_draft_steps):
+        for j in range(start, self.facts.num_draft_steps):
             carry, draft_kv = self.draft_step(ctx, dparams, target_embed, carry, draft_kv, block_table, j)
         return carry, draft_kv
 
@@ -164,4 +148,4 @@ class Tree:
         tree = T.select(self.spec, carry.cand, carry.token)  # [B, T+1] each
         return slots.replace(drafts=slots.drafts.at[rows, :self.spec.tokens].set(tree.tokens[:, 1:]),
                              parents=slots.parents.at[rows, :self.spec.tokens].set(tree.parent[:, 1:]),
-                             drafted_by=slots.drafted_by.at[rows].set(self.kind))
+                             drafted_by=slots.drafted_by.at[rows].set(self.facts.kind))

@@ -9,15 +9,15 @@ drafted in one step from `Slots.history`; point mass, so no q is kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from eagle3_jax.config import ConfigError, DraftConfig, EngineConfig
+from eagle3_jax.config import ConfigError, DraftConfig, SlotLayout, SpeculatorFacts, TreeSpec
 from eagle3_jax.runner.speculators.chain import Chain
 from eagle3_jax.runner.speculators.protocol import DraftContext, DraftStart
-from eagle3_jax.runner.state import SlotLayout
 
 
 @struct.dataclass
@@ -54,22 +54,15 @@ class NGram(Chain):
     """K proposals by prompt lookup over suffixes of up to max_n tokens."""
 
     max_n: int = 4
-    kind = 3
-    uses_drafter = False
-    point_mass = True
-    top1_chain = 0  # not the drafter's chain: a tree's verify says nothing of it
 
-    @property
-    def label(self) -> str:
-        return f"ngram K={self.k}"
-
-    @property
-    def num_draft_steps(self) -> int:
-        return 1 if self.k else 0
-
-    @property
-    def slot_layout(self) -> SlotLayout:
-        return SlotLayout(proposals=self.k, q_rows=0, parents=False, emitted=self.k + 1, history=True)
+    @functools.cached_property
+    def facts(self) -> SpeculatorFacts:
+        """The chain's, but drafted in one step from the row's history, with no drafter and no q; not
+        the drafter's chain, so a tree's verify says nothing of it."""
+        return dataclasses.replace(Chain(self.k).facts, label=f"ngram K={self.k}", kind=3, uses_drafter=False,
+                                   point_mass=True, top1_chain=0, num_draft_steps=1 if self.k else 0,
+                                   slot_layout=SlotLayout(proposals=self.k, q_rows=0, parents=False,
+                                                          emitted=self.k + 1, history=True))
 
     def start(self, ctx: DraftContext, at: DraftStart) -> NGramCarry:
         return NGramCarry(history=at.history, last=at.position + 1,
@@ -80,11 +73,10 @@ class NGram(Chain):
         return carry.replace(drafts=lookup(carry.history, carry.last, self.k, self.max_n)), draft_kv
 
 
-def proposals(cfg: EngineConfig, draft: DraftConfig | None) -> tuple[NGram, ...]:
-    """The n-gram speculator of an engine: K = num_speculative_tokens (none for 0)."""
+def proposals(specs: tuple[TreeSpec, ...], draft: DraftConfig | None) -> tuple[NGram, ...]:
+    """The n-gram speculator of an engine: the chain of K (none for K = 0)."""
     if draft is not None:
         raise ConfigError("speculator ngram drafts from the prompt and needs no drafter: pass draft=None")
-    if cfg.tree is not None and not cfg.tree.is_chain:
-        raise ConfigError(f"speculator ngram proposes a chain; tree {cfg.tree.label} needs the EAGLE-3 drafter")
-    k = cfg.resolved().num_speculative_tokens
-    return (NGram(k),) if k else ()
+    if trees := [s for s in specs if not s.is_chain]:
+        raise ConfigError(f"speculator ngram proposes a chain; tree {trees[0].label} needs the EAGLE-3 drafter")
+    return tuple(NGram(s.steps) for s in specs[:1])

@@ -1,6 +1,7 @@
-"""The speculator's contract: steps.py verifies, accepts and drafts through these methods alone.
-B batch, W `verify_width`, E = `max_accepted` + 1 (the most tokens emitted), C the target's 3 captures,
-H the drafter's hidden size."""
+"""The speculator's contract: `facts`, what the host reads (config.SpeculatorFacts), and the device
+methods through which alone steps.py verifies, accepts and drafts. B batch, W `facts.verify_width`,
+E = `facts.max_accepted` + 1 (the most tokens emitted), C the target's 3 captures, H the drafter's
+hidden size."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from typing import Protocol
 import jax
 from flax import struct
 
-from eagle3_jax.config import DraftConfig, TreeSpec
+from eagle3_jax.config import DraftConfig, Proposal, SpeculatorFacts
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner import sampling
-from eagle3_jax.runner.state import SlotLayout, Slots
+from eagle3_jax.runner.state import Slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +46,13 @@ class DraftStart:
     keys: jax.Array
 
 
-class Speculator(Protocol):
-    """One kind of proposal; frozen and hashable (part of every StepConfig)."""
+class Speculator(Proposal, Protocol):
+    """One kind of proposal; frozen and hashable (part of every StepConfig). A new one is a file
+    here and a line in `SPECULATORS` (__init__.py)."""
 
-    kind: int  # tags its proposals in Slots.drafted_by: a verify treats another kind's as none
-    label: str
-    spec: TreeSpec
-    uses_drafter: bool
-    point_mass: bool  # proposals are a function of the context: no q kept, one-hot or coupled rules
-    top1_chain: int  # it is the drafter's top-1 chain of this length (0: not), which a tree's verify can measure
-    measures_top1_chain: bool
-    num_draft_steps: int
-    max_accepted: int
-    verify_width: int
-    positions_per_iteration: int  # KV positions written past the row's length (the scheduler's footprint)
-    slot_layout: SlotLayout
+    @property
+    def facts(self) -> SpeculatorFacts:
+        """What the host reads of it, fixed at construction."""
 
     def verify_layout(self, s: Slots) -> tuple[jax.Array, jax.Array, object]:
         """-> tokens [B, W], positions [B, W] their KV is stored at, mask (None: causal; a TreeAttention)."""

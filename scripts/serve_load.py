@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""`eagle3-jax serve` under concurrent streams against the same engine in process: is the server
+as fast as its engine?
+
+    python3 scripts/serve_load.py --target T --draft D --streams 1,8,32,64 --out-dir "$OUT"
+    python3 scripts/serve_load.py --target T --draft D --streams 1,64 --requests 64 --max-tokens 32   # CPU
+
+For each stream count N, N clients each send their share of --requests (MT-bench first turns in
+order, chat template, greedy, --max-tokens, ignore_eos) one after another, streaming, through the
+official `openai` client; the server is a subprocess on 127.0.0.1 with the engine flags given
+(--engine). Then the same engine configuration in this process (`LLM`, after the server has
+stopped): N requests kept in flight, a new one added as one finishes, the same requests.
+Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT
+and ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics),
+acceptance length, and the speculation the server's /metrics reports per batch bucket.
+Prints a table and writes serve_load.json under --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MODEL = "load"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _latencies(ttft: list[float], itl: list[float]) -> dict:
+    ms = lambda v: None if v is None else round(1e3 * v, 2)
+    return dict(ttft_p50_ms=ms(_percentile(ttft, 50)), ttft_p99_ms=ms(_percentile(ttft, 99)),
+                itl_p50_ms=ms(_percentile(itl, 50)), itl_p99_ms=ms(_percentile(itl, 99)))
+
+
+def _prompts(args) -> list[list[dict]]:
+    from eagle3_jax import assets
+
+    if args.prompt_file:  # one user turn a line (a tiny model's own prompts)
+        lines = Path(args.prompt_file).read_text().splitlines()
+        turns = [line for line in lines if line.strip()]
+    else:
+        path = Path(args.questions) if args.questions else assets.fetch(assets.MTBENCH)
+        turns = [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+    return [[{"role": "user", "content": turns[i % len(turns)]}] for i in range(args.requests)]
+
+
+# ---- the server ----------------------------------------------------------------------------------
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--target", args.target, "--port", str(port),
+           "--served-model-name", MODEL, *(["--draft", args.draft] if args.draft else []), *args.engine.split()]
+    log = open(Path(args.out_dir) / "server.log", "w")  # noqa: SIM115 - kept open while the server runs
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: see {log.name}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"/health did not answer within {args.start_timeout} s")
+
+
+async def _client_stream(client, messages, max_tokens: int) -> tuple[int, float, list[float], float]:
+    """One streamed request -> (tokens, TTFT s, inter-token gaps s, finish time)."""
+    start = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    first = last = None
+    gaps, tokens = [], 0
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
+    return tokens, (first or time.perf_counter()) - start, gaps, time.perf_counter()
+
+
+async def _server_level(url: str, prompts: list, streams: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    queue = list(prompts)
+    results = []
+
+    async def worker():
+        while queue:
+            results.append(await _client_stream(client, queue.pop(0), max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(streams)])
+    wall = max(r[3] for r in results) - start
+    await client.close()
+    tokens = sum(r[0] for r in results)
+    return dict(tokens=tokens, wall_s=round(wall, 3), tok_s=round(tokens / wall, 1),
+                **_latencies([r[1] for r in results], [g for r in results for g in r[2]]))
+
+
+def server_metrics(url: str) -> dict:
+    """Acceptance and the speculation per bucket, from /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    choices = {m.group(1): m.group(2) for m in
+               re.finditer(r'eagle3_jax:speculation_choice\{[^}]*bucket="(\d+)"[^}]*choice="([^"]+)"[^}]*\} 1', text)}
+    num = lambda name: sum(float(v) for v in re.findall(rf"^eagle3_jax:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    drafts = num("spec_decode_num_drafts_total")
+    accepted = num("spec_decode_num_accepted_tokens_total")
+    return dict(speculation=choices, acceptance_length=round(1 + accepted / drafts, 3) if drafts else None)
+
+
+# ---- in process ----------------------------------------------------------------------------------
+def in_process_level(llm, prompts: list, streams: int, max_tokens: int) -> dict:
+    """N requests kept in flight on the engine, a new one added as one finishes."""
+    from eagle3_jax import SamplingParams
+
+    engine, params = llm.engine, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    pending = [llm.encode_chat(p) for p in prompts]
+    live, done = [], []
+    start = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < streams:
+            live.append(engine.add_request(pending.pop(0), params))
+        engine.step()
+        done += [r for r in live if r.finished]
+        live = [r for r in live if not r.finished]
+    wall = time.perf_counter() - start
+    tokens = sum(len(r.output) for r in done)
+    ttft = [r.metrics.first_token_time - r.metrics.arrival_time for r in done if r.metrics.first_token_time]
+    itl = [(r.metrics.last_token_time - r.metrics.first_token_time) / (len(r.output) - 1)
+           for r in done if len(r.output) > 1 and r.metrics.first_token_time]
+    accepted = [r.metrics.acceptance_length for r in done]
+    return dict(tokens=tokens, wall_s=round(wall, 3), tok_s=round(tokens / wall, 1), **_latencies(ttft, itl),
+                acceptance_length=round(statistics.mean(accepted), 3))
+
+
+def _in_process_llm(args):
+    """The server's engine, built here from the same flags (through the command line's parser)."""
+    from eagle3_jax import cli
+
+    argv = ["serve", "--target", args.target, *(["--draft", args.draft] if args.draft else []), *args.engine.split()]
+    parsed = cli.build_parser().parse_args(argv)
+    cli.check_paths(parsed)
+    return cli.serve_llm(parsed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--engine", default="", help="engine flags for both, as `serve` takes them")
+    p.add_argument("--streams", default="1,8,32,64")
+    p.add_argument("--requests", type=int, default=64, help="requests at each stream count")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
+    p.add_argument("--prompt-file", default=None, help="user turns, one a line, instead of MT-bench")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--out-dir", default=".")
+    args = p.parse_args()
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    prompts = _prompts(args)
+    levels = [int(n) for n in args.streams.split(",")]
+    rows = {n: {"streams": n} for n in levels}
+    proc, url = start_server(args)
+    try:
+        asyncio.run(_server_level(url, prompts[:max(levels)], max(levels), args.max_tokens))  # warm-up
+        for n in levels:
+            rows[n]["server"] = asyncio.run(_server_level(url, prompts, n, args.max_tokens))
+            print(n, "server", rows[n]["server"], flush=True)
+        metrics = server_metrics(url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    llm = _in_process_llm(args)
+    in_process_level(llm, prompts[:max(levels)], max(levels), args.max_tokens)  # warm-up
+    for n in levels:
+        rows[n]["in_process"] = in_process_level(llm, prompts, n, args.max_tokens)
+        rows[n]["ratio"] = round(rows[n]["server"]["tok_s"] / rows[n]["in_process"]["tok_s"], 3)
+        print(n, "in process", rows[n]["in_process"], "ratio", rows[n]["ratio"], flush=True)
+    import jax
+
+    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), engine=args.engine,
+               max_tokens=args.max_tokens, requests=args.requests, server_metrics=metrics, rows=list(rows.values()))
+    print(f"{'streams':>7} {'server tok/s':>12} {'in process':>10} {'ratio':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}")
+    for r in out["rows"]:
+        s = r["server"]
+        print(f"{r['streams']:7d} {s['tok_s']:12.1f} {r['in_process']['tok_s']:10.1f} {r['ratio']:6.3f} "
+              f"{s['ttft_p50_ms']!s:>11} {s['itl_p50_ms']!s:>10}")
+    print("speculation per bucket (server):", metrics)
+    (Path(args.out_dir) / "serve_load.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
