@@ -138,8 +138,9 @@ def server_metrics(url: str) -> dict:
     """Acceptance and the speculation per bucket, from /metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    choices = {m.group(1): m.group(2) for m in
-               re.finditer(r'eagle3_jax:speculation_choice\{[^}]*bucket="(\d+)"[^}]*choice="([^"]+)"[^}]*\} 1', text)}
+    chosen = re.compile(r'^eagle3_jax:speculation_choice\{[^}]*bucket="(\d+)"[^}]*choice="([^"]+)"[^}]*\} 1(?:\.0)?$',
+                        re.M)
+    choices = {m.group(1): m.group(2) for m in chosen.finditer(text)}
     num = lambda name: sum(float(v) for v in re.findall(rf"^eagle3_jax:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
     drafts = num("spec_decode_num_drafts_total")
     accepted = num("spec_decode_num_accepted_tokens_total")

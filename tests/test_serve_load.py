@@ -1,0 +1,38 @@
+"""scripts/serve_load.py on the tiny chat model: the server under 1 and 64 concurrent streams (the
+official `openai` client) against the same engine in process, every request answered in full both
+ways. The ratio is printed, not asserted: a 2-core machine times nothing reliably."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openai")
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = "--num-draft 3 --tree none --speculation always --batch-buckets 1,64 --max-num-seqs 64 --max-model-len 128"
+
+
+@pytest.mark.slow
+def test_serve_load_measures_the_server_against_its_engine_in_process(chat_models, tmp_path):
+    target, draft = chat_models
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"Say {i} in words." for i in range(16)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "scripts" / "serve_load.py"), "--target", str(target), "--draft", str(draft),
+           "--engine", ENGINE, "--streams", "1,64", "--requests", "64", "--max-tokens", "8",
+           "--prompt-file", str(prompts), "--start-timeout", "240", "--out-dir", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "serve_load.json").read_text())
+    assert [row["streams"] for row in result["rows"]] == [1, 64]
+    for row in result["rows"]:
+        assert row["server"]["tokens"] == row["in_process"]["tokens"] == 64 * 8  # every request in full
+        assert row["ratio"] > 0 and row["server"]["ttft_p50_ms"] is not None
+    assert result["server_metrics"]["speculation"]  # the bucket choices /metrics reports
+    print(done.stdout[-1500:])
