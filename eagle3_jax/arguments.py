@@ -62,26 +62,27 @@ def _float(text: str) -> float:
     return value
 
 
+def _checked(value, ok: bool, problem: str):
+    """`value` when `ok`, else the argument's error `problem` (one line, no traceback)."""
+    if not ok:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def positive_int(text: str) -> int:
     value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+    return _checked(value, value >= 1, f"{value} must be at least 1")
 
 
 def nonnegative_int(text: str) -> int:
     value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+    return _checked(value, value >= 0, f"{value} must be 0 or more")
 
 
 def num_draft(text: str) -> int:
     value = _int(text)
-    if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"K = {value} is outside 0..{MAX_SPECULATIVE_TOKENS} "
-                                         "(0 runs the target alone)")
-    return value
+    return _checked(value, 0 <= value <= MAX_SPECULATIVE_TOKENS,
+                    f"K = {value} is outside 0..{MAX_SPECULATIVE_TOKENS} (0 runs the target alone)")
 
 
 def tree_spec(text: str) -> TreeSpec:
@@ -103,23 +104,17 @@ def tree_choice(text: str) -> TreeSpec | str | None:
 
 def temperature(text: str) -> float:
     value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; use 0 (greedy) or more")
-    return value
+    return _checked(value, value >= 0, f"{value} is negative; use 0 (greedy) or more")
 
 
 def fraction(text: str, hint: str = "") -> float:
     value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1]{hint}")
-    return value
+    return _checked(value, 0 < value <= 1, f"{value} is outside (0, 1]{hint}")
 
 
 def memory_fraction(text: str) -> float:
     value = _float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is outside (0, 1)")
-    return value
+    return _checked(value, 0 < value < 1, f"{value} is outside (0, 1)")
 
 
 def top_p(text: str) -> float:
@@ -128,31 +123,23 @@ def top_p(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+    return _checked(value, value >= 0, f"{value} must be 0 or more")
 
 
 def positive_float(text: str) -> float:
     value = _float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return value
+    return _checked(value, value > 0, f"{value} must be positive")
 
 
 def port(text: str) -> int:
     value = _int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is outside 1..65535")
-    return value
+    return _checked(value, 1 <= value <= 65535, f"{value} is outside 1..65535")
 
 
 def mtbench_count(text: str) -> int:
     value = _int(text)
-    if not 1 <= value <= MTBENCH_QUESTIONS:
-        raise argparse.ArgumentTypeError(f"{value} is outside 1..{MTBENCH_QUESTIONS} (MT-bench has "
-                                         f"{MTBENCH_QUESTIONS} questions)")
-    return value
+    return _checked(value, 1 <= value <= MTBENCH_QUESTIONS,
+                    f"{value} is outside 1..{MTBENCH_QUESTIONS} (MT-bench has {MTBENCH_QUESTIONS} questions)")
 
 
 def sizes(text: str) -> tuple[int, ...]:
