@@ -210,6 +210,7 @@ def phase_gemm(out: dict, rows: tuple[int, ...]) -> None:
 
 
 PROPOSALS = ("target", "chain", "tree", "ngram")
+ENV_SETTING = re.compile(r"[A-Z_][A-Z0-9_]*=")  # a --variants word that sets the child's environment
 
 
 def _llm(target: str, kind: str, proposal: str, kv_fraction: float = 0.9, prefix_caching: bool = True,
@@ -267,6 +268,17 @@ def phase_replies(out: dict, args, questions: list[list[dict]]) -> None:
                                           prefix_hit_rate=round(llm.engine.stats.prefix_hit_rate, 3)))
 
 
+def _child(args, phase: str, stem: str, options: list[str], env: dict | None = None) -> dict:
+    """This script's `phase` in a process of its own (its engine's memory gone with it) -> the JSON
+    it wrote under --out-dir as `stem`, or {"rc": its exit status} when it wrote none."""
+    cmd = [sys.executable, __file__, "--phase", phase, "--target", args.target, "--out-dir", args.out_dir,
+           "--out-name", stem, *options, *(["--questions", args.questions] if args.questions else [])]
+    print("$", *(f"{k}={v}" for k, v in (env or {}).items()), " ".join(cmd[2:]), flush=True)
+    rc = subprocess.run(cmd, env={**os.environ, **(env or {})}).returncode
+    path = Path(args.out_dir) / f"{stem}.json"
+    return json.loads(path.read_text()) if rc == 0 and path.is_file() else {"rc": rc}
+
+
 def phase_lossless(out: dict, args) -> None:
     """Every configuration's replies in a process of its own, compared with the target alone's
     replies one prompt at a time under the same kernels and pool settings."""
@@ -276,20 +288,12 @@ def phase_lossless(out: dict, args) -> None:
             for proposal in args.proposals.split(","):
                 name = f"{kind}|{proposal}|{variant.strip() or 'default'}"
                 stem = "replies-" + "".join(c if c.isalnum() else "_" for c in name)
-                path = Path(args.out_dir) / f"{stem}.json"
-                # NAME=value words of a variant are the process's environment (XLA_FLAGS, say), the rest options.
-                words = variant.split()
-                env = dict(w.split("=", 1) for w in words if re.match(r"[A-Z_][A-Z0-9_]*=", w))
-                cmd = [sys.executable, __file__, "--phase", "replies", "--target", args.target, "--kind", kind,
-                       "--proposal", proposal, "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
-                       "--modes", args.modes, "--out-dir", args.out_dir, "--out-name", stem,
-                       *[w for w in words if not re.match(r"[A-Z_][A-Z0-9_]*=", w)]]
-                if args.questions:
-                    cmd += ["--questions", args.questions]
-                print("$", *(f"{k}={v}" for k, v in env.items()), " ".join(cmd[2:]), flush=True)
+                env = dict(w.split("=", 1) for w in variant.split() if ENV_SETTING.match(w))
+                options = ["--kind", kind, "--proposal", proposal, "--prompts", str(args.prompts),
+                           "--max-tokens", str(args.max_tokens), "--modes", args.modes,
+                           *[w for w in variant.split() if not ENV_SETTING.match(w)]]
                 t0 = time.perf_counter()
-                rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
-                runs[name] = json.loads(path.read_text()) if rc == 0 and path.is_file() else dict(rc=rc)
+                runs[name] = _child(args, "replies", stem, options, env)
                 runs[name]["wall_s"] = round(time.perf_counter() - t0, 1)
     rows = []
     for name, run in runs.items():
@@ -403,15 +407,9 @@ def phase_speed(out: dict, args) -> None:
     for proposal in args.proposals.split(","):
         for kind in args.kinds.split(","):
             stem = f"speed-{kind}-{proposal}"
-            cmd = [sys.executable, __file__, "--phase", "speed-engine", "--target", args.target, "--kind", kind,
-                   "--proposal", proposal, "--max-tokens", str(args.max_tokens), "--batches", args.batches,
-                   "--out-dir", args.out_dir, "--out-name", stem]
-            if args.questions:
-                cmd += ["--questions", args.questions]
-            print("$", " ".join(cmd[2:]), flush=True)
-            path = Path(args.out_dir) / f"{stem}.json"
-            if subprocess.run(cmd).returncode == 0 and path.is_file():
-                rows += json.loads(path.read_text())["speed"]
+            options = ["--kind", kind, "--proposal", proposal, "--max-tokens", str(args.max_tokens),
+                       "--batches", args.batches]
+            rows += _child(args, "speed-engine", stem, options).get("speed", [])
     for row in rows:  # each kind's tok/s over the default kernels'
         base = next((r for r in rows if r["proposal"] == row["proposal"] and r["b"] == row["b"]
                      and r["kind"] == "default"), None)
@@ -427,7 +425,7 @@ def main() -> None:
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--batches", default="1,8,64", help="8b, speed: rows of the steps checked and timed")
-    p.add_argument("--max-tokens", type=int, default=256, help="smollm2, speed: tokens a reply")
+    p.add_argument("--max-tokens", type=int, default=256, help="lossless, speed: tokens a reply")
     p.add_argument("--kinds", default="invariant,default")
     p.add_argument("--proposals", default=",".join(PROPOSALS), help="lossless: the engines compared")
     p.add_argument("--variants", default="",
