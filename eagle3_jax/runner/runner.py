@@ -46,6 +46,7 @@ from eagle3_jax.runner.steps import (
     prefill_step,
     read_first_token_step,
     read_verdicts_step,
+    state_jit,
 )
 from eagle3_jax.runner.target import target_model_for
 from eagle3_jax.sampling_params import SamplingParams
@@ -131,8 +132,8 @@ class PrefillInputs:
 
 
 # The rows' cached lengths, a slot's token history, set in place (donated: the state keeps its addresses).
-_set_lengths = jax.jit(with_lengths, donate_argnums=0)
-_set_history = jax.jit(with_history, donate_argnums=0)
+_set_lengths = state_jit(with_lengths, donate_argnums=0)
+_set_history = state_jit(with_history, donate_argnums=0)
 
 # A padding row never makes a call sample: greedy.
 PADDING_PARAMS = SamplingParams(max_tokens=1)
