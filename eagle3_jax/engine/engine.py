@@ -206,7 +206,7 @@ class Engine:
         bucket = len(slots)
         choice = self.speculation.choice(bucket)
         cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs))
-        fresh = self.speculation.dispatched(slots[:len(reqs)], choice)
+        fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice)
         t = time.perf_counter()
         verdicts = self.runner.iterate(slots, tables, cfg)
         verdicts.copy_to_host_async()
