@@ -32,10 +32,10 @@ class PrefillChunk:
     start: int
 
     def tokens(self, largest: int) -> list[int]:
-        return self.req.tokens[self.start:min(self.start + largest, self.req.context_len)]
-
+        return self.req.tokens[self.start:self.end(largest)]
 
     def end(self, largest: int) -> int:
+        """Where the chunk ends, the next one starts."""
         return min(self.start + largest, self.req.context_len)
 
 
