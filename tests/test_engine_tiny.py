@@ -250,19 +250,48 @@ def test_cublas_gemms_serve_every_bucket_without_compiling_after_warmup(tiny_mod
 
 def test_auto_replaces_warmup_costs_by_served_step_times_but_not_injected_ones(tiny_models, alone):
     """Under "auto" a step running the same bucket and choice as the step before, neither with a
-    prefill, is timed; the policy then takes that served time for the choice in place of warm-up's
-    cost (policy.py, "The costs"), and never for a bucket whose costs the user injected."""
+    prefill, is timed, and a timing probe runs each choice not yet timed there; the policy then takes
+    those served times in place of warm-up's costs (policy.py, "The costs"), and never for a bucket
+    whose costs the user injected."""
     llm = make(tiny_models, warmup=True, speculation="auto", step_costs=((8, 0.010, 0.100),))
     engine = llm.engine
     warm = engine.speculation.step_costs[2]
     outputs = llm.generate(PROMPTS[:2], greedy(40))  # one bucket-2 batch, many steady steps
     assert [o.token_ids for o in outputs] == [ref[:40] for ref in alone[:2]]
     served = engine.speculation.served[2]
-    assert set(engine.speculation.served) == {2} and served  # bucket 8 (injected) never timed
+    assert set(engine.speculation.served) == {2}  # bucket 8 (injected) never timed
+    assert set(served) == {None, 0} and set(engine.stats.proposal_iterations) == {"target-only", "chain K=3"}
     assert all(t.samples >= 1 and 0 < t.mean < 5.0 for t in served.values())
     cost = engine.speculation.bucket_cost(2)
-    expect_t0 = served[None].mean if None in served else warm.target_only_s
-    expect_spec = served[0].mean if 0 in served else warm.speculative_s[0]
-    assert (cost.target_only_s, cost.speculative_s) == (expect_t0, (expect_spec,))
+    assert (cost.target_only_s, cost.speculative_s) == (served[None].mean, (served[0].mean,)) != (
+        warm.target_only_s, warm.speculative_s)
     assert engine.speculation.bucket_cost(8) == BucketCost(0.010, 0.100)
     assert engine.speculation.table()[0].cost == cost
+
+
+# ---- a long prompt arriving while rows decode ---------------------------------------------------
+LONG = [(7 * j + 1) % TINY_VOCAB for j in range(60)]  # four chunks of the 16-token bucket: 16, 16, 16, 12
+
+
+def test_a_long_prompt_arriving_while_rows_decode_prefills_one_chunk_per_iteration(tiny_models, alone, monkeypatch):
+    """Two requests decoding when a prompt of four chunks arrives: each step dispatches one of its
+    chunks, then the iteration, so the running rows never wait for more than one chunk; the prompt
+    joins the batch once its last chunk is dispatched. Its reply, prefilled so in four chunks, is
+    the target alone's from one unchunked prefill (a 64-token chunk bucket); the others' replies
+    are the target alone's too."""
+    llm = make(tiny_models)
+    engine, order = llm.engine, []
+    prefill, iterate = engine.runner.prefill, engine.runner.iterate
+    monkeypatch.setattr(engine.runner, "prefill", lambda *a: (order.append("prefill"), prefill(*a))[1])
+    monkeypatch.setattr(engine.runner, "iterate", lambda *a: (order.append("iterate"), iterate(*a))[1])
+    running = [engine.add_request(p, greedy(30)) for p in PROMPTS[:2]]
+    while not all(r.output for r in running):
+        engine.step()
+    order.clear()
+    long = engine.add_request(LONG, greedy(4))
+    engine.run([*running, long])
+    assert order[:9] == ["prefill", "iterate"] * 4 + ["iterate"]
+    assert "prefill" not in order[8:]
+    assert [r.output for r in running] == [ref[:30] for ref in alone[:2]]
+    unchunked = make(tiny_models, None, prefill_buckets=(64,)).generate([LONG], greedy(4))[0]
+    assert long.output == unchunked.token_ids and len(long.output) == 4

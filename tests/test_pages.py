@@ -29,6 +29,15 @@ def generate(s: Scheduler, req, n: int) -> None:
     req.output.extend([7] * n)  # as the engine appends collected tokens
 
 
+def schedule(s: Scheduler) -> tuple[list, list]:
+    """s.schedule(), each admitted request's prefill then dispatched whole, as the engine does with
+    no rows decoding."""
+    admitted, preempted = s.schedule()
+    for req in admitted:
+        s.prefill_dispatched(req, req.context_len)
+    return admitted, preempted
+
+
 def test_page_keys_chain_each_full_page_and_the_token_after_it():
     tokens = list(range(10))
     keys = page_keys(tokens, PAGE)
@@ -92,21 +101,21 @@ def test_a_running_request_holds_its_tokens_and_two_iterations_in_flight():
 def test_the_newest_request_is_preempted_and_queued_first_with_its_tokens():
     s = scheduler(num_pages=9, buckets=(4,))  # 8 pages: 32 positions
     a, b, c = (s.add([i] * 4, SamplingParams(max_tokens=20)) for i in (1, 2, 3))
-    assert s.schedule() == ([a, b], [])  # 3 pages each (4 + 8 positions); c's 3 do not fit
+    assert schedule(s) == ([a, b], [])  # 3 pages each (4 + 8 positions); c's 3 do not fit
     generate(s, a, 5)
     generate(s, b, 1)
-    assert s.schedule() == ([], [])  # a: 8 in the KV + 8 = 4 pages; b still 3
+    assert schedule(s) == ([], [])  # a: 8 in the KV + 8 = 4 pages; b still 3
     assert (len(a.pages), len(b.pages), s.pool.num_free) == (4, 3, 1)
     generate(s, a, 4)
     generate(s, b, 4)
-    admitted, preempted = s.schedule()  # a: 12 + 8 = 5 pages, b: 8 + 8 = 4: 9 > 8
+    admitted, preempted = schedule(s)  # a: 12 + 8 = 5 pages, b: 8 + 8 = 4: 9 > 8
     assert preempted == [b] and admitted == []  # nothing is admitted in a step that preempted
     assert list(s.waiting) == [b, c] and b.output == [7] * 5 and (b.slot, b.pages) == (None, [])
     assert b.metrics.preemptions == 1 and list(s.running.values()) == [a] and len(a.pages) == 5
     # Readmitted first once a finishes. Its two full pages were cached when it let them go; the
     # second holds its last KV position, which it prefills again (at least one token).
     s.finish(a, "stop")
-    assert s.schedule() == ([b, c], [])
+    assert schedule(s) == ([b, c], [])
     assert b.num_cached == 4 and b.context_len == 8 and b.metrics.cached_tokens == 4
     assert s.pool.num_held == len(b.pages) + len(c.pages) == 4 + 3
 
@@ -128,11 +137,11 @@ def test_a_request_shares_the_cached_prefix_and_prefills_at_least_one_token():
     s = scheduler(num_pages=64)
     system = list(range(10, 22))  # 12 tokens: three full pages
     first = s.add(system + [1, 2], SamplingParams(max_tokens=4))
-    s.schedule()
-    s.schedule()  # its prefill dispatched a step ago: its pages are published now
+    schedule(s)
+    schedule(s)  # its prefill dispatched a step ago: its pages are published now
     second = s.add(system + [3], SamplingParams(max_tokens=4))
     same = s.add(system, SamplingParams(max_tokens=4))
-    admitted, _ = s.schedule()
+    admitted, _ = schedule(s)
     assert admitted == [second, same]
     # Page 2 is keyed with the token after it (1 in `first`, 3 in `second`): two pages reused.
     assert second.num_cached == 8 and second.pages[:2] == first.pages[:2]

@@ -317,14 +317,27 @@ def test_served_time_is_a_running_mean_then_a_moving_average():
     assert (t.mean, t.samples) == (pytest.approx(4.0), 5)
 
 
-def test_served_cost_replaces_only_the_choices_served():
+def test_served_cost_replaces_the_choices_served_and_scales_the_others_alike():
+    """A served time replaces its choice's warm-up cost; a choice not served is priced at its
+    warm-up cost times the mean ratio served / warm-up of those served, so a served time is never
+    weighed against a bare warm-up one."""
     warm = BucketCost(target_only_s=0.010, speculative_s=(0.020, 0.013))
+
+    def seconds(served):  # (t0, t_tree, t_chain)
+        cost = served_cost(warm, served)
+        return (cost.target_only_s, *cost.speculative_s)
+
     assert served_cost(warm, {}) == warm
-    assert served_cost(warm, {1: ServedTime(0.015, 3)}) == BucketCost(0.010, (0.020, 0.015))
-    assert served_cost(warm, {None: ServedTime(0.012), 0: ServedTime(0.016)}) == BucketCost(0.012, (0.016, 0.013))
+    # The chain served at 0.015 (15/13 of warm-up): the target alone and the tree scaled by 15/13.
+    assert seconds({1: ServedTime(0.015, 3)}) == pytest.approx((0.010 * 15 / 13, 0.020 * 15 / 13, 0.015))
+    # Two served, ratios 1.2 and 0.8: the chain's warm-up cost as it was (mean ratio 1).
+    assert seconds({None: ServedTime(0.012), 0: ServedTime(0.016)}) == pytest.approx((0.012, 0.016, 0.013))
+    assert seconds({None: ServedTime(0.012), 0: ServedTime(0.016), 1: ServedTime(0.01)}) == (0.012, 0.016, 0.01)
     # The served times can turn the choice: the tree (L 4) at 20 ms loses to the chain (L 2.7) at
     # 13 ms by warm-up's costs, and wins once serving found it at 16 ms and the chain at 15.
     estimates = [AcceptanceEstimate(mean=4.0, rows=100), AcceptanceEstimate(mean=2.7, rows=100)]
     policy = SpeculationPolicy()
     assert choose(warm, estimates, [7, 5], policy) == 1
     assert choose(served_cost(warm, {0: ServedTime(0.016), 1: ServedTime(0.015)}), estimates, [7, 5], policy) == 0
+    # Served alone, the tree at 16 ms (0.8 of warm-up) prices the chain at 0.8 x 13 too: still the chain.
+    assert choose(served_cost(warm, {0: ServedTime(0.016)}), estimates, [7, 5], policy) == 1

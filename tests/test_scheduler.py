@@ -34,6 +34,12 @@ def params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens)
 
 
+def prefilled(s: Scheduler, reqs) -> None:
+    """As the engine: each request's prefill dispatched whole, so it joins the batch."""
+    for req in reqs:
+        s.prefill_dispatched(req, req.context_len)
+
+
 def test_page_pool_allocates_lowest_pages_first_and_never_scratch():
     pool = PagePool(6)
     assert (pool.capacity, pool.num_free) == (5, 5)
@@ -136,8 +142,10 @@ def test_batch_pads_to_the_bucket_with_the_dummy_slot_and_scratch_rows():
     s = scheduler(buckets=(2, 4, 8))
     reqs = [s.add([1, 2, 3], params(1)) for _ in range(3)]
     s.admit()
+    assert s.prefilling == reqs and s.batch()[0] == []  # admitted, not prefilled: no rows yet
+    prefilled(s, reqs)
     batch, slots, tables = s.batch()
-    assert batch == reqs
+    assert batch == reqs and s.prefilling == []
     np.testing.assert_array_equal(slots, [1, 2, 3, DUMMY])
     assert slots.dtype == np.int32
     assert tables.shape == (4, s.cfg.pool.max_blocks_per_seq)
@@ -162,7 +170,7 @@ def test_batch_pads_to_the_bucket_with_the_dummy_slot_and_scratch_rows():
 def test_batch_rows_are_a_copy_of_the_block_tables():
     s = scheduler()
     s.add([1, 2], params(1))
-    s.admit()
+    prefilled(s, s.admit())
     _, _, tables = s.batch()
     tables[:] = 99
     assert (s.block_tables != 99).all()
@@ -268,3 +276,34 @@ def test_stop_strings_decode_a_tail_and_cut_the_whole_text():
     assert hits.index(True) == 302 and req.text == "a" * 300
     assert max(decoded[:302]) == 4 * 3 + 8  # tails only, until the hit decodes the whole output
     assert decoded[303] == 303
+
+
+def test_while_rows_decode_a_step_prefills_one_chunk_at_most():
+    """engine/prefill.py's plan per step (chunks of 16, the largest prefill bucket; 1 or 4 prompts a
+    call). With nothing decoding, a step prefills every chunk of every prompt admitted: a long
+    prompt's leading chunks a call each, the last chunks grouped by chunk bucket. While rows decode,
+    one call of 16 padded tokens at most: the first prompt's next chunk alone, or its last chunk
+    joined by the other last chunks of its bucket that fit (4 of 4 tokens, 1 of 16); the
+    scheduler's batch takes a request once its last chunk is dispatched."""
+    from eagle3_jax.engine.prefill import step_calls
+
+    cfg = EngineConfig(batch_buckets=(2, 4), page_size=PAGE, num_pages=64, max_model_len=64,
+                       prefill_buckets=(4, 16), prefill_batch_buckets=(1, 4))
+    s = Scheduler(served(cfg), VOCAB, K)
+    long, short, other, last = (s.add(p, params(4)) for p in ([5] * 40, [1, 2, 3], [4, 5], [6] * 9))
+    s.admit()
+
+    def plan(decoding: bool) -> list[list[tuple[int, int]]]:
+        return [[(c.req.id, c.start) for c in call] for call in step_calls(s.prefilling, s.cfg, decoding)]
+
+    assert plan(decoding=False) == [[(0, 0)], [(0, 16)], [(0, 32), (3, 0)], [(1, 0), (2, 0)]]
+    steps = []
+    while s.prefilling:  # as the engine dispatches them, rows decoding
+        calls = step_calls(s.prefilling, s.cfg, decoding=True)
+        assert len(calls) == 1
+        steps.append([(c.req.id, c.start) for c in calls[0]])
+        for chunk in calls[0]:
+            s.prefill_dispatched(chunk.req, chunk.end(16))
+        assert s.batch()[0] == [r for r in (long, short, other, last) if not r.prefilling]
+    assert steps == [[(0, 0)], [(0, 16)], [(0, 32)], [(1, 0), (2, 0)], [(3, 0)]]
+    assert long.next_chunk is None and s.batch()[0] == [long, short, other, last]

@@ -221,28 +221,30 @@ def test_auto_switches_between_the_tree_and_the_chain_without_compiles(tiny_mode
 
 
 @pytest.mark.slow
-def test_a_tree_measures_its_chain_without_running_it(tiny_models, reference):
-    """"auto" over the tree (3, 2, 5) and the chain of 3, its costs making the tree the choice while
-    the chain, never measured, would be worth a probe (its best case, 4 tokens in 0.6, beats the
-    tree's measured rate), and probes due after 4 iterations without a measurement. The tree's
-    verifies measure the chain (what the draft's top-1 chain would have accepted on each row), so
-    the chain never runs: its estimate counts the tree's rows, none longer than the tree's own, and
-    rows of the draft-q rule, whose chain would have sampled, leave it as it was (probes due only
-    after 256 iterations then)."""
+def test_a_tree_bounds_its_chain_which_is_measured_on_its_own_rows(tiny_models, reference):
+    """"auto" over the tree (3, 2, 5) and the chain of 3 at costs (0.5 and 0.6 against the target
+    alone's 1.0) where the chain, at its optimistic prior (4 tokens), beats what the tree measures.
+    The tree's verifies measure a lower bound of what the chain would accept (its top-1 chain
+    inside the tree, `Speculation.top1`), never above the tree's own; the rule reads the chain's
+    own estimate, raised to that bound only where the bound is higher, so the chain runs and is
+    measured on its own rows. Rows of the draft-q rule, whose chain would have sampled, leave the
+    bound as it was."""
     spec = TreeSpec(3, 2, 5)
     llm = make(tiny_models[0], tiny_models[1]["shared"], spec, speculation="auto", step_costs=((4, 1.0, 0.5, 0.6),))
     engine, speculation = llm.engine, llm.engine.speculation
-    speculation.policy = dataclasses.replace(speculation.policy, probe_every=4)
     outputs = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outputs] == reference
-    assert set(engine.stats.proposal_iterations) == {"tree 3,2,5"}
-    tree_est, chain_est = speculation.acceptance
-    assert chain_est.rows == tree_est.rows > 0 and chain_est.unmeasured == tree_est.unmeasured
-    assert 1.0 <= chain_est.mean < tree_est.mean
-    speculation.policy = dataclasses.replace(speculation.policy, probe_every=256)  # no probe of the chain now
+    assert set(engine.stats.proposal_iterations) == {"tree 3,2,5", "chain K=3"}
+    (tree, chain), bound = speculation.own, speculation.top1[1]
+    assert speculation.top1[0] is None and 0 < bound.rows <= tree.rows and chain.rows > 0
+    assert 1.0 <= bound.mean <= tree.mean
+    assert speculation.acceptance[1].mean == max(chain.mean, bound.mean)
+    assert speculation.acceptance[1].rows == chain.rows  # the chain's own record, whatever raised its mean
     draft_q = SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True, draft_acceptance="draft_q")
+    trees = sum(engine.stats.proposal_iterations["tree 3,2,5"].values())
     llm.generate(PROMPTS[:1], draft_q)
-    assert speculation.acceptance[0].rows > tree_est.rows and speculation.acceptance[1].rows == chain_est.rows
+    assert sum(engine.stats.proposal_iterations["tree 3,2,5"].values()) > trees
+    assert speculation.top1[1].rows == bound.rows
 
 
 @pytest.mark.slow

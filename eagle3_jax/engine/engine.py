@@ -2,9 +2,11 @@
 
 Each `step()` schedules (pages, preemption, admission), runs (dispatches prefills and one
 iteration without waiting), and postprocesses the results dispatched the step before, so the
-host's work overlaps the device's. The device runs dispatches in order (each threads the donated
-state); results for a request that finished or was preempted since they were dispatched are
-dropped (the surplus iteration: its pages are rewritten only by later dispatches).
+host's work overlaps the device's. While rows decode, a step prefills one chunk at most
+(engine/prefill.py), so a long prompt arriving stalls the running streams no longer than that. The
+device runs dispatches in order (each threads the donated state); results for a request that
+finished or was preempted since they were dispatched are dropped (the surplus iteration: its pages
+are rewritten only by later dispatches).
 
 Under `speculation="auto"` each iteration runs the target alone or one of the proposals by
 engine/policy.py's rule, from costs timed in warm-up (then as served) and the acceptance measured
@@ -26,7 +28,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
-from eagle3_jax.engine.prefill import PrefillChunk, chunks_of, group_last_chunks, prefill_call
+from eagle3_jax.engine.prefill import PrefillChunk, prefill_call, step_calls
 from eagle3_jax.engine.scheduler import Request, Scheduler, stop_reason
 from eagle3_jax.engine.speculation import Choice, Speculation
 from eagle3_jax.engine.stats import EngineStats
@@ -139,9 +141,10 @@ class Engine:
         earlier = len(self._pending)  # dispatched in earlier steps
         admitted, preempted = self.scheduler.schedule()
         self.stats.preemptions += len(preempted)
-        if admitted:
-            self._run_prefills(admitted)
-        ran = self._run_iteration(*self.scheduler.batch()) if self.scheduler.running else None
+        self._admit(admitted)
+        prefilled = self._run_prefills()
+        reqs, slots, tables = self.scheduler.batch()
+        ran = self._run_iteration(reqs, slots, tables) if reqs else None
         # With new work queued, read only what was dispatched before it (the overlap); with none,
         # drain everything so the loop can end.
         ready = earlier if self.overlap and len(self._pending) > earlier else len(self._pending)
@@ -149,13 +152,12 @@ class Engine:
         self.stats.steps += 1
         took = time.perf_counter() - start
         self.stats.host_s += took - (self.stats.device_wait_s - waited)
-        self.speculation.time_step(None if admitted else ran, took)
+        self.speculation.time_step(None if prefilled else ran, took)
         return changed
 
-    def _run_prefills(self, reqs: list[Request]) -> None:
-        """Prefill the requests admitted in this step (engine/prefill.py packs the calls), then queue
-        the reads of their first tokens."""
-        cfg, lasts = self.cfg, []
+    def _admit(self, reqs: list[Request]) -> None:
+        """What the requests admitted in this step need before their prefills: a seed, their
+        cached prefix in the speculator's token history; the prefix cache's counts."""
         for req in reqs:
             # One seed per request, drawn at its first admission whatever the grouping (seeded
             # requests draw none): the same requests sample the same tokens however they are
@@ -166,14 +168,23 @@ class Engine:
             self.stats.prefix_hit_tokens += req.num_cached
             if req.num_cached:  # a speculator's token history has the cached prefix too
                 self.runner.write_history(req.slot, req.tokens[:req.num_cached])
-            *leading, last = chunks_of(req, cfg.prefill_buckets[-1])
-            for chunk in leading:
-                self._run_prefill_call([chunk])
-            lasts.append(last)
-        for chunks in group_last_chunks(lasts, cfg):
+
+    def _run_prefills(self) -> bool:
+        """Dispatch this step's prefill calls (engine/prefill.py chooses them), then queue the reads
+        of the first tokens of the requests whose prefill ended. -> whether any was dispatched."""
+        sched, largest = self.scheduler, self.cfg.prefill_buckets[-1]
+        prefilling = sched.prefilling
+        if not prefilling:
+            return False
+        calls = step_calls(prefilling, self.cfg, decoding=len(prefilling) < len(sched.running))
+        for chunks in calls:
             self._run_prefill_call(chunks)
         t = time.perf_counter()
-        for req in reqs:
+        for chunk in (chunk for chunks in calls for chunk in chunks):
+            req = chunk.req
+            sched.prefill_dispatched(req, chunk.end(largest))
+            if req.prefilling:
+                continue
             self.speculation.prefilled(req.slot)  # its last chunk drafted the engine's proposal
             if req.output:
                 continue  # resumed: the token its prefill ends on is its last generated one
@@ -181,6 +192,7 @@ class Engine:
             first.copy_to_host_async()
             self._pending.append(_Pending([req], first, [req.admissions]))
         self.stats.dispatch_s += time.perf_counter() - t
+        return bool(calls)
 
     def _run_prefill_call(self, chunks: list[PrefillChunk]) -> None:
         call = prefill_call(chunks, self.cfg, self.scheduler.block_tables)
@@ -194,7 +206,7 @@ class Engine:
         bucket = len(slots)
         choice = self.speculation.choice(bucket)
         cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs))
-        fresh = self.speculation.dispatched(slots[:len(reqs)], choice)
+        fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice)
         t = time.perf_counter()
         verdicts = self.runner.iterate(slots, tables, cfg)
         verdicts.copy_to_host_async()

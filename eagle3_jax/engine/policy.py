@@ -1,24 +1,45 @@
 """Per batch bucket, what to run: the target alone or one of the drafter's proposals (chain, tree).
 
-The rule. Proposal i emits L_i tokens per row (its acceptance length) in t_i[b] seconds, the target
-alone 1 in t0[b]; cheapest first, a proposal becomes the choice when L_i / t_i[b] > (1 + margin) x the
-rate so far (the margin because costs are medians, estimates lag, and a switch wastes an iteration).
-L_i does not depend on the bucket, so one estimate serves all (BENCHMARKS.md, "Trees end to end").
+The rule. Proposal i emits L_i tokens per row (its acceptance length) in t_i[b] seconds per
+iteration at bucket b, the target alone 1 in t0[b]; the bucket runs the best rate L / t. The choice
+it ran last by this rule (the incumbent; at first the target alone) keeps running unless another
+beats its rate by more than `margin`, the challengers taken cheapest first (costs are estimates, a
+switch wastes an iteration): near-equal choices do not flap. L_i does not depend on the bucket, so
+one estimate serves all (BENCHMARKS.md, "Trees end to end").
 
-The costs. Warm-up's (context 0, greedy rows) miss host work that outlasts a short iteration, so a
-choice's served time replaces them once it has one (`ServedTime`); injected costs (step_costs) stay.
+The costs, every choice's measured the same way. Warm-up times each choice at each bucket (context
+0, greedy rows): the prior, which misses the host's work and longer contexts. Serving times each
+step that ran the same bucket and choice as the step before, neither step dispatching a prefill
+(one period of the overlapped loop, host work included: `ServedTime`), and that served time
+replaces the choice's warm-up cost. A choice not yet served at the bucket costs its warm-up time
+times the mean ratio served / warm-up of the bucket's served choices (`served_cost`), so a served
+time is never weighed against a bare warm-up one. Injected costs (step_costs) stay as given.
 
-The estimate starts at steps+1, so every proposal that could pay gets measured, and counts only fresh
-rows of running requests. A tree's verify also measures the chain (its first children, `Tree.accept`).
+Timing probes. Only what runs gets a served time, so the alternatives are run on purpose: at each
+bucket, a choice with no served time there yet, or one within `probe_range` of the best's rate,
+once it has gone `retime_every` of the bucket's iterations untried (at first: at once), runs until
+`probe_steps` more of its steps are timed, or for `probe_iterations` iterations (prefills leave
+steps untimed); the served time it had weighs `probe_steps` samples against them (`retimed`). So
+every choice is timed within tens of iterations of a bucket's first traffic while most steps
+dispatch no prefill (tests/test_speculation.py), and each that could win again every
+`retime_every` iterations.
 
-Probing. A proposal unmeasured for `probe_every` iterations whose best case beats the choice runs for
-`probe_rows` fresh rows, its stale estimate reweighted to `stale_weight` so the probe can move it.
+The acceptance. Each proposal's estimate counts what it accepted itself, on fresh rows of running
+requests only, from a prior of steps+1 weighing `prior_weight` row-iterations, so every proposal
+that could pay gets tried. A tree's verify also reports what its top-1 chain accepted (its first
+children, `Tree.accept`): a lower bound of the chain's, as the tree may not keep the chain's next
+node, which raises the chain's estimate where it is higher and never lowers it
+(`Speculation.observe`).
+
+Acceptance probes. A proposal unmeasured for `probe_every` iterations whose best case beats the
+choice runs for `probe_rows` fresh rows, its stale estimate reweighted to `stale_weight` so the
+probe can move it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -41,6 +62,9 @@ class BucketCost:
         return tuple(t / self.target_only_s for t in self.speculative_s)
 
 
+Choice = int | None  # a proposal's index in the engine's order, or None for the target alone
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculationPolicy:
     """The decision's constants (module docstring), replaced whole with `dataclasses.replace`."""
@@ -53,7 +77,12 @@ class SpeculationPolicy:
     probe_rows: int = 16
     stale_weight: int = 32
     served_window: int = 32  # steps a served time's moving average spans
-    time_served: bool = True  # False: the costs stay warm-up's
+    time_served: bool = True  # False: the costs stay warm-up's, and nothing is probed for its time
+    # Timing probes: which choices, how often (iterations of the bucket), how long.
+    probe_range: float = 0.25  # retimed: a choice whose rate x (1 + probe_range) beats the best's
+    retime_every: int = 128
+    probe_steps: int = 3  # timed steps a probe collects
+    probe_iterations: int = 32  # the most iterations a probe runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +129,8 @@ def observe(est: AcceptanceEstimate, num_accepted: Sequence[int], measured: Sequ
 
 @dataclasses.dataclass(frozen=True)
 class ServedTime:
-    """Seconds a steady step (same choice as the step before, no prefill) of one choice took."""
+    """Seconds a steady step of one choice took (the same bucket and choice as the step before,
+    neither dispatching a prefill), as a moving average over `served_window` steps."""
 
     mean: float
     samples: int = 1
@@ -113,27 +143,49 @@ def observe_time(est: ServedTime | None, seconds: float, policy: SpeculationPoli
     return ServedTime(est.mean + (seconds - est.mean) / min(n, policy.served_window), n)
 
 
-def served_cost(cost: BucketCost, served: Mapping[int | None, ServedTime]) -> BucketCost:
-    """Each choice's served time (served[None]: the target alone) where it has one, else warm-up's."""
-    return BucketCost(served[None].mean if None in served else cost.target_only_s,
-                      tuple(served[i].mean if i in served else t for i, t in enumerate(cost.speculative_s)))
+def retimed(est: ServedTime, policy: SpeculationPolicy) -> ServedTime:
+    """A choice's served time as a timing probe of it starts: it weighs `probe_steps` samples at
+    most, so the probe's own steps move it halfway at least."""
+    return ServedTime(est.mean, min(est.samples, policy.probe_steps))
 
 
-def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], longest: Sequence[int],
-           policy: SpeculationPolicy) -> int | None:
-    """A proposal's index, or None for the target alone. longest[i]: steps + 1 of proposal i."""
-    if not estimates:
-        return None
-    if cost is None:
-        return 0
+def served_cost(cost: BucketCost, served: Mapping[Choice, ServedTime]) -> BucketCost:
+    """Each choice's served time (served[None]: the target alone) where it has one; the others'
+    warm-up cost times the mean ratio served / warm-up of those that have (module docstring)."""
+    warm = {None: cost.target_only_s, **dict(enumerate(cost.speculative_s))}
+    ratios = [est.mean / warm[c] for c, est in served.items() if c in warm]
+    scale = sum(ratios) / len(ratios) if ratios else 1.0
+    t = {c: served[c].mean if c in served else w * scale for c, w in warm.items()}
+    return BucketCost(t.pop(None), tuple(t.values()))
+
+
+def rates(cost: BucketCost, estimates: Sequence[AcceptanceEstimate]) -> dict[Choice, float]:
+    """Tokens per row per second of each choice: L_i / t_i, the target alone's 1 / t0."""
+    per_proposal = zip(estimates, cost.speculative_s, strict=True)
+    return {None: 1.0 / cost.target_only_s, **{i: est.mean / t for i, (est, t) in enumerate(per_proposal)}}
+
+
+def best_choice(cost: BucketCost, estimates: Sequence[AcceptanceEstimate], policy: SpeculationPolicy,
+                incumbent: Choice = None) -> Choice:
+    """The rule (module docstring): the incumbent, unless a challenger's rate beats the best so far
+    by the margin; the challengers cheapest first (the target alone, then the proposals by cost)."""
+    rate, times = rates(cost, estimates), cost.speculative_s
+    best = incumbent
+    for c in [None, *sorted(range(len(estimates)), key=times.__getitem__)]:
+        if c != incumbent and rate[c] > (1.0 + policy.margin) * rate[best]:
+            best = c
+    return best
+
+
+def acceptance_probe(cost: BucketCost, estimates: Sequence[AcceptanceEstimate], longest: Sequence[int],
+                     best: Choice, policy: SpeculationPolicy) -> int | None:
+    """The proposal whose acceptance probe is due or under way and could still win against `best`
+    (module docstring), else None. longest[i]: steps + 1 of proposal i."""
     times = cost.speculative_s
-    best, best_rate, best_t = None, 1.0 / cost.target_only_s, cost.target_only_s
-    for i in sorted(range(len(estimates)), key=times.__getitem__):
-        rate = estimates[i].mean / times[i]
-        if rate > (1.0 + policy.margin) * best_rate:
-            best, best_rate, best_t = i, rate, times[i]
+    best_rate = rates(cost, estimates)[best]
+    best_t = cost.target_only_s if best is None else times[best]
 
-    def bar(i: int) -> float:
+    def bar(i: int) -> float:  # a costlier proposal must beat the best by the margin, a cheaper one its rate
         return (1.0 + policy.margin) * best_rate if times[i] >= best_t else best_rate
 
     for i, (est, t, most) in enumerate(zip(estimates, times, longest, strict=True)):
@@ -143,7 +195,32 @@ def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], lon
             return i  # a probe its remaining rows could still win
         if est.unmeasured >= policy.probe_every and most / t > bar(i):
             return i
-    return best
+    return None
+
+
+def choose(cost: BucketCost | None, estimates: Sequence[AcceptanceEstimate], longest: Sequence[int],
+           policy: SpeculationPolicy, incumbent: Choice = None) -> Choice:
+    """The rule's choice or an acceptance probe: a proposal's index, or None for the target alone.
+    longest[i]: steps + 1 of proposal i. A bucket without costs runs the engine's proposal."""
+    if not estimates:
+        return None
+    if cost is None:
+        return 0
+    best = best_choice(cost, estimates, policy, incumbent)
+    probe = acceptance_probe(cost, estimates, longest, best, policy)
+    return best if probe is None else probe
+
+
+def timing_due(cost: BucketCost, estimates: Sequence[AcceptanceEstimate], best: Choice, timed: Collection[Choice],
+               tried_at: Mapping[Choice, int], iteration: int, policy: SpeculationPolicy) -> list[Choice]:
+    """The choices a bucket's timing probe is due for now, the most promising first: those not
+    tried there for `retime_every` iterations (tried_at: the bucket's iteration when each was last
+    timed or its probe ended; absent: never) that either have no served time there (not in `timed`)
+    or are within `probe_range` of the best's rate."""
+    rate = rates(cost, estimates)
+    return [c for c in sorted(rate, key=rate.__getitem__, reverse=True)
+            if c != best and iteration - tried_at.get(c, -policy.retime_every) >= policy.retime_every
+            and (c not in timed or rate[c] * (1.0 + policy.probe_range) > rate[best])]
 
 
 def _hopeful(est: AcceptanceEstimate, most: int, policy: SpeculationPolicy) -> float:

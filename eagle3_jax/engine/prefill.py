@@ -1,7 +1,13 @@
-"""Prefill packing: the requests admitted in one step -> prefill calls. A prompt longer than the
-largest chunk bucket prefills its leading chunks a call each; every last chunk joins the others of
-its chunk bucket, up to the largest prefill batch bucket a call, so a burst of arrivals costs a few
-prefills, not one per request (BENCHMARKS.md, "Serving with arrivals")."""
+"""Prefill packing: the requests prefilling -> this step's prefill calls (`step_calls`). A prompt
+longer than the largest chunk bucket (the chunk) prefills in chunks, its leading chunks a call each;
+every last chunk joins the others of its chunk bucket, up to the largest prefill batch bucket a
+call, so a burst of arrivals costs a few prefills, not one per request (BENCHMARKS.md, "Serving
+with arrivals").
+
+While rows decode, a step dispatches one call at most, of one chunk's padded tokens at most, before
+its iteration: the first prefilling request's next chunk, a last chunk joined by others within that
+budget. So a running stream waits one chunk at most between two tokens, however long the prompts
+that arrive; a prompt of n chunks takes n steps. With none decoding, a step prefills everything."""
 
 from __future__ import annotations
 
@@ -26,21 +32,52 @@ class PrefillChunk:
     start: int
 
     def tokens(self, largest: int) -> list[int]:
-        return self.req.tokens[self.start:min(self.start + largest, self.req.context_len)]
+        return self.req.tokens[self.start:self.end(largest)]
+
+    def end(self, largest: int) -> int:
+        """Where the chunk ends, the next one starts."""
+        return min(self.start + largest, self.req.context_len)
 
 
 def chunks_of(req: Request, largest: int) -> list[PrefillChunk]:
-    """The request's chunks in order, from its first token not found in the prefix cache."""
-    return [PrefillChunk(req, start) for start in range(req.num_cached, req.context_len, largest)]
+    """The request's chunks not dispatched yet, in order (at admission: from its first token not
+    found in the prefix cache)."""
+    return [PrefillChunk(req, start) for start in range(req.next_chunk, req.context_len, largest)]
+
+
+def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: bool) -> list[list[PrefillChunk]]:
+    """The prefill calls a step dispatches, in order, for the requests `prefilling` (admission
+    order): with rows `decoding`, one call at most (module docstring), else every chunk."""
+    largest = cfg.prefill_buckets[-1]
+    if not decoding:
+        calls, lasts = [], []
+        for req in prefilling:
+            *leading, last = chunks_of(req, largest)
+            calls.extend([chunk] for chunk in leading)
+            lasts.append(last)
+        return calls + group_last_chunks(lasts, cfg)
+    if not prefilling:
+        return []
+    head = PrefillChunk(prefilling[0], prefilling[0].next_chunk)
+    if head.end(largest) < head.req.context_len:
+        return [[head]]
+    size = _chunk_bucket(head, cfg)
+    most = max((rows for rows in cfg.prefill_batch_buckets if rows * size <= largest), default=1)
+    lasts = [PrefillChunk(req, req.next_chunk) for req in prefilling if req.context_len - req.next_chunk <= largest]
+    return [[chunk for chunk in lasts if _chunk_bucket(chunk, cfg) == size][:most]]
 
 
 def group_last_chunks(chunks: Sequence[PrefillChunk], cfg: ServedConfig) -> list[list[PrefillChunk]]:
     """Last chunks grouped into calls: by chunk bucket, at most the largest prefill batch bucket a call."""
-    largest, most = cfg.prefill_buckets[-1], cfg.prefill_batch_buckets[-1]
+    most = cfg.prefill_batch_buckets[-1]
     by_bucket: dict[int, list[PrefillChunk]] = collections.defaultdict(list)
     for chunk in chunks:
-        by_bucket[smallest_bucket(cfg.prefill_buckets, len(chunk.tokens(largest)))].append(chunk)
+        by_bucket[_chunk_bucket(chunk, cfg)].append(chunk)
     return [group[i:i + most] for group in by_bucket.values() for i in range(0, len(group), most)]
+
+
+def _chunk_bucket(chunk: PrefillChunk, cfg: ServedConfig) -> int:
+    return smallest_bucket(cfg.prefill_buckets, len(chunk.tokens(cfg.prefill_buckets[-1])))
 
 
 def prefill_call(chunks: Sequence[PrefillChunk], cfg: ServedConfig, block_tables: np.ndarray

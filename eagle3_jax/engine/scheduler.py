@@ -7,9 +7,14 @@ nothing is admitted that step. Readmitted, it prefills its prompt and generated 
 sampling key schedule where it stopped, so its tokens are those of never stopping; results of
 programs dispatched before are dropped (`admissions`).
 
+An admitted request holds its slot and pages while it prefills, and joins the batch (`batch`)
+once its prefill's last chunk is dispatched; `prefilling` lists those still prefilling, in
+admission order (engine/prefill.py decides how many of their chunks a step dispatches).
+
 Prefix caching (engine/pages.py): an admitted request reuses its longest cached prefix and prefills
 the rest, at least one token (its logits and the next proposal come from the last). Pages are
-published once the programs writing them were dispatched: requests admitted in one step share none.
+published once the programs writing them were dispatched (a prefilling request's, chunk by chunk):
+requests admitted in one step share none.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class Request:
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its full pages' content keys (pages.py)
     published: int = 0  # its first pages offered to the prefix cache
     num_cached: int = 0  # tokens its last admission found in the prefix cache: its prefill starts there
+    # Where its next prefill chunk starts; None when not admitted, or once its last chunk is dispatched.
+    next_chunk: int | None = None
     admissions: int = 0  # results of a program dispatched before the latest admission are stale
     seed: int | None = None  # the engine's draw for a request without SamplingParams.seed, kept through preemption
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -103,6 +110,11 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, with prefill chunks not dispatched yet."""
+        return self.next_chunk is not None
 
     @property
     def context_len(self) -> int:
@@ -234,6 +246,7 @@ class Scheduler:
             self.waiting.popleft()
             req.slot, req.admissions = self._free_slots.pop(), req.admissions + 1
             req.num_cached = len(hit) * self.cfg.pool.page_size
+            req.next_chunk = req.num_cached
             req.metrics.cached_tokens += req.num_cached
             self._hold(req, hit + fresh)
             req.published = len(hit)
@@ -246,6 +259,16 @@ class Scheduler:
         self._vacate(req)
         req.metrics.preemptions += 1
         self.waiting.appendleft(req)
+
+    def prefill_dispatched(self, req: Request, end: int) -> None:
+        """A prefill chunk of `req` ending at position `end` was dispatched: the next starts there,
+        or, the last dispatched, the request decodes."""
+        req.next_chunk = end if end < req.context_len else None
+
+    @property
+    def prefilling(self) -> list[Request]:
+        """The running requests still prefilling, in admission order."""
+        return [req for req in self.running.values() if req.prefilling]
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error
@@ -264,11 +287,13 @@ class Scheduler:
         req.pages.extend(pages)
 
     def _publish(self, req: Request) -> None:
-        """Key the request's full pages (tokens known) and cache those it holds: the KV of every
-        token the host knows was written by a program already dispatched."""
-        if (len(req.prompt) + len(req.output) - 1) // self.cfg.pool.page_size > len(req.keys):
-            req.keys = page_keys(req.tokens, self.cfg.pool.page_size, req.keys)
-        done, req.published = req.published, min(len(req.keys), len(req.pages))
+        """Key the request's full pages (tokens known) and cache those it holds whose KV a program
+        already dispatched writes: every token the host knows but those a prefill has yet to reach."""
+        page = self.cfg.pool.page_size
+        if (len(req.prompt) + len(req.output) - 1) // page > len(req.keys):
+            req.keys = page_keys(req.tokens, page, req.keys)
+        written = req.context_len if req.next_chunk is None else req.next_chunk
+        done, req.published = req.published, min(len(req.keys), len(req.pages), written // page)
         self.pool.publish(req.pages[done:req.published], req.keys[done:req.published])
 
     def _vacate(self, req: Request) -> None:
@@ -277,7 +302,7 @@ class Scheduler:
         self.block_tables[req.slot] = SCRATCH_PAGE
         self._free_slots.append(req.slot)
         self.pool.release(req.pages)
-        req.slot, req.pages, req.published = None, [], 0
+        req.slot, req.pages, req.published, req.next_chunk = None, [], 0, None
 
     def abort(self, request_id: int) -> Request | None:
         """End a waiting or running request with finish_reason "abort" (a running one's slot and
@@ -297,8 +322,9 @@ class Scheduler:
         return smallest_bucket(self.cfg.batch_buckets, n)
 
     def batch(self) -> tuple[list[Request], np.ndarray, np.ndarray]:
-        """The running requests padded to a bucket: (requests, slots [B], block tables [B, nb])."""
-        reqs = list(self.running.values())
+        """The running requests done prefilling, padded to a bucket: (requests, slots [B], block
+        tables [B, nb])."""
+        reqs = [req for req in self.running.values() if not req.prefilling]
         slots = np.full(self.bucket(len(reqs)), DUMMY_SLOT, np.int32)
         slots[:len(reqs)] = [r.slot for r in reqs]
         return reqs, slots, self.block_tables[slots]

@@ -43,8 +43,8 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.").labels(model_name)
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.").labels(model_name)
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV pages in use (1 = all).").labels(model_name)
-        self.choice = gauge("speculation_choice", "1 for what each batch bucket runs now: a proposal "
-                            "(tree or chain) or target-only.", "bucket", "choice")
+        self.choice = gauge("speculation_choice", "1 for what each batch bucket runs now, its short "
+                            "timing probes aside: a proposal (tree or chain) or target-only.", "bucket", "choice")
         self.model_name = model_name
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens admitted.").labels(model_name)
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.").labels(model_name)
