@@ -35,6 +35,21 @@ def test_gemm_rows_do_not_depend_on_the_rows_beside_them(k, n, transposed):
         assert np.array_equal(part, full[:m]), m
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_wide_tile_from_many_rows_gives_the_rows_of_few(transposed):
+    """`project` switches to the wide tile at WIDE_ROWS rows (N dividing it): each row of that
+    product equals the row computed alone with the default tile, bit for bit."""
+    m, k, n = invariant_gemm.WIDE_ROWS, 64, invariant_gemm.WIDE_TILES.block_n * 2
+    assert invariant_gemm.tiles_for(m, n) == invariant_gemm.WIDE_TILES
+    assert invariant_gemm.tiles_for(m - 1, n) == invariant_gemm.tiles_for(m, n + 64) == invariant_gemm.DEFAULT_TILES
+    x = jax.random.normal(jax.random.PRNGKey(2), (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.PRNGKey(3), (n, k) if transposed else (k, n))).astype(jnp.bfloat16)
+    wide = np.asarray(invariant_gemm.project(x, w, jnp.float32, transposed=transposed))
+    for rows in (slice(0, 1), slice(100, 103), slice(m - 5, m)):
+        alone = np.asarray(invariant_gemm.project(x[rows], w, jnp.float32, transposed=transposed))
+        assert np.array_equal(alone, wide[rows]), rows
+
+
 def _tiny(dtype, tied: bool):
     cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
     params = llama.init_params(cfg, jax.random.PRNGKey(0), dtype)
