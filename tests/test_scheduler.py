@@ -282,8 +282,8 @@ def test_while_rows_decode_a_step_prefills_one_chunk_at_most():
     """engine/prefill.py's plan per step (chunks of 16, the largest prefill bucket; 1 or 4 prompts a
     call). With nothing decoding, a step prefills every chunk of every prompt admitted: a long
     prompt's leading chunks a call each, the last chunks grouped by chunk bucket. While rows decode,
-    one call of 16 padded tokens at most: the first prompt's next chunk alone, or its last chunk
-    joined by the other last chunks of its bucket that fit (4 of 4 tokens, 1 of 16); the
+    one call at most: the first prompt's next chunk alone, or its last chunk joined by the other
+    last chunks of its bucket within two chunks' padded tokens (4 of 4 tokens, 1 of 16); the
     scheduler's batch takes a request once its last chunk is dispatched."""
     from eagle3_jax.engine.prefill import step_calls
 
@@ -307,3 +307,19 @@ def test_while_rows_decode_a_step_prefills_one_chunk_at_most():
         assert s.batch()[0] == [r for r in (long, short, other, last) if not r.prefilling]
     assert steps == [[(0, 0)], [(0, 16)], [(0, 32)], [(1, 0), (2, 0)], [(3, 0)]]
     assert long.next_chunk is None and s.batch()[0] == [long, short, other, last]
+
+
+def test_while_rows_decode_short_prompts_share_a_call_of_two_chunks():
+    """A burst of short prompts arriving while rows decode joins STEP_CHUNKS chunks' padded tokens a
+    step (here two of 16 tokens, where one chunk's budget would take one a step), in arrival order."""
+    from eagle3_jax.engine.prefill import STEP_CHUNKS, step_calls
+
+    cfg = EngineConfig(batch_buckets=(2, 4), page_size=PAGE, num_pages=64, max_model_len=64,
+                       prefill_buckets=(4, 16), prefill_batch_buckets=(1, 2, 4))
+    s = Scheduler(served(cfg), VOCAB, K)
+    for p in range(4):
+        s.add([p + 1] * 9, params(4))
+    s.admit()
+    assert STEP_CHUNKS == 2
+    calls = step_calls(s.prefilling, s.cfg, decoding=True)
+    assert [[(c.req.id, c.start) for c in call] for call in calls] == [[(0, 0), (1, 0)]]

@@ -2,8 +2,8 @@
 
 Each `step()` schedules (pages, preemption, admission), runs (dispatches prefills and one
 iteration without waiting), and postprocesses the results dispatched the step before, so the
-host's work overlaps the device's. While rows decode, a step prefills one chunk at most
-(engine/prefill.py), so a long prompt arriving stalls the running streams no longer than that. The
+host's work overlaps the device's. While rows decode, a step prefills one chunk of a long
+prompt at most (engine/prefill.py), so a long prompt arriving stalls the running streams no longer. The
 device runs dispatches in order (each threads the donated state); results for a request that
 finished or was preempted since they were dispatched are dropped (the surplus iteration: its pages
 are rewritten only by later dispatches).

@@ -4,10 +4,12 @@ every last chunk joins the others of its chunk bucket, up to the largest prefill
 call, so a burst of arrivals costs a few prefills, not one per request (BENCHMARKS.md, "Serving
 with arrivals").
 
-While rows decode, a step dispatches one call at most, of one chunk's padded tokens at most, before
-its iteration: the first prefilling request's next chunk, a last chunk joined by others within that
-budget. So a running stream waits one chunk at most between two tokens, however long the prompts
-that arrive; a prompt of n chunks takes n steps. With none decoding, a step prefills everything."""
+While rows decode, a step dispatches one call at most before its iteration: the first prefilling
+request's next chunk alone, or its last chunk joined by others of its chunk bucket, within
+STEP_CHUNKS chunks' padded tokens. So a running stream waits one chunk of a long prompt at most
+between two tokens, however long the prompts that arrive (a prompt of n chunks takes n steps), and
+a burst of short prompts still shares a call (eight of 128 tokens by default: with one chunk's
+budget they would join one a step). With none decoding, a step prefills everything."""
 
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ def chunks_of(req: Request, largest: int) -> list[PrefillChunk]:
     return [PrefillChunk(req, start) for start in range(req.next_chunk, req.context_len, largest)]
 
 
+STEP_CHUNKS = 2  # the padded tokens of a step's call of last chunks while rows decode, in chunks
+
+
 def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: bool) -> list[list[PrefillChunk]]:
     """The prefill calls a step dispatches, in order, for the requests `prefilling` (admission
     order): with rows `decoding`, one call at most (module docstring), else every chunk."""
@@ -62,7 +67,7 @@ def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: bool)
     if head.end(largest) < head.req.context_len:
         return [[head]]
     size = _chunk_bucket(head, cfg)
-    most = max((rows for rows in cfg.prefill_batch_buckets if rows * size <= largest), default=1)
+    most = max((rows for rows in cfg.prefill_batch_buckets if rows * size <= STEP_CHUNKS * largest), default=1)
     lasts = [PrefillChunk(req, req.next_chunk) for req in prefilling if req.context_len - req.next_chunk <= largest]
     return [[chunk for chunk in lasts if _chunk_bucket(chunk, cfg) == size][:most]]
 
