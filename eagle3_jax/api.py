@@ -177,6 +177,7 @@ class LLM:
                 cfg = cfg.with_capture_layers(draft_cfg.capture_layer_ids)
         self.tokenizer = _load_tokenizer(target)
         self._token_texts: dict[int, str] = {}  # token id -> its text decoded alone (`token_texts`)
+        self._byte_decoder: dict[str, int] | None = None  # a byte-level BPE's character -> byte (`token_bytes`)
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -238,6 +239,24 @@ class LLM:
         if missing := sorted(token_ids - self._token_texts.keys()):
             self._token_texts.update(zip(missing, self.tokenizer.batch_decode([[i] for i in missing])))
         return {i: self._token_texts[i] for i in token_ids}
+
+    def token_bytes(self, token_ids: Iterable[int]) -> dict[int, list[int]]:
+        """Each token id's own bytes (OpenAI's logprobs `bytes`): a byte-level BPE token's (Llama 3's,
+        SmolLM2's), so that a character split over tokens is whole again where they are joined;
+        another tokenizer's, its text's UTF-8."""
+        token_ids = sorted(set(token_ids))
+        texts = self.token_texts(token_ids)
+        own = {i: list((texts[i] or "").encode()) for i in token_ids}
+        if self.tokenizer is None or not _byte_level(self.tokenizer):
+            return own
+        if self._byte_decoder is None:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        for i, piece in zip(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)):
+            if piece is not None and all(c in self._byte_decoder for c in piece):
+                own[i] = [self._byte_decoder[c] for c in piece]
+        return own
 
     def logprob_dicts(self, entries: Sequence[TokenLogprobs | None]) -> list[dict[int, Logprob] | None]:
         """The engine's logprobs of some tokens as vLLM's dicts (the module docstring); None stays None."""
@@ -423,6 +442,14 @@ def _is_batch(prompts) -> bool:
         return False
     return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, bytes))
                or getattr(p, "ndim", None) == 1 for p in prompts)
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether a (fast) tokenizer's tokens are byte-level BPE pieces (GPT-2's byte-to-character map)."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
 def _load_tokenizer(directory: Path):
