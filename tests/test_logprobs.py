@@ -109,15 +109,18 @@ def test_logprobs_equal_transformers_log_softmax_in_a_speculative_batch(tiny_mod
 @pytest.mark.slow
 def test_logprobs_are_the_same_with_speculation_on_or_off_alone_or_batched(tiny_models):
     """Under batch_invariant=True: the target alone with each request alone, a chain dispatched a
-    program per step and a tree, each over the whole batch, give the same logprobs bit for bit."""
+    program per step on a pool so short that requests are preempted (and resume), and a tree, each
+    over the whole batch, give the same logprobs bit for bit."""
     params = [scored(12), scored(12, temperature=0.9, seed=5), scored(12), scored(12)]
     alone = make(tiny_models, draft=False, batch_invariant=True)
     want = [alone.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
-    engines = {"chain, per step": make(tiny_models, draft=True, batch_invariant=True, fused_iteration=False),
+    engines = {"chain, per step": make(tiny_models, draft=True, batch_invariant=True, fused_iteration=False,
+                                       num_pages=5),
                "tree": make(tiny_models, draft=True, tree=TreeSpec(3, 2, 5), batch_invariant=True)}
     for name, llm in engines.items():
         got = llm.generate(PROMPTS, params)
         assert sum(o.metrics.accepted for o in got) > 0, name
+        assert (llm.engine.stats.preemptions > 0) == (name == "chain, per step"), name
         for g, w in zip(got, want):
             assert g.token_ids == w.token_ids, name
             assert g.outputs[0].logprobs == w.outputs[0].logprobs, name
