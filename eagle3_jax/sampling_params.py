@@ -7,14 +7,22 @@ import math
 import numbers
 
 DRAFT_ACCEPTANCE_MODES = ("auto", "draft_q", "one_hot", "coupled")
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask for beside each (OpenAI's top_logprobs limit)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to decode one request, vLLM's fields: max_tokens (> 0); temperature (0: greedy, argmax);
-    top_k (0: off), top_p in (0, 1] (1: off), min_p in [0, 1] (0: off); seed (None: the engine
-    draws one); stop_token_ids (besides EOS), stop strings, ignore_eos; n independent samples
-    (`samples` splits them, the i-th seeded seed + i).
+    """How to decode one request, vLLM's fields: max_tokens (> 0; 0: a prefill only, for prompt
+    scoring with prompt_logprobs); temperature (0: greedy, argmax); top_k (0: off), top_p in (0, 1]
+    (1: off), min_p in [0, 1] (0: off); seed (None: the engine draws one); stop_token_ids (besides
+    EOS), stop strings, ignore_eos; n independent samples (`samples` splits them, the i-th seeded
+    seed + i).
+
+    logprobs: for each generated token its log-probability under the target, its rank and the
+    `logprobs` likeliest tokens' (0..MAX_LOGPROBS; None: none). prompt_logprobs: the same for each
+    prompt token after the first, given the ones before it. Both are the target's raw
+    log-softmax, before temperature, top-k, top-p and min-p, as vLLM's default; the request's
+    outputs carry them (api.py, `CompletionOutput.logprobs`, `RequestOutput.prompt_logprobs`).
 
     draft_acceptance: how a sampled row accepts proposals, every rule lossless. "draft_q":
     rejection sampling with the draft's q; "one_hot": q taken as one-hot (vLLM's, SGLang's);
@@ -34,6 +42,8 @@ class SamplingParams:
     ignore_eos: bool = False
     draft_acceptance: str = "auto"
     n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def _set(name, value):
@@ -45,8 +55,18 @@ class SamplingParams:
         def _is_real(v) -> bool:
             return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an int in 0..{MAX_LOGPROBS} (the likeliest tokens listed "
+                                 f"beside each) or None, got {value!r}")
+            _set(name, None if value is None else int(value))
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be a positive int; 0 (a prefill only) needs prompt_logprobs, "
+                             "as nothing else comes back")
         _set("max_tokens", int(self.max_tokens))
 
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
