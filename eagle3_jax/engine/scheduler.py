@@ -95,6 +95,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     text: str | None = None  # set when a stop string cut the output text
+    grammar: object | None = None  # its structured output's matcher (engine/structured.py), advanced by its tokens
 
     @property
     def finished(self) -> bool:

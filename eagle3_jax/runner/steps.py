@@ -51,6 +51,9 @@ class StepConfig:
     # Every row greedy: argmax only. The host picks the program (as vLLM's `all_greedy`): a
     # `lax.cond` on the device would copy its predicate to the host and block the stream.
     greedy: bool = False
+    # A row is under a grammar: the program takes each row's packed token masks and applies them to
+    # the target's logits (`sampling.mask_logits`). Picked on the host, so other batches pay nothing.
+    masked: bool = False
     attention: str = "xla"
     gemv: str = "xla"
     gemm: str = "triton"
@@ -61,6 +64,9 @@ class StepConfig:
     def __post_init__(self):
         if self.speculative and self.speculator.facts.uses_drafter and self.draft is None:
             raise ConfigError(f"step config: {self.speculator.facts.label} drafts with the EAGLE-3 head; draft is None")
+        if self.masked and not self.speculator.facts.verifies_chain:
+            raise ConfigError(f"step config: token masks follow a chain's drafts; {self.speculator.facts.label} "
+                              "verifies a tree")
 
     @property
     def target_attention(self) -> str:
@@ -176,14 +182,17 @@ def _write_slots(slots: Slots, rows: jax.Array, **values: jax.Array) -> Slots:
 
 
 def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
-                 cfg: StepConfig):
-    """Verify, accept, extend the draft, run the first draft step. rows [B], block_tables [B, nb] ->
-    (state, n [B], emitted [B, E]: row b emitted emitted[b, :n[b] + 1], carry: None if nothing drafts)."""
+                 cfg: StepConfig, token_mask: jax.Array | None = None):
+    """Verify, accept, extend the draft, run the first draft step. rows [B], block_tables [B, nb],
+    token_mask [B, W, ceil(V / 32)] (cfg.masked) -> (state, n [B], emitted [B, E]: row b emitted
+    emitted[b, :n[b] + 1], carry: None if nothing drafts)."""
     spec = cfg.speculator
     s = _gather(state.slots, rows)
     tokens, positions, mask = spec.verify_layout(s)
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
     logits = _logits(params, cfg, hidden)
+    if cfg.masked:
+        logits = sampling.mask_logits(logits, token_mask)
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
                                          _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
     target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)
@@ -225,9 +234,9 @@ def commit_proposals(state: DeviceState, rows: jax.Array, carry: DraftCarry, cfg
 
 
 def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
-            cfg: StepConfig) -> tuple[DeviceState, jax.Array, jax.Array]:
+            cfg: StepConfig, token_mask: jax.Array | None = None) -> tuple[DeviceState, jax.Array, jax.Array]:
     """One whole speculative iteration in one program (the fused path); see `iterate_head`."""
-    state, n, emitted, carry = iterate_head(params, dparams, state, rows, block_tables, cfg)
+    state, n, emitted, carry = iterate_head(params, dparams, state, rows, block_tables, cfg, token_mask)
     if carry is not None:
         carry, draft_kv = cfg.speculator.propose(cfg.draft_context, dparams, params.embed, carry, state.draft_kv,
                                                  block_tables, start=1)
@@ -236,11 +245,11 @@ def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.A
 
 
 def iterate_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
-                     block_tables: jax.Array, cfg: StepConfig) -> DeviceState:
+                     block_tables: jax.Array, cfg: StepConfig, token_mask: jax.Array | None = None) -> DeviceState:
     """`iterate` with the verdicts left in the slots: the only output is the donated state, aliased
     to its input, since XLA's CUDA graph is rewritten whenever a buffer moves and a returned array
     is a new buffer each call (BENCHMARKS.md, "Host overhead")."""
-    return iterate(params, dparams, state, rows, block_tables, cfg)[0]
+    return iterate(params, dparams, state, rows, block_tables, cfg, token_mask)[0]
 
 
 def read_verdicts(buffer: jax.Array, accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> jax.Array:
@@ -265,11 +274,12 @@ def split_verdicts(verdicts):
 def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
             next_tokens: jax.Array, num_valid: jax.Array, start: jax.Array, slot: jax.Array,
             block_table: jax.Array, num_generated: jax.Array, row: sampling.RowSampling,
-            cfg: StepConfig) -> DeviceState:
+            cfg: StepConfig, token_mask: jax.Array | None = None) -> DeviceState:
     """One chunk of each of P prompts, row p into `slot[p]` (padding rows: the dummy slot).
     tokens [P, T] (padded after num_valid [P]); next_tokens [P, T] the ids shifted left, -1 where
     the sampled first token goes; start [P] the position of tokens[:, 0]; block_table [P, nb];
-    num_generated [P] once the chunk is in (1; g after preemption: keys continue); row [P]."""
+    num_generated [P] once the chunk is in (1; g after preemption: keys continue); row [P];
+    token_mask [P, ceil(V / 32)] (cfg.masked) the tokens the first generated one may be."""
     # XLA's dots whatever the rows: a prompt's KV must not depend on how many shared its call.
     cfg = dataclasses.replace(cfg, gemv="xla")
     p, t = tokens.shape
@@ -278,6 +288,8 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     last_idx = num_valid - 1
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     logits = _logits(params, cfg, last_hidden)
+    if cfg.masked:
+        logits = sampling.mask_logits(logits, token_mask)
     length = start + num_valid  # the first generated token's position
     sampled = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
                else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
