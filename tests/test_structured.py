@@ -59,7 +59,8 @@ def allowed(words: np.ndarray, vocab: int) -> set[int]:
 
 def test_structured_outputs_take_exactly_one_form_and_a_dict_of_fields():
     params = SamplingParams(structured_outputs={"json": SCHEMA})
-    assert params.structured_outputs == StructuredOutputsParams(json=SCHEMA) and params.structured_outputs.kind == "json"
+    assert params.structured_outputs == StructuredOutputsParams(json=SCHEMA)
+    assert params.structured_outputs.kind == "json"
     as_text = SamplingParams(structured_outputs=StructuredOutputsParams(json=json.dumps(SCHEMA)))
     assert as_text == params and hash(as_text) == hash(params)
     assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structured_outputs.choice == ("a", "b")
