@@ -8,7 +8,9 @@
 Four schemas (nested objects, enums, arrays, patterns), the requests cycling through them, each a
 user turn through the chat template asking for that JSON, greedy. Per run: the share of replies
 that parse as JSON and that validate against their schema (`jsonschema`, where installed), the mean
-acceptance length and tok/s (after an untimed pass over the same requests, so no compile is timed).
+acceptance length, tok/s (after an untimed pass over the same requests, so no compile is timed) and
+each reply's decode rate after its first token (a grammar's replies are shorter: whole-run tok/s
+charges them more prefill per token).
 The constrained replies must be token-identical with speculation on and off (the grammar's masks
 apply inside the verify: EAGLE-3 stays lossless under them; in bf16 exactly so with
 --batch-invariant, else up to near-ties, as without a grammar). The default target is SmolLM2 with the
@@ -111,6 +113,14 @@ def judge(text: str, schema: dict, validate) -> tuple[bool, bool]:
     return True, True
 
 
+def decode_rate(outs) -> float:
+    """Mean over the replies of tokens per second after the first (prefill left out: a grammar's
+    replies are shorter, so whole-run tok/s charges them more prefill per token)."""
+    rates = [(len(o.token_ids) - 1) / (o.metrics.last_token_time - o.metrics.first_token_time) for o in outs
+             if len(o.token_ids) > 1 and o.metrics.last_token_time > o.metrics.first_token_time]
+    return sum(rates) / len(rates) if rates else float("nan")
+
+
 def run(llm, work: list[tuple[str, dict]], max_tokens: int, grammar: bool, batch: int) -> tuple[list, float]:
     """-> (outputs, seconds) of `work` at up to `batch` requests at once, after an untimed pass."""
     from eagle3_jax import SamplingParams
@@ -169,16 +179,17 @@ def main() -> None:
                          "validated": sum(j[1] for j in judged) / len(outs) if validate else None,
                          "acceptance_length": sum(o.metrics.acceptance_length for o in outs) / len(outs),
                          "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                         "decode_tok_s": decode_rate(outs),
                          "finish_reasons": {r: sum(o.finish_reason == r for o in outs)
                                             for r in sorted({o.finish_reason for o in outs})}})
             replies[(speculative, grammar)] = [o.token_ids for o in outs]
         llm.close()
     identical = {f"{'grammar' if g else 'free text'}": replies[(True, g)] == replies[(False, g)] for g in (True, False)}
-    print(f"{'run':34} {'parsed':>7} {'valid':>7} {'accept':>7} {'tok/s':>9}  finish")
+    print(f"{'run':34} {'parsed':>7} {'valid':>7} {'accept':>7} {'tok/s':>9} {'decode':>9}  finish")
     for r in rows:
         valid = "n/a" if r["validated"] is None else f"{r['validated']:.0%}"
-        print(f"{r['run']:34} {r['parsed']:7.0%} {valid:>7} {r['acceptance_length']:7.2f} {r['tok_s']:9.1f}  "
-              f"{r['finish_reasons']}")
+        print(f"{r['run']:34} {r['parsed']:7.0%} {valid:>7} {r['acceptance_length']:7.2f} {r['tok_s']:9.1f} "
+              f"{r['decode_tok_s']:9.1f}  {r['finish_reasons']}")
     print("token-identical with speculation on and off:", identical)
     if args.out_dir is not None:
         args.out_dir.mkdir(parents=True, exist_ok=True)

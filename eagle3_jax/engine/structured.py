@@ -78,21 +78,24 @@ class Grammars:
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The grammar of `params`, checked against the tokenizer; GrammarError naming what fails."""
-        try:
-            grammar = grammar_text(params)
-        except ValueError as e:
-            raise GrammarError(f"structured_outputs {params.kind}: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
-        if error:
+        grammar = self._text(params)
+        if error := llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer()):
             raise GrammarError(f"structured_outputs {params.kind} does not compile: {error.strip()}")
         return grammar
 
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
         """A fresh matcher of `params`' grammar at the output's start (GrammarError if it does not compile)."""
-        matcher = llguidance.LLMatcher(self.tokenizer(), self.compile(params), log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer(), self._text(params), log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"structured_outputs {params.kind} does not compile: {matcher.get_error()}")
+            raise GrammarError(f"structured_outputs {params.kind} does not compile: {matcher.get_error().strip()}")
         return Matcher(matcher)
+
+    @staticmethod
+    def _text(params: StructuredOutputsParams) -> str:
+        try:
+            return grammar_text(params)
+        except ValueError as e:
+            raise GrammarError(f"structured_outputs {params.kind}: {e}") from None
 
     def masks(self, rows: Sequence[tuple[int, Matcher, Sequence[int]]], batch: int, width: int) -> np.ndarray:
         """Packed token masks [batch, width, mask_words] of a verify: for each (row, matcher, drafts
@@ -125,7 +128,3 @@ class Matcher:
             return True
         return self.llg.is_stopped()
 
-    @property
-    def dead(self) -> bool:
-        """Whether no token can follow (an error state): the output ends."""
-        return self.llg.is_error()
