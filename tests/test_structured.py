@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle3_jax import SamplingParams
+from eagle3_jax import SamplingParams, TreeSpec
 from eagle3_jax.engine.structured import GrammarError, Grammars
 from eagle3_jax.runner.sampling import mask_logits
 from eagle3_jax.sampling_params import StructuredOutputsParams
@@ -129,8 +129,10 @@ def test_a_target_without_a_tokenizer_refuses_structured_outputs():
 
 
 # ---- the engine ------------------------------------------------------------------------------
+# An engine drafting only a tree verifies its grammar batches with the target alone.
 SPECULATION = {"target alone": {"draft": None, "num_draft": 0}, "eagle3 chain": {"num_draft": 3},
-               "prompt lookup": {"draft": None, "num_draft": 3, "speculator": "ngram"}}
+               "prompt lookup": {"draft": None, "num_draft": 3, "speculator": "ngram"},
+               "eagle3 tree": {"num_draft": 3, "tree": TreeSpec(2, 2, 3)}}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +143,7 @@ def outputs(chat_models):
     target, draft = chat_models
     results = {}
     for name, how in SPECULATION.items():
-        llm = make_llm(target, **{"draft": draft, **how}, warmup=False, tree=None, max_model_len=256)
+        llm = make_llm(target, **{"draft": draft, "tree": None, **how}, warmup=False, max_model_len=256)
         prompts = [[{"role": "user", "content": f"Request {i}"}] for i in range(len(REQUESTS))]
         bad = {"structured_outputs": {"json": {"type": "objekt"}}}
         results[name] = llm.chat(prompts + prompts[:1], [*REQUESTS, bad])
@@ -175,7 +177,7 @@ def test_constrained_output_follows_the_grammar_exactly(outputs, name):
 @pytest.mark.slow
 def test_constrained_output_is_the_same_tokens_with_speculation_on_and_off(outputs):
     alone = [out.token_ids for out in outputs["target alone"][:-1]]
-    for name in ("eagle3 chain", "prompt lookup"):
+    for name in ("eagle3 chain", "prompt lookup", "eagle3 tree"):
         assert [out.token_ids for out in outputs[name][:-1]] == alone, name
     # Prompt lookup accepts proposals in these repetitive outputs: the masks along drafts were used.
     assert max(out.metrics.acceptance_length for out in outputs["prompt lookup"][:-1]) > 1

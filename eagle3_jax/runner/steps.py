@@ -64,9 +64,6 @@ class StepConfig:
     def __post_init__(self):
         if self.speculative and self.speculator.facts.uses_drafter and self.draft is None:
             raise ConfigError(f"step config: {self.speculator.facts.label} drafts with the EAGLE-3 head; draft is None")
-        if self.masked and not self.speculator.facts.verifies_chain:
-            raise ConfigError(f"step config: token masks follow a chain's drafts; {self.speculator.facts.label} "
-                              "verifies a tree")
 
     @property
     def target_attention(self) -> str:
@@ -192,6 +189,8 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
     logits = _logits(params, cfg, hidden)
     if cfg.masked:
+        if not spec.facts.verifies_chain:  # the host follows a grammar along one line of drafts only
+            raise ConfigError(f"iteration: token masks follow one line of drafts; {spec.facts.label} verifies a tree")
         logits = sampling.mask_logits(logits, token_mask)
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
                                          _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
