@@ -188,3 +188,19 @@ def test_a_bad_schema_is_an_error_output_and_the_others_are_served(outputs):
     bad = outputs["eagle3 chain"][-1]
     assert bad.finish_reason == "error" and "structured_outputs json does not compile" in bad.error
     assert "objekt" in bad.error and bad.token_ids == []
+
+
+@pytest.mark.slow
+def test_structured_warmup_builds_what_a_structured_request_runs(chat_models):
+    """With EngineConfig.structured_warmup, warm-up builds the masked programs (and the reads and
+    writes around them): a structured request then compiles nothing."""
+    from conftest import make_llm
+
+    llm = make_llm(*chat_models, warmup=False, tree=None, structured_warmup=True, batch_buckets=(1,))
+    iterations, prefills = llm.engine.programs(greedy=True)
+    assert sum(c.masked for _, c in iterations) == 1 and sum(masked for *_, masked in prefills) == 1
+    llm.engine.warmup(progress=False, greedy=True)
+    built = llm.engine.num_compilations
+    out = llm.generate("Pick:", SamplingParams(max_tokens=8, structured_outputs={"choice": CHOICE}))[0]
+    assert out.text in CHOICE and llm.engine.num_compilations == built
+    llm.close()

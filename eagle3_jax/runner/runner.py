@@ -384,8 +384,12 @@ class ModelRunner:
         return (*inputs.arrays(), sampling.row_sampling_from_params([PADDING_PARAMS] * rows, [0] * rows))
 
     def compile_iteration(self, bucket: int, cfg: StepConfig) -> None:
-        """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows."""
-        self.iterate(*self.padding_rows(bucket), cfg, self.allow_all(cfg, bucket)).block_until_ready()
+        """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows (a
+        masked one with the read of the drafts its masks follow)."""
+        slots, tables = self.padding_rows(bucket)
+        if cfg.masked and cfg.speculative:
+            self.read_drafts(slots, cfg.speculator.facts.verify_width - 1)
+        self.iterate(slots, tables, cfg, self.allow_all(cfg, bucket)).block_until_ready()
 
     def compile_prefill(self, rows: int, size: int, greedy: bool, masked: bool = False) -> None:
         """Build the prefill program of `rows` x `size` tokens by running it on padding rows."""
