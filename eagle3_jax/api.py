@@ -182,7 +182,8 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.engine = Engine(cfg, params, draft_cfg, draft_params, engine_config, eos_token_ids=sorted(eos),
-                             detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh)
+                             detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh,
+                             tokenizer=self.tokenizer)
         if warmup or (warmup is None and jax.default_backend() != "cpu"):
             self.engine.warmup(progress=progress)
 

@@ -326,6 +326,41 @@ def test_completions_echo_scores_the_prompt_with_max_tokens_0_and_before_the_rep
     assert echoed.choices[0].text == llm.decode([5, 6, 7]) and echoed.choices[0].logprobs is None
 
 
+ANSWER = {"type": "object", "additionalProperties": False, "required": ["answer", "score", "tags"],
+          "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2}}}
+
+
+def test_structured_outputs_through_response_format_and_vllms_field(server, client, llm):
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = user("Answer in JSON.")
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    response = client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format,
+                                              extra_body={"return_token_ids": True}, temperature=0, max_tokens=64)
+    (choice,) = response.choices
+    jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    assert choice.finish_reason == "stop"
+    want = llm.chat(messages, SamplingParams(max_tokens=64, structured_outputs={"json": ANSWER}))[0]
+    assert choice.model_extra["token_ids"] == want.token_ids
+    picked = client.completions.create(model=MODEL, prompt="Left or right?", temperature=0, max_tokens=16,
+                                       extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert picked.choices[0].text in ("left", "right") and picked.choices[0].finish_reason == "stop"
+    url = server["url"]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}}
+    assert_error(url, 400, json.dumps({"model": MODEL, "messages": messages, "response_format": bad_schema}).encode(),
+                 "does not compile", "response_format", path="/v1/chat/completions")
+    assert_error(url, 400, json.dumps({"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "a(b"}}).encode(),
+                 "unclosed group", "structured_outputs")
+    both = {"model": MODEL, "prompt": "a", "response_format": {"type": "json_object"},
+            "structured_outputs": {"regex": "a"}}
+    assert_error(url, 400, json.dumps(both).encode(), "send one", "structured_outputs")
+    assert_error(url, 400, json.dumps({"model": MODEL, "prompt": "a", "response_format": {"type": "yaml"}}).encode(),
+                 "text, json_object or json_schema", "response_format")
+    again = client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format,
+                                           temperature=0, max_tokens=64)
+    assert again.choices[0].message.content == choice.message.content  # and it keeps serving
+
+
 # ---- errors --------------------------------------------------------------------------------
 def assert_error(url: str, status: int, body: bytes, words: str, param: str | None = None, path="/v1/completions"):
     got, error = raw_post(url, path, body)

@@ -8,6 +8,13 @@ device runs dispatches in order (each threads the donated state); results for a 
 finished or was preempted since they were dispatched are dropped (the surplus iteration: its pages
 are rewritten only by later dispatches).
 
+A batch with a row under a grammar (`SamplingParams.structured_outputs`) gives up that overlap:
+before dispatching, the host reads every result in flight, advances each such row's matcher by
+the tokens it emitted, reads the rows' pending proposals and computes the tokens the grammar allows
+at each position the verify decides (engine/structured.py); the program applies those masks to the
+target's logits before accepting, so the output is the constrained target's with or without
+speculation. Such a batch verifies a chain (or the target alone), never a tree.
+
 Under `speculation="auto"` each iteration runs the target alone or one of the proposals by
 engine/policy.py's rule, from costs timed in warm-up (then as served) and the acceptance measured
 as iterations are collected (engine/speculation.py keeps both). Prefills are packed into calls by
@@ -37,6 +44,7 @@ from eagle3_jax.engine.prefill import PrefillChunk, prefill_call, step_calls
 from eagle3_jax.engine.scheduler import Request, Scheduler, TokenLogprobs, stop_reason
 from eagle3_jax.engine.speculation import Choice, Speculation
 from eagle3_jax.engine.stats import EngineStats
+from eagle3_jax.engine.structured import Grammars
 from eagle3_jax.runner import kv_memory, logprobs
 from eagle3_jax.runner.runner import ModelRunner, freeze_heap, place_weights
 from eagle3_jax.runner.served import DeviceFacts, served_config
@@ -86,9 +94,11 @@ class Engine:
     """Continuous-batching EAGLE-3 engine over the runner's fixed-shape compiled steps."""
 
     def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params, cfg: EngineConfig,
-                 eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None):
+                 eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None,
+                 tokenizer=None):
         """`params`, `draft_params`: weight pytrees as `weights/` loads them; placed on the devices here.
-        `cfg` is served as `served_config` settles it, read from `self.cfg` by every part."""
+        `cfg` is served as `served_config` settles it, read from `self.cfg` by every part. `tokenizer`:
+        the target's (a transformers fast tokenizer), for structured outputs (None: refused)."""
         weights = place_weights(target, params, draft, draft_params, mesh)
         # The pool is sized from the memory free once the weights are placed (the caller's still held: a margin).
         self.device = device = DeviceFacts.of(mesh, weights.arrays() if cfg.num_pages is None else None)
@@ -99,6 +109,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.scored_fields = logprobs.fields(target.vocab_size)  # int32 per scored token in the results
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
+        self.grammars = Grammars(tokenizer, target.vocab_size, self.eos_token_ids)
         spec = served.speculation
         self.scheduler = Scheduler(served, target.vocab_size, spec.max_accepted, spec.positions_per_iteration)
         self.speculation = Speculation(spec, served.batch_buckets, served.max_num_seqs + 1)
@@ -139,11 +150,18 @@ class Engine:
         """Queue a request, or raise RequestError naming the problem. `arrival_time`
         (time.perf_counter(), default now): when it reached the server, for its time to first token."""
         self._check_open()
-        return self.scheduler.add(list(prompt), params, arrival_time)
+        self.scheduler.validate(list(prompt), params)
+        grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
+        req = self.scheduler.add(list(prompt), params, arrival_time)
+        req.grammar = grammar
+        return req
 
     def validate_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Raise RequestError naming what `add_request` would refuse; safe from any thread."""
+        """Raise RequestError naming what `add_request` would refuse (structured_outputs that do not
+        compile: its subclass GrammarError); safe from any thread."""
         self.scheduler.validate(list(prompt), params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def abort(self, request_id: int) -> Request | None:
         """End a request now (finish_reason "abort"), freeing its slot and pages; an iteration
@@ -175,16 +193,23 @@ class Engine:
         self.stats.preemptions += len(preempted)
         self._admit(admitted)
         prefilled = self._run_prefills()
-        reqs, slots, tables = self.scheduler.batch()
+        changed, constrained = [], any(r.grammar is not None and not r.prefilling
+                                       for r in self.scheduler.running.values())
+        if constrained:  # the masks follow every token emitted so far: read all in flight first
+            changed = [req for _ in range(len(self._pending)) for req in self._postprocess(self._pending.popleft())]
+            earlier = 0
+        reqs, slots, tables = self.scheduler.batch()  # (after that read: it may finish requests)
         ran = self._run_iteration(reqs, slots, tables) if reqs else None
         # With new work queued, read only what was dispatched before it (the overlap); with none,
         # drain everything so the loop can end.
         ready = earlier if self.overlap and len(self._pending) > earlier else len(self._pending)
-        changed = [req for _ in range(ready) for req in self._postprocess(self._pending.popleft())]
+        changed += [req for _ in range(ready) for req in self._postprocess(self._pending.popleft())]
         self.stats.steps += 1
         took = time.perf_counter() - start
         self.stats.host_s += took - (self.stats.device_wait_s - waited)
-        self.speculation.time_step(None if prefilled else ran, took)  # (a scoring iteration's `ran` is None)
+        # A step that prefilled, or waited for its results, is no period of the overlapped loop (nor
+        # is a scoring iteration's: its `ran` is None).
+        self.speculation.time_step(None if prefilled or constrained else ran, took)
         return changed
 
     def _admit(self, reqs: list[Request]) -> None:
@@ -239,14 +264,20 @@ class Engine:
 
     def _run_prefill_call(self, chunks: list[PrefillChunk], scores: dict[int, list[_ScoredRows]]) -> None:
         """One prefill call; the scoring program where a row asks for logprobs of what it scores (its
-        prompt's, or the first token's in a request's last chunk), its rows' logprobs added to `scores`."""
-        inputs, params, seeds = call = prefill_call(chunks, self.cfg, self.scheduler.block_tables)
+        prompt's, or the first token's in a request's last chunk), its rows' logprobs added to `scores`;
+        the masked one where a row samples its first token under a grammar."""
+        inputs, params, seeds = prefill_call(chunks, self.cfg, self.scheduler.block_tables)
+        # A request under a grammar samples its first token under the grammar's first mask.
+        largest = self.cfg.prefill_buckets[-1]
+        constrained = [(i, c.req.grammar, ()) for i, c in enumerate(chunks) if c.req.grammar is not None
+                       and not c.req.output and c.start + len(c.tokens(largest)) == c.req.context_len]
+        mask = self.grammars.masks(constrained, len(params), 1)[:, 0] if constrained else None
         prompt = [c.req.scores_prompt for c in chunks]
         # A row whose last token's logits sample the first generated token (a fresh request's last chunk).
         first = [c.req.params.logprobs is not None and inputs.next_tokens[row, inputs.num_valid[row] - 1] < 0
                  for row, c in enumerate(chunks)]
         t = time.perf_counter()
-        scored = self.runner.prefill(*call, logprobs=any(first), prompt_logprobs=any(prompt))
+        scored = self.runner.prefill(inputs, params, seeds, mask, logprobs=any(first), prompt_logprobs=any(prompt))
         if scored is not None:
             scored.copy_to_host_async()
             for row, chunk in enumerate(chunks):
@@ -260,12 +291,22 @@ class Engine:
         """Dispatch one iteration of the running requests: -> (its bucket, its choice); None where it
         scored logprobs (its time is not the choice's)."""
         bucket = len(slots)
+        constrained = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
         choice = self.speculation.choice(bucket)
+        if constrained:
+            choice = self._chain_choice(choice)
         scoring = any(r.logprobs is not None for r in reqs)
-        cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs), logprobs=scoring)
+        cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs), logprobs=scoring,
+                           masked=bool(constrained))
         fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice)
+        mask = None
+        if constrained:  # the grammar along each row's proposal: its drafts are read first
+            width = cfg.speculator.facts.verify_width
+            drafts = self.runner.read_drafts(slots[:len(reqs)], width - 1) if width > 1 else None
+            mask = self.grammars.masks([(i, m, () if drafts is None else drafts[i]) for i, m in constrained],
+                                       bucket, width)
         t = time.perf_counter()
-        verdicts = self.runner.iterate(slots, tables, cfg)
+        verdicts = self.runner.iterate(slots, tables, cfg, mask)
         verdicts.copy_to_host_async()
         self.stats.dispatch_s += time.perf_counter() - t
         self.stats.iterations += 1
@@ -324,7 +365,10 @@ class Engine:
             req.output.append(tok)
             if new_logprobs is not None:
                 req.logprobs.append(new_logprobs[i])
-            if reason := stop_reason(req, tok, self.eos_token_ids, self.detokenize):
+            reason = stop_reason(req, tok, self.eos_token_ids, self.detokenize)
+            if reason is None and req.grammar is not None and req.grammar.advance(tok):
+                reason = "stop"  # the grammar is complete: nothing may follow
+            if reason:
                 self.scheduler.finish(req, reason)
                 break
 
@@ -341,22 +385,38 @@ class Engine:
         bar.close()
 
     # ---- programs ----------------------------------------------------------------------------
-    def _config(self, choice: Choice, greedy: bool, logprobs: bool = False) -> StepConfig:
-        return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy, logprobs)
+    def _config(self, choice: Choice, greedy: bool, logprobs: bool = False, masked: bool = False) -> StepConfig:
+        return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy, logprobs,
+                                  masked)
+
+    def _chain_choice(self, choice: Choice) -> Choice:
+        """`choice`, or for a tree the engine's first chain (else the target alone): a batch under a
+        grammar verifies one line of tokens, which the host's matchers can follow."""
+        if choice is None or self.proposals[choice].facts.verifies_chain:
+            return choice
+        return next((i for i, p in enumerate(self.proposals) if p.facts.verifies_chain), None)
 
     def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
         """The iteration a bucket runs now: its choice's proposal, or the target alone (pending
         proposals then wait: each was drawn as its rule requires, so any is safe to verify later)."""
         return self._config(self.speculation.choice(bucket), greedy)
 
-    def programs(self, greedy: bool | None = None) -> tuple[list[tuple[int, StepConfig]], list[tuple[int, int, bool]]]:
+    def programs(self, greedy: bool | None = None
+                 ) -> tuple[list[tuple[int, StepConfig]], list[tuple[int, int, bool, bool]]]:
         """Every program serving may run, greedy and sampling (`greedy`: one of them): iterations
-        (bucket, config), each bucket's choices (`Speculation.choices`), and prefills (rows, chunk, greedy)."""
+        (bucket, config), each bucket's choices (`Speculation.choices`), and prefills (rows, chunk,
+        greedy, masked); with `structured_warmup` the masked ones too (a grammar's batches)."""
         kinds = (True, False) if greedy is None else (greedy,)
+        masked = (False, True) if self.cfg.structured_warmup else (False,)
         iterations = [(b, self._config(c, g)) for b in self.cfg.batch_buckets for c in self.speculation.choices(b)
                       for g in kinds]
-        prefills = [(rows, size, g) for size in self.cfg.prefill_buckets for rows in self.cfg.prefill_batch_buckets
-                    for g in kinds]
+        if self.cfg.structured_warmup:
+            chains = {b: list(dict.fromkeys(map(self._chain_choice, self.speculation.choices(b))))
+                      for b in self.cfg.batch_buckets}
+            iterations += [(b, self._config(c, g, masked=True)) for b in self.cfg.batch_buckets for c in chains[b]
+                           for g in kinds]
+        prefills = [(rows, size, g, m) for size in self.cfg.prefill_buckets for rows in self.cfg.prefill_batch_buckets
+                    for g in kinds for m in masked]
         return iterations, prefills
 
     def warmup(self, progress: bool = True, greedy: bool | None = None) -> float:

@@ -118,6 +118,7 @@ class Request:
     text: str | None = None  # set when a stop string cut the output text
     logprobs: list[TokenLogprobs] | None = None  # one per output token where params.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (the first None), once read
+    grammar: object | None = None  # its structured output's matcher (engine/structured.py), advanced by its tokens
 
     @property
     def finished(self) -> bool:

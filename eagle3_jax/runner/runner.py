@@ -135,6 +135,9 @@ class PrefillInputs:
 _set_lengths = state_jit(with_lengths, donate_argnums=0)
 _set_history = state_jit(with_history, donate_argnums=0)
 
+# The pending proposals of some slots, for the host to read.
+_read_drafts = jax.jit(lambda drafts, rows, width: drafts[rows, :width], static_argnums=2)
+
 # A padding row never makes a call sample: greedy.
 PADDING_PARAMS = SamplingParams(max_tokens=1)
 
@@ -155,12 +158,13 @@ class PinnedBatch:
         # (bucket, whether scored) -> (oldest, newest)
         self._verdicts: dict[tuple[int, bool], tuple[jax.Array, jax.Array]] = {}
         self._scored: dict[int, jax.Array] = {}  # bucket -> the last logprobs program's scored [B, E, F]
+        self._masks: dict[tuple[int, ...], jax.Array] = {}  # token masks by shape: [B, W, words], [P, words]
         self._first_tokens: list[list[jax.Array]] = []  # slot -> [slot index [1], first token [1]]
 
     def buffers(self) -> list[jax.Array]:
         """Every device buffer held here."""
         return jax.tree.leaves(([held[2] for held in self._by_bucket.values()], list(self._verdicts.values()),
-                                list(self._scored.values()), self._first_tokens))
+                                list(self._scored.values()), self._first_tokens, list(self._masks.values())))
 
     def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
         held = self._by_bucket.get(len(slots))
@@ -173,6 +177,14 @@ class PinnedBatch:
         device = _overwrite(held[2], (slots, tables))
         self._by_bucket[len(slots)] = (slots.copy(), tables.copy(), device)
         return device
+
+    def token_mask(self, mask: np.ndarray) -> jax.Array:
+        """`mask` on the device in the buffer held for its shape, overwritten in place."""
+        held = self._masks.get(mask.shape)
+        if held is None:
+            held = jax.device_put(mask, self._placement, may_alias=False)
+        self._masks[mask.shape] = held = _overwrite(held, mask)
+        return held
 
     def read_verdicts(self, state: DeviceState, rows: jax.Array, scored: jax.Array | None = None) -> jax.Array:
         """The verdicts [B, 2 + E] of the iteration just dispatched over `rows` [B] (a logprobs
@@ -210,16 +222,18 @@ class PinnedBatch:
 
 
 def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch, slots: np.ndarray,
-                   tables: np.ndarray, cfg: StepConfig) -> tuple[DeviceState, jax.Array]:
+                   tables: np.ndarray, cfg: StepConfig, token_mask: np.ndarray | None = None
+                   ) -> tuple[DeviceState, jax.Array]:
     """One fused iteration, every buffer at a stable address, state donated -> (state, verdicts [B, 2 + E],
-    a logprobs program's with its scored tokens)."""
+    a logprobs program's with its scored tokens); token_mask [B, W, words]: a masked program's."""
     slots, tables = pinned.get(slots, tables)
     step = iterate_in_place_step(cfg, len(slots))
+    mask = None if token_mask is None else pinned.token_mask(token_mask)
     if not cfg.logprobs:
-        state = step(params, draft_params, state, slots, tables, cfg=cfg)
+        state = step(params, draft_params, state, slots, tables, cfg=cfg, token_mask=mask)
         return state, pinned.read_verdicts(state, slots)
     scored = pinned.scored(len(slots), (state.slots.emitted.shape[1], logprobs.fields(cfg.target.vocab_size)))
-    state, scored = step(params, draft_params, state, slots, tables, scored, cfg=cfg)
+    state, scored = step(params, draft_params, state, slots, tables, scored, cfg=cfg, token_mask=mask)
     pinned.keep_scored(scored)
     return state, pinned.read_verdicts(state, slots, scored)
 
@@ -318,25 +332,37 @@ class ModelRunner:
         """The engine's proposal (TARGET_ALONE where it serves none). Prefills draft it."""
         return self.step_cfg.speculator
 
-    def config(self, proposal: Speculator, greedy: bool, logprobs: bool = False) -> StepConfig:
+    def config(self, proposal: Speculator, greedy: bool, logprobs: bool = False, masked: bool = False) -> StepConfig:
         """The step config of one program: `proposal` (one of `proposals`, or TARGET_ALONE), greedy or
-        not, scoring the tokens it emits or not."""
-        return dataclasses.replace(self.step_cfg, speculator=proposal, greedy=greedy, logprobs=logprobs)
+        not, scoring the tokens it emits or not, taking token masks or not."""
+        return dataclasses.replace(self.step_cfg, speculator=proposal, greedy=greedy, logprobs=logprobs, masked=masked)
+
+    def allow_all(self, cfg: StepConfig, rows: int, iteration: bool = True) -> np.ndarray | None:
+        """Token masks allowing everything for an iteration ([rows, W, words]) or a prefill ([rows,
+        words]) of `cfg` (None: it takes none)."""
+        if not cfg.masked:
+            return None
+        shape = (rows, cfg.speculator.facts.verify_width) if iteration else (rows,)
+        return sampling.allow_all(shape, self.step_cfg.target.vocab_size)
 
     @property
     def num_compilations(self) -> int:
         return CompileCounter.count
 
     def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None],
-                logprobs: bool = False, prompt_logprobs: bool = False) -> jax.Array | None:
+                token_mask: np.ndarray | None = None, logprobs: bool = False,
+                prompt_logprobs: bool = False) -> jax.Array | None:
         """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
-        (None: its params carry a seed); the greedy program when every row is greedy. With `logprobs`
+        (None: its params carry a seed); the greedy program when every row is greedy; with
+        `token_mask` [P, words] the program that samples the first tokens under it. With `logprobs`
         or `prompt_logprobs`, the program that scores (`steps.prefill`) -> its packed logprobs, not
         waited for; else None."""
         row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.facts.point_mass)
-        cfg = dataclasses.replace(self.config(self.speculator, all(p.greedy for p in params), logprobs),
-                                  prompt_logprobs=prompt_logprobs)
-        out = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
+        cfg = dataclasses.replace(self.config(self.speculator, all(p.greedy for p in params), logprobs,
+                                              masked=token_mask is not None), prompt_logprobs=prompt_logprobs)
+        mask = None if token_mask is None else self._pinned.token_mask(token_mask)
+        out = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg,
+                           token_mask=mask)
         self._state, scored = out if logprobs or prompt_logprobs else (out, None)
         return scored
 
@@ -353,21 +379,28 @@ class ModelRunner:
         """The first token [1] the last prefill into `slot` sampled; read it before the slot's next prefill."""
         return self._pinned.read_first_token(self._state, slot)
 
-    def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig) -> jax.Array:
+    def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig,
+                token_mask: np.ndarray | None = None) -> jax.Array:
         """One iteration over `slots` [B], `tables` [B, nb], fused or a program per draft step -> verdicts
         [B, 2 + E] (a `cfg.logprobs` program's with its scored tokens: `steps.split_verdicts`), to read
-        before the bucket's next iteration but one."""
+        before the bucket's next iteration but one. token_mask [B, W, words]: a masked program's (cfg.masked)."""
         if self.cfg.speculation.fused_iteration or not cfg.speculative:
             self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,
-                                                   tables, cfg)
+                                                   tables, cfg, token_mask)
             return verdicts
         slots, tables = self._pinned.get(slots, tables)
+        mask = None if token_mask is None else self._pinned.token_mask(token_mask)
         state, _, _, carry, scored = iterate_head_step(self._params, self._draft_params, self._state, slots, tables,
-                                                       cfg=cfg)
+                                                       cfg=cfg, token_mask=mask)
         for j in range(1, cfg.speculator.facts.num_draft_steps):
             state, carry = chain_step_jit(self._draft_params, self._params.embed, state, carry, tables, j, cfg=cfg)
         self._state = commit_step(state, slots, carry, cfg=cfg)
         return self._pinned.read_verdicts(self._state, slots, scored)
+
+    def read_drafts(self, slots: np.ndarray, width: int) -> np.ndarray:
+        """The pending proposals [B, width] of `slots` [B] (target ids), read now: the host follows a
+        grammar along them before a masked verify (waits for what was dispatched before)."""
+        return np.asarray(_read_drafts(self._state.slots.drafts, slots, width))
 
     def padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
@@ -379,27 +412,37 @@ class ModelRunner:
         return (*inputs.arrays(), sampling.row_sampling_from_params([PADDING_PARAMS] * rows, [0] * rows))
 
     def compile_iteration(self, bucket: int, cfg: StepConfig) -> None:
-        """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows."""
-        self.iterate(*self.padding_rows(bucket), cfg).block_until_ready()
+        """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows (a
+        masked one with the read of the drafts its masks follow)."""
+        slots, tables = self.padding_rows(bucket)
+        if cfg.masked and cfg.speculative:
+            self.read_drafts(slots, cfg.speculator.facts.verify_width - 1)
+        self.iterate(slots, tables, cfg, self.allow_all(cfg, bucket)).block_until_ready()
 
-    def compile_prefill(self, rows: int, size: int, greedy: bool) -> None:
+    def compile_prefill(self, rows: int, size: int, greedy: bool, masked: bool = False) -> None:
         """Build the prefill program of `rows` x `size` tokens by running it on padding rows."""
-        cfg = self.config(self.speculator, greedy)
+        cfg = self.config(self.speculator, greedy, masked=masked)
+        mask = self.allow_all(cfg, rows, iteration=False)
         self._state = prefill_step(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
-                                   cfg=cfg)
+                                   cfg=cfg, token_mask=None if mask is None else self._pinned.token_mask(mask))
         self.first_token(DUMMY_SLOT).block_until_ready()  # as serving reads it
 
     def compile_jobs(self, iterations: Sequence[tuple[int, StepConfig]],
-                     prefills: Sequence[tuple[int, int, bool]]) -> list[Job]:
-        """The fused iteration and prefill programs as jobs to lower and compile elsewhere (`precompile`);
-        programs that score logprobs are built on first use."""
+                     prefills: Sequence[tuple[int, int, bool, bool]]) -> list[Job]:
+        """The fused iteration and prefill programs as jobs to lower and compile elsewhere (`precompile`):
+        iterations (bucket, config), prefills (rows, chunk, greedy, masked); programs that score
+        logprobs are built on first use."""
         p, dp, st = self._params, self._draft_params, self._state
-        jobs = [(iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)), {"cfg": c}) for b, c in iterations]
-        jobs += [(prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
-                  {"cfg": self.config(self.speculator, greedy)}) for rows, size, greedy in prefills]
+        jobs = [(iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)),
+                 {"cfg": c, "token_mask": self.allow_all(c, b)}) for b, c in iterations]
+        for rows, size, greedy, masked in prefills:
+            cfg = self.config(self.speculator, greedy, masked=masked)
+            jobs.append((prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
+                         {"cfg": cfg, "token_mask": self.allow_all(cfg, rows, iteration=False)}))
         return jobs
 
-    def compile_ahead(self, iterations: Sequence[tuple[int, StepConfig]], prefills: Sequence[tuple[int, int, bool]],
+    def compile_ahead(self, iterations: Sequence[tuple[int, StepConfig]],
+                      prefills: Sequence[tuple[int, int, bool, bool]],
                       progress: bool = False) -> float:
         """Compile the fused programs on a thread pool for compile_iteration and compile_prefill to load
         from JAX's persistent cache -> seconds. Without the cache they would compile twice: nothing done."""

@@ -54,6 +54,9 @@ class StepConfig:
     # Every row greedy: argmax only. The host picks the program (as vLLM's `all_greedy`): a
     # `lax.cond` on the device would copy its predicate to the host and block the stream.
     greedy: bool = False
+    # A row is under a grammar: the program takes each row's packed token masks and applies them to
+    # the target's logits (`sampling.mask_logits`). Picked on the host, so other batches pay nothing.
+    masked: bool = False
     attention: str = "xla"
     gemv: str = "xla"
     gemm: str = "triton"
@@ -183,20 +186,26 @@ def _write_slots(slots: Slots, rows: jax.Array, **values: jax.Array) -> Slots:
 
 
 def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
-                 cfg: StepConfig):
-    """Verify, accept, extend the draft, run the first draft step. rows [B], block_tables [B, nb] ->
-    (state, n [B], emitted [B, E]: row b emitted emitted[b, :n[b] + 1], carry: None if nothing drafts,
-    scored: `cfg.logprobs`' packed rows [B, W, F] of the emitted tokens, W the slots' emitted width; else None)."""
+                 cfg: StepConfig, token_mask: jax.Array | None = None):
+    """Verify, accept, extend the draft, run the first draft step. rows [B], block_tables [B, nb],
+    token_mask [B, W, ceil(V / 32)] (cfg.masked) -> (state, n [B], emitted [B, E]: row b emitted
+    emitted[b, :n[b] + 1], carry: None if nothing drafts, scored: `cfg.logprobs`' packed rows [B, W, F]
+    of the emitted tokens, W the slots' emitted width, scored by the target's logits before any token
+    mask; else None)."""
     spec = cfg.speculator
     s = _gather(state.slots, rows)
     tokens, positions, mask = spec.verify_layout(s)
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
-    logits = _logits(params, cfg, hidden)
+    logits = target_logits = _logits(params, cfg, hidden)
+    if cfg.masked:
+        if not spec.facts.verifies_chain:  # the host follows a grammar along one line of drafts only
+            raise ConfigError(f"iteration: token masks follow one line of drafts; {spec.facts.label} verifies a tree")
+        logits = sampling.mask_logits(logits, token_mask)
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
                                          _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
     target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)
     width = state.slots.emitted.shape[1]  # the engine's widest verify; a target-only iteration emits 1
-    scored = _score_emitted(logits, emitted, path, width, cfg) if cfg.logprobs else None
+    scored = _score_emitted(target_logits, emitted, path, width, cfg) if cfg.logprobs else None
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
     kept = ({} if s.history is None else
@@ -244,9 +253,10 @@ def commit_proposals(state: DeviceState, rows: jax.Array, carry: DraftCarry, cfg
 
 
 def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
-            cfg: StepConfig) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array | None]:
+            cfg: StepConfig, token_mask: jax.Array | None = None
+            ) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array | None]:
     """One whole speculative iteration in one program (the fused path); see `iterate_head`."""
-    state, n, emitted, carry, scored = iterate_head(params, dparams, state, rows, block_tables, cfg)
+    state, n, emitted, carry, scored = iterate_head(params, dparams, state, rows, block_tables, cfg, token_mask)
     if carry is not None:
         carry, draft_kv = cfg.speculator.propose(cfg.draft_context, dparams, params.embed, carry, state.draft_kv,
                                                  block_tables, start=1)
@@ -255,20 +265,20 @@ def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.A
 
 
 def iterate_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
-                     block_tables: jax.Array, cfg: StepConfig) -> DeviceState:
+                     block_tables: jax.Array, cfg: StepConfig, token_mask: jax.Array | None = None) -> DeviceState:
     """`iterate` with the verdicts left in the slots: the only output is the donated state, aliased
     to its input, since XLA's CUDA graph is rewritten whenever a buffer moves and a returned array
     is a new buffer each call (BENCHMARKS.md, "Host overhead")."""
-    return iterate(params, dparams, state, rows, block_tables, cfg)[0]
+    return iterate(params, dparams, state, rows, block_tables, cfg, token_mask)[0]
 
 
 def iterate_scored_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
-                            block_tables: jax.Array, scored: jax.Array,
-                            cfg: StepConfig) -> tuple[DeviceState, jax.Array]:
+                            block_tables: jax.Array, scored: jax.Array, cfg: StepConfig,
+                            token_mask: jax.Array | None = None) -> tuple[DeviceState, jax.Array]:
     """`iterate_in_place` of a `cfg.logprobs` program: the emitted tokens' packed logprobs [B, W, F]
     written over the donated `scored`, so that they too keep one address from call to call."""
     del scored
-    state, _, _, scored = iterate(params, dparams, state, rows, block_tables, cfg)
+    state, _, _, scored = iterate(params, dparams, state, rows, block_tables, cfg, token_mask)
     return state, scored
 
 
@@ -300,13 +310,15 @@ def split_verdicts(verdicts, fields: int = 0):
 def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
             next_tokens: jax.Array, num_valid: jax.Array, start: jax.Array, slot: jax.Array,
             block_table: jax.Array, num_generated: jax.Array, row: sampling.RowSampling,
-            cfg: StepConfig) -> DeviceState | tuple[DeviceState, jax.Array]:
+            cfg: StepConfig, token_mask: jax.Array | None = None) -> DeviceState | tuple[DeviceState, jax.Array]:
     """One chunk of each of P prompts, row p into `slot[p]` (padding rows: the dummy slot).
     tokens [P, T] (padded after num_valid [P]); next_tokens [P, T] the ids shifted left, -1 where
     the sampled first token goes; start [P] the position of tokens[:, 0]; block_table [P, nb];
-    num_generated [P] once the chunk is in (1; g after preemption: keys continue); row [P].
+    num_generated [P] once the chunk is in (1; g after preemption: keys continue); row [P];
+    token_mask [P, ceil(V / 32)] (cfg.masked) the tokens the first generated one may be.
     -> the state; a program that scores, (state, packed logprobs): `cfg.prompt_logprobs` [P, T, F],
-    position t's of the token after it (the last's: the first generated), else [P, 1, F] that last one's."""
+    position t's of the token after it (the last's: the first generated), else [P, 1, F] that last one's,
+    by the target's logits before any token mask."""
     # XLA's dots whatever the rows: a prompt's KV must not depend on how many shared its call.
     cfg = dataclasses.replace(cfg, gemv="xla")
     p, t = tokens.shape
@@ -314,7 +326,9 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_table)
     last_idx = num_valid - 1
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
-    logits = _logits(params, cfg, last_hidden)
+    logits = target_logits = _logits(params, cfg, last_hidden)
+    if cfg.masked:
+        logits = sampling.mask_logits(logits, token_mask)
     length = start + num_valid  # the first generated token's position
     sampled = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
                else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
@@ -326,7 +340,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     if cfg.prompt_logprobs:
         scored = _score_chunk(params, cfg, hidden, following)
     elif cfg.logprobs:
-        scored = logprobs.token_logprobs(logits[:, None], first[:, None], cfg.batch_invariant)
+        scored = logprobs.token_logprobs(target_logits[:, None], first[:, None], cfg.batch_invariant)
     spec = cfg.speculator
     kept = {}
     if state.slots.history is not None:  # the chunk's tokens, and the first generated one after them
@@ -422,5 +436,6 @@ commit_step = state_jit(commit_proposals, static_argnames="cfg", donate_argnames
 def iterate_in_place_step(cfg: StepConfig, rows: int):
     """The jitted fused iteration of `cfg` over `rows` rows, compiled with its GEMMs (`iteration_gemm`):
     call it as iterate_in_place(params, draft_params, state, slots, tables, cfg=cfg); a `cfg.logprobs`
-    program as iterate_scored_in_place(params, draft_params, state, slots, tables, scored, cfg=cfg)."""
+    program as iterate_scored_in_place(params, draft_params, state, slots, tables, scored, cfg=cfg); a
+    `cfg.masked` one with token_mask= too."""
     return (_iterate_scored_in_place if cfg.logprobs else _iterate_in_place)[iteration_gemm(cfg, rows)]

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from eagle3_jax.api import LLM
 from eagle3_jax.engine.scheduler import RequestError
+from eagle3_jax.engine.structured import GrammarError
 from eagle3_jax.sampling_params import SamplingParams
 from eagle3_jax.serve import protocol as P
 from eagle3_jax.serve.detokenize import TextStream
@@ -108,13 +109,16 @@ class OpenAIServer:
         except RequestError as e:
             raise P.invalid(str(e), param) from None
 
-    def samples(self, prompts: list[list[int]], params: SamplingParams,
+    def samples(self, body: P.RequestBody, prompts: list[list[int]], params: SamplingParams,
                 param: str) -> list[tuple[list[int], SamplingParams]]:
-        """Each prompt's `n` samples, once the engine's own checks pass for them."""
+        """Each prompt's `n` samples, once the engine's own checks pass for them (a grammar's
+        compile among them)."""
         each = params.samples()
         for ids in prompts:
             try:
                 self.llm.engine.validate_request(ids, each[0])
+            except GrammarError as e:
+                raise P.invalid(str(e), body.structured_field) from None
             except RequestError as e:
                 raise P.invalid(str(e), param) from None
         return [(ids, sample) for ids in prompts for sample in each]
@@ -134,7 +138,11 @@ class OpenAIServer:
         """Serve `prompts` (token ids), each `body.n` samples; `echo`: each prompt's text, put first in
         its choices' text (and logprobs)."""
         params = body.sampling_params(self.max_model_len)
-        work = self.samples(prompts, params, param)
+        if params.structured_outputs is None:
+            work = self.samples(body, prompts, params, param)
+        else:  # compiling a grammar (the first builds the tokenizer's) is not for the event loop's thread
+            work = await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, self.samples, body, prompts,
+                                                                    params, param)
         P.check_fits(body, max(map(len, prompts)), self.max_model_len)
         submission = self.submit(work, arrival)
         prompt_tokens = sum(map(len, prompts))

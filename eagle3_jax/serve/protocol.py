@@ -1,5 +1,5 @@
 """OpenAI's request bodies and response shapes, with vLLM's sampling extensions (top_k, min_p,
-ignore_eos, stop_token_ids). Pure: no engine, no HTTP.
+ignore_eos, stop_token_ids, structured_outputs). Pure: no engine, no HTTP.
 
 Logprobs as OpenAI gives them: chat's `logprobs: true` (+ `top_logprobs: N`) a list of
 {token, logprob, bytes, top_logprobs} per token; completions' `logprobs: N` the legacy
@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3_jax.engine.scheduler import RequestMetrics
-from eagle3_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from eagle3_jax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf, which JSON cannot carry
 
@@ -71,6 +71,10 @@ class RequestBody(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    # What the output must match: OpenAI's {"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"name", "schema", "strict"}}, or vLLM's {"json" | "regex" | "choice" | "grammar": ...}.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, or None."""
@@ -118,9 +122,46 @@ class RequestBody(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k in (None, -1) else self.top_k, min_p=self.min_p or 0.0,
                 seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                ignore_eos=self.ignore_eos, n=self.n)
+                ignore_eos=self.ignore_eos, n=self.n, structured_outputs=self.structured())
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise invalid(str(e), str(e).split()[0]) from None
+
+    @property
+    def structured_field(self) -> str:
+        """The field that asked for a structured output (for an error's param)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """What the output must match, from response_format or structured_outputs (None: free text);
+        APIError 400 naming a malformed one. Whether it compiles is the engine's to say."""
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text" and self.structured_outputs is not None:
+            raise invalid("response_format and structured_outputs both constrain the output: send one",
+                          "structured_outputs")
+        if self.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams.of(self.structured_outputs)
+            except (ValueError, TypeError) as e:
+                raise invalid(str(e), "structured_outputs") from None
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.get("type") != "json_schema":
+            raise invalid(f"response_format type must be text, json_object or json_schema, got {fmt.get('type')!r}",
+                          "response_format")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid("response_format json_schema needs a json_schema object: {\"name\": ..., \"schema\": {...}}",
+                          "response_format")
+        schema = spec.get("schema")
+        if schema is None:  # OpenAI's schema is optional: then any JSON object
+            return StructuredOutputsParams(json_object=True)
+        try:
+            return StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise invalid(str(e).replace("structured_outputs json", "response_format json_schema.schema"),
+                          "response_format") from None
 
     @property
     def include_usage(self) -> bool:
@@ -155,13 +196,10 @@ class ChatCompletionRequest(RequestBody):
     logprobs: bool | None = Field(None, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     tools: list[dict] | None = None
-    response_format: dict | None = None
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
         return super().unsupported()
 
     def check(self) -> None:
