@@ -7,6 +7,14 @@
 
 As in vLLM, `chat` applies the chat template (the drafter was trained on it) and `generate` takes
 raw text or token ids; chat messages ({"role", "content"} dicts) are templated wherever passed.
+
+Logprobs as vLLM returns them: `SamplingParams(logprobs=N)` gives each sample's
+`CompletionOutput.logprobs`, one dict per generated token, and `prompt_logprobs=N` the output's
+`RequestOutput.prompt_logprobs`, one per prompt token (None for the first); each dict maps token id
+-> `Logprob(logprob, rank, decoded_token)`: the token itself first (its rank among all, 1 the
+likeliest), then the N likeliest (ranks 1..N), the token not listed twice. The values are the
+target's log-softmax before temperature, top-k, top-p and min-p, computed in the same programs as
+the tokens (the verify's logits; the prefill's for the prompt).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import jax.numpy as jnp
 from eagle3_jax import assets
 from eagle3_jax.config import EngineConfig, ModelConfig, TreeSpec, parse_tree
 from eagle3_jax.engine.engine import Engine
-from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
+from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics, TokenLogprobs
 from eagle3_jax.parallel import sharding
 from eagle3_jax.runner.target import target_model_for
 from eagle3_jax.sampling_params import SamplingParams
@@ -33,8 +41,24 @@ Prompt = str | Sequence[dict] | Sequence[int]
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log-probability under the target, its rank (1: the likeliest; ties count as
+    ahead) and its text decoded alone (None without a tokenizer), as vLLM's `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per token a dict token id -> Logprob (the module docstring); the prompt's first token has None.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
-    """One sample of a request (`SamplingParams.n` of them)."""
+    """One sample of a request (`SamplingParams.n` of them); `logprobs` (one dict per token of
+    `token_ids`) and `cumulative_logprob` (their tokens' sum) where SamplingParams.logprobs is set."""
 
     index: int
     text: str
@@ -42,11 +66,14 @@ class CompletionOutput:
     finish_reason: str  # "stop", "length", "abort" or "error"
     error: str | None
     metrics: RequestMetrics
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A prompt's samples in `outputs`; the fields beside it are those of the first sample."""
+    """A prompt's samples in `outputs`; the fields beside it are those of the first sample.
+    `prompt_logprobs`: one entry per prompt token where SamplingParams.prompt_logprobs is set."""
 
     request_id: int | None
     prompt_token_ids: list[int]
@@ -56,13 +83,14 @@ class RequestOutput:
     error: str | None
     metrics: RequestMetrics
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @classmethod
-    def of(cls, prompt_token_ids: list[int], outputs: list[CompletionOutput],
-           request_id: int | None = None) -> RequestOutput:
+    def of(cls, prompt_token_ids: list[int], outputs: list[CompletionOutput], request_id: int | None = None,
+           prompt_logprobs: PromptLogprobs | None = None) -> RequestOutput:
         first = outputs[0]
         return cls(request_id, prompt_token_ids, first.token_ids, first.text, first.finish_reason, first.error,
-                   first.metrics, outputs)
+                   first.metrics, outputs, prompt_logprobs)
 
 
 @dataclasses.dataclass
@@ -71,6 +99,7 @@ class StreamDelta:
     text: str  # their text
     finished: bool
     output: RequestOutput | None  # set on the last delta
+    logprobs: SampleLogprobs | None = None  # the tokens' where SamplingParams.logprobs is set
 
 
 def enable_compilation_cache() -> None:
@@ -147,11 +176,14 @@ class LLM:
             if draft_cfg.capture_layer_ids is not None:  # the drafter was trained on these layers
                 cfg = cfg.with_capture_layers(draft_cfg.capture_layer_ids)
         self.tokenizer = _load_tokenizer(target)
+        self._token_texts: dict[int, str] = {}  # token id -> its text decoded alone (`token_texts`)
+        self._byte_decoder: dict[str, int] | None = None  # a byte-level BPE's character -> byte (`token_bytes`)
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.engine = Engine(cfg, params, draft_cfg, draft_params, engine_config, eos_token_ids=sorted(eos),
-                             detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh)
+                             detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh,
+                             tokenizer=self.tokenizer)
         if warmup or (warmup is None and jax.default_backend() != "cpu"):
             self.engine.warmup(progress=progress)
 
@@ -198,6 +230,48 @@ class LLM:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_texts(self, token_ids: Iterable[int]) -> dict[int, str | None]:
+        """Each token id's text decoded alone, special tokens as written (vLLM's `decoded_token`);
+        None without a tokenizer."""
+        token_ids = set(token_ids)
+        if self.tokenizer is None:
+            return dict.fromkeys(token_ids)
+        if missing := sorted(token_ids - self._token_texts.keys()):
+            self._token_texts.update(zip(missing, self.tokenizer.batch_decode([[i] for i in missing])))
+        return {i: self._token_texts[i] for i in token_ids}
+
+    def token_bytes(self, token_ids: Iterable[int]) -> dict[int, list[int]]:
+        """Each token id's own bytes (OpenAI's logprobs `bytes`): a byte-level BPE token's (Llama 3's,
+        SmolLM2's), so that a character split over tokens is whole again where they are joined;
+        another tokenizer's, its text's UTF-8."""
+        token_ids = sorted(set(token_ids))
+        texts = self.token_texts(token_ids)
+        own = {i: list((texts[i] or "").encode()) for i in token_ids}
+        if self.tokenizer is None or not _byte_level(self.tokenizer):
+            return own
+        if self._byte_decoder is None:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        for i, piece in zip(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)):
+            if piece is not None and all(c in self._byte_decoder for c in piece):
+                own[i] = [self._byte_decoder[c] for c in piece]
+        return own
+
+    def logprob_dicts(self, entries: Sequence[TokenLogprobs | None]) -> list[dict[int, Logprob] | None]:
+        """The engine's logprobs of some tokens as vLLM's dicts (the module docstring); None stays None."""
+        texts = self.token_texts(i for e in entries if e is not None for i in (e.token, *e.top_ids))
+        dicts = []
+        for e in entries:
+            if e is None:
+                dicts.append(None)
+                continue
+            d = {e.token: Logprob(e.logprob, e.rank, texts[e.token])}
+            for rank, (i, logprob) in enumerate(zip(e.top_ids, e.top_logprobs), 1):
+                d.setdefault(i, Logprob(logprob, rank, texts[i]))
+            dicts.append(d)
+        return dicts
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a conversation through the chat template, ready for the assistant's turn."""
@@ -290,8 +364,10 @@ class LLM:
             self.engine.step()
             if len(req.output) > seen or req.finished:
                 new = req.output[seen:]
+                logprobs = None if req.logprobs is None else self.logprob_dicts(req.logprobs[seen:len(req.output)])
                 seen = len(req.output)
-                yield StreamDelta(new, self.decode(new), req.finished, self._output(req) if req.finished else None)
+                yield StreamDelta(new, self.decode(new), req.finished, self._output(req) if req.finished else None,
+                                  logprobs)
         while self.engine.has_unfinished() and not self.engine.num_running and not self.engine.num_waiting:
             self.engine.step()  # drain the surplus iteration so the engine is idle again
 
@@ -317,14 +393,21 @@ class LLM:
     def completion(self, req: Request, index: int = 0) -> CompletionOutput:
         """A finished request as one sample of its prompt's output."""
         text = req.text if req.text is not None else self.decode(req.output)
-        return CompletionOutput(index, text, list(req.output), req.finish_reason, req.error, req.metrics)
+        logprobs = cumulative = None
+        if req.logprobs is not None:
+            logprobs = self.logprob_dicts(req.logprobs)
+            cumulative = float(sum(e.logprob for e in req.logprobs))
+        return CompletionOutput(index, text, list(req.output), req.finish_reason, req.error, req.metrics, logprobs,
+                                cumulative)
 
     def _output(self, req: Request) -> RequestOutput:
-        return RequestOutput.of(req.prompt, [self.completion(req)], req.id)
+        return self._group_output([req])
 
     def _group_output(self, samples: list[Request]) -> RequestOutput:
         outputs = [self.completion(req, i) for i, req in enumerate(samples)]
-        return RequestOutput.of(samples[0].prompt, outputs, samples[0].id)
+        first = samples[0]
+        prompt_logprobs = None if first.prompt_logprobs is None else self.logprob_dicts(first.prompt_logprobs)
+        return RequestOutput.of(first.prompt, outputs, first.id, prompt_logprobs)
 
     def _error_output(self, prompt: Prompt, message: str) -> RequestOutput:
         token_ids = isinstance(prompt, (list, tuple)) and all(map(_is_token_id, prompt))
@@ -360,6 +443,14 @@ def _is_batch(prompts) -> bool:
         return False
     return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, bytes))
                or getattr(p, "ndim", None) == 1 for p in prompts)
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether a (fast) tokenizer's tokens are byte-level BPE pieces (GPT-2's byte-to-character map)."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
 def _load_tokenizer(directory: Path):

@@ -105,6 +105,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds running requests get to finish before they are aborted")
     p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
                    help="debug adds each request's summary")
+    p.add_argument("--structured-warmup", action="store_true",
+                   help="warm-up also compiles the programs of requests under a grammar (response_format, "
+                        "structured_outputs), which otherwise compile on first use (EngineConfig.structured_warmup)")
 
 
 def build_parser() -> ArgumentParser:
@@ -326,7 +329,7 @@ def cmd_chat(args) -> int:
 def serve_llm(args):
     """The engine `serve` runs for its parsed (and `check_paths`-checked) arguments; a load test
     builds the same one in process (scripts/serve_load.py)."""
-    return _llm(args, args.max_num_seqs, max_num_seqs=args.max_num_seqs)
+    return _llm(args, args.max_num_seqs, max_num_seqs=args.max_num_seqs, structured_warmup=args.structured_warmup)
 
 
 def cmd_serve(args) -> int:

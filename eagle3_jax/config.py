@@ -450,6 +450,12 @@ class SpeculatorFacts:
     positions_per_iteration: int  # KV positions written past the row's length (the scheduler's footprint)
     slot_layout: SlotLayout
 
+    @property
+    def verifies_chain(self) -> bool:
+        """Its verify checks one line of tokens (a chain, prompt lookup, the target alone), along
+        which the host can follow a grammar (engine/structured.py); a tree's branches it cannot."""
+        return self.spec is None or self.spec.is_chain
+
 
 class Proposal(Protocol):
     """A speculator as the host sees it: its facts (runner/speculators/ adds the device methods)."""
@@ -531,6 +537,10 @@ class EngineConfig:
         chunks share a chunk bucket share a call (BENCHMARKS.md, "Serving with arrivals").
     freeze_heap: after warm-up, collect garbage once and `gc.freeze` the heap, so that no full pass
         of the cyclic collector stalls serving (False: a test suite building many engines).
+    structured_warmup: warm-up also compiles the programs that apply a grammar's token masks
+        (`SamplingParams.structured_outputs`: each bucket's chain and target alone, and the
+        prefills), so a structured request never waits for a compile; off (the default), they
+        compile on a structured request's first use of each shape, and warm-up takes no longer.
 
     Speculation:
     speculator: "eagle3": the EAGLE-3 drafter (a chain of K, or the tree); "ngram": prompt lookup,
@@ -589,6 +599,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (32, 128, 512)
     prefill_batch_buckets: tuple[int, ...] = (1, 8)
     freeze_heap: bool = True
+    structured_warmup: bool = False
 
     # speculation
     speculator: str = "eagle3"
@@ -832,3 +843,4 @@ class ServedConfig:
     speculation: SpeculationConfig
     pool: PoolConfig
     kernels: KernelConfig
+    structured_warmup: bool = False

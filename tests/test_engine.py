@@ -187,7 +187,8 @@ def test_greedy_batches_run_programs_without_device_branches(spec_llm, chat_ids,
 
     ran = []
     iterate = engine.runner.iterate
-    monkeypatch.setattr(engine.runner, "iterate", lambda s, t, cfg: (ran.append(cfg.greedy), iterate(s, t, cfg))[1])
+    monkeypatch.setattr(engine.runner, "iterate",
+                        lambda s, t, cfg, mask=None: (ran.append(cfg.greedy), iterate(s, t, cfg, mask))[1])
     spec_llm.generate(chat_ids[:2], SamplingParams(max_tokens=6))
     assert ran and all(ran)
     ran.clear()
@@ -354,7 +355,7 @@ def test_greedy_only_warmup_builds_what_greedy_requests_use(tiny_models):
                                          speculation="always"))
     engine = llm.engine
     iterations, prefills = engine.programs(greedy=True)
-    assert all(c.greedy for _, c in iterations) and all(greedy for _, _, greedy in prefills)
+    assert all(c.greedy for _, c in iterations) and all(greedy for _, _, greedy, _ in prefills)
     before = engine.num_compilations
     junk = CyclicGarbage()  # an earlier engine's cyclic garbage, frozen with the heap
     earlier = weakref.ref(junk)

@@ -282,8 +282,8 @@ def test_a_long_prompt_arriving_while_rows_decode_prefills_one_chunk_per_iterati
     llm = make(tiny_models)
     engine, order = llm.engine, []
     prefill, iterate = engine.runner.prefill, engine.runner.iterate
-    monkeypatch.setattr(engine.runner, "prefill", lambda *a: (order.append("prefill"), prefill(*a))[1])
-    monkeypatch.setattr(engine.runner, "iterate", lambda *a: (order.append("iterate"), iterate(*a))[1])
+    monkeypatch.setattr(engine.runner, "prefill", lambda *a, **kw: (order.append("prefill"), prefill(*a, **kw))[1])
+    monkeypatch.setattr(engine.runner, "iterate", lambda *a, **kw: (order.append("iterate"), iterate(*a, **kw))[1])
     running = [engine.add_request(p, greedy(30)) for p in PROMPTS[:2]]
     while not all(r.output for r in running):
         engine.step()

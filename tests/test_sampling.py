@@ -623,6 +623,11 @@ def test_row_sampling_from_params_and_seed_keys():
         (dict(draft_acceptance="greedy"), "draft_acceptance"),
         (dict(seed=-1), "seed"),
         (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
+        (dict(logprobs=21), "logprobs must be an int in 0..20"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(prompt_logprobs=2.0), "prompt_logprobs"),
+        (dict(max_tokens=0, logprobs=1), "0 \\(a prefill only\\) needs prompt_logprobs"),
     ],
 )
 def test_sampling_params_validation(kwargs, match):

@@ -266,6 +266,101 @@ def test_seeded_samples_reproduce_and_n_samples_differ(client, llm):
     assert off.choices[0].model_extra["token_ids"] == greedy
 
 
+def test_chat_logprobs_are_llm_chats_streamed_or_not(client, llm):
+    """logprobs + top_logprobs on chat: OpenAI's typed content, each token's text, logprob and top 3
+    those of LLM.chat's logprobs, its bytes the token's own (joined, the reply's, characters split
+    over tokens whole again), the same in the stream's chunks."""
+    messages = user("Name a colour.")
+    response = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3, **GREEDY)
+    (want,) = llm.chat(messages, SamplingParams(max_tokens=16, logprobs=3))
+    content = response.choices[0].logprobs.content
+    assert [c.token for c in content] == [d[t].decoded_token for d, t in zip(want.outputs[0].logprobs, want.token_ids)]
+    for c, d, t in zip(content, want.outputs[0].logprobs, want.token_ids, strict=True):
+        assert c.logprob == pytest.approx(d[t].logprob, abs=1e-5)
+        top = sorted(d.values(), key=lambda lp: lp.rank)[:3]
+        assert [x.token for x in c.top_logprobs] == [lp.decoded_token for lp in top]
+        assert [x.logprob for x in c.top_logprobs] == pytest.approx([lp.logprob for lp in top], abs=1e-5)
+    assert content[0].top_logprobs[0].logprob >= content[0].logprob
+    joined = b"".join(bytes(c.bytes) for c in content).decode(errors="replace")
+    assert joined == llm.tokenizer.decode(want.token_ids, skip_special_tokens=False)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3, stream=True,
+                                            **GREEDY)
+    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+    assert [(c.token, c.bytes) for c in streamed] == [(c.token, c.bytes) for c in content]
+    # (the prefix cache holds the prompt now: its prefill, a shorter program, may round otherwise)
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == response.choices[0].message.content
+
+
+def test_completions_echo_scores_the_prompt_with_max_tokens_0_and_before_the_reply(client, llm):
+    """echo + logprobs: with max_tokens 0 (a prefill only, as lm-evaluation-harness asks) the prompt and
+    its logprobs (the first token's None) as LLM.generate's prompt_logprobs; with a reply, the prompt's
+    then the reply's, in one list with text offsets, the same streamed."""
+    prompt = "The sky is blue"
+    ids = llm.encode(prompt)
+    (want,) = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2))
+    scored = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    (choice,) = scored.choices
+    assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    texts = llm.token_texts(ids)
+    assert lp.tokens == [texts[i] for i in ids] and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([d[t].logprob for d, t in zip(want.prompt_logprobs[1:], ids[1:])],
+                                                  abs=1e-5)
+    assert all(len(top) <= 3 and max(top.values()) >= v for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(ids))]
+    body = dict(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True})
+    replied = client.completions.create(**body).choices[0]
+    assert replied.text == prompt + want.text
+    assert replied.logprobs.tokens[:len(ids)] == lp.tokens and len(replied.logprobs.tokens) == len(ids) + 6
+    assert replied.logprobs.token_logprobs[len(ids):] == pytest.approx(
+        [d[t].logprob for d, t in zip(want.outputs[0].logprobs, want.token_ids)], abs=1e-5)
+    chunks = [c for chunk in client.completions.create(**body, stream=True) for c in chunk.choices]
+    assert "".join(c.text for c in chunks) == replied.text
+    streamed = [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(replied.logprobs.token_logprobs[1:], abs=1e-5)
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.text_offset] == replied.logprobs.text_offset
+    echoed = client.completions.create(model=MODEL, prompt=[5, 6, 7], echo=True, max_tokens=0)
+    assert echoed.choices[0].text == llm.decode([5, 6, 7]) and echoed.choices[0].logprobs is None
+
+
+ANSWER = {"type": "object", "additionalProperties": False, "required": ["answer", "score", "tags"],
+          "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2}}}
+
+
+def test_structured_outputs_through_response_format_and_vllms_field(server, client, llm):
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = user("Answer in JSON.")
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    response = client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format,
+                                              extra_body={"return_token_ids": True}, temperature=0, max_tokens=64)
+    (choice,) = response.choices
+    jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    assert choice.finish_reason == "stop"
+    want = llm.chat(messages, SamplingParams(max_tokens=64, structured_outputs={"json": ANSWER}))[0]
+    assert choice.model_extra["token_ids"] == want.token_ids
+    picked = client.completions.create(model=MODEL, prompt="Left or right?", temperature=0, max_tokens=16,
+                                       extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert picked.choices[0].text in ("left", "right") and picked.choices[0].finish_reason == "stop"
+    url = server["url"]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}}
+    assert_error(url, 400, json.dumps({"model": MODEL, "messages": messages, "response_format": bad_schema}).encode(),
+                 "does not compile", "response_format", path="/v1/chat/completions")
+    assert_error(url, 400, json.dumps({"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "a(b"}}).encode(),
+                 "unclosed group", "structured_outputs")
+    both = {"model": MODEL, "prompt": "a", "response_format": {"type": "json_object"},
+            "structured_outputs": {"regex": "a"}}
+    assert_error(url, 400, json.dumps(both).encode(), "send one", "structured_outputs")
+    assert_error(url, 400, json.dumps({"model": MODEL, "prompt": "a", "response_format": {"type": "yaml"}}).encode(),
+                 "text, json_object or json_schema", "response_format")
+    again = client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format,
+                                           temperature=0, max_tokens=64)
+    assert again.choices[0].message.content == choice.message.content  # and it keeps serving
+
+
 # ---- errors --------------------------------------------------------------------------------
 def assert_error(url: str, status: int, body: bytes, words: str, param: str | None = None, path="/v1/completions"):
     got, error = raw_post(url, path, body)
@@ -284,13 +379,17 @@ def test_each_error_has_its_status_and_body_and_the_server_keeps_serving(server,
         (400, b"{bad json", "not valid JSON", None),
         (400, b"", "empty", None),
         (400, body(temperature=-1), "temperature must be", "temperature"),
-        (400, body(max_tokens=0), "greater than or equal to 1", "max_tokens"),
+        (400, body(max_tokens=0), "max_tokens must be at least 1 (0 only on completions with echo", "max_tokens"),
         (400, body(prompt=[]), "prompt is empty", "prompt"),
         (400, body(prompt="x" * (2 * MAX_MODEL_LEN)), "the context holds 128", "prompt"),
         (400, body(max_tokens=MAX_MODEL_LEN - 1), "max_tokens 127 does not fit: the prompt has 2 tokens and "
                                                   "max_model_len is 128", "max_tokens"),
         (400, body(prompt=[1, 10**6]), "outside the vocabulary", "prompt"),
-        (400, body(logprobs=2), "logprobs is not supported", "logprobs"),
+        (400, body(logprobs=21), "less than or equal to 20", "logprobs"),
+        (400, body(logprobs=-1), "greater than or equal to 0", "logprobs"),
+        (400, body(logprobs="2"), "valid integer", "logprobs"),
+        (400, body(echo="yes"), "valid boolean", "echo"),
+        (400, body(suffix="!"), "suffix is not supported", "suffix"),
         (400, body(prompt={"not": "a prompt"}), "prompt", "prompt"),
         (404, body(model="gpt-4"), "does not exist", "model"),
         (413, b'{"prompt": "' + b"x" * (10 << 20) + b'"}', "over", None),
@@ -317,9 +416,15 @@ def test_each_error_has_its_status_and_body_and_the_server_keeps_serving(server,
     response = conn.getresponse()
     assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
     conn.close()
+    chat = [({"logprobs": True, "top_logprobs": 21}, "less than or equal to 20", "top_logprobs"),
+            ({"top_logprobs": 2}, "top_logprobs needs logprobs: true", "top_logprobs"),
+            ({"logprobs": "yes"}, "valid boolean", "logprobs"), ({"max_tokens": 0}, "at least 1", "max_tokens")]
+    for fields, words, param in chat:
+        assert_error(url, 400, json.dumps({"model": MODEL, "messages": user("hi"), **fields}).encode(), words, param,
+                     path="/v1/chat/completions")
     with pytest.raises(openai.BadRequestError) as e:  # the client's own view of one of them
-        client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=4, logprobs=True)
-    assert e.value.status_code == 400 and e.value.body["param"] == "logprobs"
+        client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=4, logprobs=True, top_logprobs=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve(MODEL + "-not")
 

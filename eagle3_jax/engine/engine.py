@@ -8,10 +8,22 @@ device runs dispatches in order (each threads the donated state); results for a 
 finished or was preempted since they were dispatched are dropped (the surplus iteration: its pages
 are rewritten only by later dispatches).
 
+A batch with a row under a grammar (`SamplingParams.structured_outputs`) gives up that overlap:
+before dispatching, the host reads every result in flight, advances each such row's matcher by
+the tokens it emitted, reads the rows' pending proposals and computes the tokens the grammar allows
+at each position the verify decides (engine/structured.py); the program applies those masks to the
+target's logits before accepting, so the output is the constrained target's with or without
+speculation. Such a batch verifies a chain (or the target alone), never a tree.
+
 Under `speculation="auto"` each iteration runs the target alone or one of the proposals by
 engine/policy.py's rule, from costs timed in warm-up (then as served) and the acceptance measured
 as iterations are collected (engine/speculation.py keeps both). Prefills are packed into calls by
 engine/prefill.py.
+
+Logprobs: a program whose batch has a row asking for them is its scoring variant (`StepConfig.logprobs`,
+`prompt_logprobs`); an iteration's come back in its verdicts, a prefill call's in one array of its own,
+read with the request's first token. A request of max_tokens 0 gives its slot back once its prefill
+is dispatched and finishes when that is read.
 """
 
 from __future__ import annotations
@@ -29,10 +41,11 @@ from tqdm.auto import tqdm
 
 from eagle3_jax.config import DraftConfig, EngineConfig, ModelConfig
 from eagle3_jax.engine.prefill import PrefillChunk, prefill_call, step_calls
-from eagle3_jax.engine.scheduler import Request, Scheduler, stop_reason
+from eagle3_jax.engine.scheduler import Request, Scheduler, TokenLogprobs, stop_reason
 from eagle3_jax.engine.speculation import Choice, Speculation
 from eagle3_jax.engine.stats import EngineStats
-from eagle3_jax.runner import kv_memory
+from eagle3_jax.engine.structured import Grammars
+from eagle3_jax.runner import kv_memory, logprobs
 from eagle3_jax.runner.runner import ModelRunner, freeze_heap, place_weights
 from eagle3_jax.runner.served import DeviceFacts, served_config
 from eagle3_jax.runner.steps import TARGET_ALONE, StepConfig, split_verdicts
@@ -45,25 +58,47 @@ class EngineClosedError(RuntimeError):
     """Work asked of an engine after `close`."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _ScoredRows:
+    """One row of a scoring prefill call's packed logprobs [P, T', F]: the chunk at `start` of
+    `count` tokens; `every_position`: T' = T, position start + t's at t, else the last one's at 0."""
+
+    scored: object  # device array
+    row: int
+    start: int
+    count: int
+    every_position: bool
+
+    def by_position(self) -> dict[int, np.ndarray]:
+        host = np.asarray(self.scored)[self.row]
+        if not self.every_position:
+            return {self.start + self.count - 1: host[0]}
+        return {self.start + t: host[t] for t in range(self.count)}
+
+
 @dataclasses.dataclass
 class _Pending:
     """A dispatched program whose results the host has not read yet."""
 
     reqs: list[Request]
-    result: object  # device array: prefill's first token [1]; an iteration's verdicts [B, 2 + K+1]
+    result: object  # device array: prefill's first token [1] (None: max_tokens 0); an iteration's verdicts
     admissions: list[int]  # each request's at dispatch: results of an admission since preempted are stale
     iteration: bool = False
     proposal: int | None = None  # iterate: the index of the proposal verified (None: the target alone)
     fresh: np.ndarray | None = None  # iterate: [len(reqs)] bool, that proposal drafted at the row's position
+    scored: bool = False  # iterate: its verdicts carry the emitted tokens' logprobs
+    prefill_scores: list[_ScoredRows] = dataclasses.field(default_factory=list)  # prefill: its chunks' logprobs
 
 
 class Engine:
     """Continuous-batching EAGLE-3 engine over the runner's fixed-shape compiled steps."""
 
     def __init__(self, target: ModelConfig, params, draft: DraftConfig | None, draft_params, cfg: EngineConfig,
-                 eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None):
+                 eos_token_ids: Sequence[int] = (), detokenize=None, overlap: bool = True, mesh: Mesh | None = None,
+                 tokenizer=None):
         """`params`, `draft_params`: weight pytrees as `weights/` loads them; placed on the devices here.
-        `cfg` is served as `served_config` settles it, read from `self.cfg` by every part."""
+        `cfg` is served as `served_config` settles it, read from `self.cfg` by every part. `tokenizer`:
+        the target's (a transformers fast tokenizer), for structured outputs (None: refused)."""
         weights = place_weights(target, params, draft, draft_params, mesh)
         # The pool is sized from the memory free once the weights are placed (the caller's still held: a margin).
         self.device = device = DeviceFacts.of(mesh, weights.arrays() if cfg.num_pages is None else None)
@@ -72,13 +107,18 @@ class Engine:
         self.proposals = served.speculation.proposals  # what an iteration may draft, the engine's proposal first
         self.overlap = overlap  # False: read each step's results before returning (for measuring)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.scored_fields = logprobs.fields(target.vocab_size)  # int32 per scored token in the results
         self.detokenize = detokenize  # list[int] -> str, for stop strings and .text
+        self.grammars = Grammars(tokenizer, target.vocab_size, self.eos_token_ids)
         spec = served.speculation
         self.scheduler = Scheduler(served, target.vocab_size, spec.max_accepted, spec.positions_per_iteration)
         self.speculation = Speculation(spec, served.batch_buckets, served.max_num_seqs + 1)
         log.info(kv_memory.pool_line(served, device.free_bytes, cfg.num_pages is not None, device.held_elsewhere))
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
+        # request id -> the logprobs of its prefill's chunks dispatched so far (a prefill may span
+        # steps), handed to its first token's read once its last chunk is dispatched
+        self._prefill_scores: dict[int, list[_ScoredRows]] = collections.defaultdict(list)
         self._seed_rng = np.random.default_rng()
 
     @property
@@ -95,6 +135,9 @@ class Engine:
         refuses work after. Closing twice does nothing."""
         for req in [*self.scheduler.waiting, *self.scheduler.running.values()]:
             self.scheduler.abort(req.id)
+        for req in {id(r): r for pending in self._pending for r in pending.reqs}.values():
+            if not req.finished:  # a max_tokens 0 request, its prefill still unread
+                self.scheduler.finish(req, "abort")
         self._pending.clear()
         self.runner.close()
 
@@ -107,11 +150,18 @@ class Engine:
         """Queue a request, or raise RequestError naming the problem. `arrival_time`
         (time.perf_counter(), default now): when it reached the server, for its time to first token."""
         self._check_open()
-        return self.scheduler.add(list(prompt), params, arrival_time)
+        self.scheduler.validate(list(prompt), params)
+        grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
+        req = self.scheduler.add(list(prompt), params, arrival_time)
+        req.grammar = grammar
+        return req
 
     def validate_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Raise RequestError naming what `add_request` would refuse; safe from any thread."""
+        """Raise RequestError naming what `add_request` would refuse (structured_outputs that do not
+        compile: its subclass GrammarError); safe from any thread."""
         self.scheduler.validate(list(prompt), params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def abort(self, request_id: int) -> Request | None:
         """End a request now (finish_reason "abort"), freeing its slot and pages; an iteration
@@ -143,22 +193,30 @@ class Engine:
         self.stats.preemptions += len(preempted)
         self._admit(admitted)
         prefilled = self._run_prefills()
-        reqs, slots, tables = self.scheduler.batch()
+        changed, constrained = [], any(r.grammar is not None and not r.prefilling
+                                       for r in self.scheduler.running.values())
+        if constrained:  # the masks follow every token emitted so far: read all in flight first
+            changed = [req for _ in range(len(self._pending)) for req in self._postprocess(self._pending.popleft())]
+            earlier = 0
+        reqs, slots, tables = self.scheduler.batch()  # (after that read: it may finish requests)
         ran = self._run_iteration(reqs, slots, tables) if reqs else None
         # With new work queued, read only what was dispatched before it (the overlap); with none,
         # drain everything so the loop can end.
         ready = earlier if self.overlap and len(self._pending) > earlier else len(self._pending)
-        changed = [req for _ in range(ready) for req in self._postprocess(self._pending.popleft())]
+        changed += [req for _ in range(ready) for req in self._postprocess(self._pending.popleft())]
         self.stats.steps += 1
         took = time.perf_counter() - start
         self.stats.host_s += took - (self.stats.device_wait_s - waited)
-        self.speculation.time_step(None if prefilled else ran, took)
+        # A step that prefilled, or waited for its results, is no period of the overlapped loop (nor
+        # is a scoring iteration's: its `ran` is None).
+        self.speculation.time_step(None if prefilled or constrained else ran, took)
         return changed
 
     def _admit(self, reqs: list[Request]) -> None:
         """What the requests admitted in this step need before their prefills: a seed, their
         cached prefix in the speculator's token history; the prefix cache's counts."""
         for req in reqs:
+            self._prefill_scores.pop(req.id, None)  # readmitted: its prefill starts afresh
             # One seed per request, drawn at its first admission whatever the grouping (seeded
             # requests draw none): the same requests sample the same tokens however they are
             # batched, and preempted.
@@ -174,55 +232,96 @@ class Engine:
         of the first tokens of the requests whose prefill ended. -> whether any was dispatched."""
         sched, largest = self.scheduler, self.cfg.prefill_buckets[-1]
         prefilling = sched.prefilling
+        # The scores of a request that stopped prefilling before its last chunk (aborted, preempted)
+        # are dropped: a readmission prefills afresh.
+        ids = {req.id for req in prefilling}
+        for stale in [i for i in self._prefill_scores if i not in ids]:
+            del self._prefill_scores[stale]
         if not prefilling:
             return False
         calls = step_calls(prefilling, self.cfg, decoding=len(prefilling) < len(sched.running))
         for chunks in calls:
-            self._run_prefill_call(chunks)
+            self._run_prefill_call(chunks, self._prefill_scores)
         t = time.perf_counter()
         for chunk in (chunk for chunks in calls for chunk in chunks):
             req = chunk.req
             sched.prefill_dispatched(req, chunk.end(largest))
             if req.prefilling:
                 continue
+            scores = self._prefill_scores.pop(req.id, [])  # its chunks', dispatched in this step or before
             self.speculation.prefilled(req.slot)  # its last chunk drafted the engine's proposal
             if req.output:
                 continue  # resumed: the token its prefill ends on is its last generated one
-            first = self.runner.first_token(req.slot)  # [1], the last chunk's sample
-            first.copy_to_host_async()
-            self._pending.append(_Pending([req], first, [req.admissions]))
+            if req.max_tokens == 0:  # a prefill only: nothing to sample, no iteration
+                self.scheduler.release(req)
+                first = None
+            else:
+                first = self.runner.first_token(req.slot)  # [1], the last chunk's sample
+                first.copy_to_host_async()
+            self._pending.append(_Pending([req], first, [req.admissions], prefill_scores=scores))
         self.stats.dispatch_s += time.perf_counter() - t
         return bool(calls)
 
-    def _run_prefill_call(self, chunks: list[PrefillChunk]) -> None:
-        call = prefill_call(chunks, self.cfg, self.scheduler.block_tables)
+    def _run_prefill_call(self, chunks: list[PrefillChunk], scores: dict[int, list[_ScoredRows]]) -> None:
+        """One prefill call; the scoring program where a row asks for logprobs of what it scores (its
+        prompt's, or the first token's in a request's last chunk), its rows' logprobs added to `scores`;
+        the masked one where a row samples its first token under a grammar."""
+        inputs, params, seeds = prefill_call(chunks, self.cfg, self.scheduler.block_tables)
+        # A request under a grammar samples its first token under the grammar's first mask.
+        largest = self.cfg.prefill_buckets[-1]
+        constrained = [(i, c.req.grammar, ()) for i, c in enumerate(chunks) if c.req.grammar is not None
+                       and not c.req.output and c.start + len(c.tokens(largest)) == c.req.context_len]
+        mask = self.grammars.masks(constrained, len(params), 1)[:, 0] if constrained else None
+        prompt = [c.req.scores_prompt for c in chunks]
+        # A row whose last token's logits sample the first generated token (a fresh request's last chunk).
+        first = [c.req.params.logprobs is not None and inputs.next_tokens[row, inputs.num_valid[row] - 1] < 0
+                 for row, c in enumerate(chunks)]
         t = time.perf_counter()
-        self.runner.prefill(*call)
+        scored = self.runner.prefill(inputs, params, seeds, mask, logprobs=any(first), prompt_logprobs=any(prompt))
+        if scored is not None:
+            scored.copy_to_host_async()
+            for row, chunk in enumerate(chunks):
+                if prompt[row] or first[row]:
+                    scores[chunk.req.id].append(_ScoredRows(scored, row, int(inputs.start[row]),
+                                                            int(inputs.num_valid[row]), any(prompt)))
         self.stats.dispatch_s += time.perf_counter() - t
         self.stats.prefill_calls += 1
 
-    def _run_iteration(self, reqs: list[Request], slots: np.ndarray, tables: np.ndarray) -> tuple[int, Choice]:
-        """Dispatch one iteration of the running requests: -> (its bucket, its choice)."""
+    def _run_iteration(self, reqs: list[Request], slots: np.ndarray, tables: np.ndarray) -> tuple[int, Choice] | None:
+        """Dispatch one iteration of the running requests: -> (its bucket, its choice); None where it
+        scored logprobs (its time is not the choice's)."""
         bucket = len(slots)
+        constrained = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
         choice = self.speculation.choice(bucket)
-        cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs))
+        if constrained:
+            choice = self._chain_choice(choice)
+        scoring = any(r.logprobs is not None for r in reqs)
+        cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs), logprobs=scoring,
+                           masked=bool(constrained))
         fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice)
+        mask = None
+        if constrained:  # the grammar along each row's proposal: its drafts are read first
+            width = cfg.speculator.facts.verify_width
+            drafts = self.runner.read_drafts(slots[:len(reqs)], width - 1) if width > 1 else None
+            mask = self.grammars.masks([(i, m, () if drafts is None else drafts[i]) for i, m in constrained],
+                                       bucket, width)
         t = time.perf_counter()
-        verdicts = self.runner.iterate(slots, tables, cfg)
+        verdicts = self.runner.iterate(slots, tables, cfg, mask)
         verdicts.copy_to_host_async()
         self.stats.dispatch_s += time.perf_counter() - t
         self.stats.iterations += 1
         self.stats.count_iteration(bucket, self.speculation.label(choice), speculative=choice is not None)
-        self._pending.append(_Pending(reqs, verdicts, [r.admissions for r in reqs], True, choice, fresh))
-        return bucket, choice
+        self._pending.append(_Pending(reqs, verdicts, [r.admissions for r in reqs], True, choice, fresh, scoring))
+        return None if scoring else (bucket, choice)
 
     def _postprocess(self, pending: _Pending) -> list[Request]:
         """Read one dispatched program's results and apply them to its requests."""
         t = time.perf_counter()
-        result = np.asarray(pending.result)
+        result = None if pending.result is None else np.asarray(pending.result)
         collected = time.perf_counter()
         self.stats.device_wait_s += collected - t
-        accepted, top1, tokens = split_verdicts(result) if pending.iteration else (None, None, result)
+        accepted, top1, tokens, scored = (split_verdicts(result, self.scored_fields if pending.scored else 0)
+                                          if pending.iteration else (None, None, result, None))
         if accepted is not None:  # read before _append finishes any request
             n = len(pending.reqs)
             measured = np.array([bool(f) and not _stale(pending, i) for i, f in enumerate(pending.fresh)], bool)
@@ -232,19 +331,44 @@ class Engine:
             if _stale(pending, i):
                 continue  # the surplus iteration of a finished request, or one preempted since
             if accepted is None:
-                new = tokens[:1].tolist()
+                new, new_logprobs = self._prefilled(req, tokens, pending.prefill_scores)
+                if req.max_tokens == 0:
+                    self.scheduler.finish(req, "length")
             else:
                 req.metrics.record(int(accepted[i]), speculative=pending.proposal is not None)
                 new = tokens[i, :accepted[i] + 1].tolist()
-            self._append(req, new)
+                new_logprobs = (None if scored is None or req.logprobs is None
+                                else _token_logprobs(scored[i, :len(new)], new, req.params.logprobs))
+            self._append(req, new, new_logprobs)
             req.metrics.collected(collected)
             changed.append(req)
         return changed
 
-    def _append(self, req: Request, new_tokens: list[int]) -> None:
-        for tok in new_tokens:
+    def _prefilled(self, req: Request, first: np.ndarray | None,
+                   scores: list[_ScoredRows]) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """A fresh request's prefill read: -> (its first token, none for max_tokens 0; that token's
+        logprobs where asked), its prompt's logprobs kept where asked (the first token has none)."""
+        new = [] if first is None else first[:1].tolist()
+        if not scores:
+            return new, None
+        scored = {position: row for part in scores for position, row in part.by_position().items()}
+        last = len(req.prompt) - 1  # its position scored the first generated token
+        if req.scores_prompt:
+            req.prompt_logprobs = [None, *_token_logprobs(np.stack([scored[p] for p in range(last)]), req.prompt[1:],
+                                                          req.params.prompt_logprobs)] if last else [None]
+        if req.logprobs is None or not new:
+            return new, None
+        return new, _token_logprobs(scored[last][None], new, req.params.logprobs)
+
+    def _append(self, req: Request, new_tokens: list[int], new_logprobs: list[TokenLogprobs] | None = None) -> None:
+        for i, tok in enumerate(new_tokens):
             req.output.append(tok)
-            if reason := stop_reason(req, tok, self.eos_token_ids, self.detokenize):
+            if new_logprobs is not None:
+                req.logprobs.append(new_logprobs[i])
+            reason = stop_reason(req, tok, self.eos_token_ids, self.detokenize)
+            if reason is None and req.grammar is not None and req.grammar.advance(tok):
+                reason = "stop"  # the grammar is complete: nothing may follow
+            if reason:
                 self.scheduler.finish(req, reason)
                 break
 
@@ -261,22 +385,38 @@ class Engine:
         bar.close()
 
     # ---- programs ----------------------------------------------------------------------------
-    def _config(self, choice: Choice, greedy: bool) -> StepConfig:
-        return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy)
+    def _config(self, choice: Choice, greedy: bool, logprobs: bool = False, masked: bool = False) -> StepConfig:
+        return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy, logprobs,
+                                  masked)
+
+    def _chain_choice(self, choice: Choice) -> Choice:
+        """`choice`, or for a tree the engine's first chain (else the target alone): a batch under a
+        grammar verifies one line of tokens, which the host's matchers can follow."""
+        if choice is None or self.proposals[choice].facts.verifies_chain:
+            return choice
+        return next((i for i, p in enumerate(self.proposals) if p.facts.verifies_chain), None)
 
     def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
         """The iteration a bucket runs now: its choice's proposal, or the target alone (pending
         proposals then wait: each was drawn as its rule requires, so any is safe to verify later)."""
         return self._config(self.speculation.choice(bucket), greedy)
 
-    def programs(self, greedy: bool | None = None) -> tuple[list[tuple[int, StepConfig]], list[tuple[int, int, bool]]]:
+    def programs(self, greedy: bool | None = None
+                 ) -> tuple[list[tuple[int, StepConfig]], list[tuple[int, int, bool, bool]]]:
         """Every program serving may run, greedy and sampling (`greedy`: one of them): iterations
-        (bucket, config), each bucket's choices (`Speculation.choices`), and prefills (rows, chunk, greedy)."""
+        (bucket, config), each bucket's choices (`Speculation.choices`), and prefills (rows, chunk,
+        greedy, masked); with `structured_warmup` the masked ones too (a grammar's batches)."""
         kinds = (True, False) if greedy is None else (greedy,)
+        masked = (False, True) if self.cfg.structured_warmup else (False,)
         iterations = [(b, self._config(c, g)) for b in self.cfg.batch_buckets for c in self.speculation.choices(b)
                       for g in kinds]
-        prefills = [(rows, size, g) for size in self.cfg.prefill_buckets for rows in self.cfg.prefill_batch_buckets
-                    for g in kinds]
+        if self.cfg.structured_warmup:
+            chains = {b: list(dict.fromkeys(map(self._chain_choice, self.speculation.choices(b))))
+                      for b in self.cfg.batch_buckets}
+            iterations += [(b, self._config(c, g, masked=True)) for b in self.cfg.batch_buckets for c in chains[b]
+                           for g in kinds]
+        prefills = [(rows, size, g, m) for size in self.cfg.prefill_buckets for rows in self.cfg.prefill_batch_buckets
+                    for g in kinds for m in masked]
         return iterations, prefills
 
     def warmup(self, progress: bool = True, greedy: bool | None = None) -> float:
@@ -298,6 +438,13 @@ class Engine:
         self.stats.warmup_s = time.perf_counter() - start
         log.info("warm-up: %d programs ready in %.1f s", len(shapes), self.stats.warmup_s)
         return self.stats.warmup_s
+
+
+def _token_logprobs(packed: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """Packed rows [n, F] (runner/logprobs.py) of `tokens` [n] -> their TokenLogprobs, `top` likeliest each."""
+    logprob, rank, ids, top_logprobs = (x.tolist() for x in logprobs.unpack(packed))
+    return [TokenLogprobs(int(token), logprob[j], rank[j], tuple(ids[j][:top]), tuple(top_logprobs[j][:top]))
+            for j, token in enumerate(tokens)]
 
 
 def _stale(pending: _Pending, i: int) -> bool:

@@ -14,7 +14,8 @@ admission order (engine/prefill.py decides how many of their chunks a step dispa
 Prefix caching (engine/pages.py): an admitted request reuses its longest cached prefix and prefills
 the rest, at least one token (its logits and the next proposal come from the last). Pages are
 published once the programs writing them were dispatched (a prefilling request's, chunk by chunk):
-requests admitted in one step share none.
+requests admitted in one step share none. A request asking for prompt_logprobs takes no cached
+prefix until they are read: its prefill scores every prompt position, so it computes them all.
 """
 
 from __future__ import annotations
@@ -82,6 +83,19 @@ class RequestMetrics:
         return sum(self.accepted_at)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probability of `token` where it was scored, its rank there (1: the
+    likeliest; ties count as ahead) and the likeliest tokens' ids and log-probabilities, best first,
+    as many as the request asked for."""
+
+    token: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
 @dataclasses.dataclass
 class Request:
     id: int
@@ -102,10 +116,18 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     text: str | None = None  # set when a stop string cut the output text
+    logprobs: list[TokenLogprobs] | None = None  # one per output token where params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (the first None), once read
+    grammar: object | None = None  # its structured output's matcher (engine/structured.py), advanced by its tokens
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill scores every prompt position: it asks for prompt_logprobs not read yet."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
     def tokens(self) -> list[int]:
@@ -186,7 +208,7 @@ class Scheduler:
         metrics = RequestMetrics(accepted_at=[0] * self.num_draft, num_draft=self.num_draft,
                                  arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         req = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, max_tokens=max_tokens,
-                      metrics=metrics)
+                      metrics=metrics, logprobs=None if params.logprobs is None else [])
         self.waiting.append(req)
         return req
 
@@ -238,7 +260,8 @@ class Scheduler:
         while self.waiting and self._free_slots:
             req = self.waiting[0]
             self._publish(req)
-            hit = self.pool.match(req.keys[:(req.context_len - 1) // self.cfg.pool.page_size])
+            cacheable = 0 if req.scores_prompt else (req.context_len - 1) // self.cfg.pool.page_size
+            hit = self.pool.match(req.keys[:cacheable])
             fresh = self.pool.allocate(self.pages_to_hold(req) - len(hit))
             if fresh is None:
                 self.pool.release(hit)
@@ -269,6 +292,11 @@ class Scheduler:
     def prefilling(self) -> list[Request]:
         """The running requests still prefilling, in admission order."""
         return [req for req in self.running.values() if req.prefilling]
+
+    def release(self, req: Request) -> None:
+        """A request of max_tokens 0, its prefill dispatched: its slot and pages back now, so that no
+        iteration runs for it; the engine finishes it once its prompt's logprobs are read."""
+        self._vacate(req)
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error

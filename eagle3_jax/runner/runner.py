@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from eagle3_jax.config import DUMMY_SLOT, DraftConfig, ModelConfig, ServedConfig, check_draft_fits
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
-from eagle3_jax.runner import sampling
+from eagle3_jax.runner import logprobs, sampling
 from eagle3_jax.runner.speculators import Speculator
 from eagle3_jax.runner.state import (
     DeviceState,
@@ -135,6 +135,9 @@ class PrefillInputs:
 _set_lengths = state_jit(with_lengths, donate_argnums=0)
 _set_history = state_jit(with_history, donate_argnums=0)
 
+# The pending proposals of some slots, for the host to read.
+_read_drafts = jax.jit(lambda drafts, rows, width: drafts[rows, :width], static_argnums=2)
+
 # A padding row never makes a call sample: greedy.
 PADDING_PARAMS = SamplingParams(max_tokens=1)
 
@@ -146,18 +149,22 @@ _overwrite = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)
 class PinnedBatch:
     """The iteration's slots [B] and block tables [B, nb] at one device address per bucket,
     overwritten in place only when they change (a host array passed in would be a new buffer every
-    call); two verdict buffers per bucket, used in turn; one first-token buffer per slot."""
+    call); two verdict buffers per bucket (and per bucket of logprobs programs), used in turn; one
+    buffer per bucket for a logprobs program's scored tokens; one first-token buffer per slot."""
 
     def __init__(self, mesh: Mesh | None):
         self._placement = sharding.replicated_placement(mesh)
         self._by_bucket: dict[int, tuple[np.ndarray, np.ndarray, tuple[jax.Array, jax.Array]]] = {}
-        self._verdicts: dict[int, tuple[jax.Array, jax.Array]] = {}  # bucket -> (oldest, newest)
+        # (bucket, whether scored) -> (oldest, newest)
+        self._verdicts: dict[tuple[int, bool], tuple[jax.Array, jax.Array]] = {}
+        self._scored: dict[int, jax.Array] = {}  # bucket -> the last logprobs program's scored [B, E, F]
+        self._masks: dict[tuple[int, ...], jax.Array] = {}  # token masks by shape: [B, W, words], [P, words]
         self._first_tokens: list[list[jax.Array]] = []  # slot -> [slot index [1], first token [1]]
 
     def buffers(self) -> list[jax.Array]:
         """Every device buffer held here."""
         return jax.tree.leaves(([held[2] for held in self._by_bucket.values()], list(self._verdicts.values()),
-                                self._first_tokens))
+                                list(self._scored.values()), self._first_tokens, list(self._masks.values())))
 
     def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
         held = self._by_bucket.get(len(slots))
@@ -171,16 +178,36 @@ class PinnedBatch:
         self._by_bucket[len(slots)] = (slots.copy(), tables.copy(), device)
         return device
 
-    def read_verdicts(self, state: DeviceState, rows: jax.Array) -> jax.Array:
-        """The verdicts [B, 2 + E] of the iteration just dispatched over `rows` [B], without
-        waiting, in the bucket's older buffer: read them before the bucket's next iteration but one."""
-        pair = self._verdicts.get(rows.shape[0])
+    def token_mask(self, mask: np.ndarray) -> jax.Array:
+        """`mask` on the device in the buffer held for its shape, overwritten in place."""
+        held = self._masks.get(mask.shape)
+        if held is None:
+            held = jax.device_put(mask, self._placement, may_alias=False)
+        self._masks[mask.shape] = held = _overwrite(held, mask)
+        return held
+
+    def read_verdicts(self, state: DeviceState, rows: jax.Array, scored: jax.Array | None = None) -> jax.Array:
+        """The verdicts [B, 2 + E] of the iteration just dispatched over `rows` [B] (a logprobs
+        program's: [B, 2 + E + E F] with its `scored` [B, E, F]), without waiting, in the bucket's
+        older buffer: read them before the bucket's next iteration but one."""
+        key = (rows.shape[0], scored is not None)
+        pair = self._verdicts.get(key)
         if pair is None:
-            empty = np.zeros((rows.shape[0], 2 + state.slots.emitted.shape[1]), np.int32)
+            width = state.slots.emitted.shape[1] * (1 + (0 if scored is None else scored.shape[2]))
+            empty = np.zeros((rows.shape[0], 2 + width), np.int32)
             pair = tuple(jax.device_put(empty, self._placement, may_alias=False) for _ in range(2))
-        verdicts = read_verdicts_step(pair[0], state.slots.accepted, state.slots.emitted, rows)
-        self._verdicts[rows.shape[0]] = (pair[1], verdicts)
+        verdicts = read_verdicts_step(pair[0], state.slots.accepted, state.slots.emitted, rows, scored)
+        self._verdicts[key] = (pair[1], verdicts)
         return verdicts
+
+    def scored(self, bucket: int, shape: tuple[int, int]) -> jax.Array:
+        """The buffer [bucket, *shape] a logprobs iteration writes over (donated); `keep_scored` takes it back."""
+        held = self._scored.pop(bucket, None)
+        return held if held is not None else jax.device_put(np.zeros((bucket, *shape), np.int32), self._placement,
+                                                            may_alias=False)
+
+    def keep_scored(self, scored: jax.Array) -> None:
+        self._scored[scored.shape[0]] = scored
 
     def read_first_token(self, state: DeviceState, slot: int) -> jax.Array:
         """The first token [1] the prefill just dispatched sampled into `slot`, without waiting. One buffer
@@ -195,11 +222,20 @@ class PinnedBatch:
 
 
 def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch, slots: np.ndarray,
-                   tables: np.ndarray, cfg: StepConfig) -> tuple[DeviceState, jax.Array]:
-    """One fused iteration, every buffer at a stable address, state donated -> (state, verdicts [B, 2 + E])."""
+                   tables: np.ndarray, cfg: StepConfig, token_mask: np.ndarray | None = None
+                   ) -> tuple[DeviceState, jax.Array]:
+    """One fused iteration, every buffer at a stable address, state donated -> (state, verdicts [B, 2 + E],
+    a logprobs program's with its scored tokens); token_mask [B, W, words]: a masked program's."""
     slots, tables = pinned.get(slots, tables)
-    state = iterate_in_place_step(cfg, len(slots))(params, draft_params, state, slots, tables, cfg=cfg)
-    return state, pinned.read_verdicts(state, slots)
+    step = iterate_in_place_step(cfg, len(slots))
+    mask = None if token_mask is None else pinned.token_mask(token_mask)
+    if not cfg.logprobs:
+        state = step(params, draft_params, state, slots, tables, cfg=cfg, token_mask=mask)
+        return state, pinned.read_verdicts(state, slots)
+    scored = pinned.scored(len(slots), (state.slots.emitted.shape[1], logprobs.fields(cfg.target.vocab_size)))
+    state, scored = step(params, draft_params, state, slots, tables, scored, cfg=cfg, token_mask=mask)
+    pinned.keep_scored(scored)
+    return state, pinned.read_verdicts(state, slots, scored)
 
 
 def time_calls(call: Callable[[DeviceState], tuple[DeviceState, Any]], state: DeviceState,
@@ -296,20 +332,39 @@ class ModelRunner:
         """The engine's proposal (TARGET_ALONE where it serves none). Prefills draft it."""
         return self.step_cfg.speculator
 
-    def config(self, proposal: Speculator, greedy: bool) -> StepConfig:
-        """The step config of one program: `proposal` (one of `proposals`, or TARGET_ALONE), greedy or not."""
-        return dataclasses.replace(self.step_cfg, speculator=proposal, greedy=greedy)
+    def config(self, proposal: Speculator, greedy: bool, logprobs: bool = False, masked: bool = False) -> StepConfig:
+        """The step config of one program: `proposal` (one of `proposals`, or TARGET_ALONE), greedy or
+        not, scoring the tokens it emits or not, taking token masks or not."""
+        return dataclasses.replace(self.step_cfg, speculator=proposal, greedy=greedy, logprobs=logprobs, masked=masked)
+
+    def allow_all(self, cfg: StepConfig, rows: int, iteration: bool = True) -> np.ndarray | None:
+        """Token masks allowing everything for an iteration ([rows, W, words]) or a prefill ([rows,
+        words]) of `cfg` (None: it takes none)."""
+        if not cfg.masked:
+            return None
+        shape = (rows, cfg.speculator.facts.verify_width) if iteration else (rows,)
+        return sampling.allow_all(shape, self.step_cfg.target.vocab_size)
 
     @property
     def num_compilations(self) -> int:
         return CompileCounter.count
 
-    def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None]) -> None:
+    def prefill(self, inputs: PrefillInputs, params: Sequence[SamplingParams], seeds: Sequence[int | None],
+                token_mask: np.ndarray | None = None, logprobs: bool = False,
+                prompt_logprobs: bool = False) -> jax.Array | None:
         """One prefill call over `inputs`' P rows, row p sampled by `params[p]` with `seeds[p]`
-        (None: its params carry a seed); the greedy program when every row is greedy."""
+        (None: its params carry a seed); the greedy program when every row is greedy; with
+        `token_mask` [P, words] the program that samples the first tokens under it. With `logprobs`
+        or `prompt_logprobs`, the program that scores (`steps.prefill`) -> its packed logprobs, not
+        waited for; else None."""
         row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.facts.point_mass)
-        cfg = self.config(self.speculator, greedy=all(p.greedy for p in params))
-        self._state = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg)
+        cfg = dataclasses.replace(self.config(self.speculator, all(p.greedy for p in params), logprobs,
+                                              masked=token_mask is not None), prompt_logprobs=prompt_logprobs)
+        mask = None if token_mask is None else self._pinned.token_mask(token_mask)
+        out = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg,
+                           token_mask=mask)
+        self._state, scored = out if logprobs or prompt_logprobs else (out, None)
+        return scored
 
     def write_history(self, slot: int, tokens: Sequence[int]) -> None:
         """Set `slot`'s token history to `tokens` from position 0, where the slots keep one (a prefill
@@ -324,19 +379,28 @@ class ModelRunner:
         """The first token [1] the last prefill into `slot` sampled; read it before the slot's next prefill."""
         return self._pinned.read_first_token(self._state, slot)
 
-    def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig) -> jax.Array:
+    def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig,
+                token_mask: np.ndarray | None = None) -> jax.Array:
         """One iteration over `slots` [B], `tables` [B, nb], fused or a program per draft step -> verdicts
-        [B, 2 + E] (`steps.split_verdicts`), to read before the bucket's next iteration but one."""
+        [B, 2 + E] (a `cfg.logprobs` program's with its scored tokens: `steps.split_verdicts`), to read
+        before the bucket's next iteration but one. token_mask [B, W, words]: a masked program's (cfg.masked)."""
         if self.cfg.speculation.fused_iteration or not cfg.speculative:
             self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,
-                                                   tables, cfg)
+                                                   tables, cfg, token_mask)
             return verdicts
         slots, tables = self._pinned.get(slots, tables)
-        state, _, _, carry = iterate_head_step(self._params, self._draft_params, self._state, slots, tables, cfg=cfg)
+        mask = None if token_mask is None else self._pinned.token_mask(token_mask)
+        state, _, _, carry, scored = iterate_head_step(self._params, self._draft_params, self._state, slots, tables,
+                                                       cfg=cfg, token_mask=mask)
         for j in range(1, cfg.speculator.facts.num_draft_steps):
             state, carry = chain_step_jit(self._draft_params, self._params.embed, state, carry, tables, j, cfg=cfg)
         self._state = commit_step(state, slots, carry, cfg=cfg)
-        return self._pinned.read_verdicts(self._state, slots)
+        return self._pinned.read_verdicts(self._state, slots, scored)
+
+    def read_drafts(self, slots: np.ndarray, width: int) -> np.ndarray:
+        """The pending proposals [B, width] of `slots` [B] (target ids), read now: the host follows a
+        grammar along them before a masked verify (waits for what was dispatched before)."""
+        return np.asarray(_read_drafts(self._state.slots.drafts, slots, width))
 
     def padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
@@ -348,26 +412,37 @@ class ModelRunner:
         return (*inputs.arrays(), sampling.row_sampling_from_params([PADDING_PARAMS] * rows, [0] * rows))
 
     def compile_iteration(self, bucket: int, cfg: StepConfig) -> None:
-        """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows."""
-        self.iterate(*self.padding_rows(bucket), cfg).block_until_ready()
+        """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows (a
+        masked one with the read of the drafts its masks follow)."""
+        slots, tables = self.padding_rows(bucket)
+        if cfg.masked and cfg.speculative:
+            self.read_drafts(slots, cfg.speculator.facts.verify_width - 1)
+        self.iterate(slots, tables, cfg, self.allow_all(cfg, bucket)).block_until_ready()
 
-    def compile_prefill(self, rows: int, size: int, greedy: bool) -> None:
+    def compile_prefill(self, rows: int, size: int, greedy: bool, masked: bool = False) -> None:
         """Build the prefill program of `rows` x `size` tokens by running it on padding rows."""
-        cfg = self.config(self.speculator, greedy)
+        cfg = self.config(self.speculator, greedy, masked=masked)
+        mask = self.allow_all(cfg, rows, iteration=False)
         self._state = prefill_step(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
-                                   cfg=cfg)
+                                   cfg=cfg, token_mask=None if mask is None else self._pinned.token_mask(mask))
         self.first_token(DUMMY_SLOT).block_until_ready()  # as serving reads it
 
     def compile_jobs(self, iterations: Sequence[tuple[int, StepConfig]],
-                     prefills: Sequence[tuple[int, int, bool]]) -> list[Job]:
-        """The fused iteration and prefill programs as jobs to lower and compile elsewhere (`precompile`)."""
+                     prefills: Sequence[tuple[int, int, bool, bool]]) -> list[Job]:
+        """The fused iteration and prefill programs as jobs to lower and compile elsewhere (`precompile`):
+        iterations (bucket, config), prefills (rows, chunk, greedy, masked); programs that score
+        logprobs are built on first use."""
         p, dp, st = self._params, self._draft_params, self._state
-        jobs = [(iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)), {"cfg": c}) for b, c in iterations]
-        jobs += [(prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
-                  {"cfg": self.config(self.speculator, greedy)}) for rows, size, greedy in prefills]
+        jobs = [(iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)),
+                 {"cfg": c, "token_mask": self.allow_all(c, b)}) for b, c in iterations]
+        for rows, size, greedy, masked in prefills:
+            cfg = self.config(self.speculator, greedy, masked=masked)
+            jobs.append((prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
+                         {"cfg": cfg, "token_mask": self.allow_all(cfg, rows, iteration=False)}))
         return jobs
 
-    def compile_ahead(self, iterations: Sequence[tuple[int, StepConfig]], prefills: Sequence[tuple[int, int, bool]],
+    def compile_ahead(self, iterations: Sequence[tuple[int, StepConfig]],
+                      prefills: Sequence[tuple[int, int, bool, bool]],
                       progress: bool = False) -> float:
         """Compile the fused programs on a thread pool for compile_iteration and compile_prefill to load
         from JAX's persistent cache -> seconds. Without the cache they would compile twice: nothing done."""

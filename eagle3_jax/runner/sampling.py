@@ -263,6 +263,27 @@ def sample_logits(logits: Array, params: RowSampling, keys: Array | None = None,
     return jnp.where(params.greedy, greedy_tok, tok)
 
 
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one packed token mask: bit t % 32 of word t // 32 allows token t."""
+    return (vocab_size + 31) // 32
+
+
+def allow_all(shape: tuple[int, ...], vocab_size: int) -> np.ndarray:
+    """Packed token masks [*shape, mask_words] allowing every token (rows no grammar constrains)."""
+    return np.full((*shape, mask_words(vocab_size)), -1, np.int32)
+
+
+def mask_logits(logits: Array, token_mask: Array) -> Array:
+    """A grammar's token mask applied: logits [..., V], token_mask [..., ceil(V / 32)] i32 (bit t % 32
+    of word t // 32 allows token t) -> logits with every refused token -inf. Every rule then
+    accepts only allowed tokens (greedy: an argmax; sampled: p = 0 there) and draws its correction
+    or bonus token among them, so speculation keeps the constrained output exactly."""
+    V = logits.shape[-1]
+    bits = jnp.right_shift(token_mask[..., None], jnp.arange(32, dtype=jnp.int32)) & 1  # [..., W, 32]
+    allowed = bits.reshape(*token_mask.shape[:-1], -1)[..., :V].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _leading_accepts(accept: Array) -> Array:
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 

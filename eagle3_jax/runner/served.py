@@ -76,7 +76,8 @@ def served_config(cfg: EngineConfig, target: ModelConfig, draft: DraftConfig | N
                                  device.free_bytes, tp)
     return ServedConfig(max_model_len=cfg.max_model_len, max_num_seqs=seqs, batch_buckets=buckets,
                         prefill_buckets=cfg.prefill_buckets, prefill_batch_buckets=cfg.prefill_batch_buckets,
-                        freeze_heap=cfg.freeze_heap, speculation=speculation, pool=pool, kernels=kernels)
+                        freeze_heap=cfg.freeze_heap, speculation=speculation, pool=pool, kernels=kernels,
+                        structured_warmup=cfg.structured_warmup)
 
 
 def settled_speculation(cfg: EngineConfig, draft: DraftConfig | None, backend: str) -> SpeculationConfig:

@@ -3,11 +3,14 @@
 chunk of each of P prompts (a last chunk also yields the first token and proposal); `iterate`
 verifies, accepts, extends the drafter and drafts the next proposal, with no host round trip.
 `fused_iteration=False` runs it as K + 1 programs (`iterate_head`, `chain_step`, `commit_proposals`).
+Programs of a batch with a row asking for logprobs also score the tokens they emit (runner/logprobs.py);
+the others are unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ from eagle3_jax.parallel.sharding import (
     vocab_logits,
     vocab_split,
 )
-from eagle3_jax.runner import sampling
+from eagle3_jax.runner import logprobs, sampling
 from eagle3_jax.runner.speculators import Chain, DraftCarry, DraftContext, DraftStart, Speculator
 from eagle3_jax.runner.state import DUMMY_SLOT, DeviceState, Slots, state_shardings
 from eagle3_jax.runner.target import LLAMA3, TargetModel
@@ -51,12 +54,19 @@ class StepConfig:
     # Every row greedy: argmax only. The host picks the program (as vLLM's `all_greedy`): a
     # `lax.cond` on the device would copy its predicate to the host and block the stream.
     greedy: bool = False
+    # A row is under a grammar: the program takes each row's packed token masks and applies them to
+    # the target's logits (`sampling.mask_logits`). Picked on the host, so other batches pay nothing.
+    masked: bool = False
     attention: str = "xla"
     gemv: str = "xla"
     gemm: str = "triton"
     model: TargetModel = LLAMA3
     # Batch-invariant kernels for the target only: the drafter's numerics change proposals, never the output.
     batch_invariant: bool = False
+    # A row asks for logprobs: score each emitted token (a prefill: its first), `logprobs.token_logprobs`.
+    logprobs: bool = False
+    # A prefill row asks for prompt_logprobs: score every position of the chunk.
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         if self.speculative and self.speculator.facts.uses_drafter and self.draft is None:
@@ -132,7 +142,7 @@ def _logits(params, cfg: StepConfig, hidden):
                                in_specs=(specs, REPLICATED), out_specs=split, check_vma=False)(params, hidden)
     else:
         logits = cfg.model.logits(params, hidden, cfg.target_gemv)
-    return vocab_logits(logits, cfg.mesh, gather=not cfg.greedy)
+    return vocab_logits(logits, cfg.mesh, gather=not cfg.greedy or cfg.logprobs or cfg.prompt_logprobs)
 
 
 def _finish(state: DeviceState, cfg: StepConfig) -> DeviceState:
@@ -176,17 +186,26 @@ def _write_slots(slots: Slots, rows: jax.Array, **values: jax.Array) -> Slots:
 
 
 def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
-                 cfg: StepConfig):
-    """Verify, accept, extend the draft, run the first draft step. rows [B], block_tables [B, nb] ->
-    (state, n [B], emitted [B, E]: row b emitted emitted[b, :n[b] + 1], carry: None if nothing drafts)."""
+                 cfg: StepConfig, token_mask: jax.Array | None = None):
+    """Verify, accept, extend the draft, run the first draft step. rows [B], block_tables [B, nb],
+    token_mask [B, W, ceil(V / 32)] (cfg.masked) -> (state, n [B], emitted [B, E]: row b emitted
+    emitted[b, :n[b] + 1], carry: None if nothing drafts, scored: `cfg.logprobs`' packed rows [B, W, F]
+    of the emitted tokens, W the slots' emitted width, scored by the target's logits before any token
+    mask; else None)."""
     spec = cfg.speculator
     s = _gather(state.slots, rows)
     tokens, positions, mask = spec.verify_layout(s)
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
-    logits = _logits(params, cfg, hidden)
+    logits = target_logits = _logits(params, cfg, hidden)
+    if cfg.masked:
+        if not spec.facts.verifies_chain:  # the host follows a grammar along one line of drafts only
+            raise ConfigError(f"iteration: token masks follow one line of drafts; {spec.facts.label} verifies a tree")
+        logits = sampling.mask_logits(logits, token_mask)
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
                                          _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
     target_kv = spec.commit_kv(target_kv, path, s.length, block_tables)
+    width = state.slots.emitted.shape[1]  # the engine's widest verify; a target-only iteration emits 1
+    scored = _score_emitted(target_logits, emitted, path, width, cfg) if cfg.logprobs else None
     last = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]  # correction or bonus token
     num_generated = s.num_generated + n + 1
     kept = ({} if s.history is None else
@@ -204,11 +223,20 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
                         keys=_keys(s.sampling.key, num_generated, _STREAM_DRAFT))
         carry, draft_kv = spec.draft_step(cfg.draft_context, dparams, params.embed, spec.start(cfg.draft_context, at),
                                           draft_kv, block_tables, 0)
-    width = state.slots.emitted.shape[1]  # the engine's widest verify; a target-only iteration emits 1
     slots = _write_slots(state.slots, rows, last_token=last, length=s.length + n + 1, num_generated=num_generated,
                          accepted=jnp.stack([n, top1], axis=1),
                          emitted=jnp.pad(emitted, ((0, 0), (0, width - emitted.shape[1]))), **kept)
-    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted, carry
+    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg), n, emitted, carry, scored
+
+
+def _score_emitted(logits: jax.Array, emitted: jax.Array, path: jax.Array | None, width: int,
+                   cfg: StepConfig) -> jax.Array:
+    """Emitted token d [B, E] was chosen by the verify's logits [B, W', V] at path[d] (a chain's: d)
+    -> its packed logprobs [B, width, F] (past n: unread)."""
+    at = jnp.arange(emitted.shape[1])[None] if path is None else jnp.maximum(path, 0)
+    chosen = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [B, E, V]: only the emitted positions
+    scored = logprobs.token_logprobs(chosen, jnp.maximum(emitted, 0), cfg.batch_invariant)
+    return jnp.pad(scored, ((0, 0), (0, width - scored.shape[1]), (0, 0)))
 
 
 def chain_step(dparams: DraftParams, target_embed: jax.Array, state: DeviceState, carry: DraftCarry,
@@ -225,30 +253,44 @@ def commit_proposals(state: DeviceState, rows: jax.Array, carry: DraftCarry, cfg
 
 
 def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
-            cfg: StepConfig) -> tuple[DeviceState, jax.Array, jax.Array]:
+            cfg: StepConfig, token_mask: jax.Array | None = None
+            ) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array | None]:
     """One whole speculative iteration in one program (the fused path); see `iterate_head`."""
-    state, n, emitted, carry = iterate_head(params, dparams, state, rows, block_tables, cfg)
+    state, n, emitted, carry, scored = iterate_head(params, dparams, state, rows, block_tables, cfg, token_mask)
     if carry is not None:
         carry, draft_kv = cfg.speculator.propose(cfg.draft_context, dparams, params.embed, carry, state.draft_kv,
                                                  block_tables, start=1)
         state = commit_proposals(state.replace(draft_kv=draft_kv), rows, carry, cfg)
-    return state, n, emitted
+    return state, n, emitted, scored
 
 
 def iterate_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
-                     block_tables: jax.Array, cfg: StepConfig) -> DeviceState:
+                     block_tables: jax.Array, cfg: StepConfig, token_mask: jax.Array | None = None) -> DeviceState:
     """`iterate` with the verdicts left in the slots: the only output is the donated state, aliased
     to its input, since XLA's CUDA graph is rewritten whenever a buffer moves and a returned array
     is a new buffer each call (BENCHMARKS.md, "Host overhead")."""
-    return iterate(params, dparams, state, rows, block_tables, cfg)[0]
+    return iterate(params, dparams, state, rows, block_tables, cfg, token_mask)[0]
 
 
-def read_verdicts(buffer: jax.Array, accepted: jax.Array, emitted: jax.Array, rows: jax.Array) -> jax.Array:
-    """accepted [S, 2], emitted [S, E], rows [B] -> verdicts [B, 2 + E] (`split_verdicts`), one
-    array for one device-to-host copy. Written over the donated `buffer`, so nothing is allocated
-    between iterations (a new buffer can move the next iteration's temporaries)."""
+def iterate_scored_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
+                            block_tables: jax.Array, scored: jax.Array, cfg: StepConfig,
+                            token_mask: jax.Array | None = None) -> tuple[DeviceState, jax.Array]:
+    """`iterate_in_place` of a `cfg.logprobs` program: the emitted tokens' packed logprobs [B, W, F]
+    written over the donated `scored`, so that they too keep one address from call to call."""
+    del scored
+    state, _, _, scored = iterate(params, dparams, state, rows, block_tables, cfg, token_mask)
+    return state, scored
+
+
+def read_verdicts(buffer: jax.Array, accepted: jax.Array, emitted: jax.Array, rows: jax.Array,
+                  scored: jax.Array | None = None) -> jax.Array:
+    """accepted [S, 2], emitted [S, E], rows [B] (and a logprobs program's scored [B, E, F]) ->
+    verdicts [B, 2 + E (+ E F)] (`split_verdicts`), one array for one device-to-host copy. Written
+    over the donated `buffer`, so nothing is allocated between iterations (a new buffer can move
+    the next iteration's temporaries)."""
     del buffer
-    return jnp.concatenate([accepted[rows], emitted[rows]], axis=1)
+    parts = [accepted[rows], emitted[rows]] + ([] if scored is None else [scored.reshape(scored.shape[0], -1)])
+    return jnp.concatenate(parts, axis=1)
 
 
 def read_first_token(buffer: jax.Array, last_token: jax.Array, slot: jax.Array) -> jax.Array:
@@ -257,19 +299,26 @@ def read_first_token(buffer: jax.Array, last_token: jax.Array, slot: jax.Array) 
     return last_token[slot]
 
 
-def split_verdicts(verdicts):
-    """verdicts [B, 2 + E] -> (num_accepted [B], top1 [B] (`Speculator.accept`), emitted [B, E])."""
-    return verdicts[:, 0], verdicts[:, 1], verdicts[:, 2:]
+def split_verdicts(verdicts, fields: int = 0):
+    """verdicts [B, 2 + E (+ E F)] -> (num_accepted [B], top1 [B] (`Speculator.accept`), emitted [B, E],
+    scored [B, E, F] or None); `fields`: F, `logprobs.fields` where the program scored, else 0."""
+    e = (verdicts.shape[1] - 2) // (1 + fields)
+    scored = verdicts[:, 2 + e:].reshape(verdicts.shape[0], e, fields) if fields else None
+    return verdicts[:, 0], verdicts[:, 1], verdicts[:, 2:2 + e], scored
 
 
 def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax.Array,
             next_tokens: jax.Array, num_valid: jax.Array, start: jax.Array, slot: jax.Array,
             block_table: jax.Array, num_generated: jax.Array, row: sampling.RowSampling,
-            cfg: StepConfig) -> DeviceState:
+            cfg: StepConfig, token_mask: jax.Array | None = None) -> DeviceState | tuple[DeviceState, jax.Array]:
     """One chunk of each of P prompts, row p into `slot[p]` (padding rows: the dummy slot).
     tokens [P, T] (padded after num_valid [P]); next_tokens [P, T] the ids shifted left, -1 where
     the sampled first token goes; start [P] the position of tokens[:, 0]; block_table [P, nb];
-    num_generated [P] once the chunk is in (1; g after preemption: keys continue); row [P]."""
+    num_generated [P] once the chunk is in (1; g after preemption: keys continue); row [P];
+    token_mask [P, ceil(V / 32)] (cfg.masked) the tokens the first generated one may be.
+    -> the state; a program that scores, (state, packed logprobs): `cfg.prompt_logprobs` [P, T, F],
+    position t's of the token after it (the last's: the first generated), else [P, 1, F] that last one's,
+    by the target's logits before any token mask."""
     # XLA's dots whatever the rows: a prompt's KV must not depend on how many shared its call.
     cfg = dataclasses.replace(cfg, gemv="xla")
     p, t = tokens.shape
@@ -277,13 +326,21 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_table)
     last_idx = num_valid - 1
     last_hidden = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
-    logits = _logits(params, cfg, last_hidden)
+    logits = target_logits = _logits(params, cfg, last_hidden)
+    if cfg.masked:
+        logits = sampling.mask_logits(logits, token_mask)
     length = start + num_valid  # the first generated token's position
     sampled = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if cfg.greedy
                else sampling.sample_logits(logits, row, _keys(row.key, 0, _STREAM_FIRST),
                                            sampling.coupling_noise(row.key, length, cfg.target.vocab_size)))
     given = jnp.take_along_axis(next_tokens, last_idx[:, None], axis=1)[:, 0]
     first = jnp.where(given < 0, sampled, given)
+    following = jnp.where(next_tokens < 0, first[:, None], next_tokens)  # [P, T] the token after each
+    scored = None
+    if cfg.prompt_logprobs:
+        scored = _score_chunk(params, cfg, hidden, following)
+    elif cfg.logprobs:
+        scored = logprobs.token_logprobs(target_logits[:, None], first[:, None], cfg.batch_invariant)
     spec = cfg.speculator
     kept = {}
     if state.slots.history is not None:  # the chunk's tokens, and the first generated one after them
@@ -292,8 +349,7 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
         kept["history"] = _record(history, length[:, None], first[:, None], jnp.ones_like(valid[:, :1]))
     draft_kv, h_last = state.draft_kv, None
     if cfg.draft is not None:
-        shifted = jnp.where(next_tokens < 0, first[:, None], next_tokens)
-        h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, shifted, captures, positions, draft_kv,
+        h_last, draft_kv = _draft_extend(dparams, cfg, params.embed, following, captures, positions, draft_kv,
                                          block_table, last_idx)
     if cfg.speculative:  # the same key schedule as every later iteration
         at = DraftStart(token=first, position=length - 1, h=h_last, history=kept.get("history"), row=row,
@@ -310,7 +366,23 @@ def prefill(params, dparams: DraftParams | None, state: DeviceState, tokens: jax
                          parents=zeros(state.slots.parents), drafted_by=jnp.zeros_like(length), **kept)
     if cfg.speculative:
         slots = spec.commit(slots, slot, carry, cfg.greedy)  # the first proposal, as an iteration leaves it
-    return _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg)
+    state = _finish(DeviceState(target_kv=target_kv, draft_kv=draft_kv, slots=slots), cfg)
+    return state if scored is None else (state, scored)
+
+
+SCORE_BLOCK = 32  # positions a prompt-scoring prefill makes logits for at a time
+
+
+def _score_chunk(params, cfg: StepConfig, hidden: jax.Array, following: jax.Array) -> jax.Array:
+    """hidden [P, T, D], following [P, T] the token after each position -> packed logprobs [P, T, F],
+    the logits made a block of positions at a time (a chunk's whole would be P x T x V f32)."""
+    p, t, d = hidden.shape
+    block = math.gcd(t, SCORE_BLOCK)
+    blocks = (hidden.reshape(p, t // block, block, d).swapaxes(0, 1),
+              following.reshape(p, t // block, block).swapaxes(0, 1))
+    scored = jax.lax.map(lambda x: logprobs.token_logprobs(_logits(params, cfg, x[0]), x[1], cfg.batch_invariant),
+                         blocks)  # [T / block, P, block, F]
+    return scored.swapaxes(0, 1).reshape(p, t, -1)
 
 
 # The fused iteration's GEMMs (EngineConfig.gemm). "auto" takes cuBLAS from this many verify rows
@@ -351,6 +423,8 @@ def jit_per_gemm(fun, **jit_kwargs) -> dict:
 # One executable per input shape (batch bucket, chunk bucket) and StepConfig; state donated.
 prefill_step = state_jit(prefill, static_argnames="cfg", donate_argnames="state")
 _iterate_in_place = jit_per_gemm(iterate_in_place, static_argnames="cfg", donate_argnames="state")
+_iterate_scored_in_place = jit_per_gemm(iterate_scored_in_place, static_argnames="cfg",
+                                        donate_argnames=("state", "scored"))
 read_verdicts_step = jax.jit(read_verdicts, donate_argnames="buffer", keep_unused=True)
 read_first_token_step = jax.jit(read_first_token, donate_argnames="buffer", keep_unused=True)
 # The per-step path: the same iteration as K + 1 programs, the runner threading the carry.
@@ -361,5 +435,7 @@ commit_step = state_jit(commit_proposals, static_argnames="cfg", donate_argnames
 
 def iterate_in_place_step(cfg: StepConfig, rows: int):
     """The jitted fused iteration of `cfg` over `rows` rows, compiled with its GEMMs (`iteration_gemm`):
-    call it as iterate_in_place(params, draft_params, state, slots, tables, cfg=cfg)."""
-    return _iterate_in_place[iteration_gemm(cfg, rows)]
+    call it as iterate_in_place(params, draft_params, state, slots, tables, cfg=cfg); a `cfg.logprobs`
+    program as iterate_scored_in_place(params, draft_params, state, slots, tables, scored, cfg=cfg); a
+    `cfg.masked` one with token_mask= too."""
+    return (_iterate_scored_in_place if cfg.logprobs else _iterate_in_place)[iteration_gemm(cfg, rows)]

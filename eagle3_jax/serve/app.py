@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from eagle3_jax.api import LLM
 from eagle3_jax.engine.scheduler import RequestError
+from eagle3_jax.engine.structured import GrammarError
 from eagle3_jax.sampling_params import SamplingParams
 from eagle3_jax.serve import protocol as P
 from eagle3_jax.serve.detokenize import TextStream
@@ -41,18 +42,40 @@ class Settings:
 
 @dataclasses.dataclass(frozen=True)
 class _Endpoint:
-    """What differs between chat and completions: ids, response and stream shapes."""
+    """What differs between chat and completions: ids, response, stream and logprobs shapes."""
 
     kind: str  # the id prefix
     response: Callable
     chunk: Callable
-    delta: Callable
+    delta: Callable  # (index, text, finish_reason=None, logprobs=None) -> a chunk's choice
     role_first: bool  # chat streams open each choice with the assistant role
+    logprobs: Callable  # (llm, token texts, entries, top, text offset) -> a choice's logprobs
 
 
 CHAT = _Endpoint("chatcmpl", P.chat_response, P.chat_chunk,
-                 lambda i, text, reason=None: P.chat_delta(i, text or None, finish_reason=reason), True)
-COMPLETION = _Endpoint("cmpl", P.completion_response, P.completion_chunk, P.completion_delta, False)
+                 lambda i, text, reason=None, logprobs=None: P.chat_delta(i, text or None, finish_reason=reason,
+                                                                          logprobs=logprobs), True,
+                 lambda llm, tokens, entries, top, offset: P.chat_logprobs(
+                     entries, top, llm.token_bytes(i for entry in entries for i in entry)))
+COMPLETION = _Endpoint("cmpl", P.completion_response, P.completion_chunk, P.completion_delta, False,
+                       lambda llm, tokens, entries, top, offset: P.completion_logprobs(tokens, entries, top, offset))
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One sample's text and logprobs as its updates arrive; `echo`: the prompt's text and ids to
+    put first (completions' echo), until they are sent."""
+
+    text: TextStream
+    echo: tuple[str, list[int]] | None = None
+    logprobs: list = dataclasses.field(default_factory=list)  # its tokens' TokenLogprobs so far
+    prompt_logprobs: list | None = None
+    offset: int = 0  # the next token's text offset (completions' logprobs)
+
+    def add(self, update: Update) -> None:
+        self.logprobs += update.logprobs or []
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
 
 
 class OpenAIServer:
@@ -86,13 +109,16 @@ class OpenAIServer:
         except RequestError as e:
             raise P.invalid(str(e), param) from None
 
-    def samples(self, prompts: list[list[int]], params: SamplingParams,
+    def samples(self, body: P.RequestBody, prompts: list[list[int]], params: SamplingParams,
                 param: str) -> list[tuple[list[int], SamplingParams]]:
-        """Each prompt's `n` samples, once the engine's own checks pass for them."""
+        """Each prompt's `n` samples, once the engine's own checks pass for them (a grammar's
+        compile among them)."""
         each = params.samples()
         for ids in prompts:
             try:
                 self.llm.engine.validate_request(ids, each[0])
+            except GrammarError as e:
+                raise P.invalid(str(e), body.structured_field) from None
             except RequestError as e:
                 raise P.invalid(str(e), param) from None
         return [(ids, sample) for ids in prompts for sample in each]
@@ -108,34 +134,63 @@ class OpenAIServer:
                              headers={"Retry-After": RETRY_AFTER_S}) from None
 
     async def respond(self, endpoint: _Endpoint, body: P.RequestBody, prompts: list[list[int]], param: str,
-                      request: Request, arrival: float):
+                      request: Request, arrival: float, echo: list[str] | None = None):
+        """Serve `prompts` (token ids), each `body.n` samples; `echo`: each prompt's text, put first in
+        its choices' text (and logprobs)."""
         params = body.sampling_params(self.max_model_len)
-        work = self.samples(prompts, params, param)
+        if params.structured_outputs is None:
+            work = self.samples(body, prompts, params, param)
+        else:  # compiling a grammar (the first builds the tokenizer's) is not for the event loop's thread
+            work = await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, self.samples, body, prompts,
+                                                                    params, param)
         P.check_fits(body, max(map(len, prompts)), self.max_model_len)
         submission = self.submit(work, arrival)
         prompt_tokens = sum(map(len, prompts))
-        texts = [TextStream(self.llm.decode, params.stop) for _ in work]
+        samples = [_Sample(TextStream(self.llm.decode, params.stop)) for _ in work]
+        if echo is not None:  # each prompt's `n` samples in turn
+            for i, (ids, _) in enumerate(work):
+                samples[i].echo = (echo[i // params.n], ids)
         watcher = _abort_on_disconnect(request, self.engine_loop, submission)  # before the stream starts, if ever
         if body.stream:
-            return StreamingResponse(self.stream(endpoint, body, submission, texts, prompt_tokens, watcher),
+            return StreamingResponse(self.stream(endpoint, body, submission, samples, prompt_tokens, watcher),
                                      media_type="text/event-stream")
         with _ending(self.engine_loop, submission, watcher):
-            choices = [choice async for choice in self.finished_choices(submission, texts)]
+            choices = [choice async for choice in self.finished_choices(submission, samples)]
         if failed := next((c for c in choices if c.finish_reason == "error"), None):
             raise P.APIError(500, failed.text, "server_error")
+        for choice in choices:
+            sample = samples[choice.index]
+            choice.logprobs = self.logprobs(endpoint, body, sample, choice.token_ids, sample.logprobs)
+            choice.text = ("" if sample.echo is None else sample.echo[0]) + choice.text
         choices.sort(key=lambda c: c.index)
         response = endpoint.response(P.new_id(endpoint.kind), body.model, choices, prompt_tokens)
         return P.with_token_ids(response, prompts, choices) if body.return_token_ids else response
 
-    async def finished_choices(self, submission: Submission, texts: list[TextStream]) -> AsyncIterator[P.Choice]:
+    async def finished_choices(self, submission: Submission, samples: list[_Sample]) -> AsyncIterator[P.Choice]:
         while submission.unfinished:
             update = await submission.updates.get()
-            texts[update.index].add(update.token_ids)
+            samples[update.index].text.add(update.token_ids)
+            samples[update.index].add(update)
             if update.finished:
                 submission.unfinished -= 1
-                yield _choice(update, texts[update.index], self.llm)
+                yield _choice(update, samples[update.index].text, self.llm)
 
-    async def stream(self, endpoint: _Endpoint, body: P.RequestBody, submission: Submission, texts: list[TextStream],
+    def logprobs(self, endpoint: _Endpoint, body: P.RequestBody, sample: _Sample, token_ids: list[int],
+                 entries: list) -> dict | None:
+        """The response's logprobs of `token_ids` (their TokenLogprobs `entries`), after the prompt's where
+        the sample echoes it; None where the body asks for none. Advances the sample's text offset."""
+        top = body.top_logprobs_listed
+        if top is None:
+            return None
+        if sample.echo is not None:
+            token_ids, entries = sample.echo[1] + token_ids, (sample.prompt_logprobs or []) + entries
+        texts = self.llm.token_texts(token_ids)
+        tokens = [texts[i] or "" for i in token_ids]
+        logprobs = endpoint.logprobs(self.llm, tokens, self.llm.logprob_dicts(entries), top, sample.offset)
+        sample.offset += sum(map(len, tokens))
+        return logprobs
+
+    async def stream(self, endpoint: _Endpoint, body: P.RequestBody, submission: Submission, samples: list[_Sample],
                      prompt_tokens: int, watcher: asyncio.Task) -> AsyncIterator[str]:
         id, created = P.new_id(endpoint.kind), int(time.time())
 
@@ -144,27 +199,38 @@ class OpenAIServer:
                 choices[0]["token_ids"] = token_ids
             return _sse(endpoint.chunk(id, body.model, created, choices, **extra))
 
+        def scored(sample: _Sample, update: Update) -> dict | None:
+            """The update's tokens' logprobs (the prompt's first where echoed), the echo then spent."""
+            logprobs = self.logprobs(endpoint, body, sample, update.token_ids, update.logprobs or [])
+            sample.echo = None
+            return logprobs
+
         with _ending(self.engine_loop, submission, watcher):
             if endpoint.role_first:
-                yield event([P.chat_delta(i, "", role="assistant") for i in range(len(texts))])
+                yield event([P.chat_delta(i, "", role="assistant") for i in range(len(samples))])
             completion_tokens = 0
             while submission.unfinished:
                 update = await submission.updates.get()
+                sample = samples[update.index]
+                sample.add(update)
+                prefix = "" if sample.echo is None else sample.echo[0]  # the first event's: `scored` spends it
                 if not update.finished:
-                    text = texts[update.index].push(update.token_ids)
-                    if text or body.return_token_ids:
-                        yield event([endpoint.delta(update.index, text)], update.token_ids)
+                    text = prefix + sample.text.push(update.token_ids)
+                    logprobs = scored(sample, update)
+                    if text or body.return_token_ids or logprobs is not None:
+                        yield event([endpoint.delta(update.index, text, logprobs=logprobs)], update.token_ids)
                     continue
                 submission.unfinished -= 1
-                texts[update.index].add(update.token_ids)  # a stop string may cut them: the final text decides
-                choice = _choice(update, texts[update.index], self.llm)
+                sample.text.add(update.token_ids)  # a stop string may cut them: the final text decides
+                choice = _choice(update, sample.text, self.llm)
                 completion_tokens += len(choice.token_ids)
                 if choice.finish_reason == "error":
                     yield _sse(P.error_body(choice.text, "server_error"))
                     continue
-                extra = {"metrics": P.request_metrics([choice])} if len(texts) == 1 else {}
-                yield event([endpoint.delta(update.index, texts[update.index].finish(choice.text),
-                                            choice.finish_reason)], update.token_ids, **extra)
+                extra = {"metrics": P.request_metrics([choice])} if len(samples) == 1 else {}
+                text = prefix + sample.text.finish(choice.text)
+                yield event([endpoint.delta(update.index, text, choice.finish_reason, scored(sample, update))],
+                            update.token_ids, **extra)
             if body.include_usage:
                 yield event([], usage=P.usage(prompt_tokens, completion_tokens))
             yield "data: [DONE]\n\n"
@@ -214,7 +280,8 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
         if not prompts:
             raise P.invalid("prompt is empty", "prompt")
         ids = [await server.encode(llm.encode, p, "prompt") for p in prompts]
-        return await server.respond(COMPLETION, body, ids, "prompt", request, arrival)
+        echo = [p if isinstance(p, str) else llm.decode(i) for p, i in zip(prompts, ids)] if body.echo else None
+        return await server.respond(COMPLETION, body, ids, "prompt", request, arrival, echo)
 
     return app
 

@@ -12,7 +12,7 @@ import threading
 import time
 
 from eagle3_jax.engine.engine import Engine
-from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics
+from eagle3_jax.engine.scheduler import Request, RequestError, RequestMetrics, TokenLogprobs
 from eagle3_jax.sampling_params import SamplingParams
 from eagle3_jax.serve.metrics import ServerMetrics
 
@@ -40,6 +40,8 @@ class Update:
     error: str | None = None
     text: str | None = None  # a stop string's cut of the text; None: the tokens' decode
     metrics: RequestMetrics | None = None
+    logprobs: list[TokenLogprobs] | None = None  # token_ids' where the sample asks for logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, on the first update after they are read
 
 
 class Submission:
@@ -63,6 +65,7 @@ class _Live:
     request: Request
     sent: int = 0  # its tokens handed over so far
     last_time: float | None = None  # when those were collected
+    prompt_sent: bool = False  # its prompt's logprobs handed over
 
 
 class EngineLoop:
@@ -196,6 +199,9 @@ class EngineLoop:
             if live is None:
                 continue
             new = req.output[live.sent:]
+            scores = {"logprobs": None if req.logprobs is None else req.logprobs[live.sent:len(req.output)]}
+            if req.prompt_logprobs is not None and not live.prompt_sent:
+                scores["prompt_logprobs"], live.prompt_sent = req.prompt_logprobs, True
             live.sent = len(req.output)
             if new:
                 self.metrics.tokens(req, len(new), live.last_time)
@@ -205,9 +211,9 @@ class EngineLoop:
                 self.metrics.finish(req)
                 self._log_finished(req)
                 batch.append((live.submission, Update(live.index, new, True, req.finish_reason, req.error, req.text,
-                                                      req.metrics)))
+                                                      req.metrics, **scores)))
             elif new:
-                batch.append((live.submission, Update(live.index, new)))
+                batch.append((live.submission, Update(live.index, new, **scores)))
         self._deliver(batch)
 
     def _deliver(self, batch: list[tuple[Submission, Update]]) -> None:

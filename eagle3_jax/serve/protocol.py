@@ -1,5 +1,12 @@
 """OpenAI's request bodies and response shapes, with vLLM's sampling extensions (top_k, min_p,
-ignore_eos, stop_token_ids). Pure: no engine, no HTTP."""
+ignore_eos, stop_token_ids, structured_outputs). Pure: no engine, no HTTP.
+
+Logprobs as OpenAI gives them: chat's `logprobs: true` (+ `top_logprobs: N`) a list of
+{token, logprob, bytes, top_logprobs} per token; completions' `logprobs: N` the legacy
+{tokens, token_logprobs, top_logprobs, text_offset}, with `echo` the prompt's first (its first
+token's None) and `max_tokens: 0` a prompt scored by a prefill alone. Up to MAX_LOGPROBS (20)
+each, where OpenAI's completions stop at 5. The entries come in as the Python API's dicts, token id
+-> Logprob (api.py), the token itself first."""
 
 from __future__ import annotations
 
@@ -11,7 +18,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3_jax.engine.scheduler import RequestMetrics
-from eagle3_jax.sampling_params import SamplingParams
+from eagle3_jax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf, which JSON cannot carry
 
 
 class APIError(Exception):
@@ -46,7 +55,7 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions with echo alone (`check`)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -62,12 +71,38 @@ class RequestBody(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    # What the output must match: OpenAI's {"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"name", "schema", "strict"}}, or vLLM's {"json" | "regex" | "choice" | "grammar": ...}.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, or None."""
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty" if self.presence_penalty else "frequency_penalty"
         return "logit_bias" if self.logit_bias else None
+
+    def check(self) -> None:
+        """400 naming the first field set to what this server does not do, or in a combination it refuses."""
+        if field := self.unsupported():
+            raise invalid(f"{field} is not supported by this server", field)
+        if self.max_tokens == 0 and not self.scores_prompt_only:
+            raise invalid("max_tokens must be at least 1 (0 only on completions with echo, to score the prompt)",
+                          "max_tokens")
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """A prompt scored by a prefill alone: nothing generated."""
+        return False
+
+    def logprob_fields(self) -> dict:
+        """SamplingParams' logprobs and prompt_logprobs as this body asks for them."""
+        return {}
+
+    @property
+    def top_logprobs_listed(self) -> int | None:
+        """How many likeliest tokens each token's logprobs list; None: no logprobs in the response."""
+        return None
 
     def output_limit(self) -> int | None:
         return self.max_tokens
@@ -79,16 +114,54 @@ class RequestBody(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """OpenAI's defaults (temperature 1, top_p 1; top_k off, or -1 as vLLM has it); no
         max_tokens: the rest of the context. Raises APIError 400 naming a field out of range."""
+        limit = self.output_limit()
         try:
             return SamplingParams(
-                max_tokens=self.output_limit() or default_max_tokens,
+                max_tokens=default_max_tokens if limit is None else limit, **self.logprob_fields(),
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k in (None, -1) else self.top_k, min_p=self.min_p or 0.0,
                 seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                ignore_eos=self.ignore_eos, n=self.n)
+                ignore_eos=self.ignore_eos, n=self.n, structured_outputs=self.structured())
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise invalid(str(e), str(e).split()[0]) from None
+
+    @property
+    def structured_field(self) -> str:
+        """The field that asked for a structured output (for an error's param)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """What the output must match, from response_format or structured_outputs (None: free text);
+        APIError 400 naming a malformed one. Whether it compiles is the engine's to say."""
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text" and self.structured_outputs is not None:
+            raise invalid("response_format and structured_outputs both constrain the output: send one",
+                          "structured_outputs")
+        if self.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams.of(self.structured_outputs)
+            except (ValueError, TypeError) as e:
+                raise invalid(str(e), "structured_outputs") from None
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.get("type") != "json_schema":
+            raise invalid(f"response_format type must be text, json_object or json_schema, got {fmt.get('type')!r}",
+                          "response_format")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid("response_format json_schema needs a json_schema object: {\"name\": ..., \"schema\": {...}}",
+                          "response_format")
+        schema = spec.get("schema")
+        if schema is None:  # OpenAI's schema is optional: then any JSON object
+            return StructuredOutputsParams(json_object=True)
+        try:
+            return StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise invalid(str(e).replace("structured_outputs json", "response_format json_schema.schema"),
+                          "response_format") from None
 
     @property
     def include_usage(self) -> bool:
@@ -120,19 +193,26 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     tools: list[dict] | None = None
-    response_format: dict | None = None
 
     def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs" if self.logprobs else "top_logprobs"
         if self.tools:
             return "tools"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
         return super().unsupported()
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+
+    def logprob_fields(self) -> dict:
+        return {} if self.top_logprobs_listed is None else {"logprobs": self.top_logprobs_listed}
+
+    @property
+    def top_logprobs_listed(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -144,19 +224,32 @@ class ChatCompletionRequest(RequestBody):
 
 class CompletionRequest(RequestBody):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    echo: bool = Field(False, strict=True)
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs"
-        if self.echo or self.suffix:
-            return "echo" if self.echo else "suffix"
+        if self.suffix:
+            return "suffix"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
         return super().unsupported()
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
+    def logprob_fields(self) -> dict:
+        """With echo, the prompt's logprobs too (a prompt scored alone needs them, whatever `logprobs` says)."""
+        fields = {} if self.logprobs is None else {"logprobs": self.logprobs}
+        if self.echo and (self.logprobs is not None or self.scores_prompt_only):
+            fields["prompt_logprobs"] = self.logprobs or 0
+        return fields
+
+    @property
+    def top_logprobs_listed(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts: texts or token-id lists."""
@@ -168,8 +261,7 @@ class CompletionRequest(RequestBody):
 
 
 def check_supported(body: RequestBody) -> None:
-    if field := body.unsupported():
-        raise invalid(f"{field} is not supported by this server", field)
+    body.check()
 
 
 def check_fits(body: RequestBody, prompt_tokens: int, max_model_len: int) -> None:
@@ -188,13 +280,15 @@ def check_fits(body: RequestBody, prompt_tokens: int, max_model_len: int) -> Non
 # ---- responses -----------------------------------------------------------------------------
 @dataclasses.dataclass
 class Choice:
-    """One finished sample as a response lists it."""
+    """One finished sample as a response lists it; `logprobs` its tokens' (`chat_logprobs`,
+    `completion_logprobs`: what the body asked), None where not asked."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str
     metrics: RequestMetrics
+    logprobs: dict | None = None
 
 
 def new_id(kind: str) -> str:
@@ -225,14 +319,14 @@ def request_metrics(choices: list[Choice]) -> dict | None:
 def chat_response(id: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
     return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
+                         "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
             "metrics": request_metrics(choices)}
 
 
 def completion_response(id: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
     return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                         for c in choices],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
             "metrics": request_metrics(choices)}
@@ -254,14 +348,61 @@ def chat_chunk(id: str, model: str, created: int, choices: list[dict], **extra) 
 
 
 def chat_delta(index: int, content: str | None = None, role: str | None = None,
-               finish_reason: str | None = None) -> dict:
+               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
     delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_chunk(id: str, model: str, created: int, choices: list[dict], **extra) -> dict:
     return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices, **extra}
 
 
-def completion_delta(index: int, text: str, finish_reason: str | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_delta(index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+# ---- logprobs ------------------------------------------------------------------------------
+def _floor(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def _likeliest(entry: dict, top: int) -> list:
+    """The `top` likeliest Logprobs of an entry, best first (the token itself among them by its rank)."""
+    return sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+
+
+def _text(lp) -> str:
+    return lp.decoded_token or ""
+
+
+def chat_logprobs(entries: list[dict], top: int, token_bytes: dict[int, list[int]]) -> dict:
+    """A chat choice's `logprobs` (or a chunk's, for its tokens): per token its text, logprob, bytes
+    (`token_bytes`: token id -> its bytes) and the `top` likeliest tokens'."""
+
+    def token(i: int, lp) -> dict:
+        return {"token": _text(lp), "logprob": _floor(lp.logprob), "bytes": token_bytes[i]}
+
+    content = []
+    for entry in entries:
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)[:top]
+        content.append({**token(*next(iter(entry.items()))), "top_logprobs": [token(*item) for item in ranked]})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokens: list[str], entries: list[dict | None], top: int, offset: int = 0) -> dict:
+    """A completion choice's `logprobs` (or a chunk's) over `tokens` (each token's text) and their
+    entries (None: the prompt's first token, which has none): each token's logprob, a dict of it and
+    the `top` likeliest (OpenAI's up to top + 1), and where each token's text starts, from `offset`."""
+    token_logprobs, top_logprobs, text_offset = [], [], []
+    for text, entry in zip(tokens, entries):
+        text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        own = next(iter(entry.values()))
+        token_logprobs.append(_floor(own.logprob))
+        top_logprobs.append({_text(lp): _floor(lp.logprob) for lp in [own, *_likeliest(entry, top)]})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
