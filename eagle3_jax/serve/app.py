@@ -1,12 +1,13 @@
 """The HTTP routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, /health and
 /metrics. Every refusal is OpenAI's error body with its status; nothing here waits on the engine
-except a request's own updates."""
+except a request's own updates. Chat's tools: tools.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -23,8 +24,9 @@ from starlette.exceptions import HTTPException
 from eagle3_jax.api import LLM
 from eagle3_jax.engine.scheduler import RequestError
 from eagle3_jax.engine.structured import GrammarError
-from eagle3_jax.sampling_params import SamplingParams
+from eagle3_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from eagle3_jax.serve import protocol as P
+from eagle3_jax.serve import tools as T
 from eagle3_jax.serve.detokenize import TextStream
 from eagle3_jax.serve.engine_loop import EngineLoop, QueueFull, Submission, Unavailable, Update
 from eagle3_jax.serve.metrics import ServerMetrics
@@ -65,7 +67,9 @@ class OpenAIServer:
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.max_model_len = llm.engine.cfg.max_model_len
         # Whether the chat template renders OpenAI's developer role itself (else it is the system's).
-        self.developer_role = "developer" in str(getattr(llm.tokenizer, "chat_template", None) or "")
+        template = str(getattr(llm.tokenizer, "chat_template", None) or "")
+        self.developer_role = "developer" in template
+        self.reads_tools = T.template_reads_tools(template)  # else tools.py writes them as a system message
 
     def check_key(self, request: Request) -> None:
         if self.settings.api_key is None:
@@ -86,6 +90,23 @@ class OpenAIServer:
             return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, prompt)
         except RequestError as e:
             raise P.invalid(str(e), param) from None
+
+    def chat_prompt(self, body: P.ChatCompletionRequest, functions: list[dict]) -> tuple[list[dict], list | None]:
+        """(the messages, the tools for the template) of a chat: the tools rendered by the template
+        if it reads them, else written as a system message (tools.py)."""
+        messages = [m.as_template_input(self.developer_role, self.reads_tools) for m in body.messages]
+        if not functions:
+            return messages, None
+        if self.reads_tools:
+            return messages, [{"type": "function", "function": f} for f in functions]
+        return T.with_tools(messages, functions), None
+
+    def check_tool_schemas(self, functions: list[dict]) -> None:
+        """400 naming tools when a function's parameters schema does not compile (whatever tool_choice)."""
+        try:
+            self.llm.engine.grammars.compile(StructuredOutputsParams(json=T.call_schema(functions, "required")))
+        except GrammarError as e:
+            raise P.invalid(str(e).replace("structured_outputs json", "tools' parameters schema"), "tools") from None
 
     def samples(self, body: P.RequestBody, prompts: list[list[int]], params: SamplingParams,
                 param: str) -> list[tuple[list[int], SamplingParams]]:
@@ -112,7 +133,9 @@ class OpenAIServer:
                              headers={"Retry-After": RETRY_AFTER_S}) from None
 
     async def respond(self, endpoint: _Endpoint, body: P.RequestBody, prompts: list[list[int]], param: str,
-                      request: Request, arrival: float):
+                      request: Request, arrival: float, calls: list[dict] | None = None):
+        """`calls`: the functions a chat reply may call (tools.py); a reply that is such a call is
+        answered as OpenAI's tool call, streamed as one delta at its end."""
         params = body.sampling_params(self.max_model_len)
         if params.structured_outputs is None:
             work = self.samples(body, prompts, params, param)
@@ -125,13 +148,15 @@ class OpenAIServer:
         texts = [TextStream(self.llm.decode, params.stop) for _ in work]
         watcher = _abort_on_disconnect(request, self.engine_loop, submission)  # before the stream starts, if ever
         if body.stream:
-            return StreamingResponse(self.stream(endpoint, body, submission, texts, prompt_tokens, watcher),
+            return StreamingResponse(self.stream(endpoint, body, submission, texts, prompt_tokens, watcher, calls),
                                      media_type="text/event-stream")
         with _ending(self.engine_loop, submission, watcher):
             choices = [choice async for choice in self.finished_choices(submission, texts)]
         if failed := next((c for c in choices if c.finish_reason == "error"), None):
             raise P.APIError(500, failed.text, "server_error")
         choices.sort(key=lambda c: c.index)
+        if calls:
+            choices = [c.as_call(calls) for c in choices]
         response = endpoint.response(P.new_id(endpoint.kind), body.model, choices, prompt_tokens)
         return P.with_token_ids(response, prompts, choices) if body.return_token_ids else response
 
@@ -144,7 +169,7 @@ class OpenAIServer:
                 yield _choice(update, texts[update.index], self.llm)
 
     async def stream(self, endpoint: _Endpoint, body: P.RequestBody, submission: Submission, texts: list[TextStream],
-                     prompt_tokens: int, watcher: asyncio.Task) -> AsyncIterator[str]:
+                     prompt_tokens: int, watcher: asyncio.Task, calls: list[dict] | None = None) -> AsyncIterator[str]:
         id, created = P.new_id(endpoint.kind), int(time.time())
 
         def event(choices: list[dict], token_ids: list[int] | None = None, **extra) -> str:
@@ -159,7 +184,9 @@ class OpenAIServer:
             while submission.unfinished:
                 update = await submission.updates.get()
                 if not update.finished:
-                    text = texts[update.index].push(update.token_ids)
+                    if calls:  # whether the reply is a call shows at its end: the text waits for it
+                        texts[update.index].add(update.token_ids)
+                    text = "" if calls else texts[update.index].push(update.token_ids)
                     if text or body.return_token_ids:
                         yield event([endpoint.delta(update.index, text)], update.token_ids)
                     continue
@@ -171,6 +198,10 @@ class OpenAIServer:
                     yield _sse(P.error_body(choice.text, "server_error"))
                     continue
                 extra = {"metrics": P.request_metrics([choice])} if len(texts) == 1 else {}
+                if calls and (choice := choice.as_call(calls)).tool_calls:
+                    yield event([P.chat_delta(update.index, finish_reason=choice.finish_reason,
+                                              tool_calls=choice.tool_calls)], update.token_ids, **extra)
+                    continue
                 yield event([endpoint.delta(update.index, texts[update.index].finish(choice.text),
                                             choice.finish_reason)], update.token_ids, **extra)
             if body.include_usage:
@@ -210,9 +241,14 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         server.check_body(body)
-        messages = [m.as_template_input(server.developer_role) for m in body.messages]
-        ids = await server.encode(llm.encode_chat, messages, "messages")
-        return await server.respond(CHAT, body, [ids], "messages", request, arrival)
+        functions, choice = body.tool_use()
+        messages, template_tools = server.chat_prompt(body, functions)
+        ids = await server.encode(functools.partial(llm.encode_chat, tools=template_tools), messages, "messages")
+        if functions:  # compiling (the first builds the tokenizer's grammar side) is off the event loop's thread
+            await asyncio.get_running_loop().run_in_executor(server.tokenizer_pool, server.check_tool_schemas,
+                                                             functions)
+        calls = functions if choice not in (None, "none") else None
+        return await server.respond(CHAT, body, [ids], "messages", request, arrival, calls)
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: P.CompletionRequest, request: Request):

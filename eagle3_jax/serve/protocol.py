@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3_jax.engine.scheduler import RequestMetrics
 from eagle3_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from eagle3_jax.serve import tools as T
 
 
 class APIError(Exception):
@@ -146,16 +147,26 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]  # OpenAI's roles
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
-    def as_template_input(self, developer_role: bool = True) -> dict:
+    def as_template_input(self, developer_role: bool = True, reads_tools: bool = False) -> dict:
         """{"role", "content"} with the text parts joined, as chat templates take it; without
         `developer_role` (a template that never names it) a developer message is the system's,
-        as OpenAI means it."""
+        as OpenAI means it. An assistant's tool calls and a tool result's call id as tools.py
+        writes them for the template (`reads_tools`: it renders tools itself)."""
         content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" and not developer_role else self.role
-        return {"role": role, "content": content}
+        message = {"role": role, "content": content}
+        if self.tool_call_id is not None and reads_tools:
+            message["tool_call_id"] = self.tool_call_id
+        try:
+            return T.history_message(message, self.tool_calls, reads_tools)
+        except (T.ToolError, KeyError, TypeError):
+            raise invalid("an assistant message's tool_calls must be [{\"id\", \"type\": \"function\", "
+                          "\"function\": {\"name\", \"arguments\": a JSON object as text}}]", "messages") from None
 
 
 class ChatCompletionRequest(RequestBody):
@@ -164,13 +175,40 @@ class ChatCompletionRequest(RequestBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
     def unsupported(self) -> str | None:
         if self.logprobs or self.top_logprobs:
             return "logprobs" if self.logprobs else "top_logprobs"
-        if self.tools:
-            return "tools"
         return super().unsupported()
+
+    def tool_use(self) -> tuple[list[dict], str | None]:
+        """(the tools' functions, what tool_choice asks: "none", "auto", "required", a function's
+        name, or None without tools); APIError 400 naming a malformed field."""
+        try:
+            functions = T.functions(self.tools)
+            return functions, T.chosen(self.tool_choice, functions)
+        except T.ToolError as e:
+            raise invalid(str(e), e.param) from None
+
+    @property
+    def forced_call(self) -> bool:
+        """Whether the reply must be a tool call (tool_choice "required" or a function)."""
+        return self.tool_use()[1] not in (None, "none", "auto")
+
+    @property
+    def structured_field(self) -> str:
+        return "tools" if self.forced_call else super().structured_field
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """A forced tool call constrains the reply to the call's JSON schema (tools.py)."""
+        functions, choice = self.tool_use()
+        if choice in (None, "none", "auto"):
+            return super().structured()
+        if super().structured() is not None:
+            raise invalid(f"tool_choice {self.tool_choice!r} and {super().structured_field} both constrain the "
+                          "output: send one", "tool_choice")
+        return StructuredOutputsParams(json=T.call_schema(functions, choice))
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -233,6 +271,14 @@ class Choice:
     token_ids: list[int]
     finish_reason: str
     metrics: RequestMetrics
+    tool_calls: list[dict] | None = None  # the reply as OpenAI's tool calls (then no content)
+
+    def as_call(self, tools: list[dict]) -> Choice:
+        """This choice as a call of one of `tools` when its text is one (tools.py), else as it is."""
+        call = T.parse_call(self.text, tools) if self.finish_reason != "error" else None
+        if call is None:
+            return self
+        return dataclasses.replace(self, tool_calls=[T.tool_call(*call)], finish_reason="tool_calls")
 
 
 def new_id(kind: str) -> str:
@@ -260,9 +306,15 @@ def request_metrics(choices: list[Choice]) -> dict | None:
     return {"speculative_decoding": speculative_decoding(choices[0].metrics)}
 
 
+def chat_message(choice: Choice) -> dict:
+    if choice.tool_calls:
+        return {"role": "assistant", "content": None, "tool_calls": choice.tool_calls}
+    return {"role": "assistant", "content": choice.text}
+
+
 def chat_response(id: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
     return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": chat_message(c),
                          "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
             "metrics": request_metrics(choices)}
@@ -292,8 +344,10 @@ def chat_chunk(id: str, model: str, created: int, choices: list[dict], **extra) 
 
 
 def chat_delta(index: int, content: str | None = None, role: str | None = None,
-               finish_reason: str | None = None) -> dict:
+               finish_reason: str | None = None, tool_calls: list[dict] | None = None) -> dict:
     delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    if tool_calls:  # a stream's calls carry their place in the list
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
 
