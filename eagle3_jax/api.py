@@ -198,10 +198,11 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of a prompt: raw text tokenized as it is (with the tokenizer's special tokens,
-        a BOS where it adds one), chat messages templated, token ids as they are. Raises
-        RequestError for an empty or unusable prompt."""
+        a BOS where it adds one), chat messages templated (`tools`, OpenAI's function definitions,
+        passed to a template that renders them), token ids as they are. Raises RequestError for an
+        empty or unusable prompt."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise RequestError("prompt is empty")
@@ -218,8 +219,8 @@ class LLM:
                     raise RequestError(f"chat message {i} needs a 'role' and a 'content', both strings")
             if self.tokenizer is None:
                 raise RequestError("this target has no tokenizer: pass token ids")
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+            ids = self.tokenizer.apply_chat_template(list(prompt), tools=list(tools) if tools else None,
+                                                     add_generation_prompt=True, tokenize=True, return_dict=False)
             return list(ids)
         if not all(_is_token_id(t) for t in prompt):
             kinds = sorted({type(t).__name__ for t in prompt if not _is_token_id(t)})
@@ -273,12 +274,13 @@ class LLM:
             dicts.append(d)
         return dicts
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a conversation through the chat template, ready for the assistant's turn."""
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of a conversation through the chat template, ready for the assistant's turn;
+        `tools` (OpenAI's function definitions) for a template that renders them."""
         if isinstance(messages, str) or not _is_conversation(messages):
             raise RequestError("chat takes a conversation: a non-empty list of {'role', 'content'} dicts "
                                "(LLM.generate takes raw text)")
-        return self.encode(messages)
+        return self.encode(messages, tools)
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],

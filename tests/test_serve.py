@@ -28,7 +28,7 @@ from eagle3_jax import SamplingParams  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-chat"
 KEY = "test-key"
-MAX_MODEL_LEN = 128
+MAX_MODEL_LEN = 1024  # room for a tools prompt (a system message of their JSON) in byte tokens
 MAX_WAITING = 72
 START_S = 180  # start-up on a busy 2-core machine, compiles excluded (they happen on first use)
 REQUEST_S = 120  # a request that compiles the programs it needs first
@@ -361,6 +361,95 @@ def test_structured_outputs_through_response_format_and_vllms_field(server, clie
     assert again.choices[0].message.content == choice.message.content  # and it keeps serving
 
 
+# ---- tools ---------------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {
+              "name": "get_weather", "description": "The weather of a city.",
+              "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                              "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                             "required": ["city", "days"], "additionalProperties": False}}},
+         {"type": "function", "function": {
+              "name": "get_time",
+              "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                             "additionalProperties": False}}}]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+def test_a_required_or_named_tool_choice_answers_a_call_of_a_tool_streamed_or_not(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall
+
+    messages = user("What is the weather in Paris for 3 days?")
+    calls = {}
+    for tool_choice, names in (("required", set(SCHEMAS)), ({"type": "function", "function": {"name": "get_time"}},
+                                                            {"get_time"})):
+        response = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice,
+                                                  temperature=0, max_tokens=64)
+        (choice,) = response.choices
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        (call,) = choice.message.tool_calls
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall) and call.type == "function"
+        assert re.fullmatch(r"call_[0-9a-f]+", call.id) and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        calls[json.dumps(tool_choice)] = call.function
+    # Streamed: the call comes whole in one delta, with the reason; the same call as unstreamed.
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                                 temperature=0, max_tokens=64, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    (streamed,) = deltas[0].tool_calls
+    assert streamed.index == 0 and streamed.id.startswith("call_")
+    assert streamed.function.model_dump() == calls['"required"'].model_dump()
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+
+
+def test_tool_choice_none_answers_text_and_a_history_of_calls_and_results_is_taken(client):
+    text = client.chat.completions.create(model=MODEL, messages=user("Weather?"), tools=TOOLS, tool_choice="none",
+                                          temperature=0, max_tokens=8)
+    (choice,) = text.choices
+    assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    history = [*user("Weather in Oslo tomorrow?"),
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"}]
+    for tool_choice in ("auto", "none"):
+        reply = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice=tool_choice,
+                                               temperature=0, max_tokens=8)
+        (choice,) = reply.choices
+        if choice.finish_reason == "tool_calls":  # "auto": a random model's reply may be one
+            assert choice.message.tool_calls[0].function.name in SCHEMAS
+        else:
+            assert isinstance(choice.message.content, str)
+
+
+def test_tools_that_cannot_be_served_answer_400_naming_the_field(server):
+    url = server["url"]
+
+    def body(**fields) -> bytes:
+        return json.dumps({"model": MODEL, "messages": user("hi"), "max_tokens": 4, **fields}).encode()
+
+    named = {"type": "function", "function": {"name": "get_mail"}}
+    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]
+    bad_call = [*user("hi"), {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                    "function": {"name": "f", "arguments": "[1"}}]}]
+    cases = [
+        (body(tools=TOOLS, tool_choice=named), "'get_mail', which is not among tools", "tool_choice"),
+        (body(tool_choice="required"), "tool_choice needs tools", "tool_choice"),
+        (body(tools=TOOLS, tool_choice="sometimes"), "tool_choice must be none, auto, required", "tool_choice"),
+        (body(tools=bad_schema), "does not compile", "tools"),
+        (body(tools=bad_schema, tool_choice="required"), "does not compile", "tools"),
+        (body(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]), "must be a JSON schema",
+         "tools"),
+        (body(tools=[{"type": "function", "function": {}}]), "needs a non-empty string name", "tools"),
+        (body(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "send one",
+         "tool_choice"),
+        (body(messages=bad_call), "tool_calls must be", "messages"),
+    ]
+    for raw, words, param in cases:
+        assert_error(url, 400, raw, words, param, path="/v1/chat/completions")
+
+
 # ---- errors --------------------------------------------------------------------------------
 def assert_error(url: str, status: int, body: bytes, words: str, param: str | None = None, path="/v1/completions"):
     got, error = raw_post(url, path, body)
@@ -381,9 +470,9 @@ def test_each_error_has_its_status_and_body_and_the_server_keeps_serving(server,
         (400, body(temperature=-1), "temperature must be", "temperature"),
         (400, body(max_tokens=0), "max_tokens must be at least 1 (0 only on completions with echo", "max_tokens"),
         (400, body(prompt=[]), "prompt is empty", "prompt"),
-        (400, body(prompt="x" * (2 * MAX_MODEL_LEN)), "the context holds 128", "prompt"),
-        (400, body(max_tokens=MAX_MODEL_LEN - 1), "max_tokens 127 does not fit: the prompt has 2 tokens and "
-                                                  "max_model_len is 128", "max_tokens"),
+        (400, body(prompt="x" * (2 * MAX_MODEL_LEN)), f"the context holds {MAX_MODEL_LEN}", "prompt"),
+        (400, body(max_tokens=MAX_MODEL_LEN - 1), f"max_tokens {MAX_MODEL_LEN - 1} does not fit: the prompt has 2 "
+                                                  f"tokens and max_model_len is {MAX_MODEL_LEN}", "max_tokens"),
         (400, body(prompt=[1, 10**6]), "outside the vocabulary", "prompt"),
         (400, body(logprobs=21), "less than or equal to 20", "logprobs"),
         (400, body(logprobs=-1), "greater than or equal to 0", "logprobs"),

@@ -1,12 +1,13 @@
 """The HTTP routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, /health and
 /metrics. Every refusal is OpenAI's error body with its status; nothing here waits on the engine
-except a request's own updates."""
+except a request's own updates. Chat's tools: tools.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -23,8 +24,9 @@ from starlette.exceptions import HTTPException
 from eagle3_jax.api import LLM
 from eagle3_jax.engine.scheduler import RequestError
 from eagle3_jax.engine.structured import GrammarError
-from eagle3_jax.sampling_params import SamplingParams
+from eagle3_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from eagle3_jax.serve import protocol as P
+from eagle3_jax.serve import tools as T
 from eagle3_jax.serve.detokenize import TextStream
 from eagle3_jax.serve.engine_loop import EngineLoop, QueueFull, Submission, Unavailable, Update
 from eagle3_jax.serve.metrics import ServerMetrics
@@ -87,7 +89,9 @@ class OpenAIServer:
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.max_model_len = llm.engine.cfg.max_model_len
         # Whether the chat template renders OpenAI's developer role itself (else it is the system's).
-        self.developer_role = "developer" in str(getattr(llm.tokenizer, "chat_template", None) or "")
+        template = str(getattr(llm.tokenizer, "chat_template", None) or "")
+        self.developer_role = "developer" in template
+        self.reads_tools = T.template_reads_tools(template)  # else tools.py writes them as a system message
 
     def check_key(self, request: Request) -> None:
         if self.settings.api_key is None:
@@ -108,6 +112,23 @@ class OpenAIServer:
             return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, prompt)
         except RequestError as e:
             raise P.invalid(str(e), param) from None
+
+    def chat_prompt(self, body: P.ChatCompletionRequest, functions: list[dict]) -> tuple[list[dict], list | None]:
+        """(the messages, the tools for the template) of a chat: the tools rendered by the template
+        if it reads them, else written as a system message (tools.py)."""
+        messages = [m.as_template_input(self.developer_role, self.reads_tools) for m in body.messages]
+        if not functions:
+            return messages, None
+        if self.reads_tools:
+            return messages, [{"type": "function", "function": f} for f in functions]
+        return T.with_tools(messages, functions), None
+
+    def check_tool_schemas(self, functions: list[dict]) -> None:
+        """400 naming tools when a function's parameters schema does not compile (whatever tool_choice)."""
+        try:
+            self.llm.engine.grammars.compile(StructuredOutputsParams(json=T.call_schema(functions, "required")))
+        except GrammarError as e:
+            raise P.invalid(str(e).replace("structured_outputs json", "tools' parameters schema"), "tools") from None
 
     def samples(self, body: P.RequestBody, prompts: list[list[int]], params: SamplingParams,
                 param: str) -> list[tuple[list[int], SamplingParams]]:
@@ -134,9 +155,11 @@ class OpenAIServer:
                              headers={"Retry-After": RETRY_AFTER_S}) from None
 
     async def respond(self, endpoint: _Endpoint, body: P.RequestBody, prompts: list[list[int]], param: str,
-                      request: Request, arrival: float, echo: list[str] | None = None):
+                      request: Request, arrival: float, echo: list[str] | None = None,
+                      calls: list[dict] | None = None):
         """Serve `prompts` (token ids), each `body.n` samples; `echo`: each prompt's text, put first in
-        its choices' text (and logprobs)."""
+        its choices' text (and logprobs); `calls`: the functions a chat reply may call (tools.py): a
+        reply that is such a call is answered as OpenAI's tool call, streamed as one delta at its end."""
         params = body.sampling_params(self.max_model_len)
         if params.structured_outputs is None:
             work = self.samples(body, prompts, params, param)
@@ -152,7 +175,7 @@ class OpenAIServer:
                 samples[i].echo = (echo[i // params.n], ids)
         watcher = _abort_on_disconnect(request, self.engine_loop, submission)  # before the stream starts, if ever
         if body.stream:
-            return StreamingResponse(self.stream(endpoint, body, submission, samples, prompt_tokens, watcher),
+            return StreamingResponse(self.stream(endpoint, body, submission, samples, prompt_tokens, watcher, calls),
                                      media_type="text/event-stream")
         with _ending(self.engine_loop, submission, watcher):
             choices = [choice async for choice in self.finished_choices(submission, samples)]
@@ -163,6 +186,8 @@ class OpenAIServer:
             choice.logprobs = self.logprobs(endpoint, body, sample, choice.token_ids, sample.logprobs)
             choice.text = ("" if sample.echo is None else sample.echo[0]) + choice.text
         choices.sort(key=lambda c: c.index)
+        if calls:
+            choices = [c.as_call(calls) for c in choices]
         response = endpoint.response(P.new_id(endpoint.kind), body.model, choices, prompt_tokens)
         return P.with_token_ids(response, prompts, choices) if body.return_token_ids else response
 
@@ -191,7 +216,7 @@ class OpenAIServer:
         return logprobs
 
     async def stream(self, endpoint: _Endpoint, body: P.RequestBody, submission: Submission, samples: list[_Sample],
-                     prompt_tokens: int, watcher: asyncio.Task) -> AsyncIterator[str]:
+                     prompt_tokens: int, watcher: asyncio.Task, calls: list[dict] | None = None) -> AsyncIterator[str]:
         id, created = P.new_id(endpoint.kind), int(time.time())
 
         def event(choices: list[dict], token_ids: list[int] | None = None, **extra) -> str:
@@ -215,6 +240,9 @@ class OpenAIServer:
                 sample.add(update)
                 prefix = "" if sample.echo is None else sample.echo[0]  # the first event's: `scored` spends it
                 if not update.finished:
+                    if calls:  # whether the reply is a call shows at its end: the text waits for it
+                        sample.text.add(update.token_ids)
+                        continue
                     text = prefix + sample.text.push(update.token_ids)
                     logprobs = scored(sample, update)
                     if text or body.return_token_ids or logprobs is not None:
@@ -228,9 +256,16 @@ class OpenAIServer:
                     yield _sse(P.error_body(choice.text, "server_error"))
                     continue
                 extra = {"metrics": P.request_metrics([choice])} if len(samples) == 1 else {}
+                if calls and (call := choice.as_call(calls)).tool_calls:
+                    yield event([P.chat_delta(update.index, finish_reason=call.finish_reason,
+                                              tool_calls=call.tool_calls)], update.token_ids, **extra)
+                    continue
                 text = prefix + sample.text.finish(choice.text)
-                yield event([endpoint.delta(update.index, text, choice.finish_reason, scored(sample, update))],
-                            update.token_ids, **extra)
+                # A held reply's logprobs come whole with its text, as the text does.
+                logprobs = (self.logprobs(endpoint, body, sample, choice.token_ids, sample.logprobs) if calls
+                            else scored(sample, update))
+                yield event([endpoint.delta(update.index, text, choice.finish_reason, logprobs)], update.token_ids,
+                            **extra)
             if body.include_usage:
                 yield event([], usage=P.usage(prompt_tokens, completion_tokens))
             yield "data: [DONE]\n\n"
@@ -268,9 +303,14 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         server.check_body(body)
-        messages = [m.as_template_input(server.developer_role) for m in body.messages]
-        ids = await server.encode(llm.encode_chat, messages, "messages")
-        return await server.respond(CHAT, body, [ids], "messages", request, arrival)
+        functions, choice = body.tool_use()
+        messages, template_tools = server.chat_prompt(body, functions)
+        ids = await server.encode(functools.partial(llm.encode_chat, tools=template_tools), messages, "messages")
+        if functions:  # compiling (the first builds the tokenizer's grammar side) is off the event loop's thread
+            await asyncio.get_running_loop().run_in_executor(server.tokenizer_pool, server.check_tool_schemas,
+                                                             functions)
+        calls = functions if choice not in (None, "none") else None
+        return await server.respond(CHAT, body, [ids], "messages", request, arrival, calls=calls)
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: P.CompletionRequest, request: Request):
@@ -281,7 +321,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
             raise P.invalid("prompt is empty", "prompt")
         ids = [await server.encode(llm.encode, p, "prompt") for p in prompts]
         echo = [p if isinstance(p, str) else llm.decode(i) for p, i in zip(prompts, ids)] if body.echo else None
-        return await server.respond(COMPLETION, body, ids, "prompt", request, arrival, echo)
+        return await server.respond(COMPLETION, body, ids, "prompt", request, arrival, echo=echo)
 
     return app
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3_jax.engine.scheduler import RequestMetrics
 from eagle3_jax.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from eagle3_jax.serve import tools as T
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf, which JSON cannot carry
 
@@ -178,16 +179,26 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]  # OpenAI's roles
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
-    def as_template_input(self, developer_role: bool = True) -> dict:
+    def as_template_input(self, developer_role: bool = True, reads_tools: bool = False) -> dict:
         """{"role", "content"} with the text parts joined, as chat templates take it; without
         `developer_role` (a template that never names it) a developer message is the system's,
-        as OpenAI means it."""
+        as OpenAI means it. An assistant's tool calls and a tool result's call id as tools.py
+        writes them for the template (`reads_tools`: it renders tools itself)."""
         content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" and not developer_role else self.role
-        return {"role": role, "content": content}
+        message = {"role": role, "content": content}
+        if self.tool_call_id is not None and reads_tools:
+            message["tool_call_id"] = self.tool_call_id
+        try:
+            return T.history_message(message, self.tool_calls, reads_tools)
+        except (T.ToolError, KeyError, TypeError):
+            raise invalid("an assistant message's tool_calls must be [{\"id\", \"type\": \"function\", "
+                          "\"function\": {\"name\", \"arguments\": a JSON object as text}}]", "messages") from None
 
 
 class ChatCompletionRequest(RequestBody):
@@ -196,11 +207,7 @@ class ChatCompletionRequest(RequestBody):
     logprobs: bool | None = Field(None, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     tools: list[dict] | None = None
-
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        return super().unsupported()
+    tool_choice: str | dict | None = None
 
     def check(self) -> None:
         super().check()
@@ -213,6 +220,34 @@ class ChatCompletionRequest(RequestBody):
     @property
     def top_logprobs_listed(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_use(self) -> tuple[list[dict], str | None]:
+        """(the tools' functions, what tool_choice asks: "none", "auto", "required", a function's
+        name, or None without tools); APIError 400 naming a malformed field."""
+        try:
+            functions = T.functions(self.tools)
+            return functions, T.chosen(self.tool_choice, functions)
+        except T.ToolError as e:
+            raise invalid(str(e), e.param) from None
+
+    @property
+    def forced_call(self) -> bool:
+        """Whether the reply must be a tool call (tool_choice "required" or a function)."""
+        return self.tool_use()[1] not in (None, "none", "auto")
+
+    @property
+    def structured_field(self) -> str:
+        return "tools" if self.forced_call else super().structured_field
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """A forced tool call constrains the reply to the call's JSON schema (tools.py)."""
+        functions, choice = self.tool_use()
+        if choice in (None, "none", "auto"):
+            return super().structured()
+        if super().structured() is not None:
+            raise invalid(f"tool_choice {self.tool_choice!r} and {super().structured_field} both constrain the "
+                          "output: send one", "tool_choice")
+        return StructuredOutputsParams(json=T.call_schema(functions, choice))
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -289,6 +324,14 @@ class Choice:
     finish_reason: str
     metrics: RequestMetrics
     logprobs: dict | None = None
+    tool_calls: list[dict] | None = None  # the reply as OpenAI's tool calls (then no content)
+
+    def as_call(self, tools: list[dict]) -> Choice:
+        """This choice as a call of one of `tools` when its text is one (tools.py), else as it is."""
+        call = T.parse_call(self.text, tools) if self.finish_reason != "error" else None
+        if call is None:
+            return self
+        return dataclasses.replace(self, tool_calls=[T.tool_call(*call)], finish_reason="tool_calls")
 
 
 def new_id(kind: str) -> str:
@@ -316,9 +359,15 @@ def request_metrics(choices: list[Choice]) -> dict | None:
     return {"speculative_decoding": speculative_decoding(choices[0].metrics)}
 
 
+def chat_message(choice: Choice) -> dict:
+    if choice.tool_calls:
+        return {"role": "assistant", "content": None, "tool_calls": choice.tool_calls}
+    return {"role": "assistant", "content": choice.text}
+
+
 def chat_response(id: str, model: str, choices: list[Choice], prompt_tokens: int) -> dict:
     return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": chat_message(c),
                          "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices],
             "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
             "metrics": request_metrics(choices)}
@@ -348,8 +397,11 @@ def chat_chunk(id: str, model: str, created: int, choices: list[dict], **extra) 
 
 
 def chat_delta(index: int, content: str | None = None, role: str | None = None,
-               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+               finish_reason: str | None = None, logprobs: dict | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
     delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    if tool_calls:  # a stream's calls carry their place in the list
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
