@@ -2,14 +2,16 @@
 """lm-evaluation-harness against `eagle3-jax serve`: the same scores with speculation on and off,
 and the harness' own transformers model (`--model hf`) on the same target.
 
-    python3 scripts/lm_eval_server.py --limit-mc 40 --limit-gen 20 --out-dir runs/lm_eval   # SmolLM2, CPU
+    python3 scripts/lm_eval_server.py --limit-gen 20 --gen-completions --out-dir runs/lm_eval   # SmolLM2, CPU
     python3 scripts/lm_eval_server.py --target T --draft D --engine "--tree none" --out-dir "$OUT"
 
 The tasks are scripts/lm_eval_tasks/ (given to the harness with --include_path; its hub datasets
 are not needed): facts_mc, 32 four-choice questions scored by log-likelihood through
 `local-completions` (echo + logprobs on /v1/completions, the prompt as token ids from the target's
 tokenizer), and humaneval_next_line, HumanEval's first solution line generated greedily through
-`local-chat-completions` (the server's chat template). The server runs twice as a subprocess on
+`local-chat-completions` (the server's chat template; with --gen-completions also as a raw
+continuation through `local-completions`, which is how HumanEval is meant to be prompted: a chat
+model answers the chat with a code fence first). The server runs twice as a subprocess on
 127.0.0.1: with speculation (`--speculation always`, the drafter --draft) and without (`--draft
 none`); then `--model hf` (transformers, f32, CPU) scores facts_mc. Prints a table of each score
 with its standard error and how far the per-item results differ (log-likelihoods: the largest
@@ -33,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "scripts" / "lm_eval_tasks"
 MC, GEN = "facts_mc", "humaneval_next_line"
+GEN_RAW = "humaneval_next_line (completions)"  # the same task as a raw continuation, no chat template
 MODEL = "served"
 
 
@@ -106,33 +109,38 @@ def lm_eval(args, model: str, model_args: str, task: str, limit: int, out: Path,
 
 def served_runs(args, draft: str, out: Path) -> dict:
     """Both tasks against one server: facts_mc through /v1/completions, humaneval_next_line
-    through /v1/chat/completions."""
+    through /v1/chat/completions (and with --gen-completions through /v1/completions too)."""
     out.mkdir(parents=True, exist_ok=True)
     proc, url = start_server(args, draft, out)
     try:
         completions = (f"model={MODEL},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
                        f"tokenizer={args.target},max_length={args.max_model_len}")
         chat = f"model={MODEL},base_url={url}/v1/chat/completions,num_concurrent={args.num_concurrent}"
-        return {MC: lm_eval(args, "local-completions", completions, MC, args.limit_mc, out / MC,
-                           "--batch_size", str(args.batch_size)),
+        runs = {MC: lm_eval(args, "local-completions", completions, MC, args.limit_mc, out / MC,
+                            "--batch_size", str(args.batch_size)),
                 GEN: lm_eval(args, "local-chat-completions", chat, GEN, args.limit_gen, out / GEN,
                              "--apply_chat_template")}
+        if args.gen_completions:
+            runs[GEN_RAW] = lm_eval(args, "local-completions", completions, GEN, args.limit_gen,
+                                    out / "humaneval_completions", "--batch_size", str(args.batch_size))
+        return runs
     finally:
         stop_server(proc)
 
 
 def compare(runs: dict) -> dict:
-    """Per-item differences from speculation off: the largest |log-likelihood difference| over every
-    choice of facts_mc, and how many humaneval_next_line generations are the same text."""
+    """Per run and task, the per-item difference from speculation off: for facts_mc the largest
+    |log-likelihood difference| over every choice, for a generation task how many texts are the same."""
     base = runs["spec off"]
     diffs = {}
     for name, run in runs.items():
-        mc = run[MC]["items"]
-        diffs[name] = {"mc_max_abs_diff": max(abs(a - b) for doc, lls in mc.items()
-                                              for a, b in zip(lls, base[MC]["items"][doc], strict=True))}
-        if GEN in run:
-            gen = run[GEN]["items"]
-            diffs[name]["gen_same"] = sum(gen[doc] == base[GEN]["items"][doc] for doc in gen)
+        for task, result in run.items():
+            theirs = base[task]["items"]
+            if task == MC:
+                diffs[name, task] = max(abs(a - b) for doc, lls in result["items"].items()
+                                        for a, b in zip(lls, theirs[doc], strict=True))
+            else:
+                diffs[name, task] = sum(text == theirs[doc] for doc, text in result["items"].items())
     return diffs
 
 
@@ -146,6 +154,8 @@ def main() -> None:
     p.add_argument("--limit-gen", type=int, default=20, help="humaneval_next_line items (164 in all)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per /v1/completions request")
     p.add_argument("--num-concurrent", type=int, default=1, help="chat requests in flight")
+    p.add_argument("--gen-completions", action="store_true",
+                   help="generate humaneval_next_line through /v1/completions too (a raw continuation)")
     p.add_argument("--no-hf", action="store_true", help="skip the harness' transformers model")
     p.add_argument("--lm-eval-python", default=sys.executable, help="the interpreter that has lm_eval")
     p.add_argument("--start-timeout", type=float, default=600)
@@ -166,14 +176,16 @@ def main() -> None:
         runs["hf"] = {MC: lm_eval(args, "hf", hf_args, MC, args.limit_mc, out / "hf" / MC, "--device", "cpu")}
     diffs = compare(runs)
 
-    print(f"{'run':<9} {MC + ' acc':>18} {GEN + ' exact_match':>32} {'max |dLL| vs off':>17} {'same gens':>9}")
+    print(f"{'run':<9} {'task':<35} {'metric':<11} {'score ± stderr':>17}  per item vs spec off")
     for name, run in runs.items():
-        mc = f"{run[MC]['score']:.4f} ± {run[MC]['stderr']:.4f}"
-        gen = f"{run[GEN]['score']:.4f} ± {run[GEN]['stderr']:.4f}" if GEN in run else "-"
-        same = f"{diffs[name]['gen_same']}/{len(run[GEN]['items'])}" if GEN in run else "-"
-        print(f"{name:<9} {mc:>18} {gen:>32} {diffs[name]['mc_max_abs_diff']:>17.2e} {same:>9}")
+        for task, result in run.items():
+            metric = "acc" if task == MC else "exact_match"
+            same = (f"max |dLL| {diffs[name, task]:.2e}" if task == MC
+                    else f"{diffs[name, task]}/{len(result['items'])} same text")
+            print(f"{name:<9} {task:<35} {metric:<11} {result['score']:>7.4f} ± {result['stderr']:.4f}  {same}")
     result = {"target": args.target, "draft": args.draft, "engine": args.engine, "limit_mc": args.limit_mc,
-              "limit_gen": args.limit_gen, "runs": runs, "diffs": diffs}
+              "limit_gen": args.limit_gen, "runs": runs,
+              "diffs": [{"run": name, "task": task, "vs_spec_off": d} for (name, task), d in diffs.items()]}
     (out / "lm_eval.json").write_text(json.dumps(result, indent=1))
 
 
