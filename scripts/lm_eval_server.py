@@ -9,11 +9,12 @@ The tasks are scripts/lm_eval_tasks/ (given to the harness with --include_path; 
 are not needed): facts_mc, 32 four-choice questions scored by log-likelihood through
 `local-completions` (echo + logprobs on /v1/completions, the prompt as token ids from the target's
 tokenizer), and humaneval_next_line, HumanEval's first solution line generated greedily through
-`local-chat-completions` (the server's chat template; with --gen-completions also as a raw
-continuation through `local-completions`, which is how HumanEval is meant to be prompted: a chat
-model answers the chat with a code fence first). The server runs twice as a subprocess on
-127.0.0.1: with speculation (`--speculation always`, the drafter --draft) and without (`--draft
-none`); then `--model hf` (transformers, f32, CPU) scores facts_mc. Prints a table of each score
+`local-chat-completions` (the server's chat template; with --gen-completions also
+humaneval_next_line_raw, the same items as a raw continuation through `local-completions`, which
+is how HumanEval is meant to be prompted: a chat model answers the chat with a code fence first).
+The server runs twice as a subprocess on 127.0.0.1: with speculation (`--speculation always`, the
+drafter --draft) and without (`--draft none`); then `--model hf` (transformers, f32, CPU) scores
+facts_mc. Prints a table of each score
 with its standard error and how far the per-item results differ (log-likelihoods: the largest
 absolute difference; generations: how many are the same text), and writes lm_eval.json under
 --out-dir with the per-item results.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "scripts" / "lm_eval_tasks"
 MC, GEN = "facts_mc", "humaneval_next_line"
-GEN_RAW = "humaneval_next_line (completions)"  # the same task as a raw continuation, no chat template
+GEN_RAW = "humaneval_next_line_raw"  # the same items as a raw continuation, no chat template
 MODEL = "served"
 
 
@@ -79,6 +81,20 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def speculation_counts(url: str) -> dict:
+    """The iterations that verified proposals and the proposals accepted, from the server's /metrics;
+    the acceptance length (1 + accepted / drafts) where any were."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^eagle3_jax:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    drafts, accepted = total("spec_decode_num_drafts_total"), total("spec_decode_num_accepted_tokens_total")
+    return {"drafts": drafts, "accepted": accepted,
+            "acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
+
+
 # ---- the harness ---------------------------------------------------------------------------------
 def lm_eval(args, model: str, model_args: str, task: str, limit: int, out: Path, *extra: str) -> dict:
     """One `python -m lm_eval` run of `task` (its first `limit` items, samples logged) -> {score,
@@ -107,9 +123,10 @@ def lm_eval(args, model: str, model_args: str, task: str, limit: int, out: Path,
     return {"score": scores[f"{metric},none"], "stderr": scores[f"{metric}_stderr,none"], "items": items}
 
 
-def served_runs(args, draft: str, out: Path) -> dict:
+def served_runs(args, draft: str, out: Path) -> tuple[dict, dict]:
     """Both tasks against one server: facts_mc through /v1/completions, humaneval_next_line
-    through /v1/chat/completions (and with --gen-completions through /v1/completions too)."""
+    through /v1/chat/completions (and with --gen-completions through /v1/completions too);
+    -> (the results by task, the server's speculation counts)."""
     out.mkdir(parents=True, exist_ok=True)
     proc, url = start_server(args, draft, out)
     try:
@@ -121,9 +138,9 @@ def served_runs(args, draft: str, out: Path) -> dict:
                 GEN: lm_eval(args, "local-chat-completions", chat, GEN, args.limit_gen, out / GEN,
                              "--apply_chat_template")}
         if args.gen_completions:
-            runs[GEN_RAW] = lm_eval(args, "local-completions", completions, GEN, args.limit_gen,
-                                    out / "humaneval_completions", "--batch_size", str(args.batch_size))
-        return runs
+            runs[GEN_RAW] = lm_eval(args, "local-completions", completions, GEN_RAW, args.limit_gen, out / GEN_RAW,
+                                    "--batch_size", str(args.batch_size))
+        return runs, speculation_counts(url)
     finally:
         stop_server(proc)
 
@@ -169,8 +186,9 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    runs = {"spec on": served_runs(args, args.draft, out / "spec_on"),
-            "spec off": served_runs(args, "none", out / "spec_off")}
+    runs, speculation = {}, {}
+    for name, draft in (("spec on", args.draft), ("spec off", "none")):
+        runs[name], speculation[name] = served_runs(args, draft, out / name.replace(" ", "_"))
     if not args.no_hf:
         hf_args = f"pretrained={args.target},dtype=float32,max_length={args.max_model_len}"
         runs["hf"] = {MC: lm_eval(args, "hf", hf_args, MC, args.limit_mc, out / "hf" / MC, "--device", "cpu")}
@@ -183,8 +201,11 @@ def main() -> None:
             same = (f"max |dLL| {diffs[name, task]:.2e}" if task == MC
                     else f"{diffs[name, task]}/{len(result['items'])} same text")
             print(f"{name:<9} {task:<35} {metric:<11} {result['score']:>7.4f} ± {result['stderr']:.4f}  {same}")
+    for name, counts in speculation.items():
+        print(f"{name}: {counts['drafts']:.0f} speculative iterations, {counts['accepted']:.0f} proposals accepted, "
+              f"acceptance length {counts['acceptance_length']}")
     result = {"target": args.target, "draft": args.draft, "engine": args.engine, "limit_mc": args.limit_mc,
-              "limit_gen": args.limit_gen, "runs": runs,
+              "limit_gen": args.limit_gen, "runs": runs, "speculation": speculation,
               "diffs": [{"run": name, "task": task, "vs_spec_off": d} for (name, task), d in diffs.items()]}
     (out / "lm_eval.json").write_text(json.dumps(result, indent=1))
 

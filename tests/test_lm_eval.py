@@ -50,8 +50,10 @@ def test_lm_eval_scores_the_same_with_speculation_on_and_off_and_as_transformers
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runs = json.loads((out / "lm_eval.json").read_text())["runs"]
-    on, off, hf = runs["spec on"], runs["spec off"], runs["hf"]
+    result = json.loads((out / "lm_eval.json").read_text())
+    on, off, hf = (result["runs"][name] for name in ("spec on", "spec off", "hf"))
+    # The first server speculated (its /metrics), the second ran the target alone.
+    assert result["speculation"]["spec on"]["drafts"] > 0 and result["speculation"]["spec off"]["drafts"] == 0
 
     # Every item, each of its 4 choices scored; the same log-likelihoods all three ways.
     assert len(off[MC]["items"]) == LIMIT_MC and all(len(lls) == 4 for lls in off[MC]["items"].values())
