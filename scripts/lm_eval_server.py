@@ -26,13 +26,12 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
+
+import server_process  # scripts/: this script's own directory is on the path
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "scripts" / "lm_eval_tasks"
@@ -41,44 +40,13 @@ GEN_RAW = "humaneval_next_line_raw"  # the same items as a raw continuation, no 
 MODEL = "served"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---- the server ----------------------------------------------------------------------------------
 def start_server(args, draft: str, out: Path) -> tuple[subprocess.Popen, str]:
-    """`eagle3-jax serve` on a free port of 127.0.0.1 with `draft` ('none': the target alone); -> (its
-    process, its URL) once /health answers."""
-    port = _free_port()
+    """`eagle3-jax serve` with `draft` ('none': the target alone) -> (its process, its URL), ready."""
     speculation = [] if draft == "none" else ["--speculation", "always"]
-    cmd = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--target", args.target, "--draft", draft,
-           "--port", str(port), "--served-model-name", MODEL, "--max-model-len", str(args.max_model_len),
-           *speculation, *args.engine.split()]
-    log = open(out / "server.log", "w")  # noqa: SIM115 - kept open while the server runs
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: see {log.name}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"/health did not answer within {args.start_timeout} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return server_process.start(["--target", args.target, "--draft", draft, "--served-model-name", MODEL,
+                                 "--max-model-len", str(args.max_model_len), *speculation, *args.engine.split()],
+                                out / "server.log", args.start_timeout)
 
 
 def speculation_counts(url: str) -> dict:
@@ -142,7 +110,7 @@ def served_runs(args, draft: str, out: Path) -> tuple[dict, dict]:
                                     "--batch_size", str(args.batch_size))
         return runs, speculation_counts(url)
     finally:
-        stop_server(proc)
+        server_process.stop(proc)
 
 
 def compare(runs: dict) -> dict:

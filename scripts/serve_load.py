@@ -23,8 +23,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,18 +30,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import server_process  # scripts/: this script's own directory is on the path
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODEL = "load"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -73,24 +67,9 @@ def _prompts(args) -> list[list[dict]]:
 
 # ---- the server ----------------------------------------------------------------------------------
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--target", args.target, "--port", str(port),
-           "--served-model-name", MODEL, *(["--draft", args.draft] if args.draft else []), *args.engine.split()]
-    log = open(Path(args.out_dir) / "server.log", "w")  # noqa: SIM115 - kept open while the server runs
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: see {log.name}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"/health did not answer within {args.start_timeout} s")
+    return server_process.start(["--target", args.target, "--served-model-name", MODEL,
+                                 *(["--draft", args.draft] if args.draft else []), *args.engine.split()],
+                                Path(args.out_dir) / "server.log", args.start_timeout)
 
 
 async def _client_stream(client, messages, max_tokens: int) -> tuple[int, float, list[float], float]:
@@ -208,8 +187,7 @@ def main() -> None:
             print(n, "server", rows[n]["server"], flush=True)
         metrics = server_metrics(url)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        server_process.stop(proc)
     llm = _in_process_llm(args)
     in_process_level(llm, prompts[:max(levels)], max(levels), args.max_tokens)  # warm-up
     for n in levels:

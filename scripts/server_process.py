@@ -1,0 +1,50 @@
+"""`eagle3-jax serve` as a subprocess, for the scripts that drive it over HTTP: on a free port of
+127.0.0.1, ready once /health answers 200, stopped by SIGTERM (its graceful shutdown)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(serve_args: list[str], log_path: Path, timeout: float) -> tuple[subprocess.Popen, str]:
+    """`serve` with `serve_args` (no --port), its output in `log_path` -> (its process, its URL) once
+    /health answers; RuntimeError if it exits first, TimeoutError after `timeout` seconds."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--port", str(port), *serve_args]
+    log = open(log_path, "w")  # noqa: SIM115 - kept open while the server runs
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: see {log_path}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"/health did not answer within {timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
