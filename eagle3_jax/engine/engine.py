@@ -241,7 +241,7 @@ class Engine:
             return False
         calls = step_calls(prefilling, self.cfg, decoding=len(prefilling) < len(sched.running))
         for chunks in calls:
-            self._run_prefill_call(chunks, self._prefill_scores)
+            self._run_prefill_call(chunks)
         t = time.perf_counter()
         for chunk in (chunk for chunks in calls for chunk in chunks):
             req = chunk.req
@@ -262,15 +262,15 @@ class Engine:
         self.stats.dispatch_s += time.perf_counter() - t
         return bool(calls)
 
-    def _run_prefill_call(self, chunks: list[PrefillChunk], scores: dict[int, list[_ScoredRows]]) -> None:
+    def _run_prefill_call(self, chunks: list[PrefillChunk]) -> None:
         """One prefill call; the scoring program where a row asks for logprobs of what it scores (its
-        prompt's, or the first token's in a request's last chunk), its rows' logprobs added to `scores`;
+        prompt's, or the first token's in a request's last chunk), its rows' logprobs kept by request;
         the masked one where a row samples its first token under a grammar."""
         inputs, params, seeds = prefill_call(chunks, self.cfg, self.scheduler.block_tables)
         # A request under a grammar samples its first token under the grammar's first mask.
         largest = self.cfg.prefill_buckets[-1]
         constrained = [(i, c.req.grammar, ()) for i, c in enumerate(chunks) if c.req.grammar is not None
-                       and not c.req.output and c.start + len(c.tokens(largest)) == c.req.context_len]
+                       and not c.req.output and c.end(largest) == c.req.context_len]
         mask = self.grammars.masks(constrained, len(params), 1)[:, 0] if constrained else None
         prompt = [c.req.scores_prompt for c in chunks]
         # A row whose last token's logits sample the first generated token (a fresh request's last chunk).
@@ -282,7 +282,7 @@ class Engine:
             scored.copy_to_host_async()
             for row, chunk in enumerate(chunks):
                 if prompt[row] or first[row]:
-                    scores[chunk.req.id].append(_ScoredRows(scored, row, int(inputs.start[row]),
+                    self._prefill_scores[chunk.req.id].append(_ScoredRows(scored, row, int(inputs.start[row]),
                                                             int(inputs.num_valid[row]), any(prompt)))
         self.stats.dispatch_s += time.perf_counter() - t
         self.stats.prefill_calls += 1

@@ -178,8 +178,11 @@ class PinnedBatch:
         self._by_bucket[len(slots)] = (slots.copy(), tables.copy(), device)
         return device
 
-    def token_mask(self, mask: np.ndarray) -> jax.Array:
-        """`mask` on the device in the buffer held for its shape, overwritten in place."""
+    def token_mask(self, mask: np.ndarray | None) -> jax.Array | None:
+        """`mask` on the device in the buffer held for its shape, overwritten in place (None: a
+        program that takes none)."""
+        if mask is None:
+            return None
         held = self._masks.get(mask.shape)
         if held is None:
             held = jax.device_put(mask, self._placement, may_alias=False)
@@ -228,7 +231,7 @@ def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch
     a logprobs program's with its scored tokens); token_mask [B, W, words]: a masked program's."""
     slots, tables = pinned.get(slots, tables)
     step = iterate_in_place_step(cfg, len(slots))
-    mask = None if token_mask is None else pinned.token_mask(token_mask)
+    mask = pinned.token_mask(token_mask)
     if not cfg.logprobs:
         state = step(params, draft_params, state, slots, tables, cfg=cfg, token_mask=mask)
         return state, pinned.read_verdicts(state, slots)
@@ -360,7 +363,7 @@ class ModelRunner:
         row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.facts.point_mass)
         cfg = dataclasses.replace(self.config(self.speculator, all(p.greedy for p in params), logprobs,
                                               masked=token_mask is not None), prompt_logprobs=prompt_logprobs)
-        mask = None if token_mask is None else self._pinned.token_mask(token_mask)
+        mask = self._pinned.token_mask(token_mask)
         out = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg,
                            token_mask=mask)
         self._state, scored = out if logprobs or prompt_logprobs else (out, None)
@@ -389,7 +392,7 @@ class ModelRunner:
                                                    tables, cfg, token_mask)
             return verdicts
         slots, tables = self._pinned.get(slots, tables)
-        mask = None if token_mask is None else self._pinned.token_mask(token_mask)
+        mask = self._pinned.token_mask(token_mask)
         state, _, _, carry, scored = iterate_head_step(self._params, self._draft_params, self._state, slots, tables,
                                                        cfg=cfg, token_mask=mask)
         for j in range(1, cfg.speculator.facts.num_draft_steps):
@@ -424,7 +427,7 @@ class ModelRunner:
         cfg = self.config(self.speculator, greedy, masked=masked)
         mask = self.allow_all(cfg, rows, iteration=False)
         self._state = prefill_step(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
-                                   cfg=cfg, token_mask=None if mask is None else self._pinned.token_mask(mask))
+                                   cfg=cfg, token_mask=self._pinned.token_mask(mask))
         self.first_token(DUMMY_SLOT).block_until_ready()  # as serving reads it
 
     def compile_jobs(self, iterations: Sequence[tuple[int, StepConfig]],
