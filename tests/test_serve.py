@@ -374,16 +374,25 @@ TOOLS = [{"type": "function", "function": {
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 
 
+def streamed_reply(client, **request):
+    """The choice openai's own stream reader puts together from a streamed chat's chunks (its
+    snapshot: its final completion refuses a reply cut by max_tokens)."""
+    with client.chat.completions.stream(model=MODEL, **request) as reader:
+        for _ in reader:
+            pass
+        return reader.current_completion_snapshot.choices[0]
+
+
 def test_a_required_or_named_tool_choice_answers_a_call_of_a_tool_streamed_or_not(client):
     jsonschema = pytest.importorskip("jsonschema")
-    from openai.types.chat import ChatCompletionMessageFunctionToolCall
+    from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageFunctionToolCall
 
     messages = user("What is the weather in Paris for 3 days?")
     calls = {}
     for tool_choice, names in (("required", set(SCHEMAS)), ({"type": "function", "function": {"name": "get_time"}},
                                                             {"get_time"})):
         response = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice,
-                                                  temperature=0, max_tokens=64)
+                                                  temperature=0, max_tokens=64, logprobs=True)
         (choice,) = response.choices
         assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
         (call,) = choice.message.tool_calls
@@ -391,15 +400,33 @@ def test_a_required_or_named_tool_choice_answers_a_call_of_a_tool_streamed_or_no
         assert re.fullmatch(r"call_[0-9a-f]+", call.id) and call.function.name in names
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
         calls[json.dumps(tool_choice)] = call.function
-    # Streamed: the call comes whole in one delta, with the reason; the same call as unstreamed.
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
-                                                 temperature=0, max_tokens=64, stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
-    (streamed,) = deltas[0].tool_calls
-    assert streamed.index == 0 and streamed.id.startswith("call_")
-    assert streamed.function.model_dump() == calls['"required"'].model_dump()
+        if tool_choice == "required":
+            tokens = [entry.token for entry in choice.logprobs.content]
+    # Streamed: OpenAI's incremental call, its arguments' pieces adding up to the unstreamed call's;
+    # each chunk with the logprobs of its tokens.
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                            temperature=0, max_tokens=64, stream=True, logprobs=True)
+    chunks = list(stream)
+    scored = [c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(scored) > 1 and [entry.token for content in scored for entry in content] == tokens
+    assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
+    opening = chunks[0].choices[0].delta
+    assert (opening.role, opening.content, opening.tool_calls) == ("assistant", None, None)
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert all(len(d) == 1 and d[0].index == 0 for d in deltas)
+    (start,), pieces = deltas[0], [d[0] for d in deltas[1:]]
+    assert start.type == "function" and re.fullmatch(r"call_[0-9a-f]+", start.id)
+    assert (start.function.name, start.function.arguments) == (calls['"required"'].name, "")
+    assert len(pieces) > 1 and all(p.id is None and p.type is None and p.function.name is None for p in pieces)
+    assert "".join(p.function.arguments for p in pieces) == calls['"required"'].arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    # openai's own stream reader puts the pieces together into the unstreamed call.
+    final = streamed_reply(client, messages=messages, tools=TOOLS, tool_choice="required", temperature=0,
+                           max_tokens=64)
+    assert final.finish_reason == "tool_calls"
+    (call,) = final.message.tool_calls
+    assert (call.function.name, call.function.arguments) == (calls['"required"'].name, calls['"required"'].arguments)
 
 
 def test_tool_choice_none_answers_text_and_a_history_of_calls_and_results_is_taken(client):
@@ -421,6 +448,12 @@ def test_tool_choice_none_answers_text_and_a_history_of_calls_and_results_is_tak
             assert choice.message.tool_calls[0].function.name in SCHEMAS
         else:
             assert isinstance(choice.message.content, str)
+        # Streamed, the same reply: text as it comes, or the call in pieces.
+        streamed = streamed_reply(client, messages=history, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                                  max_tokens=8)
+        assert (streamed.finish_reason, streamed.message.content) == (choice.finish_reason, choice.message.content)
+        assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == \
+            [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
 
 
 def test_tools_that_cannot_be_served_answer_400_naming_the_field(server):

@@ -73,6 +73,8 @@ class _Sample:
     logprobs: list = dataclasses.field(default_factory=list)  # its tokens' TokenLogprobs so far
     prompt_logprobs: list | None = None
     offset: int = 0  # the next token's text offset (completions' logprobs)
+    calls: T.CallStream | None = None  # a streamed chat reply to a request with tools, read as a call
+    sent: int = 0  # its tokens whose ids and logprobs a chunk carried (a reply with tools)
 
     def add(self, update: Update) -> None:
         self.logprobs += update.logprobs or []
@@ -159,7 +161,7 @@ class OpenAIServer:
                       calls: list[dict] | None = None):
         """Serve `prompts` (token ids), each `body.n` samples; `echo`: each prompt's text, put first in
         its choices' text (and logprobs); `calls`: the functions a chat reply may call (tools.py): a
-        reply that is such a call is answered as OpenAI's tool call, streamed as one delta at its end."""
+        reply that is such a call is answered as OpenAI's tool call, streamed as it arrives."""
         params = body.sampling_params(self.max_model_len)
         if params.structured_outputs is None:
             work = self.samples(body, prompts, params, param)
@@ -169,7 +171,8 @@ class OpenAIServer:
         P.check_fits(body, max(map(len, prompts)), self.max_model_len)
         submission = self.submit(work, arrival)
         prompt_tokens = sum(map(len, prompts))
-        samples = [_Sample(TextStream(self.llm.decode, params.stop)) for _ in work]
+        samples = [_Sample(TextStream(self.llm.decode, params.stop), calls=T.CallStream(calls) if calls else None)
+                   for _ in work]
         if echo is not None:  # each prompt's `n` samples in turn
             for i, (ids, _) in enumerate(work):
                 samples[i].echo = (echo[i // params.n], ids)
@@ -230,9 +233,31 @@ class OpenAIServer:
             sample.echo = None
             return logprobs
 
+        def with_tools(index: int, piece: T.Piece, finish_reason: str | None = None, **extra) -> list[str]:
+            """The chunks of a piece of a reply to a request with tools (tools.py, CallStream): its text,
+            or its call's start and arguments' text; the tokens since the last chunk (ids, logprobs) on
+            the first, the finish on the last. None for an empty piece of a held reply (its tokens'
+            ids and logprobs come with its end) or where the body asks for neither."""
+            sample = samples[index]
+            if piece.empty and finish_reason is None and (sample.calls.holding or not (
+                    body.return_token_ids or body.top_logprobs_listed is not None)):
+                return []
+            deltas = [P.chat_delta(index, piece.text)] if piece.text else []
+            if piece.name is not None:  # OpenAI's first delta of a call: its id and name, no arguments yet
+                deltas.append(P.chat_delta(index, tool_calls=[T.tool_call(piece.name, "")]))
+            if piece.arguments:
+                deltas.append(P.chat_delta(index, tool_calls=[{"function": {"arguments": piece.arguments}}]))
+            deltas = deltas or [P.chat_delta(index)]
+            deltas[-1]["finish_reason"] = finish_reason
+            token_ids, entries = sample.text.token_ids[sample.sent:], sample.logprobs[sample.sent:]
+            deltas[0]["logprobs"] = self.logprobs(endpoint, body, sample, token_ids, entries)
+            sample.sent = len(sample.text.token_ids)
+            return [event([delta], token_ids if i == 0 else None, **(extra if i == len(deltas) - 1 else {}))
+                    for i, delta in enumerate(deltas)]
+
         with _ending(self.engine_loop, submission, watcher):
-            if endpoint.role_first:
-                yield event([P.chat_delta(i, "", role="assistant") for i in range(len(samples))])
+            if endpoint.role_first:  # a reply that may be a call opens with content null, as OpenAI's calls do
+                yield event([P.chat_delta(i, None if calls else "", role="assistant") for i in range(len(samples))])
             completion_tokens = 0
             while submission.unfinished:
                 update = await submission.updates.get()
@@ -240,8 +265,9 @@ class OpenAIServer:
                 sample.add(update)
                 prefix = "" if sample.echo is None else sample.echo[0]  # the first event's: `scored` spends it
                 if not update.finished:
-                    if calls:  # whether the reply is a call shows at its end: the text waits for it
-                        sample.text.add(update.token_ids)
+                    if sample.calls is not None:
+                        for chunk in with_tools(update.index, sample.calls.feed(sample.text.push(update.token_ids))):
+                            yield chunk
                         continue
                     text = prefix + sample.text.push(update.token_ids)
                     logprobs = scored(sample, update)
@@ -256,16 +282,15 @@ class OpenAIServer:
                     yield _sse(P.error_body(choice.text, "server_error"))
                     continue
                 extra = {"metrics": P.request_metrics([choice])} if len(samples) == 1 else {}
-                if calls and (call := choice.as_call(calls)).tool_calls:
-                    yield event([P.chat_delta(update.index, finish_reason=call.finish_reason,
-                                              tool_calls=call.tool_calls)], update.token_ids, **extra)
+                if sample.calls is not None:
+                    piece = sample.calls.finish(sample.text.finish(choice.text))
+                    for chunk in with_tools(update.index, piece, "tool_calls" if piece.call else choice.finish_reason,
+                                            **extra):
+                        yield chunk
                     continue
                 text = prefix + sample.text.finish(choice.text)
-                # A held reply's logprobs come whole with its text, as the text does.
-                logprobs = (self.logprobs(endpoint, body, sample, choice.token_ids, sample.logprobs) if calls
-                            else scored(sample, update))
-                yield event([endpoint.delta(update.index, text, choice.finish_reason, logprobs)], update.token_ids,
-                            **extra)
+                yield event([endpoint.delta(update.index, text, choice.finish_reason, scored(sample, update))],
+                            update.token_ids, **extra)
             if body.include_usage:
                 yield event([], usage=P.usage(prompt_tokens, completion_tokens))
             yield "data: [DONE]\n\n"

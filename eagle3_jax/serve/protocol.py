@@ -399,7 +399,8 @@ def chat_chunk(id: str, model: str, created: int, choices: list[dict], **extra) 
 def chat_delta(index: int, content: str | None = None, role: str | None = None,
                finish_reason: str | None = None, logprobs: dict | None = None,
                tool_calls: list[dict] | None = None) -> dict:
-    delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    # The opening delta (the role's) has content: "", or null for a reply that may be a call.
+    delta = {"role": role, "content": content} if role else {} if content is None else {"content": content}
     if tool_calls:  # a stream's calls carry their place in the list
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -9,8 +9,13 @@ instruction to answer one JSON object {"name": ..., "parameters": {...}}. That r
 - tool_choice "required" or a named function: the reply is constrained (structured outputs) to
   `call_schema`, so it always parses as a call of one of the tools;
 - "auto" (the default with tools): the reply is free; one that parses as a call of a tool
-  becomes it (`parse_call`), anything else stays text;
+  becomes it (`parse_call`), anything else stays text (streamed: `CallStream`);
 - "none": plain text, the tools still shown to the model, as OpenAI does.
+
+A call's `arguments` are the model's own text of its parameters object, as OpenAI's are, so that a
+streamed call's pieces (`CallStream`) add up to the unstreamed call's arguments exactly: re-dumping
+the parsed object instead would hold each value back until complete (a number's digits, an escape,
+a key given twice) and keep a second serializer in step with the first.
 
 A history's assistant `tool_calls` are written back as the JSON reply that made them, and `tool`
 messages (the results) keep their role, which templates without tool support render as any other.
@@ -19,6 +24,7 @@ Pure: no engine, no HTTP; the errors are ValueErrors naming the request's field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Sequence
@@ -148,20 +154,237 @@ def _arguments(arguments) -> dict:
 
 def parse_call(text: str, tools: list[dict]) -> tuple[str, str] | None:
     """(name, arguments as JSON text) when `text` is one JSON object calling one of `tools`,
-    {"name": ..., "parameters" or "arguments": {...}}; None otherwise."""
-    try:
-        reply = json.loads(text.strip())
+    {"name": ..., "parameters" or "arguments": {...}} with each key once; None otherwise. The
+    arguments are the model's own text of that object ("{}" without one)."""
+    scan = CallScan()
+    scan.feed(text)
+    if not scan.complete or scan.name not in {f["name"] for f in tools}:
+        return None
+    try:  # the scan reads the object's shape; json.loads checks the JSON
+        json.loads(text.strip())
     except json.JSONDecodeError:
         return None
-    if not isinstance(reply, dict) or reply.get("name") not in {f["name"] for f in tools}:
-        return None
-    arguments = reply.get("parameters", reply.get("arguments", {}))
-    if not isinstance(arguments, dict):
-        return None
-    return reply["name"], json.dumps(arguments, ensure_ascii=False)
+    return scan.name, scan.arguments or "{}"
 
 
 def tool_call(name: str, arguments: str) -> dict:
-    """OpenAI's tool call of a response's message."""
+    """OpenAI's tool call of a response's message (streamed: its first delta, arguments "")."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+# ---- a reply read as it streams --------------------------------------------------------------
+PARAMETER_KEYS = ("parameters", "arguments")  # Llama-3.1's key, and the one some models write
+_JSON_SPACE = " \t\n\r"
+# Where CallScan is in the call's object: before it, at a key (after "{" or ","), in a key, before
+# its ":", before its value, in a string, object or array, or other (number, literal) value,
+# before "," or "}", after the object.
+_START, _FIRST_KEY, _NEXT_KEY, _KEY, _COLON, _VALUE, _STRING, _NESTED, _SCALAR, _NEXT, _AFTER = range(11)
+
+
+class CallScan:
+    """A reply's text read as it grows as the JSON object of a call, {"name": ..., "parameters":
+    {...}} (or "arguments"), its keys in any order, others among them: the name once its string is
+    complete, and the span of the parameters object's text. It reads the shape, not the JSON
+    (json.loads does, once the text is whole); each character once, whatever the pieces.
+
+    `is_object`: None until the first non-space character, then whether it is "{". `broken`: the
+    text cannot be such a call (a key twice, parameters and arguments both, a name that is not a
+    string, parameters that are not an object, a character out of place); `trailing`: text follows
+    the object. Reading stops at either."""
+
+    def __init__(self):
+        self.text = ""
+        self.is_object: bool | None = None
+        self.name: str | None = None
+        self.closed = self.broken = self.trailing = False
+        self._arguments_at: int | None = None  # where the parameters object starts in `text`
+        self._arguments_end: int | None = None  # one past its closing brace, once read
+        self._read = 0  # the characters read
+        self._state = _START
+        self._keys: set[str] = set()  # each parameters key counted as "parameters"
+        self._key = ""
+        self._at = 0  # the current key's or value's first character
+        self._depth = 0  # open brackets in a nested value
+        self._quoted = self._escaped = False  # in a string; after its backslash
+
+    @property
+    def complete(self) -> bool:
+        """The text is one object of a call's shape, nothing after it."""
+        return self.closed and not (self.broken or self.trailing) and self.name is not None
+
+    @property
+    def arguments(self) -> str:
+        """The parameters object's text read so far ("" before it starts): what a later character
+        cannot change, since the object runs to its closing brace."""
+        if self._arguments_at is None:
+            return ""
+        end = self._read if self._arguments_end is None else self._arguments_end
+        return self.text[self._arguments_at:end]
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        while self._read < len(self.text) and not (self.broken or self.trailing):
+            self._step(self.text[self._read])
+            self._read += 1
+
+    def _step(self, c: str) -> None:
+        state = self._state
+        if state in (_START, _AFTER):  # around the object, any space (the text is stripped for json.loads)
+            if c.isspace():
+                return
+            if state == _AFTER:
+                self.trailing = True
+            else:
+                self.is_object = c == "{"
+                self._state, self.broken = _FIRST_KEY, not self.is_object
+        elif state in (_STRING, _KEY) or (state == _NESTED and self._quoted):
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self._quoted = False
+                if state == _KEY:
+                    self._end_key()
+                elif state == _STRING:
+                    self._end_value()
+        elif state == _NESTED:
+            if c == '"':
+                self._quoted = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if not self._depth:
+                    self._end_value()
+        elif state == _SCALAR:
+            if c in _JSON_SPACE or c in ",}":
+                self._state = _NEXT
+                self._step(c)  # the value's end is the next part's start
+        elif c in _JSON_SPACE:
+            return
+        elif state in (_FIRST_KEY, _NEXT_KEY) and c == '"':
+            self._state, self._at = _KEY, self._read
+        elif state == _COLON and c == ":":
+            self._state = _VALUE
+        elif state == _VALUE:
+            self._start_value(c)
+        elif state == _NEXT and c == ",":
+            self._state = _NEXT_KEY
+        elif state in (_FIRST_KEY, _NEXT) and c == "}":
+            self._state, self.closed = _AFTER, True
+        else:
+            self.broken = True
+
+    def _end_key(self) -> None:
+        try:
+            key = json.loads(self.text[self._at:self._read + 1])
+        except json.JSONDecodeError:
+            self.broken = True
+            return
+        counted = "parameters" if key in PARAMETER_KEYS else key
+        self.broken = counted in self._keys
+        self._keys.add(counted)
+        self._state, self._key = _COLON, counted
+
+    def _start_value(self, c: str) -> None:
+        self._at = self._read
+        if (self._key == "name" and c != '"') or (self._key == "parameters" and c != "{") or c in ",}]:":
+            self.broken = True
+        elif c == '"':
+            self._state = _STRING
+        elif c in "{[":
+            self._state, self._depth = _NESTED, 1
+            if self._key == "parameters":
+                self._arguments_at = self._read
+        else:
+            self._state = _SCALAR
+
+    def _end_value(self) -> None:
+        self._state = _NEXT
+        if self._key == "parameters":
+            self._arguments_end = self._read + 1
+        elif self._key == "name":
+            try:
+                self.name = json.loads(self.text[self._at:self._read + 1])
+            except json.JSONDecodeError:
+                self.broken = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What a stretch of a streamed reply adds: content text, or the call's start (its name) and its
+    arguments' next text; `call` (at the end): the reply is a call (finish_reason "tool_calls")."""
+
+    text: str = ""
+    name: str | None = None
+    arguments: str = ""
+    call: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not (self.text or self.name is not None or self.arguments)
+
+
+class CallStream:
+    """A chat reply to a request with tools, read as its text streams (`feed` each released piece,
+    `finish` with the last). Held while its start may be a call's; then either OpenAI's incremental
+    tool call, once its object names a tool (the name, then the parameters object's text as it
+    arrives; parameters written before the name wait for it), or text, the held text first, once it
+    cannot be a call: its first non-space character is not "{", its name is not a tool's, or its
+    object is not of a call's shape (`CallScan.broken`). Neither of those can turn into a call
+    later (`parse_call` reads the same scan), so the text is the unstreamed reply's content.
+
+    A call streamed from its start that is not one at the end after all (cut short by max_tokens,
+    text after the object, JSON that does not parse) ends as the unstreamed reply does: its whole
+    text as content, with the engine's finish reason rather than "tool_calls"."""
+
+    def __init__(self, tools: list[dict]):
+        self.tools, self.names = tools, {f["name"] for f in tools}
+        self.scan = CallScan()
+        self.mode = "undecided"  # then "text" or "call"
+        self._sent = 0  # of the call's arguments
+        self._started = False  # the call's name is out
+
+    @property
+    def holding(self) -> bool:
+        """Whether the text read waits (the reply may or may not be a call)."""
+        return self.mode == "undecided"
+
+    def feed(self, text: str) -> Piece:
+        """What `text` (the reply's next released text) lets the stream send."""
+        if self.mode == "text":  # decided: nothing more to read
+            return Piece(text=text)
+        self.scan.feed(text)
+        if self.mode == "undecided":
+            self._decide()
+        if self.mode == "text":
+            return Piece(text=self.scan.text)  # the text held so far
+        if self.mode != "call":
+            return Piece()
+        name = None if self._started else self.scan.name
+        self._started = True
+        arguments = self.scan.arguments[self._sent:]
+        self._sent += len(arguments)
+        return Piece(name=name, arguments=arguments)
+
+    def finish(self, text: str) -> Piece:
+        """The end of the reply, given its last released text."""
+        piece = self.feed(text)
+        if self.mode == "undecided":  # cut short before it showed: not a call (parse_call reads it so too)
+            return Piece(text=self.scan.text)
+        if self.mode == "text":
+            return piece
+        call = parse_call(self.scan.text, self.tools)
+        sent = self.scan.arguments[:self._sent]  # this piece's among them
+        if call is None or call[0] != self.scan.name or not call[1].startswith(sent):
+            return Piece(text=self.scan.text)
+        return Piece(name=piece.name, arguments=piece.arguments + call[1][len(sent):], call=True)
+
+    def _decide(self) -> None:
+        scan = self.scan
+        if scan.name in self.names and not scan.broken:
+            self.mode = "call"
+        elif scan.is_object is False or scan.broken or scan.closed or scan.name is not None:
+            self.mode = "text"
