@@ -377,10 +377,12 @@ def phase_release(out: dict, args, questions: list[list[dict]]) -> None:
 
 def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tuple[int, ...]) -> None:
     """One engine's tok/s at each batch size, timed after a pass over the same prompts compiled
-    every shape it runs (at batch 1 each prompt's prefill bucket)."""
+    every shape it runs (at batch 1 each prompt's prefill bucket), prefix caching off."""
     from eagle3_jax.sampling_params import SamplingParams
 
-    llm = _llm(args.target, args.kind, args.proposal)
+    # No prefix caching: a warm cache would give the timed pass other (shorter) prefills than the
+    # pass that compiled them.
+    llm = _llm(args.target, args.kind, args.proposal, prefix_caching=False)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for b in batches:
