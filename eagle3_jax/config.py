@@ -574,9 +574,10 @@ class EngineConfig:
         as a prefix; the least recently used are evicted when no page is free.
 
     Kernels (how the step functions compute, not what):
-    attention: paged attention of decode, verify and draft steps. "pallas": kernels reading only a
-        row's filled pages (model/pallas_attention.py), fused residual-norm and tree top-k; "xla":
-        over the whole block table; "auto": pallas on a GPU without tensor parallelism, else xla.
+    attention: paged attention of decode, verify, draft and prefill steps. "pallas": kernels reading
+        only a row's filled pages (a prefill chunk's query tiles, the keys each can see;
+        model/pallas_attention.py), fused residual-norm and tree top-k; "xla": over the whole block
+        table; "auto": pallas on a GPU without tensor parallelism, else xla.
     gemv: projections of steps up to 64 rows. "xla": XLA's dots; "mosaic": a Pallas Mosaic GPU
         kernel per projection (model/mosaic_gemv.py), slower (BENCHMARKS.md, "Tried and rejected").
     gemm: matrix products of a fused iteration on a GPU. "triton": XLA's default; "cublas": cuBLAS;

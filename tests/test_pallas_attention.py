@@ -168,6 +168,91 @@ def test_tree_verify_of_32_tokens_lowers_for_cuda(monkeypatch, heads, kv_heads, 
         assert "xla.gpu.triton" not in lowered(33)
 
 
+@pytest.mark.parametrize("r", [3, 4, 8])  # SmolLM2's grouping, Llama-3.1-8B's (tiles of 32 tokens), 16-token tiles
+def test_prefill_tiles_match_the_xla_form(r):
+    """attend_prefill over a 70-token chunk (not a whole number of tiles: the last padded) against
+    layers.paged_attention: a row whose chunk starts mid-context (keys of an earlier chunk in its
+    pages, random values past them: a key seen past a query's position changes its output), one
+    starting at 0, and a padding row as the runner makes them (its table all scratch). Each tile
+    row's keys split between programs."""
+    rng = np.random.default_rng(r)
+    b, t, g, hd, blocks = 3, 70, 2, 32, 8  # 128 positions a row
+    num_pages = b * blocks + 1
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, PAGE, g, hd)), jnp.float32) for _ in range(2))
+    table = np.asarray(1 + rng.permutation(num_pages - 1).reshape(b, blocks), np.int32)
+    table[2] = layers.SCRATCH_PAGE
+    positions = jnp.asarray(np.array([45, 0, 0])[:, None] + np.arange(t), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, t, g * r, hd)), jnp.float32)
+    tq = pallas_attention.prefill_tile_tokens(r)
+    assert tq * r <= pallas_attention.MAX_QUERY_ROWS < 2 * tq * r and t % tq
+    assert not pallas_attention.supports(t, g * r, g, PAGE) and pallas_attention.supports_prefill(g * r, g, PAGE)
+    got = jax.jit(pallas_attention.attend_prefill, static_argnums=6)(q, k_pages[None], v_pages[None], 0, positions,
+                                                                     jnp.asarray(table), r)
+    want = jax.jit(layers.paged_attention)(q, k_pages, v_pages, positions, jnp.asarray(table))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    # Alone in its call, a row attends exactly as beside others (the same splits).
+    alone = jax.jit(pallas_attention.attend_prefill, static_argnums=6)(q[:1], k_pages[None], v_pages[None], 0,
+                                                                       positions[:1], jnp.asarray(table[:1]), r)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(got[:1]))
+
+
+@pytest.mark.parametrize("r", [3, 4])
+def test_prefill_attention_block_matches_the_xla_form(monkeypatch, r):
+    """attention_block with attention="pallas" over a 70-token chunk (query tiles, `attend_prefill`)
+    against attention="xla" in bf16: the same output and the same pages in layer 1 of two, layer 0
+    untouched. One row continues its context from position 40; the other's chunk runs past its
+    table from position 128 on, as a chunk's padded tokens may (written to scratch, never read)."""
+    tiled = []
+    attend_prefill = pallas_attention.attend_prefill
+    monkeypatch.setattr(pallas_attention, "attend_prefill", lambda *a: tiled.append(1) or attend_prefill(*a))
+    rng = np.random.default_rng(10 + r)
+    b, t, g, hd, d, blocks = 2, 70, 2, 32, 40, 8
+    num_pages = b * blocks + 1
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((2, num_pages, PAGE, g, hd)), jnp.bfloat16) for _ in range(2))
+    table = jnp.asarray(1 + rng.permutation(num_pages - 1).reshape(b, blocks), jnp.int32)
+    positions = jnp.asarray(np.array([40, 100])[:, None] + np.arange(t), jnp.int32)
+    h = jnp.asarray(rng.standard_normal((b, t, d)), jnp.bfloat16)
+    wqkv = jnp.asarray(rng.standard_normal((d, g, r + 2, hd)) / np.sqrt(d), jnp.bfloat16)
+    wo = jnp.asarray(rng.standard_normal((g * r * hd, d)) / np.sqrt(g * r * hd), jnp.bfloat16)
+    inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def block(attention):
+        return layers.attention_block(h, wqkv, wo, positions, k_pages, v_pages, 1, table, inv_freq=inv_freq,
+                                      attention=attention)
+
+    want, got = block("xla"), block("pallas")
+    assert tiled
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=1e-2, rtol=1e-2)
+    for pages_got, pages_want, before in zip(got[1:], want[1:], (k_pages, v_pages)):
+        np.testing.assert_array_equal(np.asarray(pages_got[1, 1:]), np.asarray(pages_want[1, 1:]))
+        np.testing.assert_array_equal(np.asarray(pages_got[0]), np.asarray(before[0]))
+    assert not np.array_equal(np.asarray(got[1][1, 1:]), np.asarray(k_pages[1, 1:]))  # the write happened
+
+
+@pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-3.1-8B
+def test_prefill_chunk_lowers_for_cuda(monkeypatch, heads, kv_heads, hd):
+    """attention_block with attention="pallas" over a prefill chunk of 512 tokens, a table of
+    8,192 keys, attends in query tiles (128 rows: 32 tokens at R = 3 or 4) that lower to Triton
+    for CUDA here: the attention and the splits' combine; RoPE and the KV write in XLA."""
+    monkeypatch.setattr(pallas_attention, "_interpret", lambda: False)
+    b, t, d, page = 2, 512, 256, 16
+    r = heads // kv_heads
+    s = jax.ShapeDtypeStruct
+    pages = s((2, 65, page, kv_heads, hd), jnp.bfloat16)
+    inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
+    f = lambda h, wqkv, wo, positions, k, v, table: layers.attention_block(
+        h, wqkv, wo, positions, k, v, 1, table, inv_freq=inv_freq, attention="pallas")
+    text = jax.jit(f).trace(s((b, t, d), jnp.bfloat16), s((d, kv_heads, r + 2, hd), jnp.bfloat16),
+                            s((heads * hd, d), jnp.bfloat16), s((b, t), jnp.int32), pages, pages,
+                            s((b, 512), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert pallas_attention.query_tile_rows(pallas_attention.prefill_tile_tokens(r), r) == 128
+    assert text.count("xla.gpu.triton") == 2
+    assert "eagle3_paged_attention" in text and "eagle3_attention_combine" in text
+    assert "eagle3_rope_write_kv" not in text
+
+
 def _lower_layers_for_cuda(monkeypatch, num_layers: int) -> str:
     """`num_layers` SmolLM2-shaped attention layers of a 2 x 16-token verify (enough cached pages
     for split keys) in one program, lowered for CUDA: the lowered module's text."""

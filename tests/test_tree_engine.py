@@ -107,6 +107,36 @@ def test_pallas_attention_engine_is_token_identical(tiny_models, reference):
         attention_kind(EngineConfig(attention="pallas"), DeviceFacts.of(Mesh(np.array(jax.devices()[:1]), ("tp",))))
 
 
+@pytest.mark.slow
+def test_pallas_prefill_tiles_match_the_xla_engine(tiny_models, monkeypatch):
+    """Prefill chunks of 128 tokens (256 query rows a kv head, too tall for one tile) attend in
+    query tiles (`pallas_attention.attend_prefill`, interpreted here) in the target and the
+    drafter: a 150-token prompt in two chunks, the second starting mid-context and padded, beside
+    short prompts in the 16-token bucket -> the XLA engine's tokens, and the KV its prefill leaves
+    (the target's second layer reads the first's attention, the drafter's KV the target's layers)."""
+    from eagle3_jax.model import pallas_attention
+
+    tiled = []
+    attend_prefill = pallas_attention.attend_prefill
+    monkeypatch.setattr(pallas_attention, "attend_prefill", lambda *a: tiled.append(a[0].shape) or attend_prefill(*a))
+    target, drafters = tiny_models
+    long = np.random.default_rng(7).integers(0, VOCAB, 150).tolist()
+    prompts = [long, *PROMPTS[:2]]
+    engine = dict(max_model_len=256, prefill_buckets=(16, 128))
+    xla = make(target, drafters["shared"], None, **engine)
+    reference = [o.token_ids for o in xla.generate(prompts, greedy(12))]
+    assert not tiled
+    llm = make(target, drafters["shared"], None, attention="pallas", **engine)
+    outputs = llm.generate(prompts, greedy(12))
+    assert [o.token_ids for o in outputs] == reference
+    assert sum(o.metrics.accepted for o in outputs) > 0
+    assert {shape[1] for shape in tiled} == {128}  # [B, T, H, hd]: the 128-token chunks only
+    assert len(tiled) == 3  # the prefill program's target layers (2) and drafter (1), traced once
+    for draft in (False, True):
+        for got, want in zip(prefill_kv(llm, long, draft), prefill_kv(xla, long, draft)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 # ---- forced trees: every depth, on any branch; the KV a plain prefill leaves ------------------
 def forced_tree(spec: TreeSpec, truth: list[int], rng) -> tuple[list[int], list[int]]:
     """T nodes (tokens, parents in the verify layout) holding `truth` as a root path on a random

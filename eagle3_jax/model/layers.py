@@ -181,7 +181,9 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
                     tree: TreeAttention | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention over layer `layer` of the paged cache (target, or the draft's 2H-wide midlayer): h [B, T,
     D_in] normed, wo [G*R*hd, D] -> (out [B, T, D], k_pages, v_pages with this step's written). "pallas":
-    where `pallas_attention.supports` the step. With a `tree`, `positions` say only where k, v are stored."""
+    the kernels where `pallas_attention.supports` the step; a causal step taller than that (a prefill
+    chunk) writes its KV as the XLA form and attends in query tiles (`pallas_attention.attend_prefill`).
+    With a `tree`, `positions` say only where k, v are stored."""
     b, t, _ = h.shape
     g, r = wqkv.shape[1], wqkv.shape[2] - 2
     window = 0 if tree is None else tree.window_mask.shape[2]
@@ -200,5 +202,9 @@ def attention_block(h: jax.Array, wqkv: jax.Array, wo: jax.Array, positions: jax
         q, k, v = project_qkv(h, wqkv, rope_positions, inv_freq=inv_freq, gemv=gemv)
         k_pages = write_kv(k_pages, layer, k, positions, block_table)
         v_pages = write_kv(v_pages, layer, v, positions, block_table)
-        out = paged_attention(q, k_pages[layer], v_pages[layer], positions, block_table, tree)
+        if attention == "pallas" and tree is None and pallas_attention.supports_prefill(g * r, g, k_pages.shape[2]):
+            # Too tall for one tile (a prefill chunk): query tiles, each reading the keys it can see.
+            out = pallas_attention.attend_prefill(q, k_pages, v_pages, layer, positions, block_table, r)
+        else:
+            out = paged_attention(q, k_pages[layer], v_pages[layer], positions, block_table, tree)
     return project(out.reshape(b, t, -1), wo, gemv), k_pages, v_pages

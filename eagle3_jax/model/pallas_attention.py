@@ -8,6 +8,10 @@ for the tensor cores), row t*R + r being q head g*R + r of token t. Splits share
 so one row still fills the SMs. The layer is an operand, not a block-spec constant, so a program
 lowers each kernel once, not once a layer. A tree's window mask is packed to bits; its ancestors
 are stored first, so the causal bound still holds.
+
+Taller causal steps (prefill chunks) attend in tiles of t_q tokens, each its own tile row
+(`attend_prefill`), after RoPE and the KV write as the XLA form: `rope_and_write` lays out one tile
+a row and runs a program a token, for the one launch a step that matters only when steps are short.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ def supports(num_tokens: int, heads: int, kv_heads: int, page_size: int, window:
     rows = num_tokens * (heads // kv_heads)
     return (rows <= MAX_QUERY_ROWS and window <= MAX_WINDOW and page_size >= 16
             and page_size & (page_size - 1) == 0)
+
+
+def supports_prefill(heads: int, kv_heads: int, page_size: int) -> bool:
+    """Whether `attend_prefill` serves causal steps of any length: a tile of one token fits."""
+    return supports(1, heads, kv_heads, page_size)
 
 
 def _kernel(q_ref, qpos_ref, *refs, pages_per_block: int, scale: float, windowed: bool):
@@ -323,6 +332,40 @@ def combine_splits(out: jax.Array, lse: jax.Array, rows: int, dtype, num_stages:
         compiler_params=_compiler_params(4, num_stages),
         name="eagle3_attention_combine",
     )(out, lse)
+
+
+def prefill_tile_tokens(heads_per_kv: int) -> int:
+    """t_q, the tokens of a prefill query tile: the most, a power of two, whose R heads fit one tile."""
+    return 1 << ((MAX_QUERY_ROWS // heads_per_kv).bit_length() - 1)
+
+
+def attend_prefill(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer, positions: jax.Array,
+                   block_table: jax.Array, heads_per_kv: int) -> jax.Array:
+    """Causal attention of steps too tall for one tile (prefill chunks): q [B, T, G*R, hd] rotated, its
+    keys already in layer `layer` of the pages [L, P, page, G, hd]; positions [B, T] -> [B, T, G*R, hd].
+
+    Each t_q tokens of a row are a tile row of `attend_tiles`, with the row's block table, so a tile
+    walks only the key blocks up to its last position: a chunk reads about T/t_q times its context
+    from L2, the context once from memory, where the XLA form reads every row's whole table and
+    writes [B, G, R, T, S] f32 scores. Tokens padding T to tiles sit at position -1: they see
+    nothing, and a tile of them reads nothing. Splits as for the B = 1 call of the same T, so a
+    prompt's attention (and the KV its later layers write) does not depend on the rows beside it."""
+    b, t, h, hd = q.shape
+    g, r = h // heads_per_kv, heads_per_kv
+    tq = prefill_tile_tokens(r)
+    n = -(-t // tq)  # tiles a row
+    pad = n * tq - t
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    positions = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    m = query_tile_rows(tq, r)
+    # [B, n*tq, G*R, hd] -> [B, n, G, tq*R, hd] (row t*R + rr: q head g*R + rr of the tile's token t) -> [B*n, G, M, hd]
+    tiles = q.reshape(b, n, tq, g, r, hd).transpose(0, 1, 3, 2, 4, 5).reshape(b * n, g, tq * r, hd)
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, m - tq * r), (0, 0)))
+    nb = block_table.shape[1]
+    splits = num_splits(n, g, nb // pages_per_block(nb, k_pages.shape[2]))
+    out = attend_tiles(tiles, k_pages, v_pages, layer, positions.reshape(b * n, tq),
+                       jnp.repeat(block_table, n, axis=0), r, splits)  # [B*n, tq, G*R, hd]
+    return out.reshape(b, n * tq, h, hd)[:, :t]
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "block_keys", "num_warps", "num_stages"))
