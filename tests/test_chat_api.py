@@ -308,7 +308,8 @@ def test_a_stream_behind_its_engine_sends_the_same_text_in_fewer_chunks(llm):
 
     async def contents(behind: bool) -> list[str]:
         submission = Submission([([1], SamplingParams())], 0.0)
-        updates = [Update(0, step) for step in steps[:-1]] + [Update(0, steps[-1], True, "length", metrics=RequestMetrics())]
+        last = Update(0, steps[-1], True, "length", metrics=RequestMetrics())
+        updates = [Update(0, step) for step in steps[:-1]] + [last]
         watcher = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
         stream = server.stream(CHAT, body, submission, [_Sample(TextStream(llm.decode))], 1, watcher)
 
