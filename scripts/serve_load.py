@@ -9,7 +9,9 @@ For each stream count N, N clients each send their share of --requests (MT-bench
 order, chat template, greedy, --max-tokens, ignore_eos) one after another, streaming, through the
 official `openai` client; the server is a subprocess on 127.0.0.1 with the engine flags given
 (--engine). Then the same engine configuration in this process (`LLM`, after the server has
-stopped): N requests kept in flight, a new one added as one finishes, the same requests.
+stopped): N requests kept in flight, a new one added (chat-templated and tokenized, as the server
+does) as one finishes, the same requests. Each side runs each level once unmeasured first, so that
+what N arrivals at once compile on first use is not in either's numbers.
 Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT
 and ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics),
 acceptance length, and the speculation the server's /metrics reports per batch bucket.
@@ -104,12 +106,14 @@ async def _server_level(url: str, prompts: list, streams: int, max_tokens: int) 
         while queue:
             results.append(await _client_stream(client, queue.pop(0), max_tokens))
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*[worker() for _ in range(streams)])
     wall = max(r[3] for r in results) - start
+    cpu = time.process_time() - cpu
     await client.close()
     tokens = sum(r[0] for r in results)
-    return dict(tokens=tokens, wall_s=round(wall, 3), tok_s=round(tokens / wall, 1),
+    # The client's own CPU time: on a machine of few cores, a busy client slows the server beside it.
+    return dict(tokens=tokens, wall_s=round(wall, 3), tok_s=round(tokens / wall, 1), client_cpu_s=round(cpu, 3),
                 **_latencies([r[1] for r in results], [g for r in results for g in r[2]]))
 
 
@@ -128,16 +132,19 @@ def server_metrics(url: str) -> dict:
 
 # ---- in process ----------------------------------------------------------------------------------
 def in_process_level(llm, prompts: list, streams: int, max_tokens: int) -> dict:
-    """N requests kept in flight on the engine, a new one added as one finishes."""
+    """N requests kept in flight on the engine, a new one added as one finishes. Each is
+    chat-templated and tokenized as it is added, inside the timed region and its time to first
+    token, as the server does on each request's arrival (LLM.chat templates its prompts too)."""
     from eagle3_jax import SamplingParams
 
     engine, params = llm.engine, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    pending = [llm.encode_chat(p) for p in prompts]
+    pending = list(prompts)
     live, done = [], []
     start = time.perf_counter()
     while pending or live:
         while pending and len(live) < streams:
-            live.append(engine.add_request(pending.pop(0), params))
+            arrival = time.perf_counter()
+            live.append(engine.add_request(llm.encode_chat(pending.pop(0)), params, arrival))
         engine.step()
         done += [r for r in live if r.finished]
         live = [r for r in live if not r.finished]
@@ -181,16 +188,17 @@ def main() -> None:
     rows = {n: {"streams": n} for n in levels}
     proc, url = start_server(args)
     try:
-        asyncio.run(_server_level(url, prompts[:max(levels)], max(levels), args.max_tokens))  # warm-up
         for n in levels:
+            # Warm-up at each level, as in process: what a batch of n arrivals compiles on first use.
+            asyncio.run(_server_level(url, prompts[:n], n, args.max_tokens))
             rows[n]["server"] = asyncio.run(_server_level(url, prompts, n, args.max_tokens))
             print(n, "server", rows[n]["server"], flush=True)
         metrics = server_metrics(url)
     finally:
         server_process.stop(proc)
     llm = _in_process_llm(args)
-    in_process_level(llm, prompts[:max(levels)], max(levels), args.max_tokens)  # warm-up
     for n in levels:
+        in_process_level(llm, prompts[:n], n, args.max_tokens)  # warm-up
         rows[n]["in_process"] = in_process_level(llm, prompts, n, args.max_tokens)
         rows[n]["ratio"] = round(rows[n]["server"]["tok_s"] / rows[n]["in_process"]["tok_s"], 3)
         print(n, "in process", rows[n]["in_process"], "ratio", rows[n]["ratio"], flush=True)

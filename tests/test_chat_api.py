@@ -263,3 +263,75 @@ def test_an_engine_failure_ends_its_requests_and_refuses_new_ones(llm, monkeypat
     monkeypatch.undo()
     for req in list(llm.engine.scheduler.waiting):  # what the failed steps left queued
         llm.engine.abort(req.id)
+
+
+def test_a_consumer_behind_takes_each_samples_queued_updates_as_one_in_order():
+    """Submission.next_update: what is queued for a sample is merged into one update (tokens and
+    logprobs in order, the end and final text of the last); another sample's updates keep theirs."""
+    from eagle3_jax.engine.scheduler import TokenLogprobs
+    from eagle3_jax.serve.engine_loop import Submission, Update
+
+    scored = lambda t: TokenLogprobs(t, -0.5, 1, (t,), (-0.5,))
+
+    async def taken() -> list[Update]:
+        submission = Submission([([1], SamplingParams()), ([1], SamplingParams())], 0.0)
+        for update in [Update(0, [3], logprobs=[scored(3)], prompt_logprobs=[None]), Update(1, [7]),
+                       Update(0, [4, 5], logprobs=[scored(4), scored(5)]), Update(1, [8]),
+                       Update(0, [6], True, "stop", text="cut", logprobs=[scored(6)]), Update(1, [9])]:
+            submission.updates.put_nowait(update)
+        first = [await submission.next_update(), await submission.next_update()]
+        submission.updates.put_nowait(Update(1, [10], True, "length"))
+        return [*first, await submission.next_update()]
+
+    zero, one, last = asyncio.run(taken())
+    assert (zero.index, zero.token_ids, zero.finished, zero.finish_reason, zero.text) == (0, [3, 4, 5, 6], True,
+                                                                                          "stop", "cut")
+    assert [s.token for s in zero.logprobs] == [3, 4, 5, 6] and zero.prompt_logprobs == [None]
+    assert (one.index, one.token_ids, one.finished, one.logprobs) == (1, [7, 8, 9], False, None)
+    assert (last.token_ids, last.finish_reason) == ([10], "length")  # one queued: returned as it came
+
+
+def test_a_stream_behind_its_engine_sends_the_same_text_in_fewer_chunks(llm):
+    """The chat stream of one reply whose steps are all queued when it reads (a consumer behind its
+    engine) sends them as one chunk; read step by step, one chunk a step. Both add up to the decode."""
+    import json
+
+    from eagle3_jax.engine.scheduler import RequestMetrics
+    from eagle3_jax.serve import protocol as P
+    from eagle3_jax.serve.app import CHAT, OpenAIServer, Settings, _Sample
+    from eagle3_jax.serve.engine_loop import Submission, Update
+
+    ids = llm.encode("h\u00e9llo w\u00f6rld \u2014 \u00fcn\u00efcode \u2713")  # characters split across byte tokens
+    steps = [ids[i:i + 2] for i in range(0, len(ids), 2)]
+    body = P.ChatCompletionRequest(model="tiny", messages=user("hi"), stream=True)
+    server = OpenAIServer(llm, None, Settings("tiny"))
+
+    async def contents(behind: bool) -> list[str]:
+        submission = Submission([([1], SamplingParams())], 0.0)
+        last = Update(0, steps[-1], True, "length", metrics=RequestMetrics())
+        updates = [Update(0, step) for step in steps[:-1]] + [last]
+        watcher = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+        stream = server.stream(CHAT, body, submission, [_Sample(TextStream(llm.decode))], 1, watcher)
+
+        async def feed():  # each update once the stream waits for the next
+            for update in updates:
+                submission.updates.put_nowait(update)
+                while not submission.updates.empty():
+                    await asyncio.sleep(0)
+
+        if behind:
+            for update in updates:
+                submission.updates.put_nowait(update)
+        else:
+            feeder = asyncio.get_running_loop().create_task(feed())
+        events = [event async for event in stream]
+        assert events[-1] == "data: [DONE]\n\n"
+        chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        if not behind:
+            await feeder
+        return [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"][0]["delta"].get("content")]
+
+    behind, step_by_step = asyncio.run(contents(True)), asyncio.run(contents(False))
+    assert "".join(behind) == "".join(step_by_step) == llm.decode(ids)
+    assert len(behind) == 1 and len(step_by_step) > len(steps) // 2

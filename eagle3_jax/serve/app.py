@@ -196,7 +196,7 @@ class OpenAIServer:
 
     async def finished_choices(self, submission: Submission, samples: list[_Sample]) -> AsyncIterator[P.Choice]:
         while submission.unfinished:
-            update = await submission.updates.get()
+            update = await submission.next_update()
             samples[update.index].text.add(update.token_ids)
             samples[update.index].add(update)
             if update.finished:
@@ -260,7 +260,7 @@ class OpenAIServer:
                 yield event([P.chat_delta(i, None if calls else "", role="assistant") for i in range(len(samples))])
             completion_tokens = 0
             while submission.unfinished:
-                update = await submission.updates.get()
+                update = await submission.next_update()
                 sample = samples[update.index]
                 sample.add(update)
                 prefix = "" if sample.echo is None else sample.echo[0]  # the first event's: `scored` spends it

@@ -5,6 +5,7 @@ per step. It blocks only on its queue, when it has nothing to run, never on HTTP
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -43,6 +44,15 @@ class Update:
     logprobs: list[TokenLogprobs] | None = None  # token_ids' where the sample asks for logprobs
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, on the first update after they are read
 
+    def then(self, later: Update) -> Update:
+        """This unfinished update and the same sample's next one as one: the tokens (and their
+        logprobs) of both, the end (if any) and the final text and metrics of `later`."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        return dataclasses.replace(later, token_ids=self.token_ids + later.token_ids, logprobs=logprobs,
+                                   prompt_logprobs=prompt)
+
 
 class Submission:
     """One HTTP request's samples: (prompt ids, single-sample params) each. Their updates arrive
@@ -54,6 +64,24 @@ class Submission:
         self.updates: asyncio.Queue[Update] = asyncio.Queue()
         self.unfinished = len(samples)
         self.request_ids: list[int] = []  # the engine's, set on its thread
+        self._taken: collections.deque[Update] = collections.deque()  # out of `updates`, not yet returned
+
+    async def next_update(self) -> Update:
+        """A sample's next update, with every later one of that sample already queued merged into
+        it (Update.then): a consumer that fell behind the engine by several steps catches up in one
+        update, so one stream chunk, not one per step. Each sample's updates keep their order."""
+        if not self._taken:
+            self._taken.append(await self.updates.get())
+        while not self.updates.empty():
+            self._taken.append(self.updates.get_nowait())
+        first, rest = self._taken.popleft(), collections.deque()
+        for update in self._taken:
+            if update.index == first.index and not first.finished:
+                first = first.then(update)
+            else:
+                rest.append(update)
+        self._taken = rest
+        return first
 
 
 @dataclasses.dataclass
