@@ -27,6 +27,10 @@ pool: the target's forward alone on pools of 2,000 to 150,000 pages (SmolLM2's c
   weights): a decode against itself repeated and against a verify, bit for bit.
 release: four engines one after another in one process, released by LLM.close(), by dropping the
   last reference, and (the third) not at all: each one's pool, the memory held elsewhere, its reply.
+attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its config, random bf16 weights,
+  --layers of them, a 256-token context): the target forward at B = --batches rows of 1, 5 and 32
+  tokens with each of attention and the projections in turn invariant or default (four
+  combinations, ms a call), and each projection alone, XLA's dot against the invariant GEMM.
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
   1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
   bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
@@ -207,6 +211,60 @@ def phase_gemm(out: dict, rows: tuple[int, ...]) -> None:
             print(json.dumps(row), flush=True)
         del w
     out["gemm"] = results
+
+
+def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
+    """The forward's ms under each (attention, projections) pair, and each projection alone."""
+    from eagle3_jax.config import ModelConfig
+    from eagle3_jax.model import invariant_gemm
+
+    cfg = ModelConfig.from_json(Path(args.target) / "config.json")
+    cfg = dataclasses.replace(cfg, num_layers=args.layers or cfg.num_layers, capture_layer_ids=(0,))
+    params = llama.fold_norm_gains(llama.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16))
+    ctx, page, max_b = 256, 16, max(batches)
+    blocks = -(-(ctx + 32) // page)
+    table = 1 + np.arange(max_b * blocks, dtype=np.int32).reshape(max_b, blocks)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (max_b, ctx + 32), dtype=np.int32)
+    combos = {"both default": ("pallas", "xla"), "attention invariant": ("invariant", "xla"),
+              "projections invariant": ("pallas", "invariant"), "both invariant": ("invariant", "invariant")}
+    rows = []
+    for label, (attention, gemv) in combos.items():
+        def step(params, tokens, positions, cache, table, attention=attention, gemv=gemv):
+            hidden, _, cache = llama.forward(params, cfg, tokens, positions, cache, table, attention, None, gemv)
+            return llama.logits(params, hidden, gemv), cache
+
+        fn = jax.jit(step, donate_argnums=3)
+        cache = llama.KVCache.zeros(cfg.num_layers, max_b * blocks + 1, page, cfg.num_kv_heads, cfg.head_dim,
+                                    jnp.bfloat16)
+        _, cache = fn(params, prompt[:, :ctx], np.broadcast_to(np.arange(ctx), (max_b, ctx)), cache, table)
+        for b in batches:
+            for t in (1, 5, 32):
+                tokens, positions = prompt[:b, ctx:ctx + t], np.broadcast_to(np.arange(ctx, ctx + t), (b, t))
+                for _ in range(2):
+                    logits, cache = fn(params, tokens, positions, cache, table[:b])
+                jax.block_until_ready(logits)
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    logits, cache = fn(params, tokens, positions, cache, table[:b])
+                jax.block_until_ready(logits)
+                rows.append(dict(kernels=label, b=b, t=t, ms=round((time.perf_counter() - t0) / args.calls * 1e3, 3)))
+                print(rows[-1], flush=True)
+        del cache
+    gemms = []
+    d, hd = cfg.hidden_size, cfg.head_dim
+    shapes = {"wqkv": (d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd), "wo": (cfg.num_heads * hd, d),
+              "w_gate_up": (d, 2 * cfg.intermediate_size), "w_down": (cfg.intermediate_size, d),
+              "lm_head": (d, cfg.vocab_size)}
+    xla = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    invariant = jax.jit(invariant_gemm.matmul)
+    for name, (k, n) in shapes.items():
+        w = (0.02 * jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)).astype(jnp.bfloat16)
+        for m in sorted({b * t for b in batches for t in (1, 5, 32)}):
+            x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            gemms.append(dict(shape=name, k=k, n=n, m=m, xla_ms=round(_time(xla, x, w, calls=args.calls), 4),
+                              invariant_ms=round(_time(invariant, x, w, calls=args.calls), 4)))
+            print(gemms[-1], flush=True)
+    out.update(forward_ms=rows, gemm_ms=gemms, layers=cfg.num_layers)
 
 
 PROPOSALS = ("target", "chain", "tree", "ngram")
@@ -421,7 +479,8 @@ def phase_speed(out: dict, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("8b", "lossless", "replies", "pool", "release", "speed", "speed-engine", "gemm"),
+    p.add_argument("--phase", choices=("8b", "lossless", "replies", "pool", "release", "speed", "speed-engine", "gemm",
+                                            "attribution"),
                    required=True)
     p.add_argument("--target", help="converted SmolLM2 directory")
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
@@ -444,6 +503,8 @@ def main() -> None:
     p.add_argument("--no-overlap", action="store_true", help="replies: the host waits for each step's results")
     p.add_argument("--repeat", action="store_true", help="replies: each prompt alone once more at the end")
     p.add_argument("--pool-pages", default="2000,60000,100000,150000", help="pool: the pool sizes tried")
+    p.add_argument("--layers", type=int, default=None, help="attribution: the target's layers (default: all)")
+    p.add_argument("--calls", type=int, default=30, help="attribution: timed calls a figure")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--out-name", default=None, help="the JSON's name (default: the phase's)")
     args = p.parse_args()
@@ -454,6 +515,8 @@ def main() -> None:
         phase_8b(out, batches)
     elif args.phase == "gemm":
         phase_gemm(out, (1, 64, 320, 2048))
+    elif args.phase == "attribution":
+        phase_attribution(out, args, batches)
     else:
         path = Path(args.questions) if args.questions else assets.fetch(assets.MTBENCH)
         lines = [line for line in path.read_text().splitlines() if line.strip()]
