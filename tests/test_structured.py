@@ -234,3 +234,41 @@ def test_logprobs_of_a_constrained_output_are_the_targets_before_the_mask(chat_m
     engine.run([constrained, long])
     assert constrained.output == out.token_ids
     llm.close()
+
+
+def test_forced_tokens_are_what_the_grammar_allows_alone_and_leave_the_matcher_where_it_was(grammars, tokenizer):
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    schema = StructuredOutputsParams(json={"type": "object", "properties": {"role": {"enum": ["admin", "guest"]}},
+                                           "required": ["role"], "additionalProperties": False})
+    matcher = grammars.matcher(schema)
+    # Compact JSON: `{"role":"` is forced, then a choice; a byte tokenizer splits it one way only.
+    assert grammars.forced([(matcher, False), (matcher, True)], 4) == [ids('{"ro'), ids('{"ro')]
+    assert grammars.forced([(matcher, True)], 20) == [ids('{"role":"')]
+    assert grammars.forced([(matcher, False)], 0) == [[]]
+    for token in ids('{"role":"'):
+        assert not matcher.advance(token)
+    assert grammars.forced([(matcher, True)], 4) == [[]]  # admin or guest
+    assert not matcher.advance(ids("g")[0])
+    assert grammars.forced([(matcher, True)], 8) == [ids('uest"}')]
+
+
+@pytest.mark.slow
+def test_forced_drafts_keep_the_output_and_raise_acceptance(chat_models):
+    """The EAGLE-3 chain under a schema, the grammar's forced tokens put in place of the drafts or
+    not: the same tokens (greedy, and seeded sampling), and a random drafter, which almost never
+    proposes a brace or a key name, accepts far more with them."""
+    from conftest import make_llm
+
+    llm = make_llm(*chat_models, warmup=False, tree=None, num_draft=3, max_model_len=256)
+    prompts = [[{"role": "user", "content": f"Request {i}"}] for i in range(2)]
+    requests = REQUESTS[:2]
+    runs = {}
+    for forced in (False, True):
+        llm.engine.grammars.forced_drafts = forced
+        runs[forced] = llm.chat(prompts, requests)
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    for out in runs[True]:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    without, with_forced = ([o.metrics.acceptance_length for o in runs[f]] for f in (False, True))
+    assert min(with_forced) > max(without) + 0.5, (with_forced, without)
+    llm.close()
