@@ -10,8 +10,10 @@ are rewritten only by later dispatches).
 
 A batch with a row under a grammar (`SamplingParams.structured_outputs`) gives up that overlap:
 before dispatching, the host reads every result in flight, advances each such row's matcher by
-the tokens it emitted, reads the rows' pending proposals and computes the tokens the grammar allows
-at each position the verify decides (engine/structured.py); the program applies those masks to the
+the tokens it emitted, reads the rows' pending proposals, puts the tokens each row's grammar forces
+from there (its braces, quotes, key names) in place of its first drafts (`_force_drafts`, written
+to the device state in place), and computes the tokens the grammar allows at each position the
+verify decides along those drafts (engine/structured.py); the program applies those masks to the
 target's logits before accepting, so the output is the constrained target's with or without
 speculation. Such a batch verifies a chain (or the target alone), never a tree.
 
