@@ -234,3 +234,77 @@ def test_logprobs_of_a_constrained_output_are_the_targets_before_the_mask(chat_m
     engine.run([constrained, long])
     assert constrained.output == out.token_ids
     llm.close()
+
+
+def test_forced_tokens_are_what_the_grammar_allows_alone_and_leave_the_matcher_where_it_was(grammars, tokenizer):
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    schema = StructuredOutputsParams(json={"type": "object", "properties": {"role": {"enum": ["admin", "guest"]}},
+                                           "required": ["role"], "additionalProperties": False})
+    matcher = grammars.matcher(schema)
+    # Compact JSON: `{"role":"` is forced, then a choice; a byte tokenizer splits it one way only.
+    assert grammars.forced([(matcher, False), (matcher, True)], 4) == [ids('{"ro'), ids('{"ro')]
+    assert grammars.forced([(matcher, True)], 20) == [ids('{"role":"')]
+    assert grammars.forced([(matcher, False)], 0) == [[]]
+    for token in ids('{"role":"'):
+        assert not matcher.advance(token)
+    assert grammars.forced([(matcher, True)], 4) == [[]]  # admin or guest
+    assert not matcher.advance(ids("g")[0])
+    assert grammars.forced([(matcher, True)], 8) == [ids('uest"}')]
+
+
+def test_a_draft_the_mask_allows_alone_is_accepted_by_every_rule_whatever_its_q():
+    """A grammar-forced draft keeps the drafter's q (engine.py, `_force_drafts`): where the masked
+    target allows that token alone, greedy, coupled, one-hot and draft-q rows all accept it, and
+    draft-q whatever q gave it, 0 or 1 included."""
+    from eagle3_jax.runner.sampling import RowSampling, coupling_noise, verify_chain
+
+    rng = np.random.default_rng(0)
+    B, K, V = 8, 3, 40
+    drafts = rng.integers(0, V, (B, K)).astype(np.int32)
+    keep = np.zeros((B, K + 1, V), bool)
+    keep[:, :K][np.arange(B)[:, None], np.arange(K), drafts] = True  # each draft the one token allowed
+    keep[:, K] = True
+    words = np.zeros((B, K + 1, 2), np.uint32)
+    for t in range(V):
+        words[..., t // 32] |= keep[..., t].astype(np.uint32) << np.uint32(t % 32)
+    logits = mask_logits(jnp.asarray(rng.normal(size=(B, K + 1, V)) * 4, jnp.float32),
+                         jnp.asarray(words.view(np.int32)))
+    q = rng.dirichlet(np.ones(V), (B, K)).astype(np.float32)
+    q[0, :, :] = 0  # q(d) = 0
+    q[1] = np.eye(V, dtype=np.float32)[drafts[1]]  # q(d) = 1
+    rules = np.array([0, 1, 2, 3] * 2)  # greedy, draft-q, one-hot, coupled
+    row = RowSampling(temperature=jnp.asarray(np.where(rules == 0, 0.0, 1.0), jnp.float32),
+                      top_k=jnp.zeros(B, jnp.int32), top_p=jnp.ones(B), min_p=jnp.zeros(B),
+                      key=jnp.asarray(rng.integers(0, 2**32, (B, 2)), jnp.uint32), one_hot=jnp.asarray(rules == 2),
+                      coupled=jnp.asarray(rules == 3))
+    noise = coupling_noise(row.key, jnp.broadcast_to(jnp.arange(K + 1), (B, K + 1)), V)
+    for seed in range(4):
+        keys = jnp.asarray(np.random.default_rng(seed).integers(0, 2**32, (B, 2)), jnp.uint32)
+        n, emitted = verify_chain(logits, drafts, jnp.asarray(q), row, keys, noise)
+        assert np.asarray(n).tolist() == [K] * B
+        np.testing.assert_array_equal(np.asarray(emitted)[:, :K], drafts)
+
+
+@pytest.mark.slow
+def test_forced_drafts_keep_the_output_and_raise_acceptance(chat_models):
+    """The EAGLE-3 chain under a schema, the grammar's forced tokens put in place of the drafts or
+    not: the same tokens (greedy, and seeded sampling: the coupled rule), and a random drafter,
+    which almost never proposes a brace or a key name, accepts far more with them; so does a
+    draft-q row (its tokens are a draw, exact but not the same draw), its output following the
+    schema."""
+    from conftest import make_llm
+
+    llm = make_llm(*chat_models, warmup=False, tree=None, num_draft=3, max_model_len=256)
+    prompts = [[{"role": "user", "content": f"Request {i}"}] for i in range(3)]
+    draft_q = SamplingParams(max_tokens=150, temperature=1.0, seed=5, draft_acceptance="draft_q",
+                             structured_outputs={"json": SCHEMA})
+    runs = {}
+    for forced in (False, True):
+        llm.engine.grammars.forced_drafts = forced
+        runs[forced] = llm.chat(prompts, [*REQUESTS[:2], draft_q])
+    assert [o.token_ids for o in runs[True][:2]] == [o.token_ids for o in runs[False][:2]]
+    for out in runs[True] + runs[False]:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    without, with_forced = ([o.metrics.acceptance_length for o in runs[f]] for f in (False, True))
+    assert min(with_forced) > max(without) + 0.5, (with_forced, without)
+    llm.close()

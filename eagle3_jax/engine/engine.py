@@ -10,8 +10,10 @@ are rewritten only by later dispatches).
 
 A batch with a row under a grammar (`SamplingParams.structured_outputs`) gives up that overlap:
 before dispatching, the host reads every result in flight, advances each such row's matcher by
-the tokens it emitted, reads the rows' pending proposals and computes the tokens the grammar allows
-at each position the verify decides (engine/structured.py); the program applies those masks to the
+the tokens it emitted, reads the rows' pending proposals, puts the tokens each row's grammar forces
+from there (its braces, quotes, key names) in place of its first drafts (`_force_drafts`, written
+to the device state in place), and computes the tokens the grammar allows at each position the
+verify decides along those drafts (engine/structured.py); the program applies those masks to the
 target's logits before accepting, so the output is the constrained target's with or without
 speculation. Such a batch verifies a chain (or the target alone), never a tree.
 
@@ -44,7 +46,7 @@ from eagle3_jax.engine.prefill import PrefillChunk, prefill_call, step_calls
 from eagle3_jax.engine.scheduler import Request, Scheduler, TokenLogprobs, stop_reason
 from eagle3_jax.engine.speculation import Choice, Speculation
 from eagle3_jax.engine.stats import EngineStats
-from eagle3_jax.engine.structured import Grammars
+from eagle3_jax.engine.structured import Grammars, Matcher
 from eagle3_jax.runner import kv_memory, logprobs
 from eagle3_jax.runner.runner import ModelRunner, freeze_heap, place_weights
 from eagle3_jax.runner.served import DeviceFacts, served_config
@@ -300,9 +302,9 @@ class Engine:
                            masked=bool(constrained))
         fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice)
         mask = None
-        if constrained:  # the grammar along each row's proposal: its drafts are read first
+        if constrained:  # the grammar along each row's proposal: its drafts are read (and forced) first
             width = cfg.speculator.facts.verify_width
-            drafts = self.runner.read_drafts(slots[:len(reqs)], width - 1) if width > 1 else None
+            drafts = self._force_drafts(reqs, constrained, slots, width - 1, cfg.greedy) if width > 1 else None
             mask = self.grammars.masks([(i, m, () if drafts is None else drafts[i]) for i, m in constrained],
                                        bucket, width)
         t = time.perf_counter()
@@ -313,6 +315,39 @@ class Engine:
         self.stats.count_iteration(bucket, self.speculation.label(choice), speculative=choice is not None)
         self._pending.append(_Pending(reqs, verdicts, [r.admissions for r in reqs], True, choice, fresh, scoring))
         return None if scoring else (bucket, choice)
+
+    def _force_drafts(self, reqs: list[Request], constrained: list[tuple[int, Matcher]], slots: np.ndarray,
+                      k: int, greedy: bool) -> np.ndarray:
+        """The pending proposals [B, k] of the batch's `slots`, each constrained row's first m drafts
+        replaced by the m tokens its grammar forces from here (`Grammars.forced`), written to the
+        device where any changed. The drafter's drafts after them stay: a drafter proposes none of
+        a schema's braces and key names, so the verify accepted little there.
+
+        Exact under every rule (runner/sampling.py, `verify_chain`): a greedy row accepts a draft
+        iff it is the masked target's argmax, a coupled row iff it is the masked target's coupled
+        draw, a one-hot row by q = the point mass on the draft, whatever the drafts were. A draft-q
+        row reads the drafter's q (`accept iff u q(d) < p(d)`, else a draw from (p - q)^+), exact
+        only for a d drawn from that q; so its forced tokens are only those the grammar allows
+        alone, where the masked p is the point mass on d: p(d) = 1 > u q(d) for any q, u < 1, the
+        row emits d whatever q. Past them the drafter's d_j is still a draw from the q_j kept
+        beside it (neither depended on the verify's uniforms), so the rule stays exact there;
+        padding in other tokens would not be. The drafter's next proposal is drafted in the
+        iteration from the emitted tokens and the target's hidden states: nothing else changes."""
+        drafts = np.array(self.runner.read_drafts(slots, k))  # writable
+        if not self.grammars.forced_drafts:
+            return drafts
+        point_mass = self.runner.speculator.facts.point_mass  # what each row's rule was resolved with
+        sole = [not greedy and not reqs[i].params.greedy and reqs[i].params.acceptance_rule(point_mass) == "draft_q"
+                for i, _ in constrained]
+        forced = self.grammars.forced([(m, alone) for (_, m), alone in zip(constrained, sole)], k)
+        changed = False
+        for (i, _), tokens in zip(constrained, forced):
+            if tokens and list(drafts[i, :len(tokens)]) != tokens:
+                drafts[i, :len(tokens)] = tokens
+                changed = True
+        if changed:  # the whole bucket, one program per bucket (warm-up builds it)
+            self.runner.write_drafts(slots, drafts)
+        return drafts
 
     def _postprocess(self, pending: _Pending) -> list[Request]:
         """Read one dispatched program's results and apply them to its requests."""

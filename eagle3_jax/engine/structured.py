@@ -54,10 +54,12 @@ class Grammars:
     """An engine's grammars: the tokenizer llguidance reads (built on first use, about 0.4 s for a
     49k vocabulary), compiling, and the masks of a batch's rows. `tokenizer`: a transformers fast
     tokenizer (None: structured requests are refused); vocab_size: the target's (the masks' width);
-    eos_token_ids: the tokens a grammar allows once its output may end."""
+    eos_token_ids: the tokens a grammar allows once its output may end; forced_drafts: the engine
+    puts the tokens a grammar forces in place of a row's first drafts (`forced`)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], forced_drafts: bool = True):
         self._hf, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
+        self.forced_drafts = forced_drafts
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._lock = threading.Lock()  # the server checks requests on another thread than the engine's
@@ -111,6 +113,23 @@ class Grammars:
         if drafted := [job for job in jobs if job[2]]:
             llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, flat)
         return masks
+
+    def forced(self, rows: Sequence[tuple[Matcher, bool]], limit: int) -> list[list[int]]:
+        """The tokens each (matcher, sole) row's grammar forces from the matcher's place, at most
+        `limit`: llguidance's fast-forward tokens, the bytes every continuation starts with as the
+        tokenizer splits them. Another split of those bytes may be allowed too (a BPE vocabulary's
+        `{"` and `{`); with `sole`, only the leading tokens that are the only one the grammar
+        allows at their position (the rows whose verify reads the drafter's q need that). The
+        matchers end where they started."""
+        forced = [m.llg.compute_ff_tokens()[:limit] if limit else [] for m, _ in rows]
+        checked = [(row, m, tokens) for row, ((m, sole), tokens) in enumerate(zip(rows, forced)) if sole and tokens]
+        if checked:  # masks[row, i]: the tokens allowed at forced token i's position
+            masks = self.masks(checked, len(rows), limit + 1)
+            counts = np.unpackbits(masks.view(np.uint8), axis=-1).sum(axis=-1)  # [rows, limit + 1]
+            for row, _, tokens in checked:
+                alone = counts[row, :len(tokens)] == 1
+                forced[row] = tokens[:int(np.argmin(alone)) if not alone.all() else len(tokens)]
+        return forced
 
 
 class Matcher:

@@ -33,6 +33,7 @@ from eagle3_jax.runner.state import (
     SlotLayout,
     init_state,
     state_shardings,
+    with_drafts,
     with_history,
     with_lengths,
 )
@@ -131,9 +132,11 @@ class PrefillInputs:
                 self.num_generated)
 
 
-# The rows' cached lengths, a slot's token history, set in place (donated: the state keeps its addresses).
+# The rows' cached lengths, a slot's token history, some slots' pending proposals, set in place
+# (donated: the state keeps its addresses).
 _set_lengths = state_jit(with_lengths, donate_argnums=0)
 _set_history = state_jit(with_history, donate_argnums=0)
+_set_drafts = state_jit(with_drafts, donate_argnums=0)
 
 # The pending proposals of some slots, for the host to read.
 _read_drafts = jax.jit(lambda drafts, rows, width: drafts[rows, :width], static_argnums=2)
@@ -405,6 +408,12 @@ class ModelRunner:
         grammar along them before a masked verify (waits for what was dispatched before)."""
         return np.asarray(_read_drafts(self._state.slots.drafts, slots, width))
 
+    def write_drafts(self, slots: np.ndarray, drafts: np.ndarray) -> None:
+        """Overwrite the first w pending proposals of `slots` [B] with `drafts` [B, w] (target ids), in
+        place: the host puts a grammar's forced tokens there before a masked verify. Their q rows stay
+        the drafter's (engine/engine.py, `_force_drafts`, says why that keeps every rule exact)."""
+        self._state = _set_drafts(self._state, np.asarray(slots, np.int32), np.asarray(drafts, np.int32))
+
     def padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
         return np.full(bucket, DUMMY_SLOT, np.int32), np.zeros((bucket, self.cfg.pool.max_blocks_per_seq), np.int32)
@@ -416,10 +425,10 @@ class ModelRunner:
 
     def compile_iteration(self, bucket: int, cfg: StepConfig) -> None:
         """Build (or load) the iteration program of `cfg` at `bucket` by running it on padding rows (a
-        masked one with the read of the drafts its masks follow)."""
+        masked one with the read of the drafts its masks follow, and their write with forced tokens)."""
         slots, tables = self.padding_rows(bucket)
         if cfg.masked and cfg.speculative:
-            self.read_drafts(slots, cfg.speculator.facts.verify_width - 1)
+            self.write_drafts(slots, self.read_drafts(slots, cfg.speculator.facts.verify_width - 1))
         self.iterate(slots, tables, cfg, self.allow_all(cfg, bucket)).block_until_ready()
 
     def compile_prefill(self, rows: int, size: int, greedy: bool, masked: bool = False) -> None:

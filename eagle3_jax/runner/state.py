@@ -13,8 +13,8 @@ from eagle3_jax.config import DUMMY_SLOT, DraftConfig, ModelConfig, ServedConfig
 from eagle3_jax.model.llama import KVCache
 from eagle3_jax.runner.sampling import RowSampling
 
-__all__ = ["DUMMY_SLOT", "DeviceState", "SlotLayout", "Slots", "init_state", "state_shardings", "with_history",
-           "with_lengths"]
+__all__ = ["DUMMY_SLOT", "DeviceState", "SlotLayout", "Slots", "init_state", "state_shardings", "with_drafts",
+           "with_history", "with_lengths"]
 
 
 @struct.dataclass
@@ -74,6 +74,13 @@ def with_history(state: DeviceState, slot, row) -> DeviceState:
     """The state with `slot`'s token history set to `row` [M] (the slots keep one)."""
     slots = state.slots
     return state.replace(slots=slots.replace(history=slots.history.at[slot].set(row)))
+
+
+def with_drafts(state: DeviceState, rows, drafts) -> DeviceState:
+    """The state with the first w pending proposals of `rows` [B] set to `drafts` [B, w] (target ids;
+    their q rows are left as they are)."""
+    slots = state.slots
+    return state.replace(slots=slots.replace(drafts=slots.drafts.at[rows, :drafts.shape[1]].set(drafts)))
 
 
 def with_lengths(state: DeviceState, rows, length: int) -> DeviceState:
