@@ -30,7 +30,8 @@ release: four engines one after another in one process, released by LLM.close(),
 attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its config, random bf16 weights,
   --layers of them, a 256-token context): the target forward at B = --batches rows of 1, 5 and 32
   tokens with each of attention and the projections in turn invariant or default (four
-  combinations, ms a call), and each projection alone, XLA's dot against the invariant GEMM.
+  combinations, ms a call), and each projection alone: XLA's dot against the invariant GEMM at the
+  engine's tile and at narrower ones (bit-equal to it or not).
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
   1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
   bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
@@ -168,6 +169,13 @@ def phase_8b(out: dict, batches: tuple[int, ...]) -> None:
 
 GEMM_SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
                "lm_head": (4096, 128256)}
+NARROW_TILES = [(64, 32, 4, 3), (64, 16, 4, 3), (16, 32, 4, 3), (16, 16, 4, 3), (16, 64, 4, 3)]
+
+
+def _other_tile(tile: tuple, engine_tile) -> bool:
+    return tuple(tile) != dataclasses.astuple(engine_tile)
+
+
 GEMM_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 4, 3),
               (16, 64, 4, 3)]
 
@@ -256,14 +264,27 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
               "w_gate_up": (d, 2 * cfg.intermediate_size), "w_down": (cfg.intermediate_size, d),
               "lm_head": (d, cfg.vocab_size)}
     xla = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    invariant = jax.jit(invariant_gemm.matmul)
     for name, (k, n) in shapes.items():
         w = (0.02 * jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)).astype(jnp.bfloat16)
         for m in sorted({b * t for b in batches for t in (1, 5, 32)}):
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-            gemms.append(dict(shape=name, k=k, n=n, m=m, xla_ms=round(_time(xla, x, w, calls=args.calls), 4),
-                              invariant_ms=round(_time(invariant, x, w, calls=args.calls), 4)))
-            print(gemms[-1], flush=True)
+            row = dict(shape=name, k=k, n=n, m=m, xla_ms=round(_time(xla, x, w, calls=args.calls), 4))
+            # The tile the engine takes, then narrower ones: a small N leaves most SMs idle with 64-wide
+            # tiles (N / 64 programs); each must give the engine's tile's sums bit for bit.
+            engine_tile = invariant_gemm.tiles_for(m, n)
+            ref = None
+            for tile in [engine_tile] + [invariant_gemm.Tiles(*t) for t in NARROW_TILES if _other_tile(t, engine_tile)]:
+                fn = jax.jit(functools.partial(invariant_gemm.matmul, tiles=tile))
+                label = "x".join(map(str, dataclasses.astuple(tile)))
+                try:
+                    y = np.asarray(fn(x, w))
+                except Exception as e:  # noqa: BLE001 - a tile that does not lower is a result, not a stop
+                    row[label] = f"failed: {type(e).__name__}"
+                    continue
+                ref = y if ref is None else ref
+                row[label] = dict(ms=round(_time(fn, x, w, calls=args.calls), 4), equal=bool(np.array_equal(y, ref)))
+            gemms.append(row)
+            print(json.dumps(row), flush=True)
     out.update(forward_ms=rows, gemm_ms=gemms, layers=cfg.num_layers)
 
 
