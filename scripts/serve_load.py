@@ -11,7 +11,8 @@ official `openai` client; the server is a subprocess on 127.0.0.1 with the engin
 (--engine; --serve-flags: its own, e.g. --engine-process). Then the same engine configuration in
 this process (`LLM`, after the server has stopped): N requests kept in flight, a new one added
 (chat-templated and tokenized, as the server does) as one finishes, the same requests. Each side
-runs each level once unmeasured first, so that what N arrivals at once compile on first use is not in either's numbers.
+runs each level once unmeasured first, so that what N arrivals at once compile on first use is not
+in either's numbers.
 Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT
 and ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics),
 acceptance length, and the speculation the server's /metrics reports per batch bucket.
