@@ -176,7 +176,9 @@ def main() -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default=None)
     p.add_argument("--engine", default="", help="engine flags for both, as `serve` takes them")
-    p.add_argument("--serve-flags", default="", help="flags for the server only, e.g. --engine-process")
+    p.add_argument("--serve-flags", default="",
+                   help="flags for the server only, e.g. --serve-flags=--engine-process (with '=': the value "
+                        "starts with --)")
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=64, help="requests at each stream count")
     p.add_argument("--max-tokens", type=int, default=256)
