@@ -277,8 +277,9 @@ class _MetricsRecords:
 
 
 class _ChildLoop(EngineLoop):
-    """EngineLoop in the engine's process: its commands come from the pipe (a reader thread), each
-    iteration's updates and metrics leave in one message."""
+    """EngineLoop in the engine's process, on its main thread: it reads its commands from the pipe
+    between steps (no second thread to share the interpreter with), and each iteration's updates
+    and metrics leave in one message."""
 
     def __init__(self, engine: Engine, conn):
         self.records = _MetricsRecords()
@@ -293,25 +294,25 @@ class _ChildLoop(EngineLoop):
     def num_waiting(self) -> int:
         return self.engine.num_waiting  # the HTTP process adds what is on its way
 
-    def read_pipe(self) -> None:
-        """The reader thread: the HTTP process's commands into the loop's queue; its end (the HTTP
-        process gone) stops the loop."""
-        while True:
-            try:
+    def _take_commands(self, block: bool) -> bool:
+        """Apply every command the pipe holds (waiting for one when `block`), read between steps on
+        this thread; False on stop, or where the HTTP process is gone."""
+        try:
+            while block or self._conn.poll():
+                block = False
                 command = self._conn.recv()
-            except (EOFError, OSError):
-                self._inbox.put(("stop", None))
-                return
-            kind = command[0]
-            if kind == "add":
-                self._inbox.put(("add", _Remote(*command[1:])))
-            elif kind == "abort":
-                self._inbox.put(("abort", command[1]))
-            elif kind == "drain":
-                self._inbox.put(("drain", time.monotonic() + command[1]))
-            elif kind == "stop":
-                self._inbox.put(("stop", None))
-                return
+                kind = command[0]
+                if kind == "stop":
+                    return False
+                if kind == "add":
+                    self._add(_Remote(*command[1:]))
+                elif kind == "abort":
+                    self._abort(command[1])
+                elif kind == "drain":
+                    self._deadline = time.monotonic() + command[1]
+        except (EOFError, OSError):
+            return False
+        return True
 
     def _add(self, remote: _Remote) -> None:
         self._remotes[remote.id] = remote
@@ -359,7 +360,6 @@ def child_main(build: Callable[[argparse.Namespace], object], args: argparse.Nam
         conn.send(("error", f"building the engine failed: {e}"))
         raise SystemExit(1) from None
     loop = _ChildLoop(llm.engine, conn)
-    threading.Thread(target=loop.read_pipe, name="engine-commands", daemon=True).start()
     conn.send(("ready", facts))
     try:
         loop.run()
