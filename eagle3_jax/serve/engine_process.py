@@ -106,7 +106,7 @@ class EngineClient:
         self._child_conn = child_conn
         self.metrics, self.max_waiting = metrics, max_waiting
         self.accepting = True
-        self._ready = self._failed = False
+        self._ready = self._failed = self._stopping = False
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, _Pending] = {}
         self._next_id = 0
@@ -122,8 +122,9 @@ class EngineClient:
         try:
             message = self._conn.recv()
         except EOFError:
-            raise EngineFailed(f"the engine's process exited with {self._process.join(5) or self._process.exitcode} "
-                               "before it was ready (see the log)") from None
+            self._process.join(5)
+            raise EngineFailed(f"the engine's process exited with {self._process.exitcode} before it was ready "
+                               "(see the log)") from None
         if message[0] == "error":
             self._process.join(STOP_S)
             raise EngineFailed(message[1])
@@ -174,6 +175,7 @@ class EngineClient:
         self._outbox.put(("drain", grace_s))
 
     def stop(self, timeout_s: float = STOP_S) -> None:
+        self._stopping = True
         self._outbox.put(("stop",))
         self._process.join(timeout_s)
         if self._process.is_alive():
@@ -195,15 +197,13 @@ class EngineClient:
         while True:
             try:
                 message = self._conn.recv()
-            except (EOFError, OSError):  # the child exited: after a stop, or not
-                self._process.join(1)
-                message = ("failed",) if self._process.exitcode != 0 else ("stopped",)
+            except (EOFError, OSError):  # the child exited: after a stop, or not (only `stop` joins it)
+                message = ("stopped",) if self._stopping else ("failed",)
             if message[0] == "step":
                 self._step(*message[1:])
                 continue
             if message[0] == "failed" or self._pending:
-                logger.error("the engine's process failed (exit code %s): ending every request",
-                             self._process.exitcode)
+                logger.error("the engine's process failed or exited (see the log above): ending every request")
                 self._failed = True
                 self._deliver([(p.submission, Update(i, [], True, "error", FAILED))
                                for p in list(self._pending.values()) for i in sorted(p.unfinished)])
