@@ -120,88 +120,15 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-class LLM:
-    """An EAGLE-3 engine over a Hugging Face Llama target and an optional drafter.
+class Codec:
+    """The text side of a target: its tokenizer and chat template, prompts to token ids and tokens
+    to text, no engine (`LLM` is one; the server's HTTP process has one alone, over `load_tokenizer`).
+    `tokenizer`: a transformers tokenizer, or None (token ids only)."""
 
-    target: a directory with config.json, safetensors and optionally tokenizer files, or a Hugging
-        Face hub id ("org/name", through huggingface_hub's cache; HF_HUB_OFFLINE=1: the cache only);
-        None: the default, SmolLM2-135M-Instruct, prepared on first use.
-    draft: a drafter in the public EAGLE-3 layout, or a hub id; "default": the shipped drafter for
-        the default target; None: the target alone.
-    revision: the target's hub revision (branch, tag or commit; default main).
-    warmup: compile every program first (True) or each on first use (False); None: on accelerators
-        only, where "auto" speculation times each bucket (on the CPU all shapes take minutes).
-    engine_config: what the engine serves (EngineConfig()); the engine settles what it leaves open
-        once, for the target, the drafter and the device (runner/served.py). Each of the arguments
-        below, and any EngineConfig field passed by name (`max_model_len=...`), replaces its field:
-    num_speculative_tokens: K, the chain's proposals (0: the target alone).
-    speculator, batch_invariant: EngineConfig's fields (None: engine_config's); "ngram" needs no
-        drafter (a "default" draft is then None).
-    tree: EngineConfig.tree as a TreeSpec or "steps,top_k,tokens" (as `--tree` takes it); "auto":
-        engine_config's tree, else `config.default_tree`'s; None or "none": the chain only.
-    gpu_memory_utilization: EngineConfig.kv_memory_fraction (None: engine_config's).
-    """
-
-    def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
-                 num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
-                 tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
-                 tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None,
-                 speculator: str | None = None, gpu_memory_utilization: float | None = None,
-                 revision: str | None = None, **engine_fields):
-        given = dict(speculator=speculator, batch_invariant=batch_invariant, kv_memory_fraction=gpu_memory_utilization)
-        fields = {name: value for name, value in given.items() if value is not None}
-        tree = parse_tree(tree)
-        engine_config = engine_config or EngineConfig()
-        if tree != "auto" or not isinstance(engine_config.tree, TreeSpec):  # "auto" keeps a tree the config names
-            fields["tree"] = tree
-        # Checked now, before anything loads.
-        engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens, **fields,
-                                            **engine_fields)
-        enable_compilation_cache()
-        if target is None:
-            target = assets.prepare_default_target(progress=progress)
-        target = assets.resolve_model(target, revision)
-        if draft == "default":
-            shipped = target.resolve() == assets.DEFAULT_TARGET.resolve() and engine_config.speculator == "eagle3"
-            draft = assets.DEFAULT_DRAFT if shipped else None
-        elif draft is not None:
-            draft = assets.resolve_model(draft, drafter=True)
-        dtype = dtype or default_dtype()
-        mesh = place = None
-        if tensor_parallel_size > 1:
-            mesh = sharding.make_mesh(tensor_parallel_size)
-            # Each tensor goes straight to its shards: a 70B target never sits whole on one device.
-            target_cfg = ModelConfig.from_json(target / "config.json")
-            specs = target_model_for(target_cfg).param_specs(target_cfg, tensor_parallel_size)
-            place = sharding.make_place(mesh, specs)
-        cfg, params = load_llama(target, dtype, place=place)
-        draft_cfg = draft_params = None
-        if draft is not None:
-            draft_cfg, draft_params = load_drafter(draft, cfg, dtype)
-            if draft_cfg.capture_layer_ids is not None:  # the drafter was trained on these layers
-                cfg = cfg.with_capture_layers(draft_cfg.capture_layer_ids)
-        self.tokenizer = _load_tokenizer(target)
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text decoded alone (`token_texts`)
         self._byte_decoder: dict[str, int] | None = None  # a byte-level BPE's character -> byte (`token_bytes`)
-        eos = set(cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.engine = Engine(cfg, params, draft_cfg, draft_params, engine_config, eos_token_ids=sorted(eos),
-                             detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh,
-                             tokenizer=self.tokenizer)
-        if warmup or (warmup is None and jax.default_backend() != "cpu"):
-            self.engine.warmup(progress=progress)
-
-    def close(self) -> None:
-        """Release the device memory now (KV pool, weights, buffers), ending unfinished requests;
-        `with LLM(...) as llm:` closes on leaving the block. Dropping the last reference frees it too."""
-        self.engine.close()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of a prompt: raw text tokenized as it is (with the tokenizer's special tokens,
@@ -286,6 +213,89 @@ class LLM:
             raise RequestError("chat takes a conversation: a non-empty list of {'role', 'content'} dicts "
                                "(LLM.generate takes raw text)")
         return self.encode(messages, tools)
+
+
+class LLM(Codec):
+    """An EAGLE-3 engine over a Hugging Face Llama target and an optional drafter.
+
+    target: a directory with config.json, safetensors and optionally tokenizer files, or a Hugging
+        Face hub id ("org/name", through huggingface_hub's cache; HF_HUB_OFFLINE=1: the cache only);
+        None: the default, SmolLM2-135M-Instruct, prepared on first use.
+    draft: a drafter in the public EAGLE-3 layout, or a hub id; "default": the shipped drafter for
+        the default target; None: the target alone.
+    revision: the target's hub revision (branch, tag or commit; default main).
+    warmup: compile every program first (True) or each on first use (False); None: on accelerators
+        only, where "auto" speculation times each bucket (on the CPU all shapes take minutes).
+    engine_config: what the engine serves (EngineConfig()); the engine settles what it leaves open
+        once, for the target, the drafter and the device (runner/served.py). Each of the arguments
+        below, and any EngineConfig field passed by name (`max_model_len=...`), replaces its field:
+    num_speculative_tokens: K, the chain's proposals (0: the target alone).
+    speculator, batch_invariant: EngineConfig's fields (None: engine_config's); "ngram" needs no
+        drafter (a "default" draft is then None).
+    tree: EngineConfig.tree as a TreeSpec or "steps,top_k,tokens" (as `--tree` takes it); "auto":
+        engine_config's tree, else `config.default_tree`'s; None or "none": the chain only.
+    gpu_memory_utilization: EngineConfig.kv_memory_fraction (None: engine_config's).
+    """
+
+    def __init__(self, target: str | Path | None = None, draft: str | Path | None = "default",
+                 num_speculative_tokens: int = 3, dtype=None, engine_config: EngineConfig | None = None,
+                 tensor_parallel_size: int = 1, warmup: bool | None = None, progress: bool = True,
+                 tree: TreeSpec | str | None = "auto", batch_invariant: bool | None = None,
+                 speculator: str | None = None, gpu_memory_utilization: float | None = None,
+                 revision: str | None = None, **engine_fields):
+        given = dict(speculator=speculator, batch_invariant=batch_invariant, kv_memory_fraction=gpu_memory_utilization)
+        fields = {name: value for name, value in given.items() if value is not None}
+        tree = parse_tree(tree)
+        engine_config = engine_config or EngineConfig()
+        if tree != "auto" or not isinstance(engine_config.tree, TreeSpec):  # "auto" keeps a tree the config names
+            fields["tree"] = tree
+        # Checked now, before anything loads.
+        engine_config = dataclasses.replace(engine_config, num_speculative_tokens=num_speculative_tokens, **fields,
+                                            **engine_fields)
+        enable_compilation_cache()
+        if target is None:
+            target = assets.prepare_default_target(progress=progress)
+        target = assets.resolve_model(target, revision)
+        if draft == "default":
+            shipped = target.resolve() == assets.DEFAULT_TARGET.resolve() and engine_config.speculator == "eagle3"
+            draft = assets.DEFAULT_DRAFT if shipped else None
+        elif draft is not None:
+            draft = assets.resolve_model(draft, drafter=True)
+        dtype = dtype or default_dtype()
+        mesh = place = None
+        if tensor_parallel_size > 1:
+            mesh = sharding.make_mesh(tensor_parallel_size)
+            # Each tensor goes straight to its shards: a 70B target never sits whole on one device.
+            target_cfg = ModelConfig.from_json(target / "config.json")
+            specs = target_model_for(target_cfg).param_specs(target_cfg, tensor_parallel_size)
+            place = sharding.make_place(mesh, specs)
+        cfg, params = load_llama(target, dtype, place=place)
+        draft_cfg = draft_params = None
+        if draft is not None:
+            draft_cfg, draft_params = load_drafter(draft, cfg, dtype)
+            if draft_cfg.capture_layer_ids is not None:  # the drafter was trained on these layers
+                cfg = cfg.with_capture_layers(draft_cfg.capture_layer_ids)
+        self.target = target  # the resolved directory
+        Codec.__init__(self, load_tokenizer(target))
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.engine = Engine(cfg, params, draft_cfg, draft_params, engine_config, eos_token_ids=sorted(eos),
+                             detokenize=self.decode if self.tokenizer is not None else None, mesh=mesh,
+                             tokenizer=self.tokenizer)
+        if warmup or (warmup is None and jax.default_backend() != "cpu"):
+            self.engine.warmup(progress=progress)
+
+    def close(self) -> None:
+        """Release the device memory now (KV pool, weights, buffers), ending unfinished requests;
+        `with LLM(...) as llm:` closes on leaving the block. Dropping the last reference frees it too."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -460,7 +470,8 @@ def _byte_level(tokenizer) -> bool:
     return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
-def _load_tokenizer(directory: Path):
+def load_tokenizer(directory: Path):
+    """A target directory's tokenizer (with its chat template), None where it has no tokenizer files."""
     if not (directory / "tokenizer.json").is_file() and not (directory / "tokenizer_config.json").is_file():
         return None
     from transformers import AutoTokenizer

@@ -105,6 +105,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds running requests get to finish before they are aborted")
     p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
                    help="debug adds each request's summary")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, apart from HTTP (each then has a Python "
+                        "interpreter lock of its own); default: a thread of the server's process")
     p.add_argument("--structured-warmup", action="store_true",
                    help="warm-up also compiles the programs of requests under a grammar (response_format, "
                         "structured_outputs), which otherwise compile on first use (EngineConfig.structured_warmup)")
@@ -340,9 +343,12 @@ def cmd_serve(args) -> int:
     except server.AddressError as e:
         raise UsageError(str(e)) from None
     server.configure_logging(args.log_level)
+    model_name = args.served_model_name or args.target_name or DEFAULT_MODEL_NAME
+    if args.engine_process:
+        return server.run_engine_process(serve_llm, args, model_name)
     llm = serve_llm(args)
     server.log_engine(llm)
-    return server.run(llm, args, args.served_model_name or args.target_name or DEFAULT_MODEL_NAME)
+    return server.run(llm, args, model_name)
 
 
 def cmd_convert_draft(args) -> int:

@@ -8,10 +8,11 @@ as fast as its engine?
 For each stream count N, N clients each send their share of --requests (MT-bench first turns in
 order, chat template, greedy, --max-tokens, ignore_eos) one after another, streaming, through the
 official `openai` client; the server is a subprocess on 127.0.0.1 with the engine flags given
-(--engine). Then the same engine configuration in this process (`LLM`, after the server has
-stopped): N requests kept in flight, a new one added (chat-templated and tokenized, as the server
-does) as one finishes, the same requests. Each side runs each level once unmeasured first, so that
-what N arrivals at once compile on first use is not in either's numbers.
+(--engine; --serve-flags: its own, e.g. --engine-process). Then the same engine configuration in
+this process (`LLM`, after the server has stopped): N requests kept in flight, a new one added
+(chat-templated and tokenized, as the server does) as one finishes, the same requests. Each side
+runs each level once unmeasured first, so that what N arrivals at once compile on first use is not
+in either's numbers.
 Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT
 and ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics),
 acceptance length, and the speculation the server's /metrics reports per batch bucket.
@@ -70,7 +71,8 @@ def _prompts(args) -> list[list[dict]]:
 # ---- the server ----------------------------------------------------------------------------------
 def start_server(args) -> tuple[subprocess.Popen, str]:
     return server_process.start(["--target", args.target, "--served-model-name", MODEL,
-                                 *(["--draft", args.draft] if args.draft else []), *args.engine.split()],
+                                 *(["--draft", args.draft] if args.draft else []), *args.engine.split(),
+                                 *args.serve_flags.split()],
                                 Path(args.out_dir) / "server.log", args.start_timeout)
 
 
@@ -174,6 +176,9 @@ def main() -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default=None)
     p.add_argument("--engine", default="", help="engine flags for both, as `serve` takes them")
+    p.add_argument("--serve-flags", default="",
+                   help="flags for the server only, e.g. --serve-flags=--engine-process (with '=': the value "
+                        "starts with --)")
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=64, help="requests at each stream count")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -206,7 +211,8 @@ def main() -> None:
 
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), engine=args.engine,
-               max_tokens=args.max_tokens, requests=args.requests, server_metrics=metrics, rows=list(rows.values()))
+               serve_flags=args.serve_flags, max_tokens=args.max_tokens, requests=args.requests,
+               server_metrics=metrics, rows=list(rows.values()))
     print(f"{'streams':>7} {'server tok/s':>12} {'in process':>10} {'ratio':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}")
     for r in out["rows"]:
         s = r["server"]

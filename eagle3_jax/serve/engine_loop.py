@@ -193,7 +193,7 @@ class EngineLoop:
                 continue
             submission.request_ids.append(req.id)
             self._live[req.id] = _Live(submission, index, req)
-            self.metrics.admitted(req)
+            self.metrics.admitted(len(req.prompt))
         self._deliver([(submission, u) for u in updates])
 
     def _abort(self, submission: Submission) -> None:
@@ -232,11 +232,11 @@ class EngineLoop:
                 scores["prompt_logprobs"], live.prompt_sent = req.prompt_logprobs, True
             live.sent = len(req.output)
             if new:
-                self.metrics.tokens(req, len(new), live.last_time)
+                self.metrics.tokens(req.metrics, len(new), live.last_time)
                 live.last_time = req.metrics.last_token_time
             if req.finished:
                 del self._live[req.id]
-                self.metrics.finish(req)
+                self.metrics.finish(req.finish_reason, req.metrics)
                 self._log_finished(req)
                 batch.append((live.submission, Update(live.index, new, True, req.finish_reason, req.error, req.text,
                                                       req.metrics, **scores)))
@@ -246,7 +246,7 @@ class EngineLoop:
 
     def _deliver(self, batch: list[tuple[Submission, Update]]) -> None:
         if batch and self._event_loop is not None and not self._event_loop.is_closed():
-            self._event_loop.call_soon_threadsafe(_put_all, batch)
+            self._event_loop.call_soon_threadsafe(put_all, batch)
 
     def _observe_engine(self) -> None:
         pool = self.engine.scheduler.pool
@@ -271,6 +271,6 @@ class EngineLoop:
                      req.id, req.finish_reason, len(req.prompt), len(req.output), 1e3 * ttft, m.acceptance_length)
 
 
-def _put_all(batch: list[tuple[Submission, Update]]) -> None:
+def put_all(batch: list[tuple[Submission, Update]]) -> None:
     for submission, update in batch:
         submission.updates.put_nowait(update)

@@ -1,6 +1,7 @@
 """Prometheus metrics under `eagle3_jax:`, with vLLM's names where vLLM has the metric, and those
 also under vLLM's own prefix, `vllm:`, so that dashboards built for vLLM read them. Written by the
-engine thread only; prometheus-client makes reading them from the HTTP side safe."""
+engine thread only (or, the engine in a process of its own, by the thread reading its records);
+prometheus-client makes reading them from the HTTP side safe."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from eagle3_jax.engine.scheduler import Request
+from eagle3_jax.engine.scheduler import RequestMetrics
 
 PREFIX = "eagle3_jax:"
 VLLM_PREFIX = "vllm:"
@@ -72,23 +73,22 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(WithVllmNames(registry))
 
-    def admitted(self, req: Request) -> None:
-        self.prompt_tokens.inc(len(req.prompt))
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
 
-    def tokens(self, req: Request, count: int, previous_time: float | None) -> None:
-        """`count` new tokens of `req`, collected at req.metrics.last_token_time; the ones before
-        them at `previous_time` (None: these are its first)."""
+    def tokens(self, m: RequestMetrics, count: int, previous_time: float | None) -> None:
+        """`count` new tokens of a request (its metrics `m`), collected at m.last_token_time; the
+        ones before them at `previous_time` (None: these are its first)."""
         self.generation_tokens.inc(count)
-        now = req.metrics.last_token_time
+        now = m.last_token_time
         if previous_time is None:
-            self.ttft.observe(now - req.metrics.arrival_time)
+            self.ttft.observe(now - m.arrival_time)
         else:
             for _ in range(count):
                 self.itl.observe((now - previous_time) / count)
 
-    def finish(self, req: Request) -> None:
-        m = req.metrics
-        self.finished.labels(self.model_name, req.finish_reason).inc()
+    def finish(self, finish_reason: str, m: RequestMetrics) -> None:
+        self.finished.labels(self.model_name, finish_reason).inc()
         if m.last_token_time is not None:
             self.e2e.observe(m.last_token_time - m.arrival_time)
         self.drafts.inc(m.speculative_iterations)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import importlib.util
 import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import prometheus_client
 import uvicorn
@@ -19,6 +21,7 @@ import uvicorn
 from eagle3_jax.api import LLM
 from eagle3_jax.serve.app import Settings, create_app
 from eagle3_jax.serve.engine_loop import EngineLoop
+from eagle3_jax.serve.engine_process import EngineClient, EngineFailed, EngineFront
 from eagle3_jax.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("eagle3_jax.serve")
@@ -44,9 +47,39 @@ class _Server(uvicorn.Server):
 
 
 def run(llm: LLM, args: argparse.Namespace, model_name: str) -> int:
+    """Serve `llm`, its engine stepped on a thread of this process (EngineLoop)."""
     prometheus_client.disable_created_metrics()  # vLLM's /metrics has no *_created series either
     metrics = ServerMetrics(model_name)
     engine_loop = EngineLoop(llm.engine, metrics, args.max_waiting)
+    return _serve(llm, engine_loop, metrics, args, model_name)
+
+
+def run_engine_process(build: Callable[[argparse.Namespace], LLM], args: argparse.Namespace, model_name: str) -> int:
+    """Serve the LLM that `build(args)` makes in a process of its own (engine_process.py): this
+    one holds the tokenizer and HTTP only."""
+    prometheus_client.disable_created_metrics()
+    metrics = ServerMetrics(model_name)
+    client = EngineClient(functools.partial(engine_process_llm, build), args, metrics, args.max_waiting)
+    # A signal while the engine loads ends this process; the engine's, a daemon, goes with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        facts = client.start_child()
+    except EngineFailed as e:
+        logger.error("%s", e)
+        return 1
+    return _serve(EngineFront(facts), client, metrics, args, model_name)
+
+
+def engine_process_llm(build: Callable[[argparse.Namespace], LLM], args: argparse.Namespace) -> LLM:
+    """In the engine's process: its logging as the server's, the LLM built and described."""
+    configure_logging(args.log_level)
+    llm = build(args)
+    log_engine(llm)
+    return llm
+
+
+def _serve(llm, engine_loop: EngineLoop | EngineClient, metrics: ServerMetrics, args: argparse.Namespace,
+           model_name: str) -> int:
     app = create_app(llm, engine_loop, metrics, Settings(model_name, args.api_key, args.max_request_bytes))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=int(args.shutdown_timeout) + EXTRA_SHUTDOWN_S)

@@ -1,0 +1,370 @@
+"""The engine in a process of its own (`serve --engine-process`): the HTTP process and the engine
+then hold a GIL each. The child (multiprocessing, spawn) builds the LLM, runs EngineLoop's loop on
+commands from a pipe (add, abort, drain, stop) and sends one message per step: every changed
+sample's Update and ServerMetrics' records. The HTTP process holds no weights: `EngineClient` has
+EngineLoop's interface, `EngineFront` the tokenizer and the checks app.py makes before it submits.
+
+Messages, child -> HTTP process: ("ready", EngineFacts) once warm; ("step", [(submission id,
+Update)], [(ServerMetrics method, args)], samples taken, waiting); ("error", text) where building
+the engine failed; ("failed",) where the engine failed (every live sample ended first)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from eagle3_jax.api import Codec, load_tokenizer
+from eagle3_jax.config import EngineConfig, ServedConfig
+from eagle3_jax.engine.engine import Engine
+from eagle3_jax.engine.scheduler import RequestMetrics, Scheduler
+from eagle3_jax.engine.structured import Grammars
+from eagle3_jax.sampling_params import SamplingParams
+from eagle3_jax.serve.engine_loop import FAILED, EngineLoop, QueueFull, Submission, Unavailable, Update, put_all
+from eagle3_jax.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+STOP_S = 30.0  # how long `stop` waits for the child to exit before it terminates it
+METRICS_WRITERS = frozenset({"admitted", "tokens", "finish", "engine_state", "choices"})
+
+
+class EngineFailed(Exception):
+    """The engine's process could not build the engine, or exited before it was ready."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What the HTTP process needs of the engine to check requests as the engine does."""
+
+    target: Path  # the resolved target directory: its tokenizer and chat template
+    cfg: EngineConfig
+    served: ServedConfig  # the scheduler's, the pool's page count settled
+    vocab_size: int
+    num_draft: int
+    positions_per_iteration: int
+    eos_token_ids: list[int]
+
+    @classmethod
+    def of(cls, llm) -> EngineFacts:
+        s = llm.engine.scheduler
+        return cls(llm.target, llm.engine.cfg, s.cfg, s.vocab_size, s.num_draft, s.positions_per_iteration,
+                   list(llm.engine.grammars.eos_token_ids))
+
+
+class EngineChecks:
+    """What app.py reads of Engine (cfg, grammars, validate_request), without the engine: the
+    scheduler's checks read only the static config and the pool's capacity, a grammar compiles on
+    the host, so a bad request is refused at once as with the engine in process."""
+
+    def __init__(self, facts: EngineFacts, tokenizer):
+        self.cfg = facts.cfg
+        self._scheduler = Scheduler(facts.served, facts.vocab_size, facts.num_draft, facts.positions_per_iteration)
+        self.grammars = Grammars(tokenizer, facts.vocab_size, facts.eos_token_ids)
+
+    def validate_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Engine.validate_request's checks."""
+        self._scheduler.validate(list(prompt), params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
+
+
+class EngineFront(Codec):
+    """The `llm` app.py serves with, the engine in another process: the target's tokenizer and chat
+    template (loaded as LLM loads them), `engine` its checks (EngineChecks)."""
+
+    def __init__(self, facts: EngineFacts):
+        super().__init__(load_tokenizer(facts.target))
+        self.engine = EngineChecks(facts, self.tokenizer)
+
+
+# ---- the HTTP process ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Pending:
+    submission: Submission
+    unfinished: set[int]  # its samples without a last update yet
+
+
+class EngineClient:
+    """EngineLoop's interface (submit, abort, drain, stop, num_waiting, healthy, accepting) over the
+    engine's process. Commands leave through a queue and a writer thread (drain is called from a
+    signal handler); a reader thread takes each step's message, applies its metrics and hands its
+    updates to the event loop in one call. If the child dies, every live sample ends as failed."""
+
+    def __init__(self, build: Callable[[argparse.Namespace], object], args: argparse.Namespace,
+                 metrics: ServerMetrics, max_waiting: int | None = None):
+        context = multiprocessing.get_context("spawn")  # a fork would copy the parent's threads' locks
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=child_main, args=(build, args, child_conn), name="engine", daemon=True)
+        self._child_conn = child_conn
+        self.metrics, self.max_waiting = metrics, max_waiting
+        self.accepting = True
+        self._ready = self._failed = self._stopping = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 0
+        self._sent = self._taken = self._waiting = 0  # samples sent, taken by the child; its queue's length
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="engine-writer", daemon=True)
+
+    def start_child(self) -> EngineFacts:
+        """Start the engine's process and wait until it is warm; EngineFailed if it is not."""
+        self._process.start()
+        self._child_conn.close()  # the child's end lives in the child only: its exit is our EOF
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise EngineFailed(f"the engine's process exited with {self._process.exitcode} before it was ready "
+                               "(see the log)") from None
+        if message[0] == "error":
+            self._process.join(STOP_S)
+            raise EngineFailed(message[1])
+        self._ready = True
+        self._writer.start()
+        return message[1]
+
+    def start(self, event_loop: asyncio.AbstractEventLoop) -> None:
+        self._event_loop = event_loop
+        self._reader.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._ready and not self._failed
+
+    @property
+    def num_waiting(self) -> int:
+        """Samples not yet running: the engine's queue and those on their way to it."""
+        return self._waiting + self._sent - self._taken
+
+    def submit(self, samples: list[tuple[list[int], SamplingParams]], arrival_time: float) -> Submission:
+        if not self.healthy:
+            raise Unavailable("the engine failed; the server is not serving")
+        if not self.accepting:
+            raise Unavailable("the server is shutting down")
+        if self.max_waiting is not None and self.num_waiting + len(samples) > self.max_waiting:
+            raise QueueFull(f"{self.num_waiting} requests are waiting, the most this server queues is "
+                            f"{self.max_waiting}")
+        submission, sid = Submission(samples, arrival_time), self._next_id
+        self._next_id += 1
+        submission.request_ids.append(sid)  # the engine's ids stay in its process; `abort` sends this one
+        self._pending[sid] = _Pending(submission, set(range(len(samples))))
+        self._sent += len(samples)
+        # time.perf_counter is the system's monotonic clock: the child's engine reads the same.
+        self._outbox.put(("add", sid, samples, arrival_time))
+        if not self.healthy:  # failed meanwhile: the reader may have ended the live ones before this one
+            self._pending.pop(sid, None)
+            raise Unavailable("the engine failed; the server is not serving")
+        return submission
+
+    def abort(self, submission: Submission) -> None:
+        self._outbox.put(("abort", submission.request_ids[0]))
+
+    def drain(self, grace_s: float) -> None:
+        """Take no new requests; the child ends those still running after `grace_s` seconds. Safe
+        from a signal handler (SimpleQueue.put is reentrant)."""
+        self.accepting = False
+        self._outbox.put(("drain", grace_s))
+
+    def stop(self, timeout_s: float = STOP_S) -> None:
+        self._stopping = True
+        self._outbox.put(("stop",))
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            logger.warning("the engine's process did not stop in %.0f s: terminating it", timeout_s)
+            self._process.terminate()
+            self._process.join(5)
+
+    def _write(self) -> None:
+        while True:
+            command = self._outbox.get()
+            try:
+                self._conn.send(command)
+            except (OSError, ValueError):  # the child is gone: the reader ends what was live
+                return
+            if command[0] == "stop":
+                return
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):  # the child exited: after a stop, or not (only `stop` joins it)
+                message = ("stopped",) if self._stopping else ("failed",)
+            if message[0] == "step":
+                self._step(*message[1:])
+                continue
+            if message[0] == "failed" or self._pending:
+                logger.error("the engine's process failed or exited (see the log above): ending every request")
+                self._failed = True
+                self._deliver([(p.submission, Update(i, [], True, "error", FAILED))
+                               for p in list(self._pending.values()) for i in sorted(p.unfinished)])
+                self._pending.clear()
+            return
+
+    def _step(self, updates: list[tuple[int, Update]], records: list[tuple[str, tuple]], taken: int,
+              waiting: int) -> None:
+        for name, args in records:
+            if name in METRICS_WRITERS:
+                getattr(self.metrics, name)(*args)
+        self._taken, self._waiting = taken, waiting
+        batch = []
+        for sid, update in updates:
+            pending = self._pending.get(sid)
+            if pending is None:
+                continue
+            if update.finished:
+                pending.unfinished.discard(update.index)
+                if not pending.unfinished:
+                    del self._pending[sid]
+            batch.append((pending.submission, update))
+        self._deliver(batch)
+
+    def _deliver(self, batch: list[tuple[Submission, Update]]) -> None:
+        if batch and self._event_loop is not None and not self._event_loop.is_closed():
+            self._event_loop.call_soon_threadsafe(put_all, batch)
+
+
+# ---- the engine's process ------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Remote:
+    """A submission of the HTTP process, in the child: what EngineLoop reads of a Submission."""
+
+    id: int
+    samples: list[tuple[list[int], SamplingParams]]
+    arrival_time: float
+    request_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+class _MetricsRecords:
+    """ServerMetrics' writers, recorded for the HTTP process's ServerMetrics (EngineClient._step)."""
+
+    def __init__(self):
+        self.records: list[tuple[str, tuple]] = []
+        self._choices: dict[int, str] = {}
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.records.append(("admitted", (prompt_tokens,)))
+
+    def tokens(self, m: RequestMetrics, count: int, previous_time: float | None) -> None:
+        self.records.append(("tokens", (RequestMetrics(arrival_time=m.arrival_time,
+                                                       last_token_time=m.last_token_time), count, previous_time)))
+
+    def finish(self, finish_reason: str, m: RequestMetrics) -> None:
+        self.records.append(("finish", (finish_reason, m)))
+
+    def engine_state(self, *args) -> None:
+        self.records.append(("engine_state", args))
+
+    def choices(self, table: dict[int, str], labels: list[str]) -> dict[int, str]:
+        """As ServerMetrics.choices: the buckets whose choice changed (this process logs them)."""
+        self.records.append(("choices", (table, labels)))
+        changed = {b: c for b, c in table.items() if self._choices.get(b) != c}
+        self._choices = dict(table)
+        return changed
+
+    def take(self) -> list[tuple[str, tuple]]:
+        records, self.records = self.records, []
+        return records
+
+
+class _ChildLoop(EngineLoop):
+    """EngineLoop in the engine's process, on its main thread: it reads its commands from the pipe
+    between steps (no second thread to share the interpreter with), and each iteration's updates
+    and metrics leave in one message."""
+
+    def __init__(self, engine: Engine, conn):
+        self.records = _MetricsRecords()
+        super().__init__(engine, self.records)
+        self._conn = conn
+        self._remotes: dict[int, _Remote] = {}
+        self._unfinished: dict[int, int] = {}
+        self._out: list[tuple[int, Update]] = []
+        self._taken = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting  # the HTTP process adds what is on its way
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply every command the pipe holds (waiting for one when `block`), read between steps on
+        this thread; False on stop, or where the HTTP process is gone."""
+        try:
+            while block or self._conn.poll():
+                block = False
+                command = self._conn.recv()
+                kind = command[0]
+                if kind == "stop":
+                    return False
+                if kind == "add":
+                    self._add(_Remote(*command[1:]))
+                elif kind == "abort":
+                    self._abort(command[1])
+                elif kind == "drain":
+                    self._deadline = time.monotonic() + command[1]
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _add(self, remote: _Remote) -> None:
+        self._remotes[remote.id] = remote
+        self._unfinished[remote.id] = len(remote.samples)
+        self._taken += len(remote.samples)
+        super()._add(remote)
+
+    def _abort(self, sid: int) -> None:
+        if (remote := self._remotes.get(sid)) is not None:
+            super()._abort(remote)
+
+    def _deliver(self, batch: list[tuple[_Remote, Update]]) -> None:
+        for remote, update in batch:
+            self._out.append((remote.id, update))
+            if update.finished and remote.id in self._unfinished:  # else refused before it was taken
+                self._unfinished[remote.id] -= 1
+                if not self._unfinished[remote.id]:
+                    del self._remotes[remote.id], self._unfinished[remote.id]
+
+    def _observe_engine(self) -> None:
+        super()._observe_engine()
+        self.send()
+
+    def send(self) -> None:
+        """This iteration's updates and records, as one message."""
+        out, self._out = self._out, []
+        self._conn.send(("step", out, self.records.take(), self._taken, self.engine.num_waiting))
+
+    def run(self) -> None:
+        self._run()
+        self.send()  # what a failure ended
+
+
+def child_main(build: Callable[[argparse.Namespace], object], args: argparse.Namespace, conn) -> None:
+    """The engine's process: build the LLM from the serve command's arguments (`build` also sets
+    up this process's logging), report ready, loop."""
+    # The HTTP process decides when to stop (a signal to the whole group reaches it too).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        llm = build(args)
+        facts = EngineFacts.of(llm)
+    except Exception as e:
+        logger.exception("building the engine failed")
+        conn.send(("error", f"building the engine failed: {e}"))
+        raise SystemExit(1) from None
+    loop = _ChildLoop(llm.engine, conn)
+    conn.send(("ready", facts))
+    try:
+        loop.run()
+        if not loop.healthy:
+            conn.send(("failed",))
+    except (BrokenPipeError, EOFError):  # the HTTP process is gone
+        pass
+    raise SystemExit(0 if loop.healthy else 1)
