@@ -30,6 +30,18 @@ class Unavailable(Exception):
     """The server is shutting down, or its engine failed."""
 
 
+def check_admission(loop, samples: int) -> None:
+    """Unavailable or QueueFull where `loop` (this module's EngineLoop or the engine process's
+    client: healthy, accepting, max_waiting, num_waiting) cannot take `samples` more samples now."""
+    if not loop.healthy:
+        raise Unavailable("the engine failed; the server is not serving")
+    if not loop.accepting:
+        raise Unavailable("the server is shutting down")
+    if loop.max_waiting is not None and loop.num_waiting + samples > loop.max_waiting:
+        raise QueueFull(f"{loop.num_waiting} requests are waiting, the most this server queues is "
+                        f"{loop.max_waiting}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Update:
     """A sample's tokens since its previous update; the last one has finished set."""
@@ -121,13 +133,7 @@ class EngineLoop:
         return self.engine.num_waiting + self._inbox.qsize()
 
     def submit(self, samples: list[tuple[list[int], SamplingParams]], arrival_time: float) -> Submission:
-        if not self.healthy:
-            raise Unavailable("the engine failed; the server is not serving")
-        if not self.accepting:
-            raise Unavailable("the server is shutting down")
-        if self.max_waiting is not None and self.num_waiting + len(samples) > self.max_waiting:
-            raise QueueFull(f"{self.num_waiting} requests are waiting, the most this server queues is "
-                            f"{self.max_waiting}")
+        check_admission(self, len(samples))
         submission = Submission(samples, arrival_time)
         self._inbox.put(("add", submission))
         if not self.healthy:  # failed meanwhile: what it queued may never be taken

@@ -28,7 +28,7 @@ from eagle3_jax.engine.engine import Engine
 from eagle3_jax.engine.scheduler import RequestMetrics, Scheduler
 from eagle3_jax.engine.structured import Grammars
 from eagle3_jax.sampling_params import SamplingParams
-from eagle3_jax.serve.engine_loop import FAILED, EngineLoop, QueueFull, Submission, Unavailable, Update, put_all
+from eagle3_jax.serve.engine_loop import FAILED, EngineLoop, Submission, Unavailable, Update, check_admission, put_all
 from eagle3_jax.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -146,13 +146,7 @@ class EngineClient:
         return self._waiting + self._sent - self._taken
 
     def submit(self, samples: list[tuple[list[int], SamplingParams]], arrival_time: float) -> Submission:
-        if not self.healthy:
-            raise Unavailable("the engine failed; the server is not serving")
-        if not self.accepting:
-            raise Unavailable("the server is shutting down")
-        if self.max_waiting is not None and self.num_waiting + len(samples) > self.max_waiting:
-            raise QueueFull(f"{self.num_waiting} requests are waiting, the most this server queues is "
-                            f"{self.max_waiting}")
+        check_admission(self, len(samples))
         submission, sid = Submission(samples, arrival_time), self._next_id
         self._next_id += 1
         submission.request_ids.append(sid)  # the engine's ids stay in its process; `abort` sends this one
