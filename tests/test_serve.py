@@ -59,20 +59,30 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"/health did not answer 200 within {timeout_s} s")
 
 
-@pytest.fixture(scope="module")
-def server(chat_models, tmp_path_factory):
+def start_server(chat_models, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`serve` of the chat models with ENGINE and `flags` on a free port, output in `log` -> (its
+    process, its URL) once /health answers; killed if it does not."""
     target, draft = chat_models
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     args = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--target", str(target), "--draft", str(draft), *ENGINE,
-            "--port", str(port), "--api-key", KEY, "--served-model-name", MODEL, "--max-waiting", str(MAX_WAITING),
-            "--shutdown-timeout", "0", "--log-level", "debug"]
+            "--port", str(port), "--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "0", *flags]
     with log.open("w") as out:
         proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, START_S)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def server(chat_models, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    proc, url = start_server(chat_models, log, "--max-waiting", str(MAX_WAITING), "--log-level", "debug")
+    try:
         yield {"url": url, "proc": proc, "log": log}
     finally:
         if proc.poll() is None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -15,20 +13,16 @@ from pathlib import Path
 
 import pytest
 from test_serve import (
-    ENGINE,
     GREEDY,
     KEY,
     MODEL,
-    REPO,
     REQUEST_S,
-    START_S,
-    free_port,
     llm,  # noqa: F401  (the fixture: the server's engine in this process)
     metric,
     raw_post,
+    start_server,
     stream_text,
     user,
-    wait_healthy,
     wait_idle,
 )
 
@@ -36,24 +30,6 @@ from eagle3_jax import SamplingParams
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
-
-
-def start(chat_models, log_path) -> tuple[subprocess.Popen, str]:
-    target, draft = chat_models
-    port = free_port()
-    args = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--target", str(target), "--draft", str(draft), *ENGINE,
-            "--port", str(port), "--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "0",
-            "--engine-process"]
-    with log_path.open("w") as out:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, START_S)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc, url
 
 
 def engine_pid(server_pid: int) -> int:
@@ -74,7 +50,7 @@ def health(url: str) -> int:
 
 
 def test_engine_process_serves_as_the_thread_does_and_drains_on_sigterm(chat_models, llm, tmp_path):  # noqa: F811
-    proc, url = start(chat_models, tmp_path / "server.log")
+    proc, url = start_server(chat_models, tmp_path / "server.log", "--engine-process")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=REQUEST_S)
         messages = user("Tell me a story.")
@@ -119,7 +95,7 @@ def test_engine_process_serves_as_the_thread_does_and_drains_on_sigterm(chat_mod
 
 
 def test_the_engine_process_dying_ends_live_requests_and_answers_503(chat_models, tmp_path):
-    proc, url = start(chat_models, tmp_path / "server.log")
+    proc, url = start_server(chat_models, tmp_path / "server.log", "--engine-process")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=REQUEST_S)
         stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, max_tokens=800,
