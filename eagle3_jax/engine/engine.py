@@ -56,6 +56,15 @@ from eagle3_jax.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+def check_request(scheduler: Scheduler, grammars: Grammars, prompt: Sequence[int], params: SamplingParams) -> None:
+    """RequestError naming what a scheduler of this config would refuse in the request, or
+    GrammarError where its structured_outputs do not compile: host work only (`Engine.validate_request`,
+    and the server's checks where the engine runs in another process)."""
+    scheduler.validate(list(prompt), params)
+    if params.structured_outputs is not None:
+        grammars.compile(params.structured_outputs)
+
+
 class EngineClosedError(RuntimeError):
     """Work asked of an engine after `close`."""
 
@@ -161,9 +170,7 @@ class Engine:
     def validate_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestError naming what `add_request` would refuse (structured_outputs that do not
         compile: its subclass GrammarError); safe from any thread."""
-        self.scheduler.validate(list(prompt), params)
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
+        check_request(self.scheduler, self.grammars, prompt, params)
 
     def abort(self, request_id: int) -> Request | None:
         """End a request now (finish_reason "abort"), freeing its slot and pages; an iteration

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from eagle3_jax.api import Codec, load_tokenizer
 from eagle3_jax.config import EngineConfig, ServedConfig
-from eagle3_jax.engine.engine import Engine
+from eagle3_jax.engine.engine import Engine, check_request
 from eagle3_jax.engine.scheduler import RequestMetrics, Scheduler
 from eagle3_jax.engine.structured import Grammars
 from eagle3_jax.sampling_params import SamplingParams
@@ -71,9 +71,7 @@ class EngineChecks:
 
     def validate_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Engine.validate_request's checks."""
-        self._scheduler.validate(list(prompt), params)
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
+        check_request(self._scheduler, self.grammars, prompt, params)
 
 
 class EngineFront(Codec):
