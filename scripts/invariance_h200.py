@@ -30,8 +30,10 @@ release: four engines one after another in one process, released by LLM.close(),
 attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its config, random bf16 weights,
   --layers of them, a 256-token context): the target forward at B = --batches rows of 1, 5 and 32
   tokens with each of attention and the projections in turn invariant or default (four
-  combinations, ms a call), and each projection alone: XLA's dot against the invariant GEMM at the
-  engine's tile and at narrower ones (bit-equal to it or not).
+  combinations, ms a call); then each projection alone at the engine's row counts (TUNE_ROWS): XLA's
+  dot against the invariant GEMM at candidate tiles, each bit-equal to DEFAULT_TILES or not, and
+  the fastest bit-equal one per shape and row count written as a tile table, tiles.json
+  (eagle3_jax/model/gemm_tiles.json's form; $EAGLE3_JAX_GEMM_TILES points an engine at one).
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
   1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
   bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
@@ -169,13 +171,6 @@ def phase_8b(out: dict, batches: tuple[int, ...]) -> None:
 
 GEMM_SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
                "lm_head": (4096, 128256)}
-NARROW_TILES = [(64, 32, 4, 3), (64, 16, 4, 3), (16, 32, 4, 3), (16, 16, 4, 3), (16, 64, 4, 3)]
-
-
-def _other_tile(tile: tuple, engine_tile) -> bool:
-    return tuple(tile) != dataclasses.astuple(engine_tile)
-
-
 GEMM_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 4, 3),
               (16, 64, 4, 3)]
 
@@ -188,6 +183,23 @@ def _time(fn, *args, calls: int = 30) -> float:
     for _ in range(calls):
         out = fn(*args)
     jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def _time_chained(fn, x, w, calls: int = 30) -> float:
+    """ms per call of fn(x, w) [M, K] x W -> [M, N], `calls` calls unrolled in one program, each one's
+    x perturbed by the last one's output times zero (XLA keeps a float x * 0: NaN): the kernels
+    run back to back with no dispatch between them, which at these sizes is most of a lone call."""
+    @jax.jit
+    def chained(x, w):
+        y = fn(x, w)
+        for _ in range(calls - 1):
+            y = fn(x + (y[:, :1] * 0).astype(x.dtype), w)
+        return y
+
+    jax.block_until_ready(chained(x, w))
+    t0 = time.perf_counter()
+    jax.block_until_ready(chained(x, w))
     return (time.perf_counter() - t0) / calls * 1e3
 
 
@@ -221,6 +233,65 @@ def phase_gemm(out: dict, rows: tuple[int, ...]) -> None:
     out["gemm"] = results
 
 
+# The engine's row counts on SmolLM2 (decode, verify of K + 1 = 5, tree of 32 nodes, prefill chunks at
+# batch 1 to 64), each tuned row count serving every count up to it.
+TUNE_ROWS = (1, 8, 40, 64, 256, 320, 1024, 2048)
+FEW_ROW_TILES = [(64, 64, 4, 3), (64, 32, 4, 3), (64, 16, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (16, 32, 4, 3)]
+MANY_ROW_TILES = [(64, 64, 4, 3), (128, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 4, 3),
+                  (64, 256, 4, 3)]
+
+
+def tune_projections(cfg, rows: tuple[int, ...], calls: int) -> tuple[list[dict], list]:
+    """Each projection of `cfg` (the layout the engine runs: a tied lm_head transposed) at `rows` rows:
+    XLA's dot, the engine's tile, and candidate tiles, each timed and compared with DEFAULT_TILES bit
+    for bit. -> (a row per shape and row count, the fastest bit-equal tile per shape and row count as
+    invariant_gemm.TunedTile: the engine's rule's tile unless another is 3% faster)."""
+    from eagle3_jax.model import invariant_gemm
+
+    d, hd = cfg.hidden_size, cfg.head_dim
+    shapes = {"wqkv": (d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, False), "wo": (cfg.num_heads * hd, d, False),
+              "w_gate_up": (d, 2 * cfg.intermediate_size, False), "w_down": (cfg.intermediate_size, d, False),
+              "lm_head": (d, cfg.vocab_size, cfg.tie_word_embeddings)}
+    xla = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    xla_t = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    results, tuned = [], []
+    for name, (k, n, transposed) in shapes.items():
+        shape = (n, k) if transposed else (k, n)
+        w = (0.02 * jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32)).astype(jnp.bfloat16)
+        for m in rows:
+            x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            row = dict(shape=name, k=k, n=n, transposed=transposed, m=m,
+                       xla_ms=round(_time_chained(xla_t if transposed else xla, x, w, calls=calls), 4))
+            rule = invariant_gemm.WIDE_TILES if m >= invariant_gemm.WIDE_ROWS and n % 256 == 0 \
+                else invariant_gemm.DEFAULT_TILES
+            candidates = [invariant_gemm.DEFAULT_TILES, rule] + [
+                invariant_gemm.Tiles(*t) for t in (FEW_ROW_TILES if m <= 64 else MANY_ROW_TILES)]
+            reference, timed = None, {}
+            for tile in dict.fromkeys(candidates):  # DEFAULT_TILES first: the reference
+                fn = jax.jit(functools.partial(invariant_gemm.matmul, transposed=transposed, tiles=tile))
+                label = "x".join(map(str, dataclasses.astuple(tile)))
+                try:
+                    y = np.asarray(fn(x, w))
+                except Exception as e:  # noqa: BLE001 - a tile that does not lower is a result, not a stop
+                    row[label] = f"failed: {type(e).__name__}"
+                    continue
+                reference = y if reference is None else reference
+                equal = bool(np.array_equal(y, reference))
+                ms = _time_chained(fn, x, w, calls=calls)
+                row[label] = dict(ms=round(ms, 4), equal=equal)
+                if equal:
+                    timed[tile] = ms
+            best = min(timed, key=timed.get) if timed else None
+            if rule in timed:
+                chosen = best if timed[best] < 0.97 * timed[rule] else rule
+                tuned.append(invariant_gemm.TunedTile(k, n, transposed, m, chosen))
+                row["chosen"] = "x".join(map(str, dataclasses.astuple(chosen)))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        del w
+    return results, tuned
+
+
 def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     """The forward's ms under each (attention, projections) pair, and each projection alone."""
     from eagle3_jax.config import ModelConfig
@@ -236,8 +307,9 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     combos = {"both default": ("pallas", "xla"), "attention invariant": ("invariant", "xla"),
               "projections invariant": ("pallas", "invariant"), "both invariant": ("invariant", "invariant")}
     rows = []
-    for label, (attention, gemv) in combos.items():
-        def step(params, tokens, positions, cache, table, attention=attention, gemv=gemv):
+
+    def time_forward(label: str, attention: str, gemv: str) -> None:
+        def step(params, tokens, positions, cache, table):
             hidden, _, cache = llama.forward(params, cfg, tokens, positions, cache, table, attention, None, gemv)
             return llama.logits(params, hidden, gemv), cache
 
@@ -258,34 +330,19 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
                 rows.append(dict(kernels=label, b=b, t=t, ms=round((time.perf_counter() - t0) / args.calls * 1e3, 3)))
                 print(rows[-1], flush=True)
         del cache
-    gemms = []
-    d, hd = cfg.hidden_size, cfg.head_dim
-    shapes = {"wqkv": (d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd), "wo": (cfg.num_heads * hd, d),
-              "w_gate_up": (d, 2 * cfg.intermediate_size), "w_down": (cfg.intermediate_size, d),
-              "lm_head": (d, cfg.vocab_size)}
-    xla = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    for name, (k, n) in shapes.items():
-        w = (0.02 * jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)).astype(jnp.bfloat16)
-        for m in sorted({b * t for b in batches for t in (1, 5, 32)}):
-            x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-            row = dict(shape=name, k=k, n=n, m=m, xla_ms=round(_time(xla, x, w, calls=args.calls), 4))
-            # The tile the engine takes, then narrower ones: a small N leaves most SMs idle with 64-wide
-            # tiles (N / 64 programs); each must give the engine's tile's sums bit for bit.
-            engine_tile = invariant_gemm.tiles_for(m, n)
-            ref = None
-            for tile in [engine_tile] + [invariant_gemm.Tiles(*t) for t in NARROW_TILES if _other_tile(t, engine_tile)]:
-                fn = jax.jit(functools.partial(invariant_gemm.matmul, tiles=tile))
-                label = "x".join(map(str, dataclasses.astuple(tile)))
-                try:
-                    y = np.asarray(fn(x, w))
-                except Exception as e:  # noqa: BLE001 - a tile that does not lower is a result, not a stop
-                    row[label] = f"failed: {type(e).__name__}"
-                    continue
-                ref = y if ref is None else ref
-                row[label] = dict(ms=round(_time(fn, x, w, calls=args.calls), 4), equal=bool(np.array_equal(y, ref)))
-            gemms.append(row)
-            print(json.dumps(row), flush=True)
-    out.update(forward_ms=rows, gemm_ms=gemms, layers=cfg.num_layers)
+
+    for label, (attention, gemv) in combos.items():
+        time_forward(label, attention, gemv)
+    gemms, tuned = tune_projections(cfg, tuple(int(m) for m in args.tune_rows.split(",")), args.calls)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    tiles_path = Path(args.out_dir) / "tiles.json"
+    tiles_path.write_text(json.dumps({jax.devices()[0].device_kind: [t.to_json() for t in tuned]}, indent=1))
+    print(f"tuned tiles: {tiles_path} ({len(tuned)} entries)", flush=True)
+    os.environ[invariant_gemm.TUNED_TILES_ENV] = str(tiles_path)  # the forward again, on the tuned tiles
+    invariant_gemm.tuned_tiles.cache_clear()
+    time_forward("both invariant, tuned tiles", "invariant", "invariant")
+    time_forward("projections invariant, tuned tiles", "pallas", "invariant")
+    out.update(forward_ms=rows, gemm_ms=gemms, tuned=[t.to_json() for t in tuned], layers=cfg.num_layers)
 
 
 PROPOSALS = ("target", "chain", "tree", "ngram")
@@ -526,6 +583,8 @@ def main() -> None:
     p.add_argument("--pool-pages", default="2000,60000,100000,150000", help="pool: the pool sizes tried")
     p.add_argument("--layers", type=int, default=None, help="attribution: the target's layers (default: all)")
     p.add_argument("--calls", type=int, default=30, help="attribution: timed calls a figure")
+    p.add_argument("--tune-rows", default=",".join(map(str, TUNE_ROWS)),
+                   help="attribution: the row counts the projections' tiles are tuned at")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--out-name", default=None, help="the JSON's name (default: the phase's)")
     args = p.parse_args()

@@ -6,6 +6,7 @@ the last test lowers them for CUDA."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +41,43 @@ def test_the_wide_tile_from_many_rows_gives_the_rows_of_few(transposed):
     """`project` switches to the wide tile at WIDE_ROWS rows (N dividing it): each row of that
     product equals the row computed alone with the default tile, bit for bit."""
     m, k, n = invariant_gemm.WIDE_ROWS, 64, invariant_gemm.WIDE_TILES.block_n * 2
-    assert invariant_gemm.tiles_for(m, n) == invariant_gemm.WIDE_TILES
-    assert invariant_gemm.tiles_for(m - 1, n) == invariant_gemm.tiles_for(m, n + 64) == invariant_gemm.DEFAULT_TILES
+    assert invariant_gemm.tiles_for(m, k, n) == invariant_gemm.WIDE_TILES
+    assert (invariant_gemm.tiles_for(m - 1, k, n) == invariant_gemm.tiles_for(m, k, n + 64)
+            == invariant_gemm.DEFAULT_TILES)
     x = jax.random.normal(jax.random.PRNGKey(2), (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (0.05 * jax.random.normal(jax.random.PRNGKey(3), (n, k) if transposed else (k, n))).astype(jnp.bfloat16)
     wide = np.asarray(invariant_gemm.project(x, w, jnp.float32, transposed=transposed))
     for rows in (slice(0, 1), slice(100, 103), slice(m - 5, m)):
         alone = np.asarray(invariant_gemm.project(x[rows], w, jnp.float32, transposed=transposed))
         assert np.array_equal(alone, wide[rows]), rows
+
+
+def test_a_tuned_tile_serves_up_to_its_rows_on_its_gpu_kind_only(tmp_path, monkeypatch):
+    """`tiles_for` takes a tuned table's tile for the fewest tuned rows >= m of its (K, N, layout) on
+    its GPU kind, $EAGLE3_JAX_GEMM_TILES over the shipped table, and the rule elsewhere; a table that is
+    not one is named in the error."""
+    narrow, mid = invariant_gemm.Tiles(64, 16, 4, 3), invariant_gemm.Tiles(64, 32, 4, 4)
+    table = {"GPU X": [invariant_gemm.TunedTile(576, 960, False, 64, mid).to_json(),
+                       invariant_gemm.TunedTile(576, 960, False, 8, narrow).to_json()]}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv(invariant_gemm.TUNED_TILES_ENV, str(path))
+    invariant_gemm.tuned_tiles.cache_clear()
+    try:
+        monkeypatch.setattr(invariant_gemm, "_device_kind", lambda: "GPU X")
+        assert [invariant_gemm.tiles_for(m, 576, 960) for m in (1, 8, 9, 64)] == [narrow, narrow, mid, mid]
+        assert invariant_gemm.tiles_for(65, 576, 960) == invariant_gemm.DEFAULT_TILES  # past the tuned rows
+        assert invariant_gemm.tiles_for(8, 576, 960, transposed=True) == invariant_gemm.DEFAULT_TILES
+        assert invariant_gemm.tiles_for(8, 576, 1024) == invariant_gemm.DEFAULT_TILES
+        monkeypatch.setattr(invariant_gemm, "_device_kind", lambda: "GPU Y")
+        assert invariant_gemm.tiles_for(8, 576, 960) == invariant_gemm.DEFAULT_TILES
+        path.write_text('{"GPU X": [{"k": 576}]}')
+        invariant_gemm.tuned_tiles.cache_clear()
+        with pytest.raises(ValueError, match=r"tiles\.json: not a table of tuned tiles"):
+            invariant_gemm.tiles_for(8, 576, 960)
+    finally:
+        monkeypatch.delenv(invariant_gemm.TUNED_TILES_ENV)
+        invariant_gemm.tuned_tiles.cache_clear()
 
 
 def _tiny(dtype, tied: bool):

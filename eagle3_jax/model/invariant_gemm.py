@@ -4,13 +4,19 @@ shape, so a token's row rounds differently in a decode, a verify and a prefill c
 flip a near-tie argmax. Here the K loop runs in order in blocks and splits fixed by the weight (K, N)
 alone, the parts added in order; the M x N tile (`Tiles`) only says which program computes an output
 element, so it may follow the row count as long as every tile lowers to the same MMA instruction.
+Which tile serves which rows of which projection on a GPU kind is tuned there (gemm_tiles.json,
+written by scripts/invariance_h200.py --phase attribution, which keeps only tiles whose every row
+equals DEFAULT_TILES' bit for bit): BENCHMARKS.md, "Batch invariance: the cost".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +48,68 @@ WIDE_ROWS = 256
 WIDE_TILES = Tiles(block_m=128, block_n=256, num_warps=8, num_stages=3)
 
 
-def tiles_for(m: int, n: int) -> Tiles:
-    """The tile for m rows of an N-wide output: wide from WIDE_ROWS where N divides it (padding the
-    weight every call would cost more than the tile saves). Every tile gives the same sums."""
+TUNED_TILES_FILE = Path(__file__).with_name("gemm_tiles.json")
+TUNED_TILES_ENV = "EAGLE3_JAX_GEMM_TILES"  # a file of the same form, read over the shipped one
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedTile:
+    """A tile measured fastest for up to `rows` rows of one projection (K, N, layout) on one GPU kind,
+    and bit-equal there to `DEFAULT_TILES` (scripts/invariance_h200.py --phase tune keeps no other)."""
+
+    k: int
+    n: int
+    transposed: bool
+    rows: int
+    tiles: Tiles
+
+    @classmethod
+    def from_json(cls, entry: dict) -> TunedTile:
+        return cls(int(entry["k"]), int(entry["n"]), bool(entry["transposed"]), int(entry["rows"]),
+                   Tiles(*entry["tile"]))
+
+    def to_json(self) -> dict:
+        return dict(k=self.k, n=self.n, transposed=self.transposed, rows=self.rows,
+                    tile=list(dataclasses.astuple(self.tiles)))
+
+
+def readtuned_tiles(path: Path) -> dict[str, list[TunedTile]]:
+    """A tile table: {device kind: [TunedTile]} from its JSON ({kind: [{k, n, transposed, rows, tile}]})."""
+    try:
+        table = json.loads(path.read_text())
+        return {kind: [TunedTile.from_json(e) for e in entries] for kind, entries in table.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"invariant GEMM tile table {path}: not a table of tuned tiles ({e})") from e
+
+
+@functools.cache
+def tuned_tiles(device_kind: str) -> dict[tuple[int, int, bool], list[TunedTile]]:
+    """This GPU kind's tuned tiles by (K, N, transposed), fewest rows first: the shipped table's, then
+    those of $EAGLE3_JAX_GEMM_TILES over them. Read once (`tuned_tiles.cache_clear()` reads again)."""
+    entries = readtuned_tiles(TUNED_TILES_FILE).get(device_kind, []) if TUNED_TILES_FILE.exists() else []
+    if explicit := os.environ.get(TUNED_TILES_ENV):
+        override = readtuned_tiles(Path(explicit)).get(device_kind, [])
+        shapes = {(e.k, e.n, e.transposed) for e in override}
+        entries = [e for e in entries if (e.k, e.n, e.transposed) not in shapes] + override
+    by_shape: dict[tuple[int, int, bool], list[TunedTile]] = {}
+    for e in sorted(entries, key=lambda e: e.rows):
+        by_shape.setdefault((e.k, e.n, e.transposed), []).append(e)
+    return by_shape
+
+
+def _device_kind() -> str | None:
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else None
+
+
+def tiles_for(m: int, k: int, n: int, transposed: bool = False) -> Tiles:
+    """The tile for m rows of a K x N projection: the tuned one for the fewest tuned rows >= m on this
+    GPU kind (`TunedTile`), else wide from WIDE_ROWS where N divides it (padding the weight every call
+    would cost more than the tile saves). Every tile gives the same sums."""
+    if (kind := _device_kind()) is not None:
+        for tuned in tuned_tiles(kind).get((k, n, transposed), ()):
+            if m <= tuned.rows:
+                return tuned.tiles
     return WIDE_TILES if m >= WIDE_ROWS and n % WIDE_TILES.block_n == 0 else DEFAULT_TILES
 
 
@@ -127,7 +192,7 @@ def project(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False
     w2 = w if transposed else w.reshape(k, math.prod(out_shape))
     rows = math.prod(lead)
     y = matmul(x.reshape(rows, k), w2, out_dtype=out_dtype, transposed=transposed,
-               tiles=tiles_for(rows, math.prod(out_shape)))
+               tiles=tiles_for(rows, k, math.prod(out_shape), transposed))
     return y.reshape(*lead, *out_shape)
 
 
