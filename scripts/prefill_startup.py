@@ -13,7 +13,8 @@ prefill: the default engine (SmolLM2-135M-Instruct, the shipped drafter, bf16, p
   card's peak dense bf16 FLOP/s (a roofline that ignores attention and the drafter).
 startup: `eagle3-jax serve` started twice as a subprocess with one fresh compilation cache
   (JAX_COMPILATION_CACHE_DIR): the seconds to /health answering 200 the first time (everything
-  compiled) and the second (read from the cache).
+  compiled) and the second (read from the cache), and each start's greedy reply to the same
+  chat request (the second start's must equal the first's).
 Prints the figures and writes PHASE.json under --out-dir.
 """
 
@@ -27,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import server_process  # scripts/: this script's own directory is on the path
@@ -112,12 +114,26 @@ def phase_startup(args) -> dict:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache  # the servers inherit it
         for name in ("first", "second"):
             t0 = time.perf_counter()
-            proc, _ = server_process.start(serve_args, Path(args.out_dir) / f"startup-{name}.log", args.start_timeout)
+            proc, url = server_process.start(serve_args, Path(args.out_dir) / f"startup-{name}.log", args.start_timeout)
             seconds = time.perf_counter() - t0
+            reply = chat_reply(url)
             server_process.stop(proc)
-            starts.append(dict(start=name, health_s=round(seconds, 1)))
+            starts.append(dict(start=name, health_s=round(seconds, 1), reply=reply))
             print(starts[-1], flush=True)
-    return dict(serve_args=serve_args, starts=starts)
+    same = starts[0]["reply"] == starts[1]["reply"]
+    print(f"second start's reply equals the first's: {same}", flush=True)
+    return dict(serve_args=serve_args, starts=starts, replies_equal=same)
+
+
+def chat_reply(url: str) -> str:
+    """The server's greedy reply (64 tokens) to one fixed chat message."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "max_tokens": 64, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Name three uses of a paperclip."}]}).encode()
+    request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
 def main() -> None:
