@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -104,10 +105,15 @@ class StreamDelta:
 
 def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache, so a second start loads executables instead of
-    compiling them (kept under the asset cache unless the user configured a directory)."""
+    compiling them (kept under the asset cache unless the user configured a directory). Every
+    program is kept, however fast it compiled (JAX keeps those over 1 s by default): a start
+    otherwise compiles the few dozen small ones again, one after another (unless the user set
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS). The engine's fused programs are kept beside it
+    (runner/executables.py)."""
     if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(assets.cache_dir() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def default_dtype():

@@ -51,7 +51,7 @@ def target_parameters(target_dir: Path) -> int:
     total = 0
     for path in sorted(target_dir.glob("*.safetensors")):
         with safe_open(str(path), "np") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 total += math.prod(f.get_slice(name).get_shape())
     return total
 
@@ -89,7 +89,7 @@ def phase_prefill(args) -> dict:
     for shape in args.shapes.split(","):
         count, tokens = (int(x) for x in shape.split("x"))
         prompts = prompts_of(llm, count, tokens)
-        for timed in (False, True):  # the first pass compiles this shape's programs
+        for _timed in (False, True):  # the first pass compiles this shape's programs
             reqs = [engine.add_request(p, params) for p in prompts]
             engine.run(reqs)
         ttft = [r.metrics.first_token_time - r.metrics.arrival_time for r in reqs]

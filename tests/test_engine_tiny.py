@@ -198,39 +198,66 @@ def test_forced_proposals_max_tokens_inside_an_accepted_run(forced_llm, eos_case
     assert accepted == K and emitted < K + 1  # all K accepted, cut by max_tokens
 
 
-def test_warmup_compiles_ahead_on_a_thread_pool_only_with_the_persistent_cache(tiny_models, monkeypatch):
-    """runner.compile_ahead builds every fused program of the warm-up (each a backend compile or a
-    load from JAX's persistent cache, which `LLM` turns on) for the warm-up's runs to load, once;
-    with no cache to load from it does nothing, so nothing compiles twice."""
+def test_compile_ahead_builds_each_fused_program_once_and_serving_runs_it(tiny_models, alone, monkeypatch):
+    """runner.compile_ahead builds every fused program of the warm-up on a thread pool, JAX's
+    persistent cache set or not, skips what it has built, and the engine runs those executables:
+    with the jitted steps gone, it still serves greedy requests (and replies as the target alone)."""
     import jax
 
     from eagle3_jax.runner import runner as runner_module
-    from eagle3_jax.runner.runner import CompileCounter
 
-    # Shapes no other test builds: a program this process already holds would come back from
-    # JAX's in-memory cache, neither compiled nor loaded.
-    engine = make(tiny_models, batch_buckets=(3,), prefill_buckets=(24,), max_model_len=56).engine
+    llm = make(tiny_models, batch_buckets=(2,), prefill_batch_buckets=(1,))
+    engine = llm.engine
     iterations, prefills = engine.programs(greedy=True)
-    jobs = engine.runner.compile_jobs(iterations, prefills)
-    assert len(jobs) == len(iterations) + len(prefills) == 1 + 2
+    assert len(engine.runner.ahead_programs(iterations, prefills)) == len(iterations) + len(prefills) == 1 + 1
+    compiled = []
+    lower = runner_module.AheadProgram.compile
+    monkeypatch.setattr(runner_module.AheadProgram, "compile", lambda self: compiled.append(self.key) or lower(self))
     cache_dir = jax.config.jax_compilation_cache_dir
-    assert cache_dir is not None  # set by LLM
     try:
-        jax.config.update("jax_compilation_cache_dir", None)
-        before = CompileCounter.count
+        jax.config.update("jax_compilation_cache_dir", None)  # nothing kept on disk, nothing loaded
         engine.runner.compile_ahead(iterations, prefills)
-        assert CompileCounter.count == before
     finally:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
-    before = CompileCounter.count
+    assert len(compiled) == 2
     engine.runner.compile_ahead(iterations, prefills)
-    assert CompileCounter.count - before >= len(jobs)
-    # What it built once it skips (the bench builds ahead, then Engine.warmup asks again).
-    asked = []
-    monkeypatch.setattr(runner_module, "precompile", lambda jobs, progress=False: asked.append(len(jobs)) or 0.0)
-    engine.runner.compile_ahead(iterations, prefills)
+    assert len(compiled) == 2  # built: skipped
     engine.runner.compile_ahead(iterations, engine.programs(greedy=False)[1])
-    assert asked == [0, len(prefills)]  # nothing again; the sampling prefills, new
+    assert len(compiled) == 3  # the sampling prefill, new
+
+    def traced(*args, **kwargs):
+        raise AssertionError("a jitted step ran where a program was built ahead")
+
+    monkeypatch.setattr(runner_module, "prefill_step", traced)
+    monkeypatch.setattr(runner_module, "iterate_in_place_step", traced)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], greedy(8))] == [ref[:8] for ref in alone[:2]]
+
+
+def test_a_second_engine_loads_every_fused_program_kept_by_the_first(tiny_models, alone, tmp_path, monkeypatch):
+    """The fused programs a warm-up built are kept beside JAX's persistent cache
+    (runner/executables.py): an engine of the same config started after finds every one there, so its
+    warm-up lowers none, and it replies as the target alone."""
+    import jax
+
+    from eagle3_jax.runner import runner as runner_module
+
+    compiled = []
+    lower = runner_module.AheadProgram.compile
+    monkeypatch.setattr(runner_module.AheadProgram, "compile", lambda self: compiled.append(self.key) or lower(self))
+    cache_dir = jax.config.jax_compilation_cache_dir
+    replies = []
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # empty: the first engine compiles
+        for _ in range(2):
+            llm = make(tiny_models, batch_buckets=(4,), prefill_batch_buckets=(1,))
+            llm.engine.warmup(progress=False, greedy=True)
+            replies.append([o.token_ids for o in llm.generate(PROMPTS[:4], greedy(8))])
+            llm.close()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+    assert len(compiled) == 2  # the first engine's iteration and prefill; the second lowered nothing
+    assert len(list((tmp_path / "eagle3-programs").glob("*.program"))) == 2
+    assert replies[0] == replies[1] == [ref[:8] for ref in alone[:4]]
 
 
 def test_cublas_gemms_serve_every_bucket_without_compiling_after_warmup(tiny_models, alone):
