@@ -233,31 +233,41 @@ def test_compile_ahead_builds_each_fused_program_once_and_serving_runs_it(tiny_m
     assert [o.token_ids for o in llm.generate(PROMPTS[:2], greedy(8))] == [ref[:8] for ref in alone[:2]]
 
 
-def test_a_second_engine_loads_every_fused_program_kept_by_the_first(tiny_models, alone, tmp_path, monkeypatch):
-    """The fused programs a warm-up built are kept beside JAX's persistent cache
-    (runner/executables.py): an engine of the same config started after finds every one there, so its
-    warm-up lowers none, and it replies as the target alone."""
+def test_a_kept_program_loads_and_runs_in_a_fresh_process_under_the_same_key(tmp_path):
+    """runner/executables.py: a program compiled here is kept under its key (computed without
+    tracing), and a fresh process computing the same key loads it, compiles nothing, and computes
+    the same; another argument shape is another key."""
+    import subprocess
+    import sys
+    import textwrap
+
     import jax
+    import numpy as np
 
-    from eagle3_jax.runner import runner as runner_module
+    from eagle3_jax.runner.executables import ExecutableStore, program_key
 
-    compiled = []
-    lower = runner_module.AheadProgram.compile
-    monkeypatch.setattr(runner_module.AheadProgram, "compile", lambda self: compiled.append(self.key) or lower(self))
-    cache_dir = jax.config.jax_compilation_cache_dir
-    replies = []
-    try:
-        jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # empty: the first engine compiles
-        for _ in range(2):
-            llm = make(tiny_models, batch_buckets=(4,), prefill_batch_buckets=(1,))
-            llm.engine.warmup(progress=False, greedy=True)
-            replies.append([o.token_ids for o in llm.generate(PROMPTS[:4], greedy(8))])
-            llm.close()
-    finally:
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
-    assert len(compiled) == 2  # the first engine's iteration and prefill; the second lowered nothing
-    assert len(list((tmp_path / "eagle3-programs").glob("*.program"))) == 2
-    assert replies[0] == replies[1] == [ref[:8] for ref in alone[:4]]
+    script = textwrap.dedent("""
+        import sys
+        import jax, numpy as np
+        from eagle3_jax.runner.executables import ExecutableStore, program_key
+        jax.config.update("jax_platforms", "cpu")
+        step = jax.jit(lambda x, scale: x * scale + 1, static_argnames="scale")
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        store = ExecutableStore(sys.argv[1], jax.devices()[:1])
+        key = program_key("probe", 2.0, (x,), {}, store.devices)
+        loaded = store.load(key)
+        compiled = loaded or store.build(key, lambda: step.lower(x, scale=2.0).compile())
+        print(loaded is not None, key, np.asarray(compiled(x)).tolist())
+    """)
+    runs = [subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                           check=True).stdout.split(" ", 2) for _ in range(2)]
+    assert [run[0] for run in runs] == ["False", "True"]  # compiled and kept, then loaded
+    assert runs[0][1:] == runs[1][1:]
+    assert runs[1][2].strip() == str((np.arange(12, dtype=np.float32).reshape(3, 4) * 2 + 1).tolist())
+    devices = jax.devices()[:1]
+    assert program_key("probe", 2.0, (np.zeros((3, 4), np.float32),), {}, devices) == runs[0][1]
+    assert program_key("probe", 2.0, (np.zeros((3, 5), np.float32),), {}, devices) != runs[0][1]
+    assert ExecutableStore.beside_compilation_cache(devices).directory is None  # the CPU: none kept
 
 
 def test_cublas_gemms_serve_every_bucket_without_compiling_after_warmup(tiny_models, alone):

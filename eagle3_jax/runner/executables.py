@@ -8,7 +8,11 @@ what determines the program without building it: the package's source, jax's ver
 configuration, XLA_FLAGS, the devices, the program's kind, shape and static config, and the shape,
 dtype and placement of every argument. An entry is `jax.experimental.serialize_executable`'s
 (the executable JAX's cache would hold, with its argument and result trees); one that fails to
-load is compiled again and rewritten.
+load is compiled again and rewritten. Only a program compiled in this process is kept: one JAX
+loaded from its own cache serializes without all its code on the CPU (it loads, then fails to
+run: "Function ... not found"), so it is left to JAX's cache until a start compiles it. On the
+CPU the engine keeps none (`beside_compilation_cache`): a program kept by one engine and loaded by
+a second in the same process failed to run there the same way (a fresh process loads and runs it).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import logging
 import os
 import pickle
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +63,19 @@ def _code_fingerprint() -> str:
     return digest.hexdigest()
 
 
+_this_thread = threading.local()  # .loaded: JAX's cache answered this thread's compile
+_listening = threading.Lock()
+
+
+@functools.cache
+def _listen_for_cache_hits() -> None:
+    def on_event(event: str, **_kw) -> None:
+        if event == "/jax/compilation_cache/cache_hits":  # recorded in the compiling thread
+            _this_thread.loaded = True
+
+    jax.monitoring.register_event_listener(on_event)
+
+
 def _leaf_signature(leaf: Any) -> str:
     if isinstance(leaf, jax.Array):
         return f"{leaf.aval.str_short()}@{leaf.sharding!r}"
@@ -85,8 +103,10 @@ class ExecutableStore:
 
     @classmethod
     def beside_compilation_cache(cls, devices: Sequence[jax.Device]) -> ExecutableStore:
-        """The store under JAX's persistent cache directory, where one is set."""
-        return cls(jax.config.jax_compilation_cache_dir, devices)
+        """The store under JAX's persistent cache directory, where one is set, off the CPU (the
+        module docstring)."""
+        on_cpu = devices[0].platform == "cpu"
+        return cls(None if on_cpu else jax.config.jax_compilation_cache_dir, devices)
 
     def _path(self, key: str) -> Path | None:
         return None if self.directory is None else self.directory / f"{key}.program"
@@ -106,6 +126,20 @@ class ExecutableStore:
             log.warning("compiled program %s did not load (%s: %s): compiling it again", path.name,
                         type(e).__name__, e)
             return None
+
+    def build(self, key: str, compile_: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
+        """The program under `key`: loaded, else `compile_()` and kept where it compiled here (not
+        loaded from JAX's cache: the module docstring). Safe from several threads."""
+        compiled = self.load(key)
+        if compiled is not None:
+            return compiled
+        with _listening:
+            _listen_for_cache_hits()
+        _this_thread.loaded = False
+        compiled = compile_()
+        if not _this_thread.loaded:
+            self.save(key, compiled)
+        return compiled
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> None:
         """Keep `compiled` under `key` (written to a temporary name, then renamed: a reader never sees

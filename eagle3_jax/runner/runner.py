@@ -490,14 +490,8 @@ class ModelRunner:
         programs = [p for p in self.ahead_programs(iterations, prefills) if p.key not in self._built]
         keys = [p.store_key(store.devices) for p in programs]
 
-        def build(program: AheadProgram, key: str) -> jax.stages.Compiled:
-            compiled = store.load(key)
-            if compiled is None:
-                compiled = program.compile()
-                store.save(key, compiled)
-            return compiled
-
-        built = compile_on_pool([functools.partial(build, p, k) for p, k in zip(programs, keys)], progress)[1]
+        built = compile_on_pool([functools.partial(store.build, k, p.compile) for p, k in zip(programs, keys)],
+                                progress)[1]
         self._built.update((p.key, compiled) for p, compiled in zip(programs, built))
         return time.perf_counter() - start
 
