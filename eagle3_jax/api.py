@@ -108,7 +108,8 @@ def enable_compilation_cache() -> None:
     compiling them (kept under the asset cache unless the user configured a directory). Every
     program is kept, however fast it compiled (JAX keeps those over 1 s by default): a start
     otherwise compiles the few dozen small ones again, one after another (unless the user set
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS)."""
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS). The engine's fused programs are kept beside it
+    (runner/executables.py)."""
     if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(assets.cache_dir() / "xla"))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:

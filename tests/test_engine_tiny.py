@@ -198,39 +198,76 @@ def test_forced_proposals_max_tokens_inside_an_accepted_run(forced_llm, eos_case
     assert accepted == K and emitted < K + 1  # all K accepted, cut by max_tokens
 
 
-def test_warmup_compiles_ahead_on_a_thread_pool_only_with_the_persistent_cache(tiny_models, monkeypatch):
-    """runner.compile_ahead builds every fused program of the warm-up (each a backend compile or a
-    load from JAX's persistent cache, which `LLM` turns on) for the warm-up's runs to load, once;
-    with no cache to load from it does nothing, so nothing compiles twice."""
+def test_compile_ahead_builds_each_fused_program_once_and_serving_runs_it(tiny_models, alone, monkeypatch):
+    """runner.compile_ahead builds every fused program of the warm-up on a thread pool, JAX's
+    persistent cache set or not, skips what it has built, and the engine runs those executables:
+    with the jitted steps gone, it still serves greedy requests (and replies as the target alone)."""
     import jax
 
     from eagle3_jax.runner import runner as runner_module
-    from eagle3_jax.runner.runner import CompileCounter
 
-    # Shapes no other test builds: a program this process already holds would come back from
-    # JAX's in-memory cache, neither compiled nor loaded.
-    engine = make(tiny_models, batch_buckets=(3,), prefill_buckets=(24,), max_model_len=56).engine
+    llm = make(tiny_models, batch_buckets=(2,), prefill_batch_buckets=(1,))
+    engine = llm.engine
     iterations, prefills = engine.programs(greedy=True)
-    jobs = engine.runner.compile_jobs(iterations, prefills)
-    assert len(jobs) == len(iterations) + len(prefills) == 1 + 2
+    assert len(engine.runner.ahead_programs(iterations, prefills)) == len(iterations) + len(prefills) == 1 + 1
+    compiled = []
+    lower = runner_module.AheadProgram.compile
+    monkeypatch.setattr(runner_module.AheadProgram, "compile", lambda self: compiled.append(self.key) or lower(self))
     cache_dir = jax.config.jax_compilation_cache_dir
-    assert cache_dir is not None  # set by LLM
     try:
-        jax.config.update("jax_compilation_cache_dir", None)
-        before = CompileCounter.count
+        jax.config.update("jax_compilation_cache_dir", None)  # nothing kept on disk, nothing loaded
         engine.runner.compile_ahead(iterations, prefills)
-        assert CompileCounter.count == before
     finally:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
-    before = CompileCounter.count
+    assert len(compiled) == 2
     engine.runner.compile_ahead(iterations, prefills)
-    assert CompileCounter.count - before >= len(jobs)
-    # What it built once it skips (the bench builds ahead, then Engine.warmup asks again).
-    asked = []
-    monkeypatch.setattr(runner_module, "precompile", lambda jobs, progress=False: asked.append(len(jobs)) or 0.0)
-    engine.runner.compile_ahead(iterations, prefills)
+    assert len(compiled) == 2  # built: skipped
     engine.runner.compile_ahead(iterations, engine.programs(greedy=False)[1])
-    assert asked == [0, len(prefills)]  # nothing again; the sampling prefills, new
+    assert len(compiled) == 3  # the sampling prefill, new
+
+    def traced(*args, **kwargs):
+        raise AssertionError("a jitted step ran where a program was built ahead")
+
+    monkeypatch.setattr(runner_module, "prefill_step", traced)
+    monkeypatch.setattr(runner_module, "iterate_in_place_step", traced)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], greedy(8))] == [ref[:8] for ref in alone[:2]]
+
+
+def test_a_kept_program_loads_and_runs_in_a_fresh_process_under_the_same_key(tmp_path):
+    """runner/executables.py: a program compiled here is kept under its key (computed without
+    tracing), and a fresh process computing the same key loads it, compiles nothing, and computes
+    the same; another argument shape is another key."""
+    import subprocess
+    import sys
+    import textwrap
+
+    import jax
+    import numpy as np
+
+    from eagle3_jax.runner.executables import ExecutableStore, program_key
+
+    script = textwrap.dedent("""
+        import sys
+        import jax, numpy as np
+        from eagle3_jax.runner.executables import ExecutableStore, program_key
+        jax.config.update("jax_platforms", "cpu")
+        step = jax.jit(lambda x, scale: x * scale + 1, static_argnames="scale")
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        store = ExecutableStore(sys.argv[1], jax.devices()[:1])
+        key = program_key("probe", 2.0, (x,), {}, store.devices)
+        loaded = store.load(key)
+        compiled = loaded or store.build(key, lambda: step.lower(x, scale=2.0).compile())
+        print(loaded is not None, key, np.asarray(compiled(x)).tolist())
+    """)
+    runs = [subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                           check=True).stdout.split(" ", 2) for _ in range(2)]
+    assert [run[0] for run in runs] == ["False", "True"]  # compiled and kept, then loaded
+    assert runs[0][1:] == runs[1][1:]
+    assert runs[1][2].strip() == str((np.arange(12, dtype=np.float32).reshape(3, 4) * 2 + 1).tolist())
+    devices = jax.devices()[:1]
+    assert program_key("probe", 2.0, (np.zeros((3, 4), np.float32),), {}, devices) == runs[0][1]
+    assert program_key("probe", 2.0, (np.zeros((3, 5), np.float32),), {}, devices) != runs[0][1]
+    assert ExecutableStore.beside_compilation_cache(devices).directory is None  # the CPU: none kept
 
 
 def test_cublas_gemms_serve_every_bucket_without_compiling_after_warmup(tiny_models, alone):

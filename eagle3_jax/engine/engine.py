@@ -464,8 +464,9 @@ class Engine:
     def warmup(self, progress: bool = True, greedy: bool | None = None) -> float:
         """Compile every program now, so serving never compiles, and in "auto" time each bucket's
         choices for the policy; `greedy` True (False) builds only the greedy (sampling) programs.
-        The fused programs compile at once on a thread pool first (`runner.compile_ahead`;
-        BENCHMARKS.md, "Start-up"). Then the heap is frozen (`freeze_heap`). -> seconds."""
+        The fused programs are built at once on a thread pool first, or loaded where an earlier
+        start kept them, and run from then on (`runner.compile_ahead`; BENCHMARKS.md, "Start-up").
+        Then the heap is frozen (`freeze_heap`). -> seconds."""
         start = time.perf_counter()
         iterations, prefills = self.programs(greedy)
         if self.cfg.speculation.fused_iteration:

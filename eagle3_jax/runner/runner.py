@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from eagle3_jax.config import DUMMY_SLOT, DraftConfig, ModelConfig, ServedConfig, check_draft_fits
 from eagle3_jax.model.eagle3 import DraftParams
 from eagle3_jax.parallel import sharding
-from eagle3_jax.runner import logprobs, sampling
+from eagle3_jax.runner import executables, logprobs, sampling
 from eagle3_jax.runner.speculators import Speculator
 from eagle3_jax.runner.state import (
     DeviceState,
@@ -70,6 +70,25 @@ def precompile(jobs: Sequence[Job], progress: bool = False) -> float:
     """Lower and compile the jobs on a thread pool -> seconds. A jitted call with the same shapes then
     loads them from JAX's persistent compilation cache (where one is set, and they were kept)."""
     return compile_on_pool([lambda j=j: j[0].lower(*j[1], **j[2]).compile() for j in jobs], progress)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class AheadProgram:
+    """A fused program `ModelRunner.compile_ahead` builds: `key`, how the runner finds it when it runs
+    (("iterate", bucket, cfg) or ("prefill", rows, chunk, cfg)); `jitted` lowered on `args` and
+    `kwargs` (padding rows) with `cfg` static."""
+
+    key: tuple
+    jitted: Callable
+    args: tuple
+    kwargs: dict
+    cfg: StepConfig
+
+    def store_key(self, devices: Sequence[jax.Device]) -> str:
+        return executables.program_key(self.key[0], self.key[1:], self.args, self.kwargs, devices)
+
+    def compile(self) -> jax.stages.Compiled:
+        return self.jitted.lower(*self.args, cfg=self.cfg, **self.kwargs).compile()
 
 
 class CompileCounter:
@@ -228,18 +247,19 @@ class PinnedBatch:
 
 
 def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch, slots: np.ndarray,
-                   tables: np.ndarray, cfg: StepConfig, token_mask: np.ndarray | None = None
-                   ) -> tuple[DeviceState, jax.Array]:
+                   tables: np.ndarray, cfg: StepConfig, token_mask: np.ndarray | None = None,
+                   built: Callable | None = None) -> tuple[DeviceState, jax.Array]:
     """One fused iteration, every buffer at a stable address, state donated -> (state, verdicts [B, 2 + E],
-    a logprobs program's with its scored tokens); token_mask [B, W, words]: a masked program's."""
+    a logprobs program's with its scored tokens); token_mask [B, W, words]: a masked program's;
+    `built`: the program compiled ahead for `cfg` at this bucket (None: the jitted step)."""
     slots, tables = pinned.get(slots, tables)
-    step = iterate_in_place_step(cfg, len(slots))
+    step = built or functools.partial(iterate_in_place_step(cfg, len(slots)), cfg=cfg)
     mask = pinned.token_mask(token_mask)
     if not cfg.logprobs:
-        state = step(params, draft_params, state, slots, tables, cfg=cfg, token_mask=mask)
+        state = step(params, draft_params, state, slots, tables, token_mask=mask)
         return state, pinned.read_verdicts(state, slots)
     scored = pinned.scored(len(slots), (state.slots.emitted.shape[1], logprobs.fields(cfg.target.vocab_size)))
-    state, scored = step(params, draft_params, state, slots, tables, scored, cfg=cfg, token_mask=mask)
+    state, scored = step(params, draft_params, state, slots, tables, scored, token_mask=mask)
     pinned.keep_scored(scored)
     return state, pinned.read_verdicts(state, slots, scored)
 
@@ -316,7 +336,8 @@ class ModelRunner:
             self._state = jax.jit(make_state, out_shardings=state_shardings(shapes, target, self.step_cfg.draft,
                                                                              mesh))()
         self._pinned = PinnedBatch(mesh)
-        self._built_ahead: set[tuple] = set()  # the programs `compile_ahead` has built: ("iterate", b, cfg) ...
+        # The programs `compile_ahead` has built (AheadProgram.key -> executable), run in place of the jitted steps.
+        self._built: dict[tuple, jax.stages.Compiled] = {}
         CompileCounter.install()
 
     def close(self) -> None:
@@ -325,6 +346,7 @@ class ModelRunner:
         held = (self._params, self._draft_params, self._state, self._pinned.buffers())
         self._params = self._draft_params = self._state = None
         self._pinned = PinnedBatch(self.step_cfg.mesh)
+        self._built = {}
         for array in jax.tree.leaves(held):
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.delete()
@@ -366,11 +388,17 @@ class ModelRunner:
         row = sampling.row_sampling_from_params(params, seeds, point_mass=self.speculator.facts.point_mass)
         cfg = dataclasses.replace(self.config(self.speculator, all(p.greedy for p in params), logprobs,
                                               masked=token_mask is not None), prompt_logprobs=prompt_logprobs)
-        mask = self._pinned.token_mask(token_mask)
-        out = prefill_step(self._params, self._draft_params, self._state, *inputs.arrays(), row, cfg=cfg,
-                           token_mask=mask)
+        out = self._prefill_step(cfg, (*inputs.arrays(), row), self._pinned.token_mask(token_mask))
         self._state, scored = out if logprobs or prompt_logprobs else (out, None)
         return scored
+
+    def _prefill_step(self, cfg: StepConfig, inputs: tuple, mask: jax.Array | None):
+        """`prefill_step` of `cfg` on `inputs` (its arguments after the state), by the program compiled
+        ahead where there is one. -> its outputs (the state donated)."""
+        rows, size = inputs[0].shape
+        built = self._built.get(("prefill", rows, size, cfg))
+        step = built or functools.partial(prefill_step, cfg=cfg)
+        return step(self._params, self._draft_params, self._state, *inputs, token_mask=mask)
 
     def write_history(self, slot: int, tokens: Sequence[int]) -> None:
         """Set `slot`'s token history to `tokens` from position 0, where the slots keep one (a prefill
@@ -391,8 +419,9 @@ class ModelRunner:
         [B, 2 + E] (a `cfg.logprobs` program's with its scored tokens: `steps.split_verdicts`), to read
         before the bucket's next iteration but one. token_mask [B, W, words]: a masked program's (cfg.masked)."""
         if self.cfg.speculation.fused_iteration or not cfg.speculative:
+            built = self._built.get(("iterate", len(slots), cfg))
             self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,
-                                                   tables, cfg, token_mask)
+                                                   tables, cfg, token_mask, built)
             return verdicts
         slots, tables = self._pinned.get(slots, tables)
         mask = self._pinned.token_mask(token_mask)
@@ -435,36 +464,45 @@ class ModelRunner:
         """Build the prefill program of `rows` x `size` tokens by running it on padding rows."""
         cfg = self.config(self.speculator, greedy, masked=masked)
         mask = self.allow_all(cfg, rows, iteration=False)
-        self._state = prefill_step(self._params, self._draft_params, self._state, *self._padding_prefill(rows, size),
-                                   cfg=cfg, token_mask=self._pinned.token_mask(mask))
+        self._state = self._prefill_step(cfg, self._padding_prefill(rows, size), self._pinned.token_mask(mask))
         self.first_token(DUMMY_SLOT).block_until_ready()  # as serving reads it
 
-    def compile_jobs(self, iterations: Sequence[tuple[int, StepConfig]],
-                     prefills: Sequence[tuple[int, int, bool, bool]]) -> list[Job]:
-        """The fused iteration and prefill programs as jobs to lower and compile elsewhere (`precompile`):
-        iterations (bucket, config), prefills (rows, chunk, greedy, masked); programs that score
-        logprobs are built on first use."""
+    def ahead_programs(self, iterations: Sequence[tuple[int, StepConfig]],
+                       prefills: Sequence[tuple[int, int, bool, bool]]) -> list[AheadProgram]:
+        """The fused iteration and prefill programs to build ahead (`compile_ahead`): iterations (bucket,
+        config), prefills (rows, chunk, greedy, masked); programs that score logprobs are built on first use."""
         p, dp, st = self._params, self._draft_params, self._state
-        jobs = [(iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)),
-                 {"cfg": c, "token_mask": self.allow_all(c, b)}) for b, c in iterations]
+        programs = [AheadProgram(("iterate", b, c), iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)),
+                                 {"token_mask": self.allow_all(c, b)}, c) for b, c in iterations]
         for rows, size, greedy, masked in prefills:
             cfg = self.config(self.speculator, greedy, masked=masked)
-            jobs.append((prefill_step, (p, dp, st, *self._padding_prefill(rows, size)),
-                         {"cfg": cfg, "token_mask": self.allow_all(cfg, rows, iteration=False)}))
-        return jobs
+            programs.append(AheadProgram(("prefill", rows, size, cfg), prefill_step,
+                                         (p, dp, st, *self._padding_prefill(rows, size)),
+                                         {"token_mask": self.allow_all(cfg, rows, iteration=False)}, cfg))
+        return programs
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The devices the programs run on."""
+        mesh = self.step_cfg.mesh
+        return list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
 
     def compile_ahead(self, iterations: Sequence[tuple[int, StepConfig]],
                       prefills: Sequence[tuple[int, int, bool, bool]],
                       progress: bool = False) -> float:
-        """Compile the fused programs on a thread pool for compile_iteration and compile_prefill to load
-        from JAX's persistent cache -> seconds. Without the cache they would compile twice: nothing done."""
-        if jax.config.jax_compilation_cache_dir is None:
-            return 0.0
-        iterations = [job for job in iterations if ("iterate", *job) not in self._built_ahead]
-        prefills = [job for job in prefills if ("prefill", *job) not in self._built_ahead]
-        seconds = precompile(self.compile_jobs(iterations, prefills), progress)
-        self._built_ahead.update([("iterate", *job) for job in iterations] + [("prefill", *job) for job in prefills])
-        return seconds
+        """Build the fused programs at once on a thread pool, for every later call of their shapes to
+        run (never traced again) -> seconds. Each is loaded from the executable store beside JAX's
+        persistent cache where an earlier start kept it (runner/executables.py: no tracing), else
+        lowered, compiled and kept there. What it has built it skips."""
+        start = time.perf_counter()
+        store = executables.ExecutableStore.beside_compilation_cache(self.devices)
+        programs = [p for p in self.ahead_programs(iterations, prefills) if p.key not in self._built]
+        keys = [p.store_key(store.devices) for p in programs]
+
+        built = compile_on_pool([functools.partial(store.build, k, p.compile) for p, k in zip(programs, keys)],
+                                progress)[1]
+        self._built.update((p.key, compiled) for p, compiled in zip(programs, built))
+        return time.perf_counter() - start
 
     def time_iteration(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig, context: int | None = None,
                        calls: int = 3, rounds: int = 3) -> list[float]:
