@@ -237,6 +237,7 @@ def test_a_kept_program_loads_and_runs_in_a_fresh_process_under_the_same_key(tmp
     """runner/executables.py: a program compiled here is kept under its key (computed without
     tracing), and a fresh process computing the same key loads it, compiles nothing, and computes
     the same; another argument shape is another key."""
+    import os
     import subprocess
     import sys
     import textwrap
@@ -268,6 +269,12 @@ def test_a_kept_program_loads_and_runs_in_a_fresh_process_under_the_same_key(tmp
     assert program_key("probe", 2.0, (np.zeros((3, 4), np.float32),), {}, devices) == runs[0][1]
     assert program_key("probe", 2.0, (np.zeros((3, 5), np.float32),), {}, devices) != runs[0][1]
     assert ExecutableStore.beside_compilation_cache(devices).directory is None  # the CPU: none kept
+    # Tile tables read over the shipped one change what the programs compute: another key.
+    tiles = tmp_path / "tiles.json"
+    tiles.write_text('{"GPU X": []}')
+    tuned = subprocess.run([sys.executable, "-c", script, str(tmp_path / "other")], capture_output=True, text=True,
+                           check=True, env={**os.environ, "EAGLE3_JAX_GEMM_TILES": str(tiles)}).stdout.split(" ", 2)
+    assert tuned[0] == "False" and tuned[1] != runs[0][1] and tuned[2] == runs[0][2]
 
 
 def test_cublas_gemms_serve_every_bucket_without_compiling_after_warmup(tiny_models, alone):

@@ -32,6 +32,8 @@ import jax
 import numpy as np
 from jax.experimental import serialize_executable
 
+from eagle3_jax.model import invariant_gemm
+
 log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parent.parent
@@ -49,12 +51,15 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a function's repr names its addr
 
 @functools.cache
 def _code_fingerprint() -> str:
-    """What every program depends on beyond its own arguments: this package's source, jax's version
-    and settings, the XLA flags. Read once a process."""
+    """What every program depends on beyond its own arguments: this package's source and tile tables,
+    jax's version and settings, the XLA flags. Read once a process."""
     digest = hashlib.sha256()
-    for path in sorted(PACKAGE.rglob("*.py")):
+    # The source, and the data it compiles from: the tuned GEMM tiles shipped and any read over them.
+    for path in [*sorted(PACKAGE.rglob("*.py")), invariant_gemm.TUNED_TILES_FILE]:
         digest.update(str(path.relative_to(PACKAGE)).encode())
-        digest.update(path.read_bytes())
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    if tables := os.environ.get(invariant_gemm.TUNED_TILES_ENV):
+        digest.update(Path(tables).read_bytes() if Path(tables).is_file() else tables.encode())
     settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _UNRELATED_SETTINGS)
     import jaxlib
 
