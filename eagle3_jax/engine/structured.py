@@ -11,7 +11,11 @@ took 11 us at the median and 47 us on average (the first of a request 1.5 ms), t
 masks along a chain of 4 drafts 30-35 us a row; xgrammar's adaptive masks took 2 us (median),
 6 us (mean); outlines-core compiles regular expressions only (no grammars) into an index, 76 ms
 for that schema. A GPU iteration of SmolLM2 takes about 1 ms, so llguidance's cost is small and
-its dependency cost nil.
+its dependency cost nil. A tree costs about what a chain does a node: 8 rows of a tree (6, 8, 31)
+every node of which tests/test_structured.py's schema allowed, 256 masks, took 16 ms (62 us a
+node) where 8 chains of 4 allowed drafts took 3.4 ms (85 us a position: another reply, other
+positions than the figures above), and 1.1 ms with random tokens of the reply as nodes, most
+refused (`tree_masks` computes no mask under a refused token).
 """
 
 from __future__ import annotations
