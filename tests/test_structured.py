@@ -370,7 +370,7 @@ def test_forced_tokens_are_what_the_grammar_allows_alone_and_leave_the_matcher_w
 
 
 def test_forced_tokens_go_on_one_root_path_of_a_tree_whose_siblings_stay_distinct():
-    """`Engine._force_path` on random trees of distinct siblings (a tree's layout), forced runs up
+    """engine.py's `_force_path` on random trees of distinct siblings (a tree's layout), forced runs up
     to the tree's size: a root path holds them, siblings still hold distinct tokens, every node
     comes after its parent, and no node is deeper than the run or than the tree was."""
     rng = np.random.default_rng(0)
@@ -380,8 +380,8 @@ def test_forced_tokens_go_on_one_root_path_of_a_tree_whose_siblings_stay_distinc
         tokens = np.zeros(nodes, np.int32)
         for i in range(nodes):
             taken = set(tokens[:i][parents[:i] == parents[i]].tolist())
-            tokens[i] = rng.choice([t for t in range(6) if t not in taken])
-        forced = rng.integers(0, 6, int(rng.integers(1, nodes + 1))).tolist()
+            tokens[i] = rng.choice([t for t in range(12) if t not in taken])
+        forced = rng.integers(0, 12, int(rng.integers(1, nodes + 1))).tolist()
         tree = _force_path(tokens.copy(), parents.copy(), forced)
         got_tokens, got_parents = (tokens, parents) if tree is None else tree
         assert len(got_tokens) == len(got_parents) == nodes
