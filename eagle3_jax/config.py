@@ -453,7 +453,7 @@ class SpeculatorFacts:
     @property
     def verifies_chain(self) -> bool:
         """Its verify checks one line of tokens (a chain, prompt lookup, the target alone), along
-        which the host can follow a grammar (engine/structured.py); a tree's branches it cannot."""
+        which the host follows a grammar; a tree's it follows down every branch (engine/structured.py)."""
         return self.spec is None or self.spec.is_chain
 
 
@@ -538,8 +538,8 @@ class EngineConfig:
     freeze_heap: after warm-up, collect garbage once and `gc.freeze` the heap, so that no full pass
         of the cyclic collector stalls serving (False: a test suite building many engines).
     structured_warmup: warm-up also compiles the programs that apply a grammar's token masks
-        (`SamplingParams.structured_outputs`: each bucket's chain and target alone, and the
-        prefills), so a structured request never waits for a compile; off (the default), they
+        (`SamplingParams.structured_outputs`: each bucket's choices, tree, chain and target alone,
+        and the prefills), so a structured request never waits for a compile; off (the default), they
         compile on a structured request's first use of each shape, and warm-up takes no longer.
 
     Speculation:

@@ -1,8 +1,9 @@
 """Structured outputs: `SamplingParams.structured_outputs` (a JSON schema, a regex, a choice, a
-grammar) compiled by llguidance for the target's tokenizer, its masks along a chain's drafts, the
-masked logits on the device, and the engine's output: it follows the grammar exactly, and is the
-same tokens with speculation on (the EAGLE-3 chain, prompt lookup) and off. A tiny random target
-with a byte tokenizer (conftest's `chat_models`); the server's side is in tests/test_serve.py."""
+grammar) compiled by llguidance for the target's tokenizer, its masks along a chain's drafts and at
+each node of a tree, the masked logits on the device, and the engine's output: it follows the
+grammar exactly, and is the same tokens with speculation on (the EAGLE-3 chain and tree, prompt
+lookup) and off. A tiny random target with a byte tokenizer (conftest's `chat_models`); the
+server's side is in tests/test_serve.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from eagle3_jax import SamplingParams, TreeSpec
+from eagle3_jax.engine.engine import _force_path
 from eagle3_jax.engine.structured import GrammarError, Grammars
 from eagle3_jax.runner.sampling import mask_logits
 from eagle3_jax.sampling_params import StructuredOutputsParams
@@ -112,6 +114,61 @@ def test_masks_follow_the_grammar_along_the_drafts_and_leave_the_matcher_where_i
     assert not matcher.advance(ids("y")[0]) and not matcher.advance(ids("e")[0]) and matcher.advance(ids("s")[0])
 
 
+def test_tree_masks_are_each_nodes_grammar_under_its_own_path_and_leave_the_matchers_where_they_were(grammars,
+                                                                                                    tokenizer):
+    """Random trees (a tree's layout: node i + 1's parent parents[i] <= i), most nodes the next
+    token of a reply the schema takes, the others random letters or tokens, three rows of a batch of
+    four: each node's mask is what a lone matcher allows after that node's path from the root, and
+    every token under a token the grammar refuses is allowed; the matchers are where they started."""
+    vocab, rng = len(tokenizer), np.random.default_rng(0)
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    schema = StructuredOutputsParams(json=SCHEMA)
+    reply = ids('{"name":"ab","age":7,"role":"user","tags":["red"],"address":{"city":"x","zip":"12345"}}')
+    reply.append(tokenizer.eos_token_id)
+    letters = ids("abxyz017,:")
+    reference = grammars.matcher(schema)
+
+    def alone_after(path):  # a lone matcher's mask after `path`, every token where it refuses one
+        taken = reference.llg.try_consume_tokens(path)
+        mask = grammars.masks([(0, reference, ())], 1, 1)[0, 0] if taken == len(path) else None
+        reference.llg.rollback(taken)
+        return set(range(vocab)) if mask is None else allowed(mask, vocab)
+
+    starts = [3, 0, 19]  # each row's place in the reply
+    matchers = [grammars.matcher(schema) for _ in starts]
+    for m, start in zip(matchers, starts):
+        assert not any(m.advance(token) for token in reply[:start])
+    constrained = 0
+    for _ in range(4):
+        nodes = 16
+        parents = [int(rng.integers(max(0, i - 3), i + 1)) for i in range(nodes)]  # deep and bushy
+        depth = [0]
+        for parent in parents:
+            depth.append(depth[parent] + 1)
+        trees = []
+        for start in starts:
+            pick = rng.random(nodes)
+            tokens = [reply[start + depth[i + 1] - 1] if pick[i] < 0.85 else int(rng.choice(letters)) if pick[i] < 0.95
+                      else int(rng.integers(vocab)) for i in range(nodes)]
+            trees.append((tokens, parents))
+        masks = grammars.tree_masks([(row, m, *tree) for row, m, tree in zip((0, 1, 3), matchers, trees)], 4, nodes + 1)
+        for row, start, (tokens, parents) in zip((0, 1, 3), starts, trees):
+            reference.llg.reset()
+            assert reference.llg.consume_tokens(reply[:start])
+            for node in range(nodes + 1):
+                path, up = [], node
+                while up:
+                    path.insert(0, tokens[up - 1])
+                    up = parents[up - 1]
+                want = alone_after(path)
+                assert allowed(masks[row, node], vocab) == want, (row, node, path)
+                constrained += len(want) < vocab
+        assert all(allowed(masks[2, node], vocab) == set(range(vocab)) for node in range(nodes + 1))
+    assert constrained > 4 * 3 * nodes / 2, constrained  # most nodes are under the grammar
+    for m, start in zip(matchers, starts):  # each goes on from where it was
+        assert not any(m.advance(token) for token in reply[start:start + 5])
+
+
 @pytest.mark.parametrize("params, message", [
     ({"json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, "json does not compile: .*nowhere"),
     ({"json": {"type": "objekt"}}, "json does not compile: .*objekt"),
@@ -129,10 +186,11 @@ def test_a_target_without_a_tokenizer_refuses_structured_outputs():
 
 
 # ---- the engine ------------------------------------------------------------------------------
-# An engine drafting only a tree verifies its grammar batches with the target alone.
+# An engine drafting only a tree verifies its grammar batches with it, masked node by node (the
+# random drafter's trees are 2 deep: the forced tokens' path takes their last leaves to reach 3).
 SPECULATION = {"target alone": {"draft": None, "num_draft": 0}, "eagle3 chain": {"num_draft": 3},
                "prompt lookup": {"draft": None, "num_draft": 3, "speculator": "ngram"},
-               "eagle3 tree": {"num_draft": 3, "tree": TreeSpec(2, 2, 3)}}
+               "eagle3 tree": {"num_draft": 3, "tree": TreeSpec(3, 2, 5)}}
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +237,63 @@ def test_constrained_output_is_the_same_tokens_with_speculation_on_and_off(outpu
     alone = [out.token_ids for out in outputs["target alone"][:-1]]
     for name in ("eagle3 chain", "prompt lookup", "eagle3 tree"):
         assert [out.token_ids for out in outputs[name][:-1]] == alone, name
-    # Prompt lookup accepts proposals in these repetitive outputs: the masks along drafts were used.
+    # Prompt lookup accepts proposals in these repetitive outputs: the masks along drafts were used;
+    # the tree accepts the schema's forced tokens (the target alone would accept none).
     assert max(out.metrics.acceptance_length for out in outputs["prompt lookup"][:-1]) > 1
+    assert min(out.metrics.acceptance_length for out in outputs["eagle3 tree"][:2]) > 1.5
+
+
+def tree_holding(spec: TreeSpec, truth: list[int], vocab: int, rng) -> tuple[list[int], list[int]]:
+    """T nodes (tokens, parents in the verify layout) holding truth[:-1] as a root path on a random
+    branch, every other node a random token, never truth[d] under the path's node at depth d (so
+    the row accepts exactly len(truth) - 1). truth[d]: the target's token after depth d."""
+    on_path = sorted(rng.choice(np.arange(1, spec.tokens + 1), len(truth) - 1, replace=False).tolist())
+    tokens, parents, depths, path = [], [], [0], [0]
+    for i in range(1, spec.tokens + 1):
+        if on_path and i == on_path[0]:
+            on_path.pop(0)
+            parent, token = path[-1], truth[len(path) - 1]
+            path.append(i)
+        else:
+            parent = int(rng.choice([j for j in range(i) if depths[j] < spec.steps]))
+            token = int(rng.integers(vocab))
+            if parent in path and token == truth[path.index(parent)]:
+                token = (token + 1) % vocab  # a wrong child: rejected
+        tokens.append(token)
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return tokens, parents
+
+
+@pytest.mark.slow
+def test_a_tree_under_a_grammar_is_masked_node_by_node(chat_models, outputs):
+    """A tree engine under the schema, each iteration verifying a tree set by hand (forced tokens
+    off): the target alone's next tokens under the schema as a root path 0..steps deep on a random
+    branch, every other node a random byte, most of which the grammar refuses there. The row
+    accepts exactly that path and emits the target alone's tokens: each node's children are
+    decided under the grammar after that node's own path (masks along another branch, or the
+    root's for all, would correct the path's nodes into other tokens)."""
+    from conftest import make_llm
+    from runner_probe import set_proposals
+
+    reference, spec = outputs["target alone"][0], TreeSpec(3, 2, 5)
+    llm = make_llm(*chat_models, warmup=False, num_draft=3, tree=spec, max_model_len=256)
+    engine, vocab, rng = llm.engine, llm.engine.step_cfg.target.vocab_size, np.random.default_rng(0)
+    engine.overlap, engine.grammars.forced_drafts = False, False  # read each iteration before setting the next
+    req = engine.add_request(reference.prompt_token_ids, REQUESTS[0])
+    engine.step()  # the prefill and one iteration on the drafter's own tree
+    depths = []
+    while not req.finished:
+        n = len(req.output)
+        truth = reference.token_ids[n:n + int(rng.integers(spec.steps + 1)) + 1]
+        set_proposals(engine.runner, req.slot, *tree_holding(spec, truth, vocab, rng))
+        accepted = req.metrics.accepted
+        engine.step()
+        assert req.metrics.accepted - accepted == len(truth) - 1
+        assert req.output == reference.token_ids[:len(req.output)]
+        depths.append(len(truth) - 1)
+    assert req.output == reference.token_ids and set(depths) == set(range(spec.steps + 1))
+    llm.close()
 
 
 @pytest.mark.slow
@@ -191,18 +304,22 @@ def test_a_bad_schema_is_an_error_output_and_the_others_are_served(outputs):
 
 
 @pytest.mark.slow
-def test_structured_warmup_builds_what_a_structured_request_runs(chat_models):
+@pytest.mark.parametrize("tree", [None, TreeSpec(2, 2, 3)], ids=["chain", "tree"])
+def test_structured_warmup_builds_what_a_structured_request_runs(chat_models, tree):
     """With EngineConfig.structured_warmup, warm-up builds the masked programs (and the reads and
-    writes around them): a structured request then compiles nothing."""
+    writes around them: a chain's drafts, a tree's nodes and parents): a structured request then
+    compiles nothing, its forced tokens written into the drafts."""
     from conftest import make_llm
 
-    llm = make_llm(*chat_models, warmup=False, tree=None, structured_warmup=True, batch_buckets=(1,))
+    llm = make_llm(*chat_models, warmup=False, tree=tree, structured_warmup=True, batch_buckets=(1,))
     iterations, prefills = llm.engine.programs(greedy=True)
-    assert sum(c.masked for _, c in iterations) == 1 and sum(masked for *_, masked in prefills) == 1
+    assert [c.speculator.facts.label for _, c in iterations if c.masked] == [(tree or TreeSpec.chain(3)).label]
+    assert sum(masked for *_, masked in prefills) == 1
     llm.engine.warmup(progress=False, greedy=True)
     built = llm.engine.num_compilations
     out = llm.generate("Pick:", SamplingParams(max_tokens=8, structured_outputs={"choice": CHOICE}))[0]
     assert out.text in CHOICE and llm.engine.num_compilations == built
+    assert out.metrics.acceptance_length > 1  # the grammar's forced tokens, accepted
     llm.close()
 
 
@@ -250,6 +367,39 @@ def test_forced_tokens_are_what_the_grammar_allows_alone_and_leave_the_matcher_w
     assert grammars.forced([(matcher, True)], 4) == [[]]  # admin or guest
     assert not matcher.advance(ids("g")[0])
     assert grammars.forced([(matcher, True)], 8) == [ids('uest"}')]
+
+
+def test_forced_tokens_go_on_one_root_path_of_a_tree_whose_siblings_stay_distinct():
+    """engine.py's `_force_path` on random trees of distinct siblings (a tree's layout), forced runs up
+    to the tree's size: a root path holds them, siblings still hold distinct tokens, every node
+    comes after its parent, and no node is deeper than the run or than the tree was."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        nodes = int(rng.integers(1, 12))
+        parents = np.array([rng.integers(0, i + 1) for i in range(nodes)], np.int32)
+        tokens = np.zeros(nodes, np.int32)
+        for i in range(nodes):
+            taken = set(tokens[:i][parents[:i] == parents[i]].tolist())
+            tokens[i] = rng.choice([t for t in range(12) if t not in taken])
+        forced = rng.integers(0, 12, int(rng.integers(1, nodes + 1))).tolist()
+        tree = _force_path(tokens.copy(), parents.copy(), forced)
+        got_tokens, got_parents = (tokens, parents) if tree is None else tree
+        assert len(got_tokens) == len(got_parents) == nodes
+        assert all(0 <= p <= i for i, p in enumerate(got_parents.tolist()))
+        for parent in set(got_parents.tolist()):
+            siblings = got_tokens[got_parents == parent].tolist()
+            assert len(set(siblings)) == len(siblings)
+        node = 0
+        for want in forced:
+            (node,) = np.flatnonzero((got_parents == node) & (got_tokens == want)) + 1
+        assert max(_depths(got_parents)) <= max(len(forced), max(_depths(parents)))
+
+
+def _depths(parents: np.ndarray) -> list[int]:
+    depth = [0]
+    for parent in parents.tolist():
+        depth.append(depth[parent] + 1)
+    return depth
 
 
 def test_a_draft_the_mask_allows_alone_is_accepted_by_every_rule_whatever_its_q():

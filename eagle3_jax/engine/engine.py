@@ -11,11 +11,13 @@ are rewritten only by later dispatches).
 A batch with a row under a grammar (`SamplingParams.structured_outputs`) gives up that overlap:
 before dispatching, the host reads every result in flight, advances each such row's matcher by
 the tokens it emitted, reads the rows' pending proposals, puts the tokens each row's grammar forces
-from there (its braces, quotes, key names) in place of its first drafts (`_force_drafts`, written
-to the device state in place), and computes the tokens the grammar allows at each position the
-verify decides along those drafts (engine/structured.py); the program applies those masks to the
-target's logits before accepting, so the output is the constrained target's with or without
-speculation. Such a batch verifies a chain (or the target alone), never a tree.
+from there (its braces, quotes, key names) in place of its first drafts (a chain's: `_force_drafts`;
+a tree's, on one root path: `_force_tree`; written to the device state in place), and computes the
+tokens the grammar allows at each position the verify decides: along a chain's drafts, or at each
+node of a tree under that node's own path from the root (engine/structured.py). The program applies
+those masks to the target's logits before accepting, so a drafted token the grammar refuses is never
+accepted and the output is the constrained target's with or without speculation, whichever of the
+tree, the chain and the target alone the batch runs.
 
 Under `speculation="auto"` each iteration runs the target alone or one of the proposals by
 engine/policy.py's rule, from costs timed in warm-up (then as served) and the acceptance measured
@@ -302,18 +304,11 @@ class Engine:
         bucket = len(slots)
         constrained = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
         choice = self.speculation.choice(bucket)
-        if constrained:
-            choice = self._chain_choice(choice)
         scoring = any(r.logprobs is not None for r in reqs)
         cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs), logprobs=scoring,
                            masked=bool(constrained))
         fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice)
-        mask = None
-        if constrained:  # the grammar along each row's proposal: its drafts are read (and forced) first
-            width = cfg.speculator.facts.verify_width
-            drafts = self._force_drafts(reqs, constrained, slots, width - 1, cfg.greedy) if width > 1 else None
-            mask = self.grammars.masks([(i, m, () if drafts is None else drafts[i]) for i, m in constrained],
-                                       bucket, width)
+        mask = self._masks(reqs, constrained, slots, cfg) if constrained else None
         t = time.perf_counter()
         verdicts = self.runner.iterate(slots, tables, cfg, mask)
         verdicts.copy_to_host_async()
@@ -322,6 +317,22 @@ class Engine:
         self.stats.count_iteration(bucket, self.speculation.label(choice), speculative=choice is not None)
         self._pending.append(_Pending(reqs, verdicts, [r.admissions for r in reqs], True, choice, fresh, scoring))
         return None if scoring else (bucket, choice)
+
+    def _masks(self, reqs: list[Request], constrained: list[tuple[int, Matcher]], slots: np.ndarray,
+               cfg: StepConfig) -> np.ndarray:
+        """The token masks [B, W, words] of a masked iteration of `cfg`: each constrained row's grammar
+        along its pending proposal, read from the device first with the tokens its grammar forces
+        put in (a chain's: `_force_drafts`; a tree's: `_force_tree`), a tree's nodes each under its
+        own path (`Grammars.tree_masks`)."""
+        facts, bucket = cfg.speculator.facts, len(slots)
+        width = facts.verify_width
+        if width == 1:  # the target alone
+            return self.grammars.masks([(i, m, ()) for i, m in constrained], bucket, width)
+        if facts.verifies_chain:
+            drafts = self._force_drafts(reqs, constrained, slots, width - 1, cfg.greedy)
+            return self.grammars.masks([(i, m, drafts[i]) for i, m in constrained], bucket, width)
+        tokens, parents = self._force_tree(constrained, slots, width - 1, facts.max_accepted)
+        return self.grammars.tree_masks([(i, m, tokens[i], parents[i]) for i, m in constrained], bucket, width)
 
     def _force_drafts(self, reqs: list[Request], constrained: list[tuple[int, Matcher]], slots: np.ndarray,
                       k: int, greedy: bool) -> np.ndarray:
@@ -355,6 +366,33 @@ class Engine:
         if changed:  # the whole bucket, one program per bucket (warm-up builds it)
             self.runner.write_drafts(slots, drafts)
         return drafts
+
+    def _force_tree(self, constrained: list[tuple[int, Matcher]], slots: np.ndarray, nodes: int,
+                    depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pending trees of the batch's `slots` (node tokens, parents [B, nodes]: `read_tree`),
+        each constrained row's holding the tokens its grammar forces from here on one root path,
+        at most `depth` (`_force_path`), written to the device where any changed.
+
+        Exact under every rule a tree's verify runs (runner/tree.py, `sample_accept`): greedy and
+        coupled rows accept a node iff it is the masked target's argmax (coupled draw), and a
+        one-hot row tries a node's children with q the point mass on each, exact for any tree
+        built without the verify's uniforms whose siblings hold distinct tokens, which
+        `_force_path` keeps. No row reads the drafter's q there, so every forced token may go in,
+        as for a chain's greedy and coupled rows. The drafter's next tree grows from the tokens
+        emitted, whatever this one held."""
+        tokens, parents = self.runner.read_tree(slots, nodes)
+        if not self.grammars.forced_drafts:
+            return tokens, parents
+        tokens, parents = np.array(tokens), np.array(parents)  # writable
+        forced = self.grammars.forced([(m, False) for _, m in constrained], min(depth, nodes))
+        changed = False
+        for (i, _), path in zip(constrained, forced):
+            if path and (tree := _force_path(tokens[i], parents[i], path)) is not None:
+                tokens[i], parents[i] = tree
+                changed = True
+        if changed:  # the whole bucket, one program per bucket (warm-up builds it)
+            self.runner.write_drafts(slots, tokens, parents)
+        return tokens, parents
 
     def _postprocess(self, pending: _Pending) -> list[Request]:
         """Read one dispatched program's results and apply them to its requests."""
@@ -431,13 +469,6 @@ class Engine:
         return self.runner.config(TARGET_ALONE if choice is None else self.proposals[choice], greedy, logprobs,
                                   masked)
 
-    def _chain_choice(self, choice: Choice) -> Choice:
-        """`choice`, or for a tree the engine's first chain (else the target alone): a batch under a
-        grammar verifies one line of tokens, which the host's matchers can follow."""
-        if choice is None or self.proposals[choice].facts.verifies_chain:
-            return choice
-        return next((i for i, p in enumerate(self.proposals) if p.facts.verifies_chain), None)
-
     def iterate_config(self, bucket: int, greedy: bool = True) -> StepConfig:
         """The iteration a bucket runs now: its choice's proposal, or the target alone (pending
         proposals then wait: each was drawn as its rule requires, so any is safe to verify later)."""
@@ -450,13 +481,8 @@ class Engine:
         greedy, masked); with `structured_warmup` the masked ones too (a grammar's batches)."""
         kinds = (True, False) if greedy is None else (greedy,)
         masked = (False, True) if self.cfg.structured_warmup else (False,)
-        iterations = [(b, self._config(c, g)) for b in self.cfg.batch_buckets for c in self.speculation.choices(b)
-                      for g in kinds]
-        if self.cfg.structured_warmup:
-            chains = {b: list(dict.fromkeys(map(self._chain_choice, self.speculation.choices(b))))
-                      for b in self.cfg.batch_buckets}
-            iterations += [(b, self._config(c, g, masked=True)) for b in self.cfg.batch_buckets for c in chains[b]
-                           for g in kinds]
+        iterations = [(b, self._config(c, g, masked=m)) for m in masked for b in self.cfg.batch_buckets
+                      for c in self.speculation.choices(b) for g in kinds]
         prefills = [(rows, size, g, m) for size in self.cfg.prefill_buckets for rows in self.cfg.prefill_batch_buckets
                     for g in kinds for m in masked]
         return iterations, prefills
@@ -488,6 +514,53 @@ def _token_logprobs(packed: np.ndarray, tokens: Sequence[int], top: int) -> list
     logprob, rank, ids, top_logprobs = (x.tolist() for x in logprobs.unpack(packed))
     return [TokenLogprobs(int(token), logprob[j], rank[j], tuple(ids[j][:top]), tuple(top_logprobs[j][:top]))
             for j, token in enumerate(tokens)]
+
+
+def _force_path(tokens: np.ndarray, parents: np.ndarray,
+                forced: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """A tree (node i + 1's token tokens[i], its parent parents[i] < i + 1, 0 the root) with `forced`
+    on one root path; None where it holds them already. Down from the root the path goes to the
+    child holding the next forced token, else to the child with the deepest subtree, which takes
+    that token (its siblings hold others: siblings stay distinct); past a leaf, the last leaves off
+    the path (the drafter's deepest, least likely candidates) move under it one below another to
+    carry the rest. -> (tokens, parents) [T] renumbered depth first, children in their order, so
+    that every node comes after its parent."""
+    token = [0, *tokens.tolist()]
+    parent = [-1, *(p if 0 <= p <= i else 0 for i, p in enumerate(parents.tolist()))]  # each before its nodes
+    children: list[list[int]] = [[] for _ in token]
+    for node in range(1, len(token)):
+        children[parent[node]].append(node)
+    height = [0] * len(token)  # the longest way down from each node
+    for node in range(len(token) - 1, 0, -1):
+        height[parent[node]] = max(height[parent[node]], height[node] + 1)
+    path, node, changed = [0], 0, False
+    for want in forced:
+        if not children[node]:
+            break
+        holding = [c for c in children[node] if token[c] == want]
+        node = holding[0] if holding else max(children[node], key=height.__getitem__)
+        changed |= token[node] != want
+        token[node] = want
+        path.append(node)
+    rest = list(forced[len(path) - 1:])
+    for leaf in range(len(token) - 1, 0, -1):  # a leaf's children come after it: peeled first
+        if not rest:
+            break
+        if not children[leaf] and leaf not in path:
+            children[parent[leaf]].remove(leaf)
+            children[node].append(leaf)
+            parent[leaf], token[leaf], node = node, rest.pop(0), leaf
+            path.append(leaf)
+            changed = True
+    if not changed:
+        return None
+    order, stack = [], [0]
+    while stack:
+        order.append(node := stack.pop())
+        stack.extend(reversed(children[node]))
+    index = {old: new for new, old in enumerate(order)}
+    return (np.array([token[old] for old in order[1:]], tokens.dtype),
+            np.array([index[parent[old]] for old in order[1:]], parents.dtype))
 
 
 def _stale(pending: _Pending, i: int) -> bool:

@@ -157,8 +157,10 @@ _set_lengths = state_jit(with_lengths, donate_argnums=0)
 _set_history = state_jit(with_history, donate_argnums=0)
 _set_drafts = state_jit(with_drafts, donate_argnums=0)
 
-# The pending proposals of some slots, for the host to read.
+# The pending proposals of some slots (and a tree's parents), for the host to read.
 _read_drafts = jax.jit(lambda drafts, rows, width: drafts[rows, :width], static_argnums=2)
+_read_tree = jax.jit(lambda drafts, parents, rows, width: (drafts[rows, :width], parents[rows, :width]),
+                     static_argnums=3)
 
 # A padding row never makes a call sample: greedy.
 PADDING_PARAMS = SamplingParams(max_tokens=1)
@@ -437,11 +439,20 @@ class ModelRunner:
         grammar along them before a masked verify (waits for what was dispatched before)."""
         return np.asarray(_read_drafts(self._state.slots.drafts, slots, width))
 
-    def write_drafts(self, slots: np.ndarray, drafts: np.ndarray) -> None:
-        """Overwrite the first w pending proposals of `slots` [B] with `drafts` [B, w] (target ids), in
-        place: the host puts a grammar's forced tokens there before a masked verify. Their q rows stay
-        the drafter's (engine/engine.py, `_force_drafts`, says why that keeps every rule exact)."""
-        self._state = _set_drafts(self._state, np.asarray(slots, np.int32), np.asarray(drafts, np.int32))
+    def read_tree(self, slots: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pending trees of `slots` [B], read now: (node tokens, their parents) [B, width] each,
+        node i + 1's at i (runner/tree.py's verify layout; parent 0: the root). For a grammar's
+        masks along every path of the tree before a masked verify, as `read_drafts`."""
+        drafts, parents = _read_tree(self._state.slots.drafts, self._state.slots.parents, slots, width)
+        return np.asarray(drafts), np.asarray(parents)
+
+    def write_drafts(self, slots: np.ndarray, drafts: np.ndarray, parents: np.ndarray | None = None) -> None:
+        """Overwrite the first w pending proposals of `slots` [B] with `drafts` [B, w] (target ids), and
+        a tree's parents with `parents` [B, w] where given, in place: the host puts a grammar's forced
+        tokens there before a masked verify. Their q rows stay the drafter's (engine/engine.py,
+        `_force_drafts` and `_force_tree`, say why that keeps every rule exact)."""
+        self._state = _set_drafts(self._state, np.asarray(slots, np.int32), np.asarray(drafts, np.int32),
+                                  None if parents is None else np.asarray(parents, np.int32))
 
     def padding_rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
         """A bucket of padded rows: (slots [B] all the dummy slot, block tables [B, nb] all scratch)."""
@@ -457,7 +468,11 @@ class ModelRunner:
         masked one with the read of the drafts its masks follow, and their write with forced tokens)."""
         slots, tables = self.padding_rows(bucket)
         if cfg.masked and cfg.speculative:
-            self.write_drafts(slots, self.read_drafts(slots, cfg.speculator.facts.verify_width - 1))
+            width = cfg.speculator.facts.verify_width - 1
+            if cfg.speculator.facts.verifies_chain:
+                self.write_drafts(slots, self.read_drafts(slots, width))
+            else:
+                self.write_drafts(slots, *self.read_tree(slots, width))
         self.iterate(slots, tables, cfg, self.allow_all(cfg, bucket)).block_until_ready()
 
     def compile_prefill(self, rows: int, size: int, greedy: bool, masked: bool = False) -> None:

@@ -76,11 +76,14 @@ def with_history(state: DeviceState, slot, row) -> DeviceState:
     return state.replace(slots=slots.replace(history=slots.history.at[slot].set(row)))
 
 
-def with_drafts(state: DeviceState, rows, drafts) -> DeviceState:
+def with_drafts(state: DeviceState, rows, drafts, parents=None) -> DeviceState:
     """The state with the first w pending proposals of `rows` [B] set to `drafts` [B, w] (target ids;
-    their q rows are left as they are)."""
+    their q rows are left as they are), and a tree's node parents to `parents` [B, w] where given."""
     slots = state.slots
-    return state.replace(slots=slots.replace(drafts=slots.drafts.at[rows, :drafts.shape[1]].set(drafts)))
+    slots = slots.replace(drafts=slots.drafts.at[rows, :drafts.shape[1]].set(drafts))
+    if parents is not None:
+        slots = slots.replace(parents=slots.parents.at[rows, :parents.shape[1]].set(parents))
+    return state.replace(slots=slots)
 
 
 def with_lengths(state: DeviceState, rows, length: int) -> DeviceState:

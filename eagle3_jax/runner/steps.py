@@ -197,9 +197,7 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     tokens, positions, mask = spec.verify_layout(s)
     hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
     logits = target_logits = _logits(params, cfg, hidden)
-    if cfg.masked:
-        if not spec.facts.verifies_chain:  # the host follows a grammar along one line of drafts only
-            raise ConfigError(f"iteration: token masks follow one line of drafts; {spec.facts.label} verifies a tree")
+    if cfg.masked:  # a mask per verified position: a chain's along its drafts, a tree's per node
         logits = sampling.mask_logits(logits, token_mask)
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
                                          _keys(s.sampling.key, s.num_generated, _STREAM_VERIFY), cfg.target.vocab_size)
