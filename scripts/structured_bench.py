@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Structured outputs (SamplingParams.structured_outputs) end to end: N JSON-schema requests through
-`LLM`, with speculation on (the chain of K) and off, each with and without the grammar.
+`LLM`, with speculation on (the chain of K, the tree) and off, each with and without the grammar.
 
     python3 scripts/structured_bench.py [--target T] [--draft D|none] [--requests 32] [--batch 8]
-        [--max-tokens 256] [--num-draft 4] [--batch-invariant] [--out-dir DIR]
+        [--max-tokens 256] [--num-draft 4] [--proposals chain,tree,target] [--tree 6,8,31]
+        [--batch-invariant] [--out-dir DIR]
 
 Four schemas (nested objects, enums, arrays, patterns), the requests cycling through them, each a
 user turn through the chat template asking for that JSON, greedy. Per run: the share of replies
@@ -11,8 +12,8 @@ that parse as JSON and that validate against their schema (`jsonschema`, where i
 acceptance length, tok/s (after an untimed pass over the same requests, so no compile is timed) and
 each reply's decode rate after its first token (a grammar's replies are shorter: whole-run tok/s
 charges them more prefill per token).
-The constrained replies must be token-identical with speculation on and off (the grammar's masks
-apply inside the verify: EAGLE-3 stays lossless under them; in bf16 exactly so with
+The constrained replies must be token-identical with speculation on and off, each proposal's with the
+target alone's (the grammar's masks apply inside the verify: EAGLE-3 stays lossless under them; in bf16 exactly so with
 --batch-invariant, else up to near-ties, as without a grammar). The default target is SmolLM2 with the
 shipped drafter; on the CPU keep --requests and --max-tokens small. Prints a table and writes
 structured.json under --out-dir.
@@ -146,13 +147,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="requests served at once")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-draft", type=int, default=4, help="K of the chain")
+    p.add_argument("--proposals", default="chain,target",
+                   help="the engines, in order: chain, tree, target (the target alone: always compared with)")
+    p.add_argument("--tree", default="6,8,31", help="the tree's TreeSpec (steps, top-k, nodes)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant kernels: token identity exact in bf16 too, near-ties included")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args()
 
     from eagle3_jax.api import LLM
-    from eagle3_jax.config import EngineConfig
+    from eagle3_jax.config import EngineConfig, TreeSpec
 
     try:
         import jsonschema
@@ -162,18 +166,21 @@ def main() -> None:
         validate = None
     work = requests(args.requests)
     rows, replies = [], {}
-    for speculative in (True, False):
+    proposals = list(dict.fromkeys([*args.proposals.split(","), "target"]))  # the target alone: the reference
+    for proposal in proposals:
+        speculative = proposal != "target"
         draft = None if not speculative or args.draft == "none" else args.draft
+        tree = TreeSpec(*map(int, args.tree.split(","))) if proposal == "tree" else None
         cfg = EngineConfig(speculation="always", max_model_len=2048, batch_buckets_up_to=args.batch,
                            max_num_seqs=args.batch, structured_warmup=True)
         llm = LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft if speculative else 0,
-                  tree=None, engine_config=cfg, progress=False, batch_invariant=args.batch_invariant)
+                  tree=tree, engine_config=cfg, progress=False, batch_invariant=args.batch_invariant)
         for grammar in (True, False):
             outs, seconds = run(llm, work, args.max_tokens, grammar, args.batch)
             judged = [judge(o.text, schema, validate) for o, (_, schema) in zip(outs, work)]
             tokens = sum(len(o.token_ids) for o in outs)
-            label = (f"chain K={args.num_draft}" if speculative else "target alone") + \
-                (", grammar" if grammar else ", free text")
+            label = {"chain": f"chain K={args.num_draft}", "tree": f"tree ({args.tree})",
+                     "target": "target alone"}[proposal] + (", grammar" if grammar else ", free text")
             rows.append({"run": label, "speculative": speculative, "grammar": grammar, "requests": len(outs),
                          "parsed": sum(j[0] for j in judged) / len(outs),
                          "validated": sum(j[1] for j in judged) / len(outs) if validate else None,
@@ -182,9 +189,10 @@ def main() -> None:
                          "decode_tok_s": decode_rate(outs),
                          "finish_reasons": {r: sum(o.finish_reason == r for o in outs)
                                             for r in sorted({o.finish_reason for o in outs})}})
-            replies[(speculative, grammar)] = [o.token_ids for o in outs]
+            replies[(proposal, grammar)] = [o.token_ids for o in outs]
         llm.close()
-    identical = {f"{'grammar' if g else 'free text'}": replies[(True, g)] == replies[(False, g)] for g in (True, False)}
+    identical = {f"{proposal}, {'grammar' if g else 'free text'}": replies[(proposal, g)] == replies[("target", g)]
+                 for proposal in proposals if proposal != "target" for g in (True, False)}
     print(f"{'run':34} {'parsed':>7} {'valid':>7} {'accept':>7} {'tok/s':>9} {'decode':>9}  finish")
     for r in rows:
         valid = "n/a" if r["validated"] is None else f"{r['validated']:.0%}"
