@@ -133,8 +133,13 @@ class OpenAIServer:
             return
         batch, self._to_encode = self._to_encode, []
         self._encoding = True
-        job = asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, self.llm.encode_each,
-                                                         [(prompt, tools) for prompt, tools, _ in batch])
+        loop = asyncio.get_running_loop()
+        try:
+            job = loop.run_in_executor(self.tokenizer_pool, self.llm.encode_each,
+                                       [(prompt, tools) for prompt, tools, _ in batch])
+        except RuntimeError as e:  # the pool is shut down (the server stops): each request fails with it
+            job = loop.create_future()
+            job.set_exception(e)
         job.add_done_callback(functools.partial(self._encoded, batch))
 
     def _encoded(self, batch: list[tuple[Prompt, list | None, asyncio.Future]], job: asyncio.Future) -> None:
