@@ -136,12 +136,60 @@ class Codec:
         a BOS where it adds one), chat messages templated (`tools`, OpenAI's function definitions,
         passed to a template that renders them), token ids as they are. Raises RequestError for an
         empty or unusable prompt."""
+        kind = self._prompt_kind(prompt)
+        if kind == "text":
+            return list(self.tokenizer(prompt).input_ids)
+        if kind == "chat":
+            return list(self.tokenizer.apply_chat_template(list(prompt), tools=list(tools) if tools else None,
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return [operator.index(t) for t in prompt]
+
+    def encode_each(self, prompts: Sequence[tuple[Prompt, Sequence[dict] | None]]) -> list[list[int] | Exception]:
+        """`encode` of each (prompt, tools): its ids, or the exception `encode` raises for it. The
+        raw texts are tokenized in one call and the conversations without tools templated in one:
+        the tokenizers library tokenizes a batch in Rust with the GIL released (on several threads
+        where there are cores), where one call each holds it throughout. The ids are those of
+        `encode` one at a time (the batched call renders and tokenizes each the same way); where a
+        batched call fails, each of its prompts is encoded alone, so only a bad one fails."""
+        results: list[list[int] | Exception | None] = [None] * len(prompts)
+        batches: dict[str, list[int]] = {"text": [], "chat": []}
+        for i, (prompt, tools) in enumerate(prompts):
+            try:
+                kind = self._prompt_kind(prompt)
+            except RequestError as e:
+                results[i] = e
+                continue
+            if kind in batches and not (kind == "chat" and tools):
+                batches[kind].append(i)
+        for kind, indices in batches.items():
+            if len(indices) < 2:
+                continue
+            batch = [prompts[i][0] for i in indices]
+            try:
+                ids = (self.tokenizer(batch).input_ids if kind == "text" else self.tokenizer.apply_chat_template(
+                    [list(m) for m in batch], add_generation_prompt=True, tokenize=True, return_dict=False))
+            except Exception:  # noqa: BLE001 - each prompt alone below: the bad one fails with its own error
+                continue
+            for i, one in zip(indices, ids):
+                results[i] = list(one)
+        for i, (prompt, tools) in enumerate(prompts):
+            if results[i] is None:
+                try:
+                    results[i] = self.encode(prompt, tools)
+                except Exception as e:  # noqa: BLE001 - its caller raises it, as `encode` would have
+                    results[i] = e
+        return results
+
+    def _prompt_kind(self, prompt: Prompt) -> str:
+        """How `encode` reads a prompt: "text", "chat" (messages) or "ids"; RequestError where it
+        cannot (empty, malformed, text without a tokenizer)."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise RequestError("prompt is empty")
             if self.tokenizer is None:
                 raise RequestError("this target has no tokenizer: pass token ids")
-            return list(self.tokenizer(prompt).input_ids)
+            return "text"
         if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__") or not hasattr(prompt, "__iter__"):
             raise RequestError(f"{_BAD_PROMPT}, got {type(prompt).__name__}")
         if len(prompt) == 0:
@@ -152,13 +200,11 @@ class Codec:
                     raise RequestError(f"chat message {i} needs a 'role' and a 'content', both strings")
             if self.tokenizer is None:
                 raise RequestError("this target has no tokenizer: pass token ids")
-            ids = self.tokenizer.apply_chat_template(list(prompt), tools=list(tools) if tools else None,
-                                                     add_generation_prompt=True, tokenize=True, return_dict=False)
-            return list(ids)
+            return "chat"
         if not all(_is_token_id(t) for t in prompt):
             kinds = sorted({type(t).__name__ for t in prompt if not _is_token_id(t)})
             raise RequestError(f"{_BAD_PROMPT}; got a list holding {', '.join(kinds)}")
-        return [operator.index(t) for t in prompt]
+        return "ids"
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:

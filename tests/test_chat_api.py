@@ -335,3 +335,87 @@ def test_a_stream_behind_its_engine_sends_the_same_text_in_fewer_chunks(llm):
     behind, step_by_step = asyncio.run(contents(True)), asyncio.run(contents(False))
     assert "".join(behind) == "".join(step_by_step) == llm.decode(ids)
     assert len(behind) == 1 and len(step_by_step) > len(steps) // 2
+
+
+@pytest.fixture(scope="module")
+def codec(chat_models):
+    """The chat models' tokenizer and template alone (`Codec`), with the one engine fact the server reads."""
+    import types
+
+    from eagle3_jax.api import Codec, load_tokenizer
+
+    codec = Codec(load_tokenizer(chat_models[0]))
+    codec.engine = types.SimpleNamespace(cfg=types.SimpleNamespace(max_model_len=128))
+    return codec
+
+
+def test_encode_each_gives_each_prompt_what_encode_gives_it_alone(codec, monkeypatch):
+    """Codec.encode_each: the conversations without tools templated in one batched call, the raw
+    texts tokenized in one; each prompt's ids those of `encode`, a bad prompt its own error. Where
+    a batched call fails, each of its prompts is encoded alone, so only the bad one fails."""
+    from eagle3_jax.engine.scheduler import RequestError
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    prompts = [(user("hello"), None), ("raw text", None), (user("h\u00e9llo w\u00f6rld"), None), ("more", None),
+               ([5, 6, 7], None), (user("with tools"), tools), ("  ", None), ([{"role": "user"}], None)]
+    template = codec.tokenizer.apply_chat_template
+    calls = []
+    monkeypatch.setattr(codec.tokenizer, "apply_chat_template", lambda *a, **kw: (calls.append(a[0]),
+                                                                                   template(*a, **kw))[1])
+    got = codec.encode_each(prompts)
+    assert got[:6] == [codec.encode(p, t) for p, t in prompts[:6]]
+    assert isinstance(got[6], RequestError) and str(got[6]) == "prompt is empty"
+    assert isinstance(got[7], RequestError) and "'role' and a 'content'" in str(got[7])
+    assert calls[0] == [user("hello"), user("h\u00e9llo w\u00f6rld")]  # both chats, one call
+
+    def failing(conversation, **kw):  # a template that refuses one conversation of the batch
+        if any(c == user("boom") for c in (conversation if isinstance(conversation[0], list) else [conversation])):
+            raise ValueError("the template refuses it")
+        return template(conversation, **kw)
+
+    monkeypatch.setattr(codec.tokenizer, "apply_chat_template", failing)
+    got = codec.encode_each([(user("hello"), None), (user("boom"), None), (user("bye"), None)])
+    assert got[0] == codec.encode(user("hello")) and got[2] == codec.encode(user("bye"))
+    assert isinstance(got[1], ValueError)
+
+
+def test_prompts_arriving_together_are_encoded_as_one_job_on_the_tokenizer_thread(codec, monkeypatch):
+    """The server's `encode`: prompts arriving in one turn of the event loop go to the tokenizer's
+    thread as one job (`Codec.encode_each`), those arriving while it runs as the next one, not one
+    job each. Each request gets its prompt's ids; a bad prompt its 400 naming its field, the others
+    unaffected."""
+    import threading
+
+    from eagle3_jax.serve import protocol as P
+    from eagle3_jax.serve.app import OpenAIServer, Settings
+
+    jobs, release = [], threading.Event()
+    encode_each = type(codec).encode_each
+
+    def counted(self, prompts):
+        jobs.append(len(prompts))
+        if len(jobs) == 1:
+            release.wait(30)  # the first job holds the thread while the next prompts arrive
+        return encode_each(self, prompts)
+
+    monkeypatch.setattr(type(codec), "encode_each", counted)
+    server = OpenAIServer(codec, None, Settings("tiny"))
+    burst = [(user(f"question {i}"), "messages") for i in range(6)] + [("raw", "prompt"), ("", "prompt")]
+
+    async def arrivals():
+        first = asyncio.ensure_future(server.encode(user("first"), "messages"))
+        while not jobs:  # the first is on the thread
+            await asyncio.sleep(0.01)
+        rest = asyncio.gather(*(server.encode(p, field) for p, field in burst), return_exceptions=True)
+        await asyncio.sleep(0.05)
+        release.set()
+        return await first, await rest
+
+    try:
+        first, rest = asyncio.run(arrivals())
+    finally:
+        server.tokenizer_pool.shutdown()
+    assert jobs == [1, len(burst)]
+    assert first == codec.encode(user("first"))
+    assert rest[:7] == [codec.encode(p) for p, _ in burst[:7]]
+    assert isinstance(rest[7], P.APIError) and (rest[7].status, rest[7].param) == (400, "prompt")

@@ -339,3 +339,26 @@ def test_a_long_prompt_arriving_while_rows_decode_prefills_one_chunk_per_iterati
     assert [r.output for r in running] == [ref[:30] for ref in alone[:2]]
     unchunked = make(tiny_models, None, prefill_buckets=(64,)).generate([LONG], greedy(4))[0]
     assert long.output == unchunked.token_ids and len(long.output) == 4
+
+
+# ---- a burst arriving while a row streams ---------------------------------------------------------
+def test_a_burst_arriving_while_a_row_streams_is_prefilled_in_one_step(tiny_models, alone):
+    """One request streaming when seven short prompts arrive (a burst, as 64 streams opened at once
+    reach a server's engine over a few steps): the next step dispatches all seven prefills, two
+    calls of up to four, where one a step would take seven steps (the 16-token bucket: one prompt
+    fills half the two chunks' budget); the step after reads every first token. Counted in steps,
+    not timed. Every reply is the target alone's."""
+    llm = make(tiny_models)
+    engine = llm.engine
+    first = engine.add_request(PROMPTS[0], greedy(30))
+    while not first.output:
+        engine.step()
+    picked = [1, 2, 3, 4, 5, 6, 8]  # prompts of 3..16 tokens: one chunk each
+    burst = [engine.add_request(PROMPTS[i], greedy(8)) for i in picked]
+    calls = engine.stats.prefill_calls
+    engine.step()
+    assert engine.stats.prefill_calls - calls == 2 and not engine.scheduler.prefilling
+    engine.step()
+    assert all(len(r.output) >= 1 for r in burst)
+    engine.run([first, *burst])
+    assert first.output == alone[0][:30] and [r.output for r in burst] == [alone[i][:8] for i in picked]

@@ -278,13 +278,20 @@ def test_stop_strings_decode_a_tail_and_cut_the_whole_text():
     assert decoded[303] == 303
 
 
+def streaming(n: int) -> list:
+    """n rows decoding with a token read, as `step_calls` reads the decoding ones (their output)."""
+    import types
+
+    return [types.SimpleNamespace(output=[1]) for _ in range(n)]
+
+
 def test_while_rows_decode_a_step_prefills_one_chunk_at_most():
     """engine/prefill.py's plan per step (chunks of 16, the largest prefill bucket; 1 or 4 prompts a
     call). With nothing decoding, a step prefills every chunk of every prompt admitted: a long
-    prompt's leading chunks a call each, the last chunks grouped by chunk bucket. While rows decode,
-    one call at most: the first prompt's next chunk alone, or its last chunk joined by the other
-    last chunks of its bucket within two chunks' padded tokens (4 of 4 tokens, 1 of 16); the
-    scheduler's batch takes a request once its last chunk is dispatched."""
+    prompt's leading chunks a call each, the last chunks grouped by chunk bucket. While as many rows
+    stream as prompts prefill, one call at most: the first prompt's next chunk alone, or its last
+    chunk joined by the other last chunks of its bucket within two chunks' padded tokens (4 of 4
+    tokens, 1 of 16); the scheduler's batch takes a request once its last chunk is dispatched."""
     from eagle3_jax.engine.prefill import step_calls
 
     cfg = EngineConfig(batch_buckets=(2, 4), page_size=PAGE, num_pages=64, max_model_len=64,
@@ -293,25 +300,25 @@ def test_while_rows_decode_a_step_prefills_one_chunk_at_most():
     long, short, other, last = (s.add(p, params(4)) for p in ([5] * 40, [1, 2, 3], [4, 5], [6] * 9))
     s.admit()
 
-    def plan(decoding: bool) -> list[list[tuple[int, int]]]:
+    def plan(decoding: list) -> list[list[tuple[int, int]]]:
         return [[(c.req.id, c.start) for c in call] for call in step_calls(s.prefilling, s.cfg, decoding)]
 
-    assert plan(decoding=False) == [[(0, 0)], [(0, 16)], [(0, 32), (3, 0)], [(1, 0), (2, 0)]]
+    assert plan(decoding=[]) == [[(0, 0)], [(0, 16)], [(0, 32), (3, 0)], [(1, 0), (2, 0)]]
     steps = []
-    while s.prefilling:  # as the engine dispatches them, rows decoding
-        calls = step_calls(s.prefilling, s.cfg, decoding=True)
+    while s.prefilling:  # as the engine dispatches them, four rows streaming
+        calls = step_calls(s.prefilling, s.cfg, streaming(4))
         assert len(calls) == 1
         steps.append([(c.req.id, c.start) for c in calls[0]])
         for chunk in calls[0]:
             s.prefill_dispatched(chunk.req, chunk.end(16))
-        assert s.batch()[0] == [r for r in (long, short, other, last) if not r.prefilling]
+        assert s.batch()[0] == [r for r in (long, short, other, last) if not r.prefilling] == s.decoding
     assert steps == [[(0, 0)], [(0, 16)], [(0, 32)], [(1, 0), (2, 0)], [(3, 0)]]
     assert long.next_chunk is None and s.batch()[0] == [long, short, other, last]
 
 
 def test_while_rows_decode_short_prompts_share_a_call_of_two_chunks():
-    """A burst of short prompts arriving while rows decode joins STEP_CHUNKS chunks' padded tokens a
-    step (here two of 16 tokens, where one chunk's budget would take one a step), in arrival order."""
+    """A few short prompts arriving while as many rows stream join STEP_CHUNKS chunks' padded tokens
+    a step (here two of 16 tokens, where one chunk's budget would take one a step), in arrival order."""
     from eagle3_jax.engine.prefill import STEP_CHUNKS, step_calls
 
     cfg = EngineConfig(batch_buckets=(2, 4), page_size=PAGE, num_pages=64, max_model_len=64,
@@ -321,5 +328,38 @@ def test_while_rows_decode_short_prompts_share_a_call_of_two_chunks():
         s.add([p + 1] * 9, params(4))
     s.admit()
     assert STEP_CHUNKS == 2
-    calls = step_calls(s.prefilling, s.cfg, decoding=True)
+    calls = step_calls(s.prefilling, s.cfg, streaming(4))
     assert [[(c.req.id, c.start) for c in call] for call in calls] == [[(0, 0), (1, 0)]]
+
+
+def test_a_burst_prefills_every_last_chunk_in_one_step():
+    """More prompts prefilling than rows streaming (a burst of arrivals): one step dispatches every
+    last chunk, grouped as with none decoding (chunk bucket 16: four a call; bucket 4 apart), after
+    the first prompt's leading chunk where it has one; the other long prompts' leading chunks wait.
+    Rows decoding whose first token is not read yet do not stream: they count as none."""
+    from eagle3_jax.engine.prefill import step_calls
+
+    cfg = EngineConfig(batch_buckets=(2, 8), page_size=PAGE, num_pages=128, max_model_len=64,
+                       prefill_buckets=(4, 16), prefill_batch_buckets=(1, 4))
+    s = Scheduler(served(cfg), VOCAB, K)
+    for p in range(6):
+        s.add([p + 1] * 9, params(4))  # ids 0-5: chunk bucket 16
+    s.add([7, 8], params(4))  # id 6: chunk bucket 4
+    s.admit()
+
+    def plan(decoding: list) -> list[list[tuple[int, int]]]:
+        return [[(c.req.id, c.start) for c in call] for call in step_calls(s.prefilling, s.cfg, decoding)]
+
+    burst = [[(0, 0), (1, 0), (2, 0), (3, 0)], [(4, 0), (5, 0)], [(6, 0)]]
+    assert plan(streaming(6)) == burst
+    assert plan(streaming(7)) == [[(0, 0)]]  # as many streaming as prefilling: one call (4 x 16 > 2 x 16)
+    not_read = [type("Row", (), {"output": []})() for _ in range(7)]  # decoding, no token read yet
+    assert plan(not_read) == burst
+    assert plan(streaming(1) + not_read) == burst
+
+    s2 = Scheduler(served(cfg), VOCAB, K)
+    for prompt in ([5] * 40, [1] * 9, [2] * 30, [3] * 3):  # ids 0 (three chunks), 1, 2 (two chunks), 3
+        s2.add(prompt, params(4))
+    s2.admit()
+    calls = step_calls(s2.prefilling, s2.cfg, streaming(1))
+    assert [[(c.req.id, c.start) for c in call] for call in calls] == [[(0, 0)], [(1, 0)], [(3, 0)]]

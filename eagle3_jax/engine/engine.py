@@ -250,7 +250,7 @@ class Engine:
             del self._prefill_scores[stale]
         if not prefilling:
             return False
-        calls = step_calls(prefilling, self.cfg, decoding=len(prefilling) < len(sched.running))
+        calls = step_calls(prefilling, self.cfg, sched.decoding)
         for chunks in calls:
             self._run_prefill_call(chunks)
         t = time.perf_counter()

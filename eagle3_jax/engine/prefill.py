@@ -8,8 +8,17 @@ While rows decode, a step dispatches one call at most before its iteration: the 
 request's next chunk alone, or its last chunk joined by others of its chunk bucket, within
 STEP_CHUNKS chunks' padded tokens. So a running stream waits one chunk of a long prompt at most
 between two tokens, however long the prompts that arrive (a prompt of n chunks takes n steps), and
-a burst of short prompts still shares a call (eight of 128 tokens by default: with one chunk's
-budget they would join one a step). With none decoding, a step prefills everything."""
+a few short prompts still share a call (eight of 128 tokens by default: with one chunk's budget
+they would join one a step). With none decoding, a step prefills everything.
+
+A burst is the exception: where more requests prefill than rows stream (have a token read), a step
+dispatches every last chunk, grouped as with none decoding, after the first request's leading
+chunk where it has one. Streams opened at once reach the engine over a few steps, the first ones
+decoding already; a call a step would take the rest in eight a step. Spreading the calls spares the
+decoding rows no time (each prefill runs once, before some iteration), it only splits their wait,
+while each group's first token waits an iteration (the whole batch's) longer than the group before
+it and the last group decodes alone at the end. A row whose first token is not read yet has no
+gap between tokens to keep short."""
 
 from __future__ import annotations
 
@@ -50,9 +59,12 @@ def chunks_of(req: Request, largest: int) -> list[PrefillChunk]:
 STEP_CHUNKS = 2  # the padded tokens of a step's call of last chunks while rows decode, in chunks
 
 
-def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: bool) -> list[list[PrefillChunk]]:
+def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: Sequence[Request]
+               ) -> list[list[PrefillChunk]]:
     """The prefill calls a step dispatches, in order, for the requests `prefilling` (admission
-    order): with rows `decoding`, one call at most (module docstring), else every chunk."""
+    order), the running ones done prefilling `decoding`: with none decoding, every chunk; with
+    fewer streaming (a token read) than prefilling, a burst, every last chunk after the first
+    request's leading chunk if it has one; else one call at most (module docstring)."""
     largest = cfg.prefill_buckets[-1]
     if not decoding:
         calls, lasts = [], []
@@ -64,11 +76,14 @@ def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: bool)
     if not prefilling:
         return []
     head = PrefillChunk(prefilling[0], prefilling[0].next_chunk)
-    if head.end(largest) < head.req.context_len:
-        return [[head]]
+    leading = [[head]] if head.end(largest) < head.req.context_len else []
+    lasts = [PrefillChunk(req, req.next_chunk) for req in prefilling if req.context_len - req.next_chunk <= largest]
+    if len(prefilling) > sum(1 for req in decoding if req.output):
+        return leading + group_last_chunks(lasts, cfg)
+    if leading:
+        return leading
     size = _chunk_bucket(head, cfg)
     most = max((rows for rows in cfg.prefill_batch_buckets if rows * size <= STEP_CHUNKS * largest), default=1)
-    lasts = [PrefillChunk(req, req.next_chunk) for req in prefilling if req.context_len - req.next_chunk <= largest]
     return [[chunk for chunk in lasts if _chunk_bucket(chunk, cfg) == size][:most]]
 
 

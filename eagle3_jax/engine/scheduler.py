@@ -293,6 +293,11 @@ class Scheduler:
         """The running requests still prefilling, in admission order."""
         return [req for req in self.running.values() if req.prefilling]
 
+    @property
+    def decoding(self) -> list[Request]:
+        """The running requests done prefilling, in admission order: the batch's."""
+        return [req for req in self.running.values() if not req.prefilling]
+
     def release(self, req: Request) -> None:
         """A request of max_tokens 0, its prefill dispatched: its slot and pages back now, so that no
         iteration runs for it; the engine finishes it once its prompt's logprobs are read."""
@@ -352,7 +357,7 @@ class Scheduler:
     def batch(self) -> tuple[list[Request], np.ndarray, np.ndarray]:
         """The running requests done prefilling, padded to a bucket: (requests, slots [B], block
         tables [B, nb])."""
-        reqs = [req for req in self.running.values() if not req.prefilling]
+        reqs = self.decoding
         slots = np.full(self.bucket(len(reqs)), DUMMY_SLOT, np.int32)
         slots[:len(reqs)] = [r.slot for r in reqs]
         return reqs, slots, self.block_tables[slots]

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from eagle3_jax.api import LLM
+from eagle3_jax.api import LLM, Prompt
 from eagle3_jax.engine.scheduler import RequestError
 from eagle3_jax.engine.structured import GrammarError
 from eagle3_jax.sampling_params import SamplingParams, StructuredOutputsParams
@@ -89,6 +89,8 @@ class OpenAIServer:
         self.llm, self.engine_loop, self.settings = llm, engine_loop, settings
         # One thread: a fast tokenizer used from several at once can fail ("Already borrowed").
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._to_encode: list[tuple[Prompt, list | None, asyncio.Future]] = []  # waiting for that thread (`encode`)
+        self._encoding = False  # a batch of them is on it
         self.max_model_len = llm.engine.cfg.max_model_len
         # Whether the chat template renders OpenAI's developer role itself (else it is the system's).
         template = str(getattr(llm.tokenizer, "chat_template", None) or "")
@@ -109,11 +111,53 @@ class OpenAIServer:
                              f"{self.settings.model_name!r}", param="model", code="model_not_found")
         P.check_supported(body)
 
-    async def encode(self, fn: Callable, prompt, param: str) -> list[int]:
+    async def encode(self, prompt: Prompt, param: str, tools: list | None = None) -> list[int]:
+        """The prompt's token ids (`Codec.encode`, with `tools` for the chat template), on the
+        tokenizer's thread; 400 naming `param` where the prompt is unusable. Prompts that arrive
+        while a batch is encoded there wait and go next as one (`Codec.encode_each`, one call of the
+        tokenizers library for many): a burst of 64 requests is a few jobs on that thread, not 64,
+        each handed over and back, each waiting for the GIL while the engine's thread steps."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._to_encode.append((prompt, tools, future))
+        if len(self._to_encode) == 1 and not self._encoding:
+            loop.call_soon(self._encode_waiting)  # after this turn of the event loop: its arrivals join
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, prompt)
+            return await future
         except RequestError as e:
             raise P.invalid(str(e), param) from None
+
+    def _encode_waiting(self) -> None:
+        """Hand every prompt waiting to be encoded to the tokenizer's thread, as one job."""
+        if self._encoding or not self._to_encode:
+            return
+        batch, self._to_encode = self._to_encode, []
+        self._encoding = True
+        loop = asyncio.get_running_loop()
+        try:
+            job = loop.run_in_executor(self.tokenizer_pool, self.llm.encode_each,
+                                       [(prompt, tools) for prompt, tools, _ in batch])
+        except RuntimeError as e:  # the pool is shut down (the server stops): each request fails with it
+            job = loop.create_future()
+            job.set_exception(e)
+        job.add_done_callback(functools.partial(self._encoded, batch))
+
+    def _encoded(self, batch: list[tuple[Prompt, list | None, asyncio.Future]], job: asyncio.Future) -> None:
+        """A job's results to its prompts' requests; the prompts that waited meanwhile go next."""
+        self._encoding = False
+        failed = None if job.cancelled() else job.exception()  # encode_each returns each prompt's error
+        for i, (_, _, future) in enumerate(batch):
+            if future.done():
+                continue
+            if job.cancelled():  # the server is shutting down
+                future.cancel()
+            elif failed is not None:
+                future.set_exception(failed)
+            elif isinstance(result := job.result()[i], Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        self._encode_waiting()
 
     def chat_prompt(self, body: P.ChatCompletionRequest, functions: list[dict]) -> tuple[list[dict], list | None]:
         """(the messages, the tools for the template) of a chat: the tools rendered by the template
@@ -330,7 +374,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
         server.check_body(body)
         functions, choice = body.tool_use()
         messages, template_tools = server.chat_prompt(body, functions)
-        ids = await server.encode(functools.partial(llm.encode_chat, tools=template_tools), messages, "messages")
+        ids = await server.encode(messages, "messages", template_tools)
         if functions:  # compiling (the first builds the tokenizer's grammar side) is off the event loop's thread
             await asyncio.get_running_loop().run_in_executor(server.tokenizer_pool, server.check_tool_schemas,
                                                              functions)
@@ -344,7 +388,7 @@ def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settin
         prompts = body.prompts()
         if not prompts:
             raise P.invalid("prompt is empty", "prompt")
-        ids = [await server.encode(llm.encode, p, "prompt") for p in prompts]
+        ids = list(await asyncio.gather(*(server.encode(p, "prompt") for p in prompts)))
         echo = [p if isinstance(p, str) else llm.decode(i) for p, i in zip(prompts, ids)] if body.echo else None
         return await server.respond(COMPLETION, body, ids, "prompt", request, arrival, echo=echo)
 
