@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from eagle3_jax import assets
@@ -246,3 +247,26 @@ def chat_models(tmp_path_factory):
     target, draft = write_random_models(cfg, DraftConfig.like_target(cfg, vocab), root)
     assert write_byte_tokenizer(target) == vocab
     return target, draft
+
+
+def tree_with_path(spec, truth: list[int], vocab: int, rng) -> tuple[list[int], list[int]]:
+    """spec.tokens nodes (tokens, parents in the verify layout) holding truth[:-1] as a root path on a
+    random branch, every other node a random token of `vocab`, never truth[d] under the path's node
+    at depth d (so the row accepts exactly len(truth) - 1 drafts). truth[d]: the target's token after
+    depth d."""
+    on_path = sorted(rng.choice(np.arange(1, spec.tokens + 1), len(truth) - 1, replace=False).tolist())
+    tokens, parents, depths, path = [], [], [0], [0]  # path: the nodes of the true path so far, by depth
+    for i in range(1, spec.tokens + 1):
+        if on_path and i == on_path[0]:
+            on_path.pop(0)
+            parent, token = path[-1], truth[len(path) - 1]
+            path.append(i)
+        else:
+            parent = int(rng.choice([j for j in range(i) if depths[j] < spec.steps]))
+            token = int(rng.integers(vocab))
+            if parent in path and token == truth[path.index(parent)]:
+                token = (token + 1) % vocab  # a wrong child: rejected
+        tokens.append(token)
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return tokens, parents

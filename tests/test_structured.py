@@ -243,28 +243,6 @@ def test_constrained_output_is_the_same_tokens_with_speculation_on_and_off(outpu
     assert min(out.metrics.acceptance_length for out in outputs["eagle3 tree"][:2]) > 1.5
 
 
-def tree_holding(spec: TreeSpec, truth: list[int], vocab: int, rng) -> tuple[list[int], list[int]]:
-    """T nodes (tokens, parents in the verify layout) holding truth[:-1] as a root path on a random
-    branch, every other node a random token, never truth[d] under the path's node at depth d (so
-    the row accepts exactly len(truth) - 1). truth[d]: the target's token after depth d."""
-    on_path = sorted(rng.choice(np.arange(1, spec.tokens + 1), len(truth) - 1, replace=False).tolist())
-    tokens, parents, depths, path = [], [], [0], [0]
-    for i in range(1, spec.tokens + 1):
-        if on_path and i == on_path[0]:
-            on_path.pop(0)
-            parent, token = path[-1], truth[len(path) - 1]
-            path.append(i)
-        else:
-            parent = int(rng.choice([j for j in range(i) if depths[j] < spec.steps]))
-            token = int(rng.integers(vocab))
-            if parent in path and token == truth[path.index(parent)]:
-                token = (token + 1) % vocab  # a wrong child: rejected
-        tokens.append(token)
-        parents.append(parent)
-        depths.append(depths[parent] + 1)
-    return tokens, parents
-
-
 @pytest.mark.slow
 def test_a_tree_under_a_grammar_is_masked_node_by_node(chat_models, outputs):
     """A tree engine under the schema, each iteration verifying a tree set by hand (forced tokens
@@ -273,7 +251,7 @@ def test_a_tree_under_a_grammar_is_masked_node_by_node(chat_models, outputs):
     accepts exactly that path and emits the target alone's tokens: each node's children are
     decided under the grammar after that node's own path (masks along another branch, or the
     root's for all, would correct the path's nodes into other tokens)."""
-    from conftest import make_llm
+    from conftest import make_llm, tree_with_path
     from runner_probe import set_proposals
 
     reference, spec = outputs["target alone"][0], TreeSpec(3, 2, 5)
@@ -286,7 +264,7 @@ def test_a_tree_under_a_grammar_is_masked_node_by_node(chat_models, outputs):
     while not req.finished:
         n = len(req.output)
         truth = reference.token_ids[n:n + int(rng.integers(spec.steps + 1)) + 1]
-        set_proposals(engine.runner, req.slot, *tree_holding(spec, truth, vocab, rng))
+        set_proposals(engine.runner, req.slot, *tree_with_path(spec, truth, vocab, rng))
         accepted = req.metrics.accepted
         engine.step()
         assert req.metrics.accepted - accepted == len(truth) - 1

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_VOCAB, served
+from conftest import TINY_VOCAB, served, tree_with_path
 from runner_probe import read_kv, set_proposals
 
 from eagle3_jax import SamplingParams, TreeSpec
@@ -138,29 +138,6 @@ def test_pallas_prefill_tiles_match_the_xla_engine(tiny_models, monkeypatch):
 
 
 # ---- forced trees: every depth, on any branch; the KV a plain prefill leaves ------------------
-def forced_tree(spec: TreeSpec, truth: list[int], rng) -> tuple[list[int], list[int]]:
-    """T nodes (tokens, parents in the verify layout) holding `truth` as a root path on a random
-    branch; every other child of a path node differs from the path's next token (so the row
-    accepts exactly len(truth)), the rest random. truth[d] is the target's token after depth d."""
-    t, depth = spec.tokens, len(truth) - 1
-    on_path = sorted(rng.choice(np.arange(1, t + 1), depth, replace=False).tolist())
-    tokens, parents, depths, path = [], [], [0], [0]  # path: the nodes of the true path so far, by depth
-    for i in range(1, t + 1):
-        if on_path and i == on_path[0]:
-            on_path.pop(0)
-            parent, token = path[-1], truth[len(path) - 1]
-            path.append(i)
-        else:
-            parent = int(rng.choice([j for j in range(i) if depths[j] < spec.steps]))
-            token = int(rng.integers(VOCAB))
-            if parent in path and token == truth[path.index(parent)]:
-                token = (token + 1) % VOCAB  # a wrong child: rejected
-        tokens.append(token)
-        parents.append(parent)
-        depths.append(depths[parent] + 1)
-    return tokens, parents
-
-
 def prefill_kv(llm, sequence: list[int], draft: bool = False):
     """The target's (`draft`: the drafter's) KV [L, len, kvh, hd] after a plain prefill of `sequence`."""
     engine = llm.engine
@@ -190,7 +167,7 @@ def test_forced_trees_accept_their_path_and_leave_the_kv_a_prefill_leaves(tree_l
     while len(req.output) + spec.steps + 2 < MAX_TOKENS:
         n = len(req.output)
         depth = int(rng.integers(spec.steps + 1))
-        tokens, parents = forced_tree(spec, ref[n:n + depth + 1], rng)
+        tokens, parents = tree_with_path(spec, ref[n:n + depth + 1], VOCAB, rng)
         set_proposals(engine.runner, req.slot, tokens, parents)
         accepted = req.metrics.accepted
         engine.step()
