@@ -56,7 +56,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -283,20 +282,6 @@ def read_trace(prefix: Path) -> list[dict]:
 
 
 # ---- the modes -----------------------------------------------------------------------------------
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: see its log")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"/health did not answer within {timeout} s")
-
-
 def serve(args, prompts: list[str], flags: list[str], name: str) -> list[dict]:
     import server_process
 
@@ -307,11 +292,12 @@ def serve(args, prompts: list[str], flags: list[str], name: str) -> list[dict]:
     cmd = [sys.executable, __file__, "serve", "--port", str(port), "--target",
            args.target, "--served-model-name", "probe", *(["--draft", args.draft] if args.draft else []),
            *args.engine.split(), *flags]
-    log = open(Path(args.out_dir) / f"server-{name}.log", "w")  # noqa: SIM115 - open while the server runs
+    log_path = Path(args.out_dir) / f"server-{name}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - open while the server runs
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, TRACE: str(prefix)})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, args.start_timeout)
+        server_process.wait_healthy(url, proc, args.start_timeout, log_path)
         bursts = []
         for rep in range(args.warmups + args.reps):
             start, clients = asyncio.run(burst(url, prompts, args.max_tokens, args.client))

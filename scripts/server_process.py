@@ -28,6 +28,17 @@ def start(serve_args: list[str], log_path: Path, timeout: float) -> tuple[subpro
     log = open(log_path, "w")  # noqa: SIM115 - kept open while the server runs
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout, log_path)
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
+    """Return once `url`/health answers 200; RuntimeError if `proc` exits first (its output in
+    `log_path`), TimeoutError after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -35,10 +46,9 @@ def start(serve_args: list[str], log_path: Path, timeout: float) -> tuple[subpro
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc, url
+                    return
         except OSError:
             time.sleep(0.5)
-    proc.kill()
     raise TimeoutError(f"/health did not answer within {timeout} s")
 
 
