@@ -617,15 +617,19 @@ def test_64_streams_with_16_disconnecting_finish_as_alone_and_free_everything(se
 
 
 # ---- last: SIGTERM -------------------------------------------------------------------------
-def test_sigterm_mid_stream_ends_the_stream_and_exits_0(server, client):
-    proc = server["proc"]
-    stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, n=8,
-                                       stream=True)  # no max_tokens: the rest of the context
+def check_sigterm_mid_stream(proc, client, log_path, n: int) -> None:
+    """SIGTERM while a stream of n samples runs (no max_tokens: the rest of the context): every sample
+    ends with a finish reason, the server exits 0, and its log has no traceback."""
+    stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, n=n, stream=True)
     chunks = iter(stream)
     first = next(chunks)
     proc.send_signal(signal.SIGTERM)
     reasons = {c.index: c.finish_reason for chunk in [first, *chunks] for c in chunk.choices if c.finish_reason}
-    assert sorted(reasons) == list(range(8)) and set(reasons.values()) <= {"abort", "length", "stop"}
+    assert sorted(reasons) == list(range(n)) and set(reasons.values()) <= {"abort", "length", "stop"}
     assert proc.wait(60) == 0
-    log = server["log"].read_text()
+    log = log_path.read_text()
     assert "ready: serving 'tiny-chat'" in log and "Traceback" not in log
+
+
+def test_sigterm_mid_stream_ends_the_stream_and_exits_0(server, client):
+    check_sigterm_mid_stream(server["proc"], client, server["log"], 8)

@@ -17,6 +17,7 @@ from test_serve import (
     KEY,
     MODEL,
     REQUEST_S,
+    check_sigterm_mid_stream,
     llm,  # noqa: F401  (the fixture: the server's engine in this process)
     metric,
     raw_post,
@@ -80,15 +81,7 @@ def test_engine_process_serves_as_the_thread_does_and_drains_on_sigterm(chat_mod
                                 b'"schema": {"type": "nonsense"}}}}' % MODEL.encode())
         assert status == 400, body
 
-        stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, n=4, stream=True)
-        chunks = iter(stream)
-        first = next(chunks)
-        proc.send_signal(signal.SIGTERM)
-        reasons = {c.index: c.finish_reason for chunk in [first, *chunks] for c in chunk.choices if c.finish_reason}
-        assert sorted(reasons) == list(range(4)) and set(reasons.values()) <= {"abort", "length", "stop"}
-        assert proc.wait(60) == 0
-        log = (tmp_path / "server.log").read_text()
-        assert "ready: serving 'tiny-chat'" in log and "Traceback" not in log
+        check_sigterm_mid_stream(proc, client, tmp_path / "server.log", 4)
     finally:
         if proc.poll() is None:
             proc.kill()
