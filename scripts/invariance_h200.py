@@ -262,8 +262,7 @@ def tune_projections(cfg, rows: tuple[int, ...], calls: int) -> tuple[list[dict]
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
             row = dict(shape=name, k=k, n=n, transposed=transposed, m=m,
                        xla_ms=round(_time_chained(xla_t if transposed else xla, x, w, calls=calls), 4))
-            rule = invariant_gemm.WIDE_TILES if m >= invariant_gemm.WIDE_ROWS and n % 256 == 0 \
-                else invariant_gemm.DEFAULT_TILES
+            rule = invariant_gemm.untuned_tiles(m, n)
             candidates = [invariant_gemm.DEFAULT_TILES, rule] + [
                 invariant_gemm.Tiles(*t) for t in (FEW_ROW_TILES if m <= 64 else MANY_ROW_TILES)]
             reference, timed = None, {}

@@ -104,12 +104,17 @@ def _device_kind() -> str | None:
 
 def tiles_for(m: int, k: int, n: int, transposed: bool = False) -> Tiles:
     """The tile for m rows of a K x N projection: the tuned one for the fewest tuned rows >= m on this
-    GPU kind (`TunedTile`), else wide from WIDE_ROWS where N divides it (padding the weight every call
-    would cost more than the tile saves). Every tile gives the same sums."""
+    GPU kind (`TunedTile`), else `untuned_tiles`. Every tile gives the same sums."""
     if (kind := _device_kind()) is not None:
         for tuned in tuned_tiles(kind).get((k, n, transposed), ()):
             if m <= tuned.rows:
                 return tuned.tiles
+    return untuned_tiles(m, n)
+
+
+def untuned_tiles(m: int, n: int) -> Tiles:
+    """The tile without a tuned one: wide from WIDE_ROWS where N divides it (padding the weight every
+    call would cost more than the tile saves), else DEFAULT_TILES."""
     return WIDE_TILES if m >= WIDE_ROWS and n % WIDE_TILES.block_n == 0 else DEFAULT_TILES
 
 
