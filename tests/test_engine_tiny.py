@@ -268,6 +268,12 @@ def test_a_kept_program_loads_and_runs_in_a_fresh_process_under_the_same_key(tmp
     devices = jax.devices()[:1]
     assert program_key("probe", 2.0, (np.zeros((3, 4), np.float32),), {}, devices) == runs[0][1]
     assert program_key("probe", 2.0, (np.zeros((3, 5), np.float32),), {}, devices) != runs[0][1]
+    precision = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")  # a setting changed since: another key
+    try:
+        assert program_key("probe", 2.0, (np.zeros((3, 4), np.float32),), {}, devices) != runs[0][1]
+    finally:
+        jax.config.update("jax_default_matmul_precision", precision)
     assert ExecutableStore.beside_compilation_cache(devices).directory is None  # the CPU: none kept
     # Tile tables read over the shipped one change what the programs compute: another key.
     tiles = tmp_path / "tiles.json"

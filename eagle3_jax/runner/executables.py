@@ -51,8 +51,8 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a function's repr names its addr
 
 @functools.cache
 def _code_fingerprint() -> str:
-    """What every program depends on beyond its own arguments: this package's source and tile tables,
-    jax's version and settings, the XLA flags. Read once a process."""
+    """What every program depends on in its code: this package's source and tile tables (read once a
+    process, as invariant_gemm reads its tables), jax's and jaxlib's versions."""
     digest = hashlib.sha256()
     # The source, and the data it compiles from: the tuned GEMM tiles shipped and any read over them.
     for path in [*sorted(PACKAGE.rglob("*.py")), invariant_gemm.TUNED_TILES_FILE]:
@@ -60,12 +60,17 @@ def _code_fingerprint() -> str:
         digest.update(path.read_bytes() if path.is_file() else b"")
     if tables := os.environ.get(invariant_gemm.TUNED_TILES_ENV):
         digest.update(Path(tables).read_bytes() if Path(tables).is_file() else tables.encode())
-    settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _UNRELATED_SETTINGS)
     import jaxlib
 
-    digest.update(repr((jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
-                        os.environ.get("LIBTPU_INIT_ARGS", ""), settings)).encode())
+    digest.update(repr((jax.__version__, jaxlib.__version__)).encode())
     return digest.hexdigest()
+
+
+def _settings() -> tuple:
+    """What every program depends on in its settings, read at each key (a process may change them
+    between two engines): jax's configuration, the XLA flags."""
+    settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _UNRELATED_SETTINGS)
+    return os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""), settings
 
 
 _this_thread = threading.local()  # .loaded: JAX's cache answered this thread's compile
@@ -93,7 +98,7 @@ def program_key(name: str, static: Any, args: tuple, kwargs: dict, devices: Sequ
     `args`, `kwargs` (the dynamic ones) on `devices`."""
     leaves, tree = jax.tree.flatten((args, kwargs))
     device = devices[0]
-    parts = (_code_fingerprint(), device.client.platform, device.client.platform_version,
+    parts = (_code_fingerprint(), _settings(), device.client.platform, device.client.platform_version,
              [(d.id, d.device_kind) for d in devices], name, _ADDRESS.sub("", repr(static)), str(tree),
              [_leaf_signature(leaf) for leaf in leaves])
     return hashlib.sha256(repr(parts).encode()).hexdigest()
