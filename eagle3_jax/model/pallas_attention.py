@@ -150,15 +150,17 @@ def _combine_kernel(o_ref, lse_ref, out_ref):
     out_ref[...] = (acc / den[:, None]).astype(out_ref.dtype)
 
 
-def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree: bool, per_token: bool):
-    # Program (row, kv head, token i). qkv_ref [T, R + 2, hd]; pos_ref, rope_ref [T]; table_ref
-    # [nb]; inv_freq_ref [hd/2]. Out: q_ref [M, hd] (row i*R + r) or per_token [T, RT, hd]; k_ref,
-    # v_ref [L, P, page, hd], aliased to _k_in, _v_in.
+def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree: bool, tile_tokens: int):
+    # Program (row, kv head, token i). qkv_ref [T, R + 2, hd]; pos_ref, rope_ref [T]; table_ref [nb];
+    # inv_freq_ref [hd/2]. Out: q_ref [n * M, hd], n tiles of M rows: row u*R + r of tile i // tile_tokens
+    # is q head r of its token u = i % tile_tokens; k_ref, v_ref [L, P, page, hd], aliased to _k_in, _v_in.
     rope_ref, (table_ref, inv_freq_ref, layer_ref, _k_in, _v_in, q_ref, k_ref, v_ref) = (
         (refs[0], refs[1:]) if tree else (pos_ref, refs))
     i = pl.program_id(2)
     t, _, hd = qkv_ref.shape
     half, page_size, nb = hd // 2, k_ref.shape[2], table_ref.shape[0]
+    tiles = -(-t // tile_tokens)
+    m = q_ref.shape[0] // tiles
     layer = layer_ref[0]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     position = pos_ref[i]
@@ -168,31 +170,21 @@ def _rope_write_kernel(qkv_ref, pos_ref, *refs, r: int, scratch_page: int, tree:
     block = position // page_size  # as layers.write_kv: past the table's end -> scratch page
     page = jnp.where(block < nb, table_ref[jnp.minimum(block, nb - 1)], scratch_page)
     slot = position % page_size
+    first_row = i * r if tiles == 1 else (i // tile_tokens) * m + (i % tile_tokens) * r
     for j in range(r + 1):
         x1, x2 = qkv_ref[i, j, lo], qkv_ref[i, j, hi]
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        if j < r and per_token:
-            q_ref[i, j, lo], q_ref[i, j, hi] = y1, y2
-        elif j < r:
-            q_ref[i * r + j, lo], q_ref[i * r + j, hi] = y1, y2
+        if j < r:
+            q_ref[first_row + j, lo], q_ref[first_row + j, hi] = y1, y2
         else:
             k_ref[layer, page, slot, lo], k_ref[layer, page, slot, hi] = y1, y2
     v_ref[layer, page, slot, lo], v_ref[layer, page, slot, hi] = qkv_ref[i, r + 1, lo], qkv_ref[i, r + 1, hi]
 
-    if per_token:  # padding rows: defined values (their outputs are dropped)
-        for row in range(r, q_ref.shape[1]):
-            q_ref[i, row, :] = jnp.zeros((hd,), q_ref.dtype)
-        return
-
     @pl.when(i == 0)
-    def _():
-        for row in range(t * r, q_ref.shape[0]):
-            q_ref[row, :] = jnp.zeros((hd,), q_ref.dtype)
-
-
-def token_tile_rows(heads_per_kv: int) -> int:
-    """RT, the rows of one token's query tile: its R heads padded to a power of two >= 16."""
-    return max(16, 1 << (heads_per_kv - 1).bit_length())
+    def _():  # padding rows: defined values (their outputs are dropped)
+        for tile in range(tiles):
+            for row in range(min(t - tile * tile_tokens, tile_tokens) * r, m):
+                q_ref[tile * m + row, :] = jnp.zeros((hd,), q_ref.dtype)
 
 
 def query_tile_rows(num_tokens: int, heads_per_kv: int) -> int:
@@ -212,32 +204,34 @@ def _layer_operand(layer) -> jax.Array:
 def rope_and_write(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
                    v_pages: jax.Array, layer, scratch_page: int,
                    rope_positions: jax.Array | None = None,
-                   per_token: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   tile_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rotate q and k, write k and v into their pages in place, lay q out as tiles. qkv [B, T, G, R + 2, hd];
     positions [B, T] where k, v are stored; rope_positions [B, T] where q, k are rotated (a tree node:
-    length + depth) -> (q tiles [B, G, M, hd], or per_token [B, G, T, RT, hd]; k_pages, v_pages)."""
+    length + depth) -> (q tiles [B, G, M, hd]; k_pages, v_pages). tile_rows: n tiles of that many rows
+    instead, tile_rows // R tokens each, the rest zero ([B, G, n * tile_rows, hd]: invariant_attention's)."""
     rope = None if rope_positions is None else rope_positions.astype(jnp.int32)
     return _rope_and_write(qkv, positions.astype(jnp.int32), rope, block_table.astype(jnp.int32),
                            jnp.asarray(inv_freq, jnp.float32), _layer_operand(layer), k_pages, v_pages,
-                           scratch_page=scratch_page, per_token=per_token)
+                           scratch_page=scratch_page, tile_rows=tile_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("scratch_page", "per_token"))
+@functools.partial(jax.jit, static_argnames=("scratch_page", "tile_rows"))
 def _rope_and_write(qkv, positions, rope_positions, block_table, inv_freq, layer, k_pages, v_pages, *,
-                    scratch_page: int, per_token: bool):
+                    scratch_page: int, tile_rows: int | None):
     b, t, g, r2, hd = qkv.shape
     r, nb = r2 - 2, block_table.shape[1]
     tree = rope_positions is not None
-    if per_token:
-        q_block, q_shape = (None, None, t, token_tile_rows(r), hd), (b, g, t, token_tile_rows(r), hd)
+    if tile_rows is None:
+        tile_tokens, q_rows = t, query_tile_rows(t, r)
     else:
-        q_block, q_shape = (None, None, query_tile_rows(t, r), hd), (b, g, query_tile_rows(t, r), hd)
+        tile_tokens = tile_rows // r
+        q_rows = -(-t // tile_tokens) * tile_rows
     # A program per token: one per row would serialize T chains of dependent loads.
     pages_spec = _kv_head_pages_spec(k_pages.shape)
     positions_spec = pl.BlockSpec((None, t), lambda i, j, n: (i, 0))
     rope = [rope_positions] if tree else []
     return pl.pallas_call(
-        functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page, tree=tree, per_token=per_token),
+        functools.partial(_rope_write_kernel, r=r, scratch_page=scratch_page, tree=tree, tile_tokens=tile_tokens),
         grid=(b, g, t),
         in_specs=[pl.BlockSpec((None, t, None, r2, hd), lambda i, j, n: (i, 0, j, 0, 0)),
                   positions_spec,
@@ -246,8 +240,8 @@ def _rope_and_write(qkv, positions, rope_positions, block_table, inv_freq, layer
                   pl.BlockSpec((hd // 2,), lambda i, j, n: (0,)),
                   pl.BlockSpec((1,), lambda i, j, n: (0,)),
                   pages_spec, pages_spec],
-        out_specs=[pl.BlockSpec(q_block, lambda i, j, n: (i, j) + (0,) * (len(q_block) - 2)), pages_spec, pages_spec],
-        out_shape=[jax.ShapeDtypeStruct(q_shape, qkv.dtype),
+        out_specs=[pl.BlockSpec((None, None, q_rows, hd), lambda i, j, n: (i, j, 0, 0)), pages_spec, pages_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, g, q_rows, hd), qkv.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={5 + len(rope): 1, 6 + len(rope): 2},

@@ -1,0 +1,198 @@
+"""model/invariant_attention.py's fixed query tiles: every row of a tile gets bit for bit what a
+program of its token alone gets, walking the same key blocks in the same fixed splits, however far
+apart the positions of the tile's rows are and whatever tree window they read. The reference here
+is the kernel the tiles replaced: a program per (row, kv head, token, split), each token's R rows a
+tile of their own, at the tiles' MMA shape (its former 16-row tile differs in an ulp now and then even
+here: XLA's CPU dot, like a GPU's MMA, does not round a row the same at every row count).
+
+Pallas' interpreter runs both in bf16 on the CPU; the shapes the engine serves lower for CUDA."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from eagle3_jax.model import invariant_attention as IA
+from eagle3_jax.model import layers, pallas_attention
+from eagle3_jax.model.pallas_attention import MASKED, online_softmax_init, online_softmax_step, write_split
+from eagle3_jax.runner.tree import tree_from_parents
+
+PAGE, PAGES = 16, 16  # 256 positions a row: 4 key blocks
+G, R, HD = 2, 3, 32  # SmolLM2's grouping: 21 tokens a tile, its last row padding
+
+
+def _per_token_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int):
+    # Program (row, kv head, token, split): q_ref [RT, hd]; vpos_ref [T]; path_ref [1 + W].
+    path_ref, (table_ref, k_ref, v_ref, o_ref, lse_ref) = (refs[0], refs[1:]) if windowed else (None, refs)
+    rows, hd = q_ref.shape
+    nb = table_ref.shape[0]
+    q, vpos = q_ref[...], vpos_ref[pl.program_id(2)]
+    capacity = -(-nb * page_size // IA.BLOCK_KEYS)
+    first = pl.program_id(3) * blocks_per_split
+    end = jnp.minimum(jnp.minimum(first + blocks_per_split, vpos // IA.BLOCK_KEYS + 1), capacity)
+
+    def body(i, carry):
+        key_pos = i * IA.BLOCK_KEYS + jax.lax.iota(jnp.int32, IA.BLOCK_KEYS)
+        stored = key_pos
+        if windowed:
+            start = path_ref[0]
+            depth = key_pos - start
+            stored = jnp.where(depth >= 0, start + path_ref[1 + jnp.clip(depth, 0, path_ref.shape[0] - 2)], key_pos)
+        page = table_ref[jnp.clip(stored // page_size, 0, nb - 1)]
+        slot = page * page_size + stored % page_size
+        k, v = k_ref[slot], v_ref[slot]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        return online_softmax_step(carry, jnp.where((key_pos <= vpos)[None, :], s, MASKED), v)
+
+    write_split(jax.lax.fori_loop(first, end, body, online_softmax_init(rows, hd)), o_ref, lse_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks_per_split",))
+def _per_token(q, vpos, paths, table, k_pages, v_pages, blocks_per_split):
+    """q [B, T, G*R, hd] rotated; k_pages, v_pages [P, page, G, hd] -> [B, T, G*R, hd]."""
+    b, t, h, hd = q.shape
+    num_pages, page_size, g = k_pages.shape[:3]
+    r, rt = h // g, IA.QUERY_TILE_ROWS
+    tiles = jnp.pad(q.reshape(b, t, g, r, hd).transpose(0, 2, 1, 3, 4), ((0, 0),) * 3 + ((0, rt - r), (0, 0)))
+    splits = IA.num_splits(table.shape[1], page_size, blocks_per_split)
+    slots_spec = pl.BlockSpec((num_pages * page_size, None, hd), lambda i, j, n, s: (0, j, 0))
+    path = [] if paths is None else [paths]
+    out, lse = pl.pallas_call(
+        functools.partial(_per_token_kernel, page_size=page_size, scale=1.0 / math.sqrt(hd), windowed=bool(path),
+                          blocks_per_split=blocks_per_split),
+        grid=(b, g, t, splits),
+        in_specs=[pl.BlockSpec((None, None, None, rt, hd), lambda i, j, n, s: (i, j, n, 0, 0)),
+                  pl.BlockSpec((None, t), lambda i, j, n, s: (i, 0)),
+                  *[pl.BlockSpec((None, None, p.shape[2]), lambda i, j, n, s: (i, n, 0)) for p in path],
+                  pl.BlockSpec((None, table.shape[1]), lambda i, j, n, s: (i, 0)),
+                  slots_spec, slots_spec],
+        out_specs=[pl.BlockSpec((None, None, None, rt, hd), lambda i, j, n, s: (i, j, s, n, 0)),
+                   pl.BlockSpec((None, None, None, rt), lambda i, j, n, s: (i, j, s, n))],
+        out_shape=[jax.ShapeDtypeStruct((b, g, splits, t * rt, hd), q.dtype if splits == 1 else jnp.float32),
+                   jax.ShapeDtypeStruct((b, g, splits, t * rt), jnp.float32)],
+        interpret=True,
+    )(tiles, vpos, *path, table, k_pages.reshape(-1, g, hd), v_pages.reshape(-1, g, hd))
+    out = pallas_attention.combine_splits(out, lse, t * rt, q.dtype, 1) if splits > 1 else out[:, :, 0]
+    return out.reshape(b, g, t, rt, hd)[:, :, :, :r].transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
+
+
+def _inputs(seed, b, t):
+    """bf16 q [B, T, G*R, hd], pages [P, page, G, hd] random everywhere (a key wrongly seen changes
+    a row), each row's table [B, PAGES] of distinct pages past the scratch page."""
+    rng = np.random.default_rng(seed)
+    num_pages = b * PAGES + 1
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+               for shape in ((b, t, G * R, HD), (num_pages, PAGE, G, HD), (num_pages, PAGE, G, HD)))
+    table = jnp.asarray(1 + rng.permutation(num_pages - 1).reshape(b, PAGES), jnp.int32)
+    return rng, q, k, v, table
+
+
+def _assert_tiles_equal_per_token(q, vpos, paths, table, k, v, blocks_per_split):
+    got = IA.attend(IA.query_tiles(q, G), vpos, paths, table, 0, k[None], v[None], R, blocks_per_split)
+    want = _per_token(q, vpos, paths, table, k, v, blocks_per_split)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    return np.asarray(got, np.float32)
+
+
+STEPS = {
+    # rows at different lengths; the last a padding row whose position runs past its table
+    "decode": (1, [0, 70, 200, 400], 2),
+    "chain of 5": (5, [0, 59, 123, 251], 2),
+    # 40 tokens (two tiles, 21 + 19) across the split boundary at 128 with one block a split
+    "prefill chunk of 40": (40, [100, 10], 1),
+}
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_causal_tiles_equal_a_program_per_token_bit_for_bit(step):
+    t, starts, blocks_per_split = STEPS[step]
+    _, q, k, v, table = _inputs(len(step), len(starts), t)
+    vpos = jnp.asarray(np.array(starts)[:, None] + np.arange(t), jnp.int32)
+    got = _assert_tiles_equal_per_token(q, vpos, None, table, k, v, blocks_per_split)
+    assert np.isfinite(got).all()
+
+
+def test_tree_tiles_equal_a_program_per_token_bit_for_bit():
+    """A tree verify of 32 tokens (two tiles): each node reads its ancestors at root + depth from
+    root + index; windows at 0, straddling a key block, and at a block's start, under two splits."""
+    b, t = 3, 32
+    rng, q, k, v, table = _inputs(7, b, t)
+    parent = np.full((b, t), -1, np.int32)
+    for i in range(1, t):
+        parent[:, i] = rng.integers(max(0, i - 4), i, b)
+    tree = tree_from_parents(jnp.zeros((b, t), jnp.int32), jnp.asarray(parent), t)
+    assert int(tree.depth.max()) >= 6
+    start = jnp.asarray([0, 60, 128], jnp.int32)
+    vpos = start[:, None] + tree.depth
+    _assert_tiles_equal_per_token(q, vpos, IA.ancestor_paths(start, tree.mask), table, k, v, 2)
+
+
+def test_rows_far_apart_in_one_tile_are_untouched_by_the_blocks_they_cannot_see():
+    """One tile of tokens at positions from 0 to 255 in random order: the tile walks every block,
+    most of them unseen by most rows, and each row still equals its token's program alone; within
+    one split and across four."""
+    t = 12
+    rng, q, k, v, table = _inputs(11, 2, t)
+    vpos = jnp.asarray(np.stack([rng.permutation(256)[:t] for _ in range(2)]), jnp.int32).at[:, :2].set(
+        jnp.array([0, 255]))
+    for blocks_per_split in (8, 1):
+        _assert_tiles_equal_per_token(q, vpos, None, table, k, v, blocks_per_split)
+
+
+def test_a_block_a_row_cannot_see_leaves_its_carry_unchanged():
+    """online_softmax_step after a row has seen keys, on a block it sees none of: its output, max
+    and sum stay bit for bit (p = exp(MASKED - max) = 0, correction 1) while a row that sees it moves."""
+    rng = np.random.default_rng(5)
+    s = jnp.asarray(rng.standard_normal((2, 64)) * 8, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+    carry = online_softmax_step(online_softmax_init(2, 32), s, v)
+    unseen = jnp.asarray(rng.standard_normal((2, 64)) * 8, jnp.float32).at[0].set(MASKED)
+    after = online_softmax_step(carry, unseen, jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16))
+    for before, now in zip(carry, after):
+        assert np.array_equal(np.asarray(before[0]), np.asarray(now[0]))
+    assert np.asarray(after[2][1]) != np.asarray(carry[2][1])
+
+
+def test_rope_and_write_lays_out_the_fixed_tiles():
+    """rope_and_write(tile_rows=QUERY_TILE_ROWS) writes `query_tiles`' layout of the rotated q (25
+    tokens: a tile of 21 and one of 4, their padding rows zero)."""
+    b, t, hd = 2, 25, 32
+    rng = np.random.default_rng(2)
+    qkv = jnp.asarray(rng.standard_normal((b, t, G, R + 2, hd)), jnp.float32)
+    positions = jnp.asarray(np.arange(t) + np.array([[3], [40]]), jnp.int32)
+    pages = jnp.zeros((1, 2 * 4 + 1, PAGE, G, hd), jnp.float32)
+    table = jnp.arange(1, 9, dtype=jnp.int32).reshape(2, 4)
+    inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
+    tiles, _, _ = pallas_attention.rope_and_write(qkv, positions, table, inv_freq, pages, pages, 0, 0,
+                                                  tile_rows=IA.QUERY_TILE_ROWS)
+    q = layers.apply_rope(qkv[:, :, :, :R].reshape(b, t, G * R, hd), positions, inv_freq)
+    assert tiles.shape == (b, G, 2 * IA.QUERY_TILE_ROWS, hd)
+    np.testing.assert_allclose(np.asarray(tiles), np.asarray(IA.query_tiles(q, G)), atol=1e-6)
+    assert not np.asarray(tiles).reshape(b, G, 2, -1, hd)[:, :, 1, 4 * R:].any()
+
+
+@pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-3.1-8B
+def test_tiles_lower_for_cuda(monkeypatch, heads, kv_heads, hd):
+    """The tile kernel under a tree verify of 32 tokens and a causal chunk of 40, split over a table
+    of 1,024 positions, lowers to Triton for CUDA: the tiled RoPE write, the attention, the combine."""
+    monkeypatch.setattr(pallas_attention, "_interpret", lambda: False)
+    monkeypatch.setattr(IA, "_interpret", lambda: False)
+    b, s = 2, jax.ShapeDtypeStruct
+    pages = s((2, 65, PAGE, kv_heads, hd), jnp.bfloat16)
+    inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
+    r = heads // kv_heads
+    for t, tree in ((32, layers.TreeAttention(s((b, 32), jnp.int32), s((b,), jnp.int32), s((b, 32, 32), jnp.bool_))),
+                    (40, None)):
+        f = lambda qkv, positions, k, v, table, tree: IA.attention(qkv, positions, table, inv_freq, k, v, 1, 0, tree)
+        text = jax.jit(f).trace(s((b, t, kv_heads, r + 2, hd), jnp.bfloat16), s((b, t), jnp.int32), pages, pages,
+                                s((b, 64), jnp.int32), tree).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 3, t
+        for name in ("eagle3_rope_write_kv", "eagle3_invariant_attention", "eagle3_attention_combine"):
+            assert name in text, (t, name)
