@@ -121,15 +121,17 @@ def test_causal_tiles_equal_a_program_per_token_bit_for_bit(step):
 
 def test_tree_tiles_equal_a_program_per_token_bit_for_bit():
     """A tree verify of 32 tokens (two tiles): each node reads its ancestors at root + depth from
-    root + index; windows at 0, straddling a key block, and at a block's start, under two splits."""
+    root + index. Splits of two blocks; windows at 0 (no shared context), at 60 (nodes past depth 3
+    in the next block) and at 120 (block 0 shared, block 1 a node's own, nodes past depth 7 in the
+    next split)."""
     b, t = 3, 32
     rng, q, k, v, table = _inputs(7, b, t)
     parent = np.full((b, t), -1, np.int32)
     for i in range(1, t):
         parent[:, i] = rng.integers(max(0, i - 4), i, b)
     tree = tree_from_parents(jnp.zeros((b, t), jnp.int32), jnp.asarray(parent), t)
-    assert int(tree.depth.max()) >= 6
-    start = jnp.asarray([0, 60, 128], jnp.int32)
+    assert int(tree.depth.min(axis=1).min()) == 0 and int(tree.depth.max(axis=1).min()) >= 8
+    start = jnp.asarray([0, 60, 120], jnp.int32)
     vpos = start[:, None] + tree.depth
     _assert_tiles_equal_per_token(q, vpos, IA.ancestor_paths(start, tree.mask), table, k, v, 2)
 
@@ -180,19 +182,23 @@ def test_rope_and_write_lays_out_the_fixed_tiles():
 
 @pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-3.1-8B
 def test_tiles_lower_for_cuda(monkeypatch, heads, kv_heads, hd):
-    """The tile kernel under a tree verify of 32 tokens and a causal chunk of 40, split over a table
-    of 1,024 positions, lowers to Triton for CUDA: the tiled RoPE write, the attention, the combine."""
+    """The tile kernels under a tree verify of 32 tokens and a causal chunk of 40, split over a table
+    of 1,024 positions, lower to Triton for CUDA: the tiled RoPE write, the attention (a tree's
+    window blocks a program a token after it), the combine."""
     monkeypatch.setattr(pallas_attention, "_interpret", lambda: False)
     monkeypatch.setattr(IA, "_interpret", lambda: False)
     b, s = 2, jax.ShapeDtypeStruct
     pages = s((2, 65, PAGE, kv_heads, hd), jnp.bfloat16)
     inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
     r = heads // kv_heads
+    kernels = ["eagle3_rope_write_kv", "eagle3_invariant_attention", "eagle3_attention_combine"]
     for t, tree in ((32, layers.TreeAttention(s((b, 32), jnp.int32), s((b,), jnp.int32), s((b, 32, 32), jnp.bool_))),
                     (40, None)):
         f = lambda qkv, positions, k, v, table, tree: IA.attention(qkv, positions, table, inv_freq, k, v, 1, 0, tree)
         text = jax.jit(f).trace(s((b, t, kv_heads, r + 2, hd), jnp.bfloat16), s((b, t), jnp.int32), pages, pages,
                                 s((b, 64), jnp.int32), tree).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == 3, t
-        for name in ("eagle3_rope_write_kv", "eagle3_invariant_attention", "eagle3_attention_combine"):
+        names = kernels + (["eagle3_invariant_attention_tree"] if tree else [])
+        assert text.count("xla.gpu.triton") == len(names), t
+        for name in names:
             assert name in text, (t, name)
+        assert ("eagle3_invariant_attention_tree" in text) == (tree is not None)

@@ -13,10 +13,11 @@ nothing of is written as if it had walked no block (no weight in the combine).
 
 A tree node reads its ancestors as at root + depth, where decode would have stored them, gathered
 from where the verify did, so its logits equal decode's. The blocks before the window's (context
-every node shares) are multiplied once for the tile; from the window's block on, each token gathers
-its own block and multiplies the whole tile by it, keeping only its own rows: the same arithmetic
-for its rows as a decode's tile-wide step. RoPE and the KV write: `pallas_attention.rope_and_write`
-with tile_rows=QUERY_TILE_ROWS.
+every node shares) are multiplied once a tile; the split that goes on past them leaves its carry
+(f32, exact) to a second kernel of a program per (row, kv head, token, split), which walks the
+token's blocks from the window's on, its ancestors gathered: the whole tile's MMA shape with only
+the token's rows loaded and kept, so the same arithmetic for them as a decode's tile-wide step.
+RoPE and the KV write: `pallas_attention.rope_and_write` with tile_rows=QUERY_TILE_ROWS.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from eagle3_jax.model import pallas_attention
 from eagle3_jax.model.pallas_attention import MASKED
@@ -36,60 +38,102 @@ BLOCKS_PER_SPLIT = 8  # a split's fixed range: 512 key positions
 QUERY_TILE_ROWS = 64  # one Hopper warpgroup MMA's rows, whatever the step
 
 
-def _kernel(q_ref, vpos_ref, *refs, r: int, page_size: int, scale: float, windowed: bool, blocks_per_split: int):
-    # Program (row, kv head, tile, split). q_ref [QT, hd], row u*R + h: q head h of the tile's token u;
-    # vpos_ref [QT] own-sequence positions (-1: padding); path_ref [n * QT // R, 1 + W] the row's tokens'
-    # `ancestor_paths`; table_ref [nb]; k_ref, v_ref [L, P * page, hd] -> o_ref [QT, hd], lse_ref [QT].
-    path_ref, (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref) = (
-        (refs[0], refs[1:]) if windowed else (None, refs))
-    rows, hd = q_ref.shape
-    tokens = rows // r
+def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, token=None, *, page_size: int,
+          scale: float):
+    """Key block i (BLOCK_KEYS positions) for query tile q [QT, hd], rows at positions vpos [QT]: as
+    `token` sees it, its ancestors gathered from where the verify stored them (None: as every row does)."""
     nb = table_ref.shape[0]
-    q, layer, vpos = q_ref[...], layer_ref[0], vpos_ref[...]
-    capacity = -(-nb * page_size // BLOCK_KEYS)  # a padding row's position can run past the table
+    key_pos = i * BLOCK_KEYS + jax.lax.iota(jnp.int32, BLOCK_KEYS)
+    stored = key_pos
+    if token is not None:
+        start = path_ref[token, 0]
+        depth = key_pos - start
+        offset = path_ref[token, 1 + jnp.clip(depth, 0, path_ref.shape[1] - 2)]
+        stored = jnp.where(depth >= 0, start + offset, key_pos)
+    page = table_ref[jnp.clip(stored // page_size, 0, nb - 1)]
+    slot = page * page_size + stored % page_size
+    k, v = k_ref[layer, slot], v_ref[layer, slot]
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+    return pallas_attention.online_softmax_step(carry, jnp.where(key_pos[None, :] <= vpos[:, None], s, MASKED), v)
+
+
+def _bounds(nb: int, page_size: int, blocks_per_split: int):
+    """This program's split: its first block and the end of its range, never past the table (a
+    padding row's position can run past it)."""
+    capacity = -(-nb * page_size // BLOCK_KEYS)
     first = pl.program_id(3) * blocks_per_split
-    last = jnp.minimum(first + blocks_per_split, capacity)
-    first_token = pl.program_id(2) * tokens
+    return first, jnp.minimum(first + blocks_per_split, capacity), capacity
 
-    def step(i, carry, token=None):
-        # Key block i as `token` sees it (None: as every token does, before any tree window).
-        key_pos = i * BLOCK_KEYS + jax.lax.iota(jnp.int32, BLOCK_KEYS)
-        stored = key_pos
-        if token is not None:
-            start = path_ref[token, 0]
-            depth = key_pos - start
-            offset = path_ref[token, 1 + jnp.clip(depth, 0, path_ref.shape[1] - 2)]
-            stored = jnp.where(depth >= 0, start + offset, key_pos)
-        page = table_ref[jnp.clip(stored // page_size, 0, nb - 1)]
-        slot = page * page_size + stored % page_size
-        k, v = k_ref[layer, slot], v_ref[layer, slot]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        return pallas_attention.online_softmax_step(carry, jnp.where(key_pos[None, :] <= vpos[:, None], s, MASKED), v)
 
-    # Shared blocks: all of a causal step's, a tree's up to its window's block; to the tile's last position.
-    shared_end = path_ref[first_token, 0] // BLOCK_KEYS if windowed else capacity
-    tile_end = jnp.max(vpos) // BLOCK_KEYS + 1
-    init = pallas_attention.online_softmax_init(rows, hd)
-    carry = jax.lax.fori_loop(first, jnp.minimum(jnp.minimum(last, shared_end), tile_end), step, init)
+def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int):
+    # Program (row, kv head, tile, split): the blocks every row of the tile sees alike, to the tile's last
+    # position or a tree window's block. q_ref [QT, hd], row u*R + h: q head h of the tile's token u;
+    # vpos_ref [QT] own-sequence positions (-1: padding); path_ref [T, 1 + W] the row's `ancestor_paths`;
+    # table_ref [nb]; k_ref, v_ref [L, P * page, hd] -> o_ref [QT, hd], lse_ref [QT]; a tree's split that
+    # `_token_kernel` goes on with: its carry instead, carry_refs [QT, hd], [QT], [QT] f32 (exact).
     if windowed:
-        token_of_row = jax.lax.iota(jnp.int32, rows) // r
-
-        def token_blocks(u, carry):
-            # Token u's blocks from the window's on: the whole tile times its keys, its own rows kept.
-            own = token_of_row == u
-
-            def body(i, carry):
-                new = step(i, carry, first_token + u)
-                return tuple(jnp.where(own.reshape((rows,) + (1,) * (a.ndim - 1)), b, a) for a, b in zip(carry, new))
-
-            end = jnp.minimum(last, vpos_ref[u * r] // BLOCK_KEYS + 1)
-            return jax.lax.fori_loop(jnp.maximum(first, shared_end), end, body, carry)
-
-        carry = jax.lax.fori_loop(0, tokens, token_blocks, carry)
-    # A row sees key `first * BLOCK_KEYS` if it sees anything of the split: else no block happened.
+        path_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref, *carry_refs = refs
+    else:
+        (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref), path_ref = refs, None
+    rows, hd = q_ref.shape
+    q, vpos = q_ref[...], vpos_ref[...]
+    first, last, capacity = _bounds(table_ref.shape[0], page_size, blocks_per_split)
+    shared_end = path_ref[0, 0] // BLOCK_KEYS if windowed else capacity
+    end = jnp.minimum(jnp.minimum(last, shared_end), jnp.max(vpos) // BLOCK_KEYS + 1)
+    step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
+                             v_ref=v_ref, page_size=page_size, scale=scale)
+    init = pallas_attention.online_softmax_init(rows, hd)
+    carry = jax.lax.fori_loop(first, end, step, init)
+    # A row sees key `first * BLOCK_KEYS` if it sees anything of the split: else no block happened to it
+    # (blocks it saw nothing of left p = 1 where its max was still MASKED).
     seen = vpos >= first * BLOCK_KEYS
     carry = tuple(jnp.where(seen.reshape((rows,) + (1,) * (a.ndim - 1)), a, b) for a, b in zip(carry, init))
-    pallas_attention.write_split(carry, o_ref, lse_ref)
+    if not windowed:
+        pallas_attention.write_split(carry, o_ref, lse_ref)
+        return
+
+    @pl.when(last <= shared_end)
+    def _():
+        pallas_attention.write_split(carry, o_ref, lse_ref)
+
+    @pl.when(last > shared_end)
+    def _():
+        for ref, value in zip(carry_refs, carry):
+            ref[...] = value
+
+
+def _token_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref, carry_o_ref, carry_max_ref,
+                  carry_sum_ref, _o_in, _lse_in, o_ref, lse_ref, *, r: int, page_size: int, scale: float,
+                  blocks_per_split: int):
+    # Program (row, kv head, token, split) of a tree verify: from `_tile_kernel`'s carry, the token's
+    # blocks from the window's on, its ancestors gathered. Refs as `_tile_kernel`'s, of the token's tile;
+    # o_ref, lse_ref aliased to _o_in, _lse_in: only the token's rows are written (token 0 of a tile
+    # also writes the tile's padding rows).
+    rows, hd = q_ref.shape
+    tokens = rows // r
+    token = pl.program_id(2)
+    u = token % tokens
+    in_tile = jnp.minimum(pl.num_programs(2) - (token - u), tokens)  # the tile's tokens
+    first, last, _ = _bounds(table_ref.shape[0], page_size, blocks_per_split)
+    shared_end = path_ref[0, 0] // BLOCK_KEYS
+
+    @pl.when(last > shared_end)
+    def _():
+        row_token = jax.lax.iota(jnp.int32, rows) // r
+        own = (row_token == u) | ((u == 0) & (row_token >= in_tile))
+        own2 = jnp.broadcast_to(own[:, None], (rows, hd))
+        # The whole tile's MMA shape, only the token's rows loaded: the same arithmetic for them as
+        # `_tile_kernel`'s (a decode's) step over the same block.
+        q = plgpu.load(q_ref, mask=own2, other=0)
+        vpos = vpos_ref[...]
+        carry = (plgpu.load(carry_o_ref, mask=own2, other=0.0), plgpu.load(carry_max_ref, mask=own, other=MASKED),
+                 plgpu.load(carry_sum_ref, mask=own, other=0.0))
+        step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
+                                 v_ref=v_ref, path_ref=path_ref, token=token, page_size=page_size, scale=scale)
+        end = jnp.minimum(last, vpos_ref[u * r] // BLOCK_KEYS + 1)
+        o, lse = pallas_attention.split_result(jax.lax.fori_loop(jnp.maximum(first, shared_end), end, step, carry))
+        plgpu.store(o_ref, o.astype(o_ref.dtype), mask=own2)
+        plgpu.store(lse_ref, lse, mask=own)
 
 
 def ancestor_paths(window_start: jax.Array, window_mask: jax.Array) -> jax.Array:
@@ -156,8 +200,7 @@ def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_tab
     vpos = jnp.pad(vpos.astype(jnp.int32), ((0, 0), (0, n * tt - t)), constant_values=-1)
     row_vpos = jnp.pad(jnp.repeat(vpos.reshape(b, n, tt), r, axis=2), ((0, 0), (0, 0), (0, QUERY_TILE_ROWS - tt * r)),
                        constant_values=-1).reshape(b, n * QUERY_TILE_ROWS)
-    if paths is not None:
-        paths = jnp.pad(paths.astype(jnp.int32), ((0, 0), (0, n * tt - t), (0, 0)), mode="edge")
+    paths = None if paths is None else paths.astype(jnp.int32)
     out = _attend(tiles, row_vpos, paths, block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
                   k_pages, v_pages, r=r, blocks_per_split=blocks_per_split)
     out = out.reshape(b, g, n, QUERY_TILE_ROWS, hd)[:, :, :, :tt * r].reshape(b, g, n * tt, r, hd)[:, :, :t]
@@ -169,6 +212,7 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
             blocks_per_split: int) -> jax.Array:
     b, g, rows, hd = tiles.shape
     qt = QUERY_TILE_ROWS
+    n = rows // qt
     num_layers, num_pages, page_size = k_pages.shape[:3]
     splits = num_splits(block_table.shape[1], page_size, blocks_per_split)
     interpret = _interpret()
@@ -178,35 +222,57 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
     # Slots rather than pages: a key is gathered by its own slot (a tree's ancestors are not contiguous).
     k_slots = k_pages.reshape(num_layers, num_pages * page_size, g, hd)
     v_slots = v_pages.reshape(num_layers, num_pages * page_size, g, hd)
-    slots_spec = pl.BlockSpec((num_layers, num_pages * page_size, None, hd), lambda i, j, n, s: (0, 0, j, 0))
     windowed = paths is not None
-    path = [paths] if windowed else []
-    out, lse = pl.pallas_call(
-        functools.partial(_kernel, r=r, page_size=page_size, scale=1.0 / math.sqrt(hd), windowed=windowed,
-                          blocks_per_split=blocks_per_split),
-        grid=(b, g, rows // qt, splits),
-        in_specs=[
-            pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, n, 0)),
-            pl.BlockSpec((None, qt), lambda i, j, n, s: (i, n)),
-            *[pl.BlockSpec((None, *p.shape[1:]), lambda i, j, n, s: (i, 0, 0)) for p in path],
-            pl.BlockSpec((None, block_table.shape[1]), lambda i, j, n, s: (i, 0)),
-            pl.BlockSpec((1,), lambda i, j, n, s: (0,)),
-            slots_spec, slots_spec,
-        ],
-        out_specs=[pl.BlockSpec((None, None, None, qt, hd), lambda i, j, n, s: (i, j, s, n, 0)),
-                   pl.BlockSpec((None, None, None, qt), lambda i, j, n, s: (i, j, s, n))],
-        out_shape=[jax.ShapeDtypeStruct((b, g, splits, rows, hd), tiles.dtype if splits == 1 else jnp.float32),
-                   jax.ShapeDtypeStruct((b, g, splits, rows), jnp.float32)],
+    kernel_args = dict(page_size=page_size, scale=1.0 / math.sqrt(hd), blocks_per_split=blocks_per_split)
+
+    def specs(tile_of) -> tuple[list[pl.BlockSpec], pl.BlockSpec, pl.BlockSpec]:
+        """(inputs, an output tile's spec, its lse's) for a grid whose third index n is in tile tile_of(n)."""
+        inputs = [pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, tile_of(n), 0)),
+                  pl.BlockSpec((None, qt), lambda i, j, n, s: (i, tile_of(n))),
+                  *([pl.BlockSpec((None, *paths.shape[1:]), lambda i, j, n, s: (i, 0, 0))] if windowed else []),
+                  pl.BlockSpec((None, block_table.shape[1]), lambda i, j, n, s: (i, 0)),
+                  pl.BlockSpec((1,), lambda i, j, n, s: (0,)),
+                  *[pl.BlockSpec((num_layers, num_pages * page_size, None, hd), lambda i, j, n, s: (0, 0, j, 0))] * 2]
+        return (inputs, pl.BlockSpec((None, None, None, qt, hd), lambda i, j, n, s: (i, j, s, tile_of(n), 0)),
+                pl.BlockSpec((None, None, None, qt), lambda i, j, n, s: (i, j, s, tile_of(n))))
+
+    o_shape, lse_shape = (b, g, splits, rows, hd), jax.ShapeDtypeStruct((b, g, splits, rows), jnp.float32)
+    out_shapes = [jax.ShapeDtypeStruct(o_shape, tiles.dtype if splits == 1 else jnp.float32), lse_shape]
+    operands = (tiles, row_vpos, *([paths] if windowed else []), block_table, layer, k_slots, v_slots)
+    inputs, o_spec, lse_spec = specs(lambda n: n)
+    # A tree's carry goes on in `_token_kernel`: its output, max and sum in f32.
+    carry_specs, carry_shapes = (([o_spec, lse_spec, lse_spec],
+                                  [jax.ShapeDtypeStruct(o_shape, jnp.float32), lse_shape, lse_shape])
+                                 if windowed else ([], []))
+    outs = pl.pallas_call(
+        functools.partial(_tile_kernel, windowed=windowed, **kernel_args),
+        grid=(b, g, n, splits),
+        in_specs=inputs,
+        out_specs=[o_spec, lse_spec, *carry_specs],
+        out_shape=out_shapes + carry_shapes,
         interpret=interpret,
         compiler_params=_compiler_params(),
         name="eagle3_invariant_attention",
-    )(tiles, row_vpos, *path, block_table, layer, k_slots, v_slots)
+    )(*operands)
+    if windowed:  # a program a token for the blocks from the tree's window on, into the same outputs
+        tokens = qt // r
+        inputs, o_spec, lse_spec = specs(lambda n: n // tokens)
+        outs = pl.pallas_call(
+            functools.partial(_token_kernel, r=r, **kernel_args),
+            grid=(b, g, paths.shape[1], splits),
+            in_specs=[*inputs, o_spec, lse_spec, lse_spec, o_spec, lse_spec],
+            out_specs=[o_spec, lse_spec],
+            out_shape=out_shapes,
+            input_output_aliases={len(operands) + 3: 0, len(operands) + 4: 1},
+            interpret=interpret,
+            compiler_params=_compiler_params(),
+            name="eagle3_invariant_attention_tree",
+        )(*operands, *outs[2:], *outs[:2])
+    out, lse = outs[:2]
     return pallas_attention.combine_splits(out, lse, rows, tiles.dtype, 1) if splits > 1 else out[:, :, 0]
 
 
 def _compiler_params():
-    from jax.experimental.pallas import triton as plgpu
-
     return plgpu.CompilerParams(num_warps=4, num_stages=1)
 
 

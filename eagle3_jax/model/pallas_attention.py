@@ -91,11 +91,17 @@ def online_softmax_step(carry, s: jax.Array, v: jax.Array):
     return o, new_max, row_sum
 
 
-def write_split(carry, o_ref, lse_ref) -> None:
+def split_result(carry) -> tuple[jax.Array, jax.Array]:
     """A split's normalized output and log-sum-exp (near MASKED where it saw nothing: no weight in the combine)."""
     o, row_max, row_sum = carry
-    o_ref[...] = (o / jnp.maximum(row_sum, 1e-30)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
+    return o / jnp.maximum(row_sum, 1e-30)[:, None], row_max + jnp.log(jnp.maximum(row_sum, 1e-30))
+
+
+def write_split(carry, o_ref, lse_ref) -> None:
+    """`split_result` into o_ref [rows, hd] (in its dtype), lse_ref [rows]."""
+    o, lse = split_result(carry)
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def _in_window(win_ref, key_pos: jax.Array) -> jax.Array:
