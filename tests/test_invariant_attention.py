@@ -112,6 +112,8 @@ STEPS = {
 
 @pytest.mark.parametrize("step", STEPS)
 def test_causal_tiles_equal_a_program_per_token_bit_for_bit(step):
+    """Decode, a chain's verify and a prefill chunk: each token's rows of its tile equal its own
+    program's, over splits of one or two blocks (several a row)."""
     t, starts, blocks_per_split = STEPS[step]
     _, q, k, v, table = _inputs(len(step), len(starts), t)
     vpos = jnp.asarray(np.array(starts)[:, None] + np.arange(t), jnp.int32)
