@@ -207,8 +207,11 @@ class Engine:
         changed, constrained = [], any(r.grammar is not None and not r.prefilling
                                        for r in self.scheduler.running.values())
         if constrained:  # the masks follow every token emitted so far: read all in flight first
+            t = time.perf_counter()
             changed = [req for _ in range(len(self._pending)) for req in self._postprocess(self._pending.popleft())]
             earlier = 0
+            self.stats.constrained_steps += 1
+            self.stats.constrained_read_s += time.perf_counter() - t
         reqs, slots, tables = self.scheduler.batch()  # (after that read: it may finish requests)
         ran = self._run_iteration(reqs, slots, tables) if reqs else None
         # With new work queued, read only what was dispatched before it (the overlap); with none,
@@ -326,13 +329,21 @@ class Engine:
         own path (`Grammars.tree_masks`)."""
         facts, bucket = cfg.speculator.facts, len(slots)
         width = facts.verify_width
+        t = time.perf_counter()
         if width == 1:  # the target alone
-            return self.grammars.masks([(i, m, ()) for i, m in constrained], bucket, width)
-        if facts.verifies_chain:
+            forced = time.perf_counter()
+            mask = self.grammars.masks([(i, m, ()) for i, m in constrained], bucket, width)
+        elif facts.verifies_chain:
             drafts = self._force_drafts(reqs, constrained, slots, width - 1, cfg.greedy)
-            return self.grammars.masks([(i, m, drafts[i]) for i, m in constrained], bucket, width)
-        tokens, parents = self._force_tree(constrained, slots, width - 1, facts.max_accepted)
-        return self.grammars.tree_masks([(i, m, tokens[i], parents[i]) for i, m in constrained], bucket, width)
+            forced = time.perf_counter()
+            mask = self.grammars.masks([(i, m, drafts[i]) for i, m in constrained], bucket, width)
+        else:
+            tokens, parents = self._force_tree(constrained, slots, width - 1, facts.max_accepted)
+            forced = time.perf_counter()
+            mask = self.grammars.tree_masks([(i, m, tokens[i], parents[i]) for i, m in constrained], bucket, width)
+        self.stats.forced_s += forced - t
+        self.stats.mask_s += time.perf_counter() - forced
+        return mask
 
     def _force_drafts(self, reqs: list[Request], constrained: list[tuple[int, Matcher]], slots: np.ndarray,
                       k: int, greedy: bool) -> np.ndarray:
