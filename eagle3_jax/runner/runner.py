@@ -181,8 +181,8 @@ class PinnedBatch:
     """The iteration's slots [B] and block tables [B, nb] at one device address per bucket,
     overwritten in place only when they change (a host array passed in would be a new buffer every
     call); two verdict buffers per bucket (and per bucket of logprobs programs), used in turn; one
-    buffer per bucket for a logprobs program's scored tokens; a masked iteration's verify logits and
-    captures by shape (`steps.verify_in_place`); one first-token buffer per slot."""
+    buffer per bucket for a logprobs program's scored tokens; the latest masked iteration's verify
+    logits and captures (`steps.verify_in_place`); one first-token buffer per slot."""
 
     def __init__(self, mesh: Mesh | None):
         self._placement = sharding.replicated_placement(mesh)
@@ -191,7 +191,10 @@ class PinnedBatch:
         self._verdicts: dict[tuple[int, bool], tuple[jax.Array, jax.Array]] = {}
         self._scored: dict[int, jax.Array] = {}  # bucket -> the last logprobs program's scored [B, E, F]
         self._masks: dict[tuple[int, ...], jax.Array] = {}  # token masks by shape: [B, W, words], [P, words]
-        self._verified: dict[tuple, tuple[jax.Array, jax.Array | None]] = {}  # shapes -> (logits, captures)
+        # The latest masked verify's (logits, captures) with their shapes' key: one pair only, which keeps
+        # its address while a grammar batch keeps its bucket and proposal (a pair per bucket would hold
+        # B x W x V f32 for each bucket, outside the pool's sizing).
+        self._verified: tuple[tuple, tuple[jax.Array, jax.Array | None]] | None = None
         self._verified_shapes: dict[tuple[int, StepConfig], tuple] = {}
         self._first_tokens: list[list[jax.Array]] = []  # slot -> [slot index [1], first token [1]]
 
@@ -199,7 +202,7 @@ class PinnedBatch:
         """Every device buffer held here."""
         return jax.tree.leaves(([held[2] for held in self._by_bucket.values()], list(self._verdicts.values()),
                                 list(self._scored.values()), self._first_tokens, list(self._masks.values()),
-                                list(self._verified.values())))
+                                None if self._verified is None else self._verified[1]))
 
     def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
         held = self._by_bucket.get(len(slots))
@@ -254,14 +257,14 @@ class PinnedBatch:
         shapes = self._verified_shapes.get((len(slots), cfg))
         if shapes is None:  # traced once a bucket and config
             shapes = self._verified_shapes[len(slots), cfg] = verified_shapes(params, state, slots, tables, cfg)
-        held = self._verified.pop(_shapes_key(shapes), None)
-        if held is not None:
-            return held
+        held, self._verified = self._verified, None
+        if held is not None and held[0] == _shapes_key(shapes):
+            return held[1]
         return tuple(None if x is None else jax.device_put(np.zeros(x.shape, x.dtype), self._placement,
                                                            may_alias=False) for x in shapes)
 
     def keep_verified(self, verified: tuple[jax.Array, jax.Array | None]) -> None:
-        self._verified[_shapes_key(verified)] = verified
+        self._verified = (_shapes_key(verified), verified)
 
     def read_first_token(self, state: DeviceState, slot: int) -> jax.Array:
         """The first token [1] the prefill just dispatched sampled into `slot`, without waiting. One buffer
@@ -273,6 +276,16 @@ class PinnedBatch:
         first = read_first_token_step(buffer, state.slots.last_token, index)
         self._first_tokens[slot][1] = first
         return first
+
+
+def verify_pinned(params, state: DeviceState, pinned: PinnedBatch, slots: jax.Array, tables: jax.Array,
+                  cfg: StepConfig, verify: Callable) -> tuple[DeviceState, tuple[jax.Array, jax.Array | None]]:
+    """A masked iteration's verify (`steps.verify_in_place`; `verify`, its program called without `cfg`)
+    over the pinned `slots`, `tables`, written over the buffers held for it, which keep its outputs
+    -> (state, (logits, captures or None))."""
+    state, *verified = verify(params, state, slots, tables, *pinned.verified(params, state, slots, tables, cfg))
+    pinned.keep_verified(verified := tuple(verified))
+    return state, verified
 
 
 def _shapes_key(arrays) -> tuple:
@@ -292,8 +305,7 @@ def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch
     if cfg.masked:
         verify, step = built or (functools.partial(verify_step(cfg, len(slots)), cfg=cfg),
                                  functools.partial(accept_step(cfg, len(slots)), cfg=cfg))
-        state, *verified = verify(params, state, slots, tables, *pinned.verified(params, state, slots, tables, cfg))
-        pinned.keep_verified(verified)
+        state, verified = verify_pinned(params, state, pinned, slots, tables, cfg, verify)
     else:
         step = built or functools.partial(iterate_in_place_step(cfg, len(slots)), cfg=cfg)
     mask = None if token_mask is None else pinned.token_mask(token_mask())
@@ -471,10 +483,8 @@ class ModelRunner:
             return verdicts
         slots, tables = self._pinned.get(slots, tables)
         if cfg.masked:
-            verify = verify_step(cfg, len(slots))
-            state, *verified = verify(self._params, self._state, slots, tables,
-                                      *self._pinned.verified(self._params, self._state, slots, tables, cfg), cfg=cfg)
-            self._pinned.keep_verified(verified)
+            state, verified = verify_pinned(self._params, self._state, self._pinned, slots, tables, cfg,
+                                            functools.partial(verify_step(cfg, len(slots)), cfg=cfg))
             state, _, _, carry, scored = accept_head_step(self._params, self._draft_params, state, slots, tables,
                                                           *verified, cfg=cfg,
                                                           token_mask=self._pinned.token_mask(token_mask()))
