@@ -4,7 +4,7 @@
 
     python3 scripts/structured_bench.py [--target T] [--draft D|none] [--requests 32] [--batch 8]
         [--max-tokens 256] [--num-draft 4] [--proposals chain,tree,target] [--tree 6,8,31]
-        [--batch-invariant] [--out-dir DIR]
+        [--batch-invariant] [--profile] [--out-dir DIR]
 
 Four schemas (nested objects, enums, arrays, patterns), the requests cycling through them, each a
 user turn through the chat template asking for that JSON, greedy. Per run: the share of replies
@@ -17,6 +17,13 @@ target alone's (the grammar's masks apply inside the verify: EAGLE-3 stays lossl
 --batch-invariant, else up to near-ties, as without a grammar). The default target is SmolLM2 with the
 shipped drafter; on the CPU keep --requests and --max-tokens small. Prints a table and writes
 structured.json under --out-dir.
+
+--profile: instead, one batch of --batch grammar requests (greedy, then seeded sampling) a run, and
+where a step under a grammar spends its time (`EngineStats`), in ms a step: reading every result in
+flight (of which blocked on the device: "wait"), reading the pending proposals and writing the
+grammar's forced tokens in, computing the masks, dispatching, the rest of the step; beside it the
+device's masked iteration alone on padding rows (its bucket, timed to completion). Writes
+profile.json (the split and every reply's tokens) under --out-dir.
 """
 
 from __future__ import annotations
@@ -139,6 +146,52 @@ def run(llm, work: list[tuple[str, dict]], max_tokens: int, grammar: bool, batch
     return outs, time.perf_counter() - start
 
 
+def profile(llm, work: list[tuple[str, dict]], max_tokens: int, batch: int) -> list[dict]:
+    """The split of the steps of one batch of `work[:batch]` under its grammars, greedy and seeded
+    sampling, after an untimed pass (`--profile`)."""
+    import dataclasses
+
+    import numpy as np
+
+    from eagle3_jax import SamplingParams
+
+    engine, work = llm.engine, work[:batch]
+    chats = [[{"role": "user", "content": prompt}] for prompt, _ in work]
+    rows = []
+    for sampled in (False, True):
+        params = [SamplingParams(max_tokens=max_tokens, structured_outputs={"json": schema},
+                                 **({"temperature": 0.8, "seed": i} if sampled else {}))
+                  for i, (_, schema) in enumerate(work)]
+        for _ in range(2):  # compiles what the timed pass runs (the second: its prefills past cached prefixes)
+            llm.chat(chats, params)
+        engine.reset_stats()
+        start = time.perf_counter()
+        outs = llm.chat(chats, params)
+        wall = time.perf_counter() - start
+        s = engine.stats
+        per_step = {name: 1e3 * seconds / max(s.constrained_steps, 1) for name, seconds in (
+            ("step", s.host_s + s.device_wait_s), ("read", s.constrained_read_s), ("wait", s.device_wait_s),
+            ("forced", s.forced_s), ("masks", s.mask_s), ("dispatch", s.dispatch_s))}
+        per_step["other"] = per_step["step"] - sum(per_step[k] for k in ("read", "forced", "masks", "dispatch"))
+        rows.append({"sampled": sampled, "steps": s.steps, "constrained_steps": s.constrained_steps,
+                     "prefill_calls": s.prefill_calls, "wall_s": wall, "tokens": sum(len(o.token_ids) for o in outs),
+                     "ms_per_constrained_step": per_step, "token_ids": [o.token_ids for o in outs]})
+    # The device's masked iteration alone, on padding rows of the batch's bucket.
+    cfg = dataclasses.replace(engine.iterate_config(batch), masked=True)
+    slots, tables = engine.runner.padding_rows(batch)
+    mask = engine.runner.allow_all(cfg, batch)
+    for _ in range(2):
+        engine.runner.iterate(slots, tables, cfg, lambda: mask).block_until_ready()
+    samples = []
+    for _ in range(10):
+        start = time.perf_counter()
+        engine.runner.iterate(slots, tables, cfg, lambda: mask).block_until_ready()
+        samples.append(time.perf_counter() - start)
+    for row in rows:
+        row["device_step_ms"] = 1e3 * float(np.median(samples))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=None, help="a converted Llama target (default: SmolLM2-135M-Instruct)")
@@ -152,6 +205,7 @@ def main() -> None:
     p.add_argument("--tree", default="6,8,31", help="the tree's TreeSpec (steps, top-k, nodes)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant kernels: token identity exact in bf16 too, near-ties included")
+    p.add_argument("--profile", action="store_true", help="where a grammar batch's steps spend their time")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args()
 
@@ -175,6 +229,12 @@ def main() -> None:
                            max_num_seqs=args.batch, structured_warmup=True)
         llm = LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft if speculative else 0,
                   tree=tree, engine_config=cfg, progress=False, batch_invariant=args.batch_invariant)
+        if args.profile:
+            label = {"chain": f"chain K={args.num_draft}", "tree": f"tree ({args.tree})", "target": "target alone"}
+            rows += [{"run": label[proposal] + (", sampled" if r["sampled"] else ", greedy"), **r}
+                     for r in profile(llm, work, args.max_tokens, args.batch)]
+            llm.close()
+            continue
         for grammar in (True, False):
             outs, seconds = run(llm, work, args.max_tokens, grammar, args.batch)
             judged = [judge(o.text, schema, validate) for o, (_, schema) in zip(outs, work)]
@@ -191,6 +251,9 @@ def main() -> None:
                                             for r in sorted({o.finish_reason for o in outs})}})
             replies[(proposal, grammar)] = [o.token_ids for o in outs]
         llm.close()
+    if args.profile:
+        print_profile(rows, args.out_dir)
+        return
     identical = {f"{proposal}, {'grammar' if g else 'free text'}": replies[(proposal, g)] == replies[("target", g)]
                  for proposal in proposals if proposal != "target" for g in (True, False)}
     print(f"{'run':34} {'parsed':>7} {'valid':>7} {'accept':>7} {'tok/s':>9} {'decode':>9}  finish")
@@ -203,6 +266,25 @@ def main() -> None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "structured.json").write_text(json.dumps(
             {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "identical": identical}, indent=1))
+
+
+def print_profile(rows: list[dict], out_dir: Path | None) -> None:
+    """`--profile`'s table (ms a step under a grammar), its greedy replies compared across the runs."""
+    parts = ("read", "wait", "forced", "masks", "dispatch", "other")
+    print(f"{'run':28} {'steps':>5} {'tok/s':>7} {'step':>7} " + " ".join(f"{p:>8}" for p in parts)
+          + f" {'device':>7}")
+    for r in rows:
+        ms = r["ms_per_constrained_step"]
+        print(f"{r['run']:28} {r['constrained_steps']:5d} {r['tokens'] / r['wall_s']:7.1f} {ms['step']:7.2f} "
+              + " ".join(f"{ms[p]:8.2f}" for p in parts) + f" {r['device_step_ms']:7.2f}")
+    print("ms per step under a grammar; read includes wait (blocked on the device); device: the masked "
+          "iteration alone")
+    greedy = [r for r in rows if not r["sampled"]]
+    print("greedy replies token-identical across the runs:", all(r["token_ids"] == greedy[-1]["token_ids"]
+                                                                  for r in greedy))
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "profile.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

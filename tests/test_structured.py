@@ -244,6 +244,43 @@ def test_constrained_output_is_the_same_tokens_with_speculation_on_and_off(outpu
 
 
 @pytest.mark.slow
+def test_each_iteration_is_masked_by_its_own_rows_grammars_after_its_own_forward(chat_models):
+    """A masked iteration is two programs, the verify's forward and then the acceptance under the masks
+    the host computed meanwhile (runner/steps.py, `verify_in_place`). Rows under three grammars in
+    one batch, iteration after iteration, on the target alone and the EAGLE-3 chain (fused, and a
+    program per draft step): each token
+    emitted is the argmax of transformers' logits at its position (the same weights, an independent
+    forward) among the tokens its own row's grammar allows after the tokens before it. Masks
+    applied to another iteration's logits, or another row's, would let other tokens through."""
+    import torch
+    from conftest import make_llm
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(chat_models[0]), dtype=torch.float32).eval()
+    params = [REQUESTS[0], REQUESTS[2], REQUESTS[4]]  # greedy: a schema, a regex, a choice
+    prompts = [[{"role": "user", "content": f"Row {i}"}] for i in range(len(params))]
+    for how in ({"draft": None, "num_draft": 0}, {"num_draft": 3}, {"num_draft": 3, "fused_iteration": False}):
+        llm = make_llm(chat_models[0], **{"draft": chat_models[1], "tree": None, **how}, warmup=False,
+                       max_model_len=256)
+        grammars, vocab = llm.engine.grammars, llm.engine.step_cfg.target.vocab_size
+        outs = llm.chat(prompts, params)
+        llm.close()
+        binding = 0  # positions whose unconstrained argmax the grammar refused
+        for out, p in zip(outs, params):
+            prompt = len(out.prompt_token_ids)
+            with torch.no_grad():
+                logits = model(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0].numpy()
+            matcher = grammars.matcher(p.structured_outputs)
+            assert len(out.token_ids) > 2
+            for t, token in enumerate(out.token_ids):
+                row, ok = logits[prompt + t - 1], sorted(allowed(grammars.masks([(0, matcher, ())], 1, 1)[0, 0], vocab))
+                assert token in ok and row[token] >= row[ok].max() - 1e-4, (how, p.structured_outputs, t)
+                binding += int(np.argmax(row)) not in ok
+                matcher.advance(token)
+        assert binding > 10, how
+
+
+@pytest.mark.slow
 def test_a_tree_under_a_grammar_is_masked_node_by_node(chat_models, outputs):
     """A tree engine under the schema, each iteration verifying a tree set by hand (forced tokens
     off): the target alone's next tokens under the schema as a root path 0..steps deep on a random

@@ -10,14 +10,16 @@ are rewritten only by later dispatches).
 
 A batch with a row under a grammar (`SamplingParams.structured_outputs`) gives up that overlap:
 before dispatching, the host reads every result in flight, advances each such row's matcher by
-the tokens it emitted, reads the rows' pending proposals, puts the tokens each row's grammar forces
-from there (its braces, quotes, key names) in place of its first drafts (a chain's: `_force_drafts`;
-a tree's, on one root path: `_force_tree`; written to the device state in place), and computes the
-tokens the grammar allows at each position the verify decides: along a chain's drafts, or at each
-node of a tree under that node's own path from the root (engine/structured.py). The program applies
-those masks to the target's logits before accepting, so a drafted token the grammar refuses is never
-accepted and the output is the constrained target's with or without speculation, whichever of the
-tree, the chain and the target alone the batch runs.
+the tokens it emitted, reads the rows' pending proposals, and puts the tokens each row's grammar
+forces from there (its braces, quotes, key names) in place of its first drafts (a chain's:
+`_force_drafts`; a tree's, on one root path: `_force_tree`; written to the device state in place).
+Its iteration is then two programs (runner/steps.py, `verify_in_place`): the verify's forward is
+dispatched first, and while the device runs it the host computes the tokens the grammar allows at
+each position the verify decides: along a chain's drafts, or at each node of a tree under that
+node's own path from the root (engine/structured.py); the second program applies those masks to
+the forward's logits before accepting, so a drafted token the grammar refuses is never accepted
+and the output is the constrained target's with or without speculation, whichever of the tree,
+the chain and the target alone the batch runs.
 
 Under `speculation="auto"` each iteration runs the target alone or one of the proposals by
 engine/policy.py's rule, from costs timed in warm-up (then as served) and the acceptance measured
@@ -37,7 +39,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from jax.sharding import Mesh
@@ -207,8 +209,11 @@ class Engine:
         changed, constrained = [], any(r.grammar is not None and not r.prefilling
                                        for r in self.scheduler.running.values())
         if constrained:  # the masks follow every token emitted so far: read all in flight first
+            t = time.perf_counter()
             changed = [req for _ in range(len(self._pending)) for req in self._postprocess(self._pending.popleft())]
             earlier = 0
+            self.stats.constrained_steps += 1
+            self.stats.constrained_read_s += time.perf_counter() - t
         reqs, slots, tables = self.scheduler.batch()  # (after that read: it may finish requests)
         ran = self._run_iteration(reqs, slots, tables) if reqs else None
         # With new work queued, read only what was dispatched before it (the overlap); with none,
@@ -308,31 +313,45 @@ class Engine:
         cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs), logprobs=scoring,
                            masked=bool(constrained))
         fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice)
-        mask = self._masks(reqs, constrained, slots, cfg) if constrained else None
-        t = time.perf_counter()
-        verdicts = self.runner.iterate(slots, tables, cfg, mask)
+        masks = self._masks(reqs, constrained, slots, cfg) if constrained else None
+        t, masking = time.perf_counter(), self.stats.mask_s
+        verdicts = self.runner.iterate(slots, tables, cfg, masks)  # calls `masks` while the verify runs
         verdicts.copy_to_host_async()
-        self.stats.dispatch_s += time.perf_counter() - t
+        self.stats.dispatch_s += time.perf_counter() - t - (self.stats.mask_s - masking)
         self.stats.iterations += 1
         self.stats.count_iteration(bucket, self.speculation.label(choice), speculative=choice is not None)
         self._pending.append(_Pending(reqs, verdicts, [r.admissions for r in reqs], True, choice, fresh, scoring))
         return None if scoring else (bucket, choice)
 
     def _masks(self, reqs: list[Request], constrained: list[tuple[int, Matcher]], slots: np.ndarray,
-               cfg: StepConfig) -> np.ndarray:
-        """The token masks [B, W, words] of a masked iteration of `cfg`: each constrained row's grammar
-        along its pending proposal, read from the device first with the tokens its grammar forces
-        put in (a chain's: `_force_drafts`; a tree's: `_force_tree`), a tree's nodes each under its
-        own path (`Grammars.tree_masks`)."""
+               cfg: StepConfig) -> Callable[[], np.ndarray]:
+        """The computation of the token masks [B, W, words] of a masked iteration of `cfg`, which the
+        runner calls once the verify's forward is dispatched (the host fills them while the device
+        runs it): each constrained row's grammar along its pending proposal, read from the device
+        now with the tokens its grammar forces put in (a chain's: `_force_drafts`; a tree's:
+        `_force_tree`; they change what the verify reads, so they go in before it), a tree's nodes
+        each under its own path (`Grammars.tree_masks`)."""
         facts, bucket = cfg.speculator.facts, len(slots)
         width = facts.verify_width
+        t = time.perf_counter()
         if width == 1:  # the target alone
-            return self.grammars.masks([(i, m, ()) for i, m in constrained], bucket, width)
-        if facts.verifies_chain:
+            rows = [(i, m, ()) for i, m in constrained]
+        elif facts.verifies_chain:
             drafts = self._force_drafts(reqs, constrained, slots, width - 1, cfg.greedy)
-            return self.grammars.masks([(i, m, drafts[i]) for i, m in constrained], bucket, width)
-        tokens, parents = self._force_tree(constrained, slots, width - 1, facts.max_accepted)
-        return self.grammars.tree_masks([(i, m, tokens[i], parents[i]) for i, m in constrained], bucket, width)
+            rows = [(i, m, drafts[i]) for i, m in constrained]
+        else:
+            tokens, parents = self._force_tree(constrained, slots, width - 1, facts.max_accepted)
+            rows = [(i, m, tokens[i], parents[i]) for i, m in constrained]
+        self.stats.forced_s += time.perf_counter() - t
+
+        def masks() -> np.ndarray:
+            start = time.perf_counter()
+            fill = self.grammars.masks if width == 1 or facts.verifies_chain else self.grammars.tree_masks
+            mask = fill(rows, bucket, width)
+            self.stats.mask_s += time.perf_counter() - start
+            return mask
+
+        return masks
 
     def _force_drafts(self, reqs: list[Request], constrained: list[tuple[int, Matcher]], slots: np.ndarray,
                       k: int, greedy: bool) -> np.ndarray:

@@ -16,6 +16,13 @@ class EngineStats:
     host_s: float = 0.0
     dispatch_s: float = 0.0
     device_wait_s: float = 0.0
+    # A step with a row under a grammar (`constrained_steps`): its read of every result in flight
+    # before dispatching (device wait included), its pending proposals read with the grammars' forced
+    # tokens written in, and its token masks computed.
+    constrained_steps: int = 0
+    constrained_read_s: float = 0.0
+    forced_s: float = 0.0
+    mask_s: float = 0.0
     warmup_s: float = 0.0
     speculative_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count
     target_only_iterations: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> count

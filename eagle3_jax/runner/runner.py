@@ -40,6 +40,8 @@ from eagle3_jax.runner.state import (
 from eagle3_jax.runner.steps import (
     TARGET_ALONE,
     StepConfig,
+    accept_head_step,
+    accept_step,
     chain_step_jit,
     commit_step,
     iterate_head_step,
@@ -48,11 +50,15 @@ from eagle3_jax.runner.steps import (
     read_first_token_step,
     read_verdicts_step,
     state_jit,
+    verified_shapes,
+    verify_step,
 )
 from eagle3_jax.runner.target import target_model_for
 from eagle3_jax.sampling_params import SamplingParams
 
 Job = tuple[Callable, tuple, dict]  # (jitted function, args, keyword args): one program to compile
+# A masked iteration's token masks [B, W, words], computed by the host once its verify is dispatched.
+MaskFill = Callable[[], np.ndarray]
 
 
 def compile_on_pool(compiles: Sequence[Callable[[], Any]], progress: bool = False) -> tuple[float, list]:
@@ -75,7 +81,8 @@ def precompile(jobs: Sequence[Job], progress: bool = False) -> float:
 @dataclasses.dataclass(frozen=True)
 class AheadProgram:
     """A fused program `ModelRunner.compile_ahead` builds: `key`, how the runner finds it when it runs
-    (("iterate", bucket, cfg) or ("prefill", rows, chunk, cfg)); `jitted` lowered on `args` and
+    (("iterate", bucket, cfg), a masked iteration's ("verify", ...) and ("accept", ...), or ("prefill",
+    rows, chunk, cfg)); `jitted` lowered on `args` and
     `kwargs` (padding rows) with `cfg` static."""
 
     key: tuple
@@ -174,7 +181,8 @@ class PinnedBatch:
     """The iteration's slots [B] and block tables [B, nb] at one device address per bucket,
     overwritten in place only when they change (a host array passed in would be a new buffer every
     call); two verdict buffers per bucket (and per bucket of logprobs programs), used in turn; one
-    buffer per bucket for a logprobs program's scored tokens; one first-token buffer per slot."""
+    buffer per bucket for a logprobs program's scored tokens; the latest masked iteration's verify
+    logits and captures (`steps.verify_in_place`); one first-token buffer per slot."""
 
     def __init__(self, mesh: Mesh | None):
         self._placement = sharding.replicated_placement(mesh)
@@ -183,12 +191,18 @@ class PinnedBatch:
         self._verdicts: dict[tuple[int, bool], tuple[jax.Array, jax.Array]] = {}
         self._scored: dict[int, jax.Array] = {}  # bucket -> the last logprobs program's scored [B, E, F]
         self._masks: dict[tuple[int, ...], jax.Array] = {}  # token masks by shape: [B, W, words], [P, words]
+        # The latest masked verify's (logits, captures) with their shapes' key: one pair only, which keeps
+        # its address while a grammar batch keeps its bucket and proposal (a pair per bucket would hold
+        # B x W x V f32 for each bucket, outside the pool's sizing).
+        self._verified: tuple[tuple, tuple[jax.Array, jax.Array | None]] | None = None
+        self._verified_shapes: dict[tuple[int, StepConfig], tuple] = {}
         self._first_tokens: list[list[jax.Array]] = []  # slot -> [slot index [1], first token [1]]
 
     def buffers(self) -> list[jax.Array]:
         """Every device buffer held here."""
         return jax.tree.leaves(([held[2] for held in self._by_bucket.values()], list(self._verdicts.values()),
-                                list(self._scored.values()), self._first_tokens, list(self._masks.values())))
+                                list(self._scored.values()), self._first_tokens, list(self._masks.values()),
+                                None if self._verified is None else self._verified[1]))
 
     def get(self, slots: np.ndarray, tables: np.ndarray) -> tuple[jax.Array, jax.Array]:
         held = self._by_bucket.get(len(slots))
@@ -236,6 +250,22 @@ class PinnedBatch:
     def keep_scored(self, scored: jax.Array) -> None:
         self._scored[scored.shape[0]] = scored
 
+    def verified(self, params, state: DeviceState, slots: jax.Array, tables: jax.Array,
+                 cfg: StepConfig) -> tuple[jax.Array, jax.Array | None]:
+        """The buffers (logits, captures or None) a masked iteration's verify of `cfg` over `slots`
+        writes over (donated; `steps.verify_in_place`); `keep_verified` takes them back."""
+        shapes = self._verified_shapes.get((len(slots), cfg))
+        if shapes is None:  # traced once a bucket and config
+            shapes = self._verified_shapes[len(slots), cfg] = verified_shapes(params, state, slots, tables, cfg)
+        held, self._verified = self._verified, None
+        if held is not None and held[0] == _shapes_key(shapes):
+            return held[1]
+        return tuple(None if x is None else jax.device_put(np.zeros(x.shape, x.dtype), self._placement,
+                                                           may_alias=False) for x in shapes)
+
+    def keep_verified(self, verified: tuple[jax.Array, jax.Array | None]) -> None:
+        self._verified = (_shapes_key(verified), verified)
+
     def read_first_token(self, state: DeviceState, slot: int) -> jax.Array:
         """The first token [1] the prefill just dispatched sampled into `slot`, without waiting. One buffer
         a slot suffices: a slot is reused only after its request, which read it, finished."""
@@ -248,20 +278,42 @@ class PinnedBatch:
         return first
 
 
+def verify_pinned(params, state: DeviceState, pinned: PinnedBatch, slots: jax.Array, tables: jax.Array,
+                  cfg: StepConfig, verify: Callable) -> tuple[DeviceState, tuple[jax.Array, jax.Array | None]]:
+    """A masked iteration's verify (`steps.verify_in_place`; `verify`, its program called without `cfg`)
+    over the pinned `slots`, `tables`, written over the buffers held for it, which keep its outputs
+    -> (state, (logits, captures or None))."""
+    state, *verified = verify(params, state, slots, tables, *pinned.verified(params, state, slots, tables, cfg))
+    pinned.keep_verified(verified := tuple(verified))
+    return state, verified
+
+
+def _shapes_key(arrays) -> tuple:
+    return tuple(None if x is None else (x.shape, str(x.dtype)) for x in arrays)
+
+
 def iterate_pinned(params, draft_params, state: DeviceState, pinned: PinnedBatch, slots: np.ndarray,
-                   tables: np.ndarray, cfg: StepConfig, token_mask: np.ndarray | None = None,
+                   tables: np.ndarray, cfg: StepConfig, token_mask: MaskFill | None = None,
                    built: Callable | None = None) -> tuple[DeviceState, jax.Array]:
     """One fused iteration, every buffer at a stable address, state donated -> (state, verdicts [B, 2 + E],
-    a logprobs program's with its scored tokens); token_mask [B, W, words]: a masked program's;
-    `built`: the program compiled ahead for `cfg` at this bucket (None: the jitted step)."""
+    a logprobs program's with its scored tokens); `built`: the program compiled ahead for `cfg` at this
+    bucket (None: the jitted step). A masked program (`cfg.masked`) is two: its verify's forward
+    dispatched first, then `token_mask()` [B, W, words] computed on the host while it runs, then the
+    acceptance under them (`built`: that pair)."""
     slots, tables = pinned.get(slots, tables)
-    step = built or functools.partial(iterate_in_place_step(cfg, len(slots)), cfg=cfg)
-    mask = pinned.token_mask(token_mask)
+    verified = ()
+    if cfg.masked:
+        verify, step = built or (functools.partial(verify_step(cfg, len(slots)), cfg=cfg),
+                                 functools.partial(accept_step(cfg, len(slots)), cfg=cfg))
+        state, verified = verify_pinned(params, state, pinned, slots, tables, cfg, verify)
+    else:
+        step = built or functools.partial(iterate_in_place_step(cfg, len(slots)), cfg=cfg)
+    mask = None if token_mask is None else pinned.token_mask(token_mask())
     if not cfg.logprobs:
-        state = step(params, draft_params, state, slots, tables, token_mask=mask)
+        state = step(params, draft_params, state, slots, tables, *verified, token_mask=mask)
         return state, pinned.read_verdicts(state, slots)
     scored = pinned.scored(len(slots), (state.slots.emitted.shape[1], logprobs.fields(cfg.target.vocab_size)))
-    state, scored = step(params, draft_params, state, slots, tables, scored, token_mask=mask)
+    state, scored = step(params, draft_params, state, slots, tables, *verified, scored, token_mask=mask)
     pinned.keep_scored(scored)
     return state, pinned.read_verdicts(state, slots, scored)
 
@@ -416,19 +468,29 @@ class ModelRunner:
         return self._pinned.read_first_token(self._state, slot)
 
     def iterate(self, slots: np.ndarray, tables: np.ndarray, cfg: StepConfig,
-                token_mask: np.ndarray | None = None) -> jax.Array:
+                token_mask: MaskFill | None = None) -> jax.Array:
         """One iteration over `slots` [B], `tables` [B, nb], fused or a program per draft step -> verdicts
         [B, 2 + E] (a `cfg.logprobs` program's with its scored tokens: `steps.split_verdicts`), to read
-        before the bucket's next iteration but one. token_mask [B, W, words]: a masked program's (cfg.masked)."""
+        before the bucket's next iteration but one. A masked program's (cfg.masked): its verify's forward
+        dispatched, then `token_mask()` [B, W, words] called while it runs, then the acceptance under them."""
         if self.cfg.speculation.fused_iteration or not cfg.speculative:
             built = self._built.get(("iterate", len(slots), cfg))
+            if cfg.masked:  # its verify and acceptance (`ahead_programs`)
+                pair = tuple(self._built.get((kind, len(slots), cfg)) for kind in ("verify", "accept"))
+                built = pair if all(pair) else None
             self._state, verdicts = iterate_pinned(self._params, self._draft_params, self._state, self._pinned, slots,
                                                    tables, cfg, token_mask, built)
             return verdicts
         slots, tables = self._pinned.get(slots, tables)
-        mask = self._pinned.token_mask(token_mask)
-        state, _, _, carry, scored = iterate_head_step(self._params, self._draft_params, self._state, slots, tables,
-                                                       cfg=cfg, token_mask=mask)
+        if cfg.masked:
+            state, verified = verify_pinned(self._params, self._state, self._pinned, slots, tables, cfg,
+                                            functools.partial(verify_step(cfg, len(slots)), cfg=cfg))
+            state, _, _, carry, scored = accept_head_step(self._params, self._draft_params, state, slots, tables,
+                                                          *verified, cfg=cfg,
+                                                          token_mask=self._pinned.token_mask(token_mask()))
+        else:
+            state, _, _, carry, scored = iterate_head_step(self._params, self._draft_params, self._state, slots,
+                                                           tables, cfg=cfg)
         for j in range(1, cfg.speculator.facts.num_draft_steps):
             state, carry = chain_step_jit(self._draft_params, self._params.embed, state, carry, tables, j, cfg=cfg)
         self._state = commit_step(state, slots, carry, cfg=cfg)
@@ -473,7 +535,8 @@ class ModelRunner:
                 self.write_drafts(slots, self.read_drafts(slots, width))
             else:
                 self.write_drafts(slots, *self.read_tree(slots, width))
-        self.iterate(slots, tables, cfg, self.allow_all(cfg, bucket)).block_until_ready()
+        mask = self.allow_all(cfg, bucket)
+        self.iterate(slots, tables, cfg, None if mask is None else lambda: mask).block_until_ready()
 
     def compile_prefill(self, rows: int, size: int, greedy: bool, masked: bool = False) -> None:
         """Build the prefill program of `rows` x `size` tokens by running it on padding rows."""
@@ -485,10 +548,21 @@ class ModelRunner:
     def ahead_programs(self, iterations: Sequence[tuple[int, StepConfig]],
                        prefills: Sequence[tuple[int, int, bool, bool]]) -> list[AheadProgram]:
         """The fused iteration and prefill programs to build ahead (`compile_ahead`): iterations (bucket,
-        config), prefills (rows, chunk, greedy, masked); programs that score logprobs are built on first use."""
+        config; a masked one's verify and acceptance, `iterate_pinned`), prefills (rows, chunk, greedy,
+        masked); programs that score logprobs are built on first use."""
         p, dp, st = self._params, self._draft_params, self._state
-        programs = [AheadProgram(("iterate", b, c), iterate_in_place_step(c, b), (p, dp, st, *self.padding_rows(b)),
-                                 {"token_mask": self.allow_all(c, b)}, c) for b, c in iterations]
+        programs = []
+        for b, c in iterations:
+            rows = self.padding_rows(b)
+            if not c.masked:
+                programs.append(AheadProgram(("iterate", b, c), iterate_in_place_step(c, b), (p, dp, st, *rows),
+                                             {"token_mask": None}, c))
+                continue
+            verified = tuple(None if x is None else np.zeros(x.shape, x.dtype)
+                             for x in verified_shapes(p, st, *rows, c))  # (the pinned buffers' shapes)
+            programs += [AheadProgram(("verify", b, c), verify_step(c, b), (p, st, *rows, *verified), {}, c),
+                         AheadProgram(("accept", b, c), accept_step(c, b), (p, dp, st, *rows, *verified),
+                                      {"token_mask": self.allow_all(c, b)}, c)]
         for rows, size, greedy, masked in prefills:
             cfg = self.config(self.speculator, greedy, masked=masked)
             programs.append(AheadProgram(("prefill", rows, size, cfg), prefill_step,

@@ -3,6 +3,9 @@
 chunk of each of P prompts (a last chunk also yields the first token and proposal); `iterate`
 verifies, accepts, extends the drafter and drafts the next proposal, with no host round trip.
 `fused_iteration=False` runs it as K + 1 programs (`iterate_head`, `chain_step`, `commit_proposals`).
+A masked iteration (a row under a grammar) is split after the verify's forward (`verify_in_place`),
+so that the host computes the token masks while it runs; the rest (`accept_in_place`, or per step
+`accept_head`) applies them. The unmasked iteration stays one program.
 Programs of a batch with a row asking for logprobs also score the tokens they emit (runner/logprobs.py);
 the others are unchanged.
 """
@@ -185,6 +188,15 @@ def _write_slots(slots: Slots, rows: jax.Array, **values: jax.Array) -> Slots:
     return slots.replace(length=slots.length.at[DUMMY_SLOT].set(0))
 
 
+def _verify(params, cfg: StepConfig, state: DeviceState, rows: jax.Array, block_tables: jax.Array):
+    """The verify's target forward over the rows' pending proposals -> (the rows' slots, the verified
+    positions [B, W], the target's logits [B, W, V], captures [B, W, C], target_kv with their KV written)."""
+    s = _gather(state.slots, rows)
+    tokens, positions, mask = cfg.speculator.verify_layout(s)
+    hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
+    return s, positions, _logits(params, cfg, hidden), captures, target_kv
+
+
 def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
                  cfg: StepConfig, token_mask: jax.Array | None = None):
     """Verify, accept, extend the draft, run the first draft step. rows [B], block_tables [B, nb],
@@ -192,11 +204,51 @@ def iterate_head(params, dparams: DraftParams | None, state: DeviceState, rows: 
     emitted[b, :n[b] + 1], carry: None if nothing drafts, scored: `cfg.logprobs`' packed rows [B, W, F]
     of the emitted tokens, W the slots' emitted width, scored by the target's logits before any token
     mask; else None)."""
-    spec = cfg.speculator
+    s, positions, logits, captures, target_kv = _verify(params, cfg, state, rows, block_tables)
+    return _accept(params, dparams, state, rows, block_tables, cfg, token_mask, s, positions, logits, captures,
+                   target_kv)
+
+
+def verify_in_place(params, state: DeviceState, rows: jax.Array, block_tables: jax.Array, logits: jax.Array,
+                    captures: jax.Array | None, cfg: StepConfig
+                    ) -> tuple[DeviceState, jax.Array, jax.Array | None]:
+    """A masked iteration's first program: the verify's target forward alone, which needs no mask, so
+    the host computes the masks while it runs (`accept_head` then applies them). -> (the state, the
+    verified tokens' target KV written; the target's logits [B, W, V] and, where a drafter extends,
+    captures [B, W, C], else None), written over the donated `logits` and `captures` so that they
+    keep one address from call to call. They are no part of the state: their shapes are the
+    bucket's and the proposal's, and the state is one for every program. Under a mesh both leave
+    replicated, one placement the buffers held for them share whatever the program."""
+    del logits, captures
+    _, _, logits, captures, target_kv = _verify(params, cfg, state, rows, block_tables)
+    verified = replicate((logits, captures if cfg.draft is not None else None), cfg.mesh)
+    return _finish(state.replace(target_kv=target_kv), cfg), *verified
+
+
+def verified_shapes(params, state: DeviceState, rows: jax.Array, block_tables: jax.Array, cfg: StepConfig
+                    ) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct | None]:
+    """The shapes of `verify_in_place`'s logits and captures (None where no drafter extends), traced."""
+    _, _, logits, captures, _ = jax.eval_shape(lambda *a: _verify(params, cfg, *a), state, rows, block_tables)
+    return logits, captures if cfg.draft is not None else None
+
+
+def accept_head(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
+                logits: jax.Array, captures: jax.Array | None, cfg: StepConfig, token_mask: jax.Array | None = None):
+    """`iterate_head` after `verify_in_place` ran its forward on `state` (its slots as the verify read
+    them: that program writes only the target's KV): the same outputs, from the verify's `logits`
+    and `captures` (read, not donated)."""
     s = _gather(state.slots, rows)
-    tokens, positions, mask = spec.verify_layout(s)
-    hidden, captures, target_kv = _target(params, cfg, tokens, positions, state.target_kv, block_tables, mask)
-    logits = target_logits = _logits(params, cfg, hidden)
+    positions = cfg.speculator.verify_layout(s)[1]
+    return _accept(params, dparams, state, rows, block_tables, cfg, token_mask, s, positions, logits, captures,
+                   state.target_kv)
+
+
+def _accept(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
+            cfg: StepConfig, token_mask: jax.Array | None, s, positions: jax.Array, logits: jax.Array,
+            captures: jax.Array | None, target_kv: KVCache):
+    """`iterate_head` after its verify (`_verify`'s outputs)."""
+    spec = cfg.speculator
+    target_logits = logits
     if cfg.masked:  # a mask per verified position: a chain's along its drafts, a tree's per node
         logits = sampling.mask_logits(logits, token_mask)
     n, emitted, path, top1 = spec.accept(cfg.greedy, dparams, logits, s,
@@ -254,7 +306,14 @@ def iterate(params, dparams: DraftParams | None, state: DeviceState, rows: jax.A
             cfg: StepConfig, token_mask: jax.Array | None = None
             ) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array | None]:
     """One whole speculative iteration in one program (the fused path); see `iterate_head`."""
-    state, n, emitted, carry, scored = iterate_head(params, dparams, state, rows, block_tables, cfg, token_mask)
+    return _propose(params, dparams, rows, block_tables, cfg,
+                    *iterate_head(params, dparams, state, rows, block_tables, cfg, token_mask))
+
+
+def _propose(params, dparams: DraftParams | None, rows: jax.Array, block_tables: jax.Array, cfg: StepConfig,
+             state: DeviceState, n: jax.Array, emitted: jax.Array, carry: DraftCarry | None,
+             scored: jax.Array | None) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array | None]:
+    """The draft steps after a head's first and the proposal committed (the fused path)."""
     if carry is not None:
         carry, draft_kv = cfg.speculator.propose(cfg.draft_context, dparams, params.embed, carry, state.draft_kv,
                                                  block_tables, start=1)
@@ -277,6 +336,30 @@ def iterate_scored_in_place(params, dparams: DraftParams | None, state: DeviceSt
     written over the donated `scored`, so that they too keep one address from call to call."""
     del scored
     state, _, _, scored = iterate(params, dparams, state, rows, block_tables, cfg, token_mask)
+    return state, scored
+
+
+def accept(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
+           logits: jax.Array, captures: jax.Array | None, cfg: StepConfig, token_mask: jax.Array | None = None
+           ) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array | None]:
+    """A masked iteration's second program (fused): `iterate` after `verify_in_place`, under the masks."""
+    return _propose(params, dparams, rows, block_tables, cfg,
+                    *accept_head(params, dparams, state, rows, block_tables, logits, captures, cfg, token_mask))
+
+
+def accept_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array, block_tables: jax.Array,
+                    logits: jax.Array, captures: jax.Array | None, cfg: StepConfig,
+                    token_mask: jax.Array | None = None) -> DeviceState:
+    """`accept` with the verdicts left in the slots, as `iterate_in_place`."""
+    return accept(params, dparams, state, rows, block_tables, logits, captures, cfg, token_mask)[0]
+
+
+def accept_scored_in_place(params, dparams: DraftParams | None, state: DeviceState, rows: jax.Array,
+                           block_tables: jax.Array, logits: jax.Array, captures: jax.Array | None, scored: jax.Array,
+                           cfg: StepConfig, token_mask: jax.Array | None = None) -> tuple[DeviceState, jax.Array]:
+    """`accept_in_place` of a `cfg.logprobs` program, as `iterate_scored_in_place`."""
+    del scored
+    state, _, _, scored = accept(params, dparams, state, rows, block_tables, logits, captures, cfg, token_mask)
     return state, scored
 
 
@@ -423,12 +506,18 @@ prefill_step = state_jit(prefill, static_argnames="cfg", donate_argnames="state"
 _iterate_in_place = jit_per_gemm(iterate_in_place, static_argnames="cfg", donate_argnames="state")
 _iterate_scored_in_place = jit_per_gemm(iterate_scored_in_place, static_argnames="cfg",
                                         donate_argnames=("state", "scored"))
+# A masked iteration: the verify's forward, then the acceptance under the masks (`verify_in_place`).
+_verify_in_place = jit_per_gemm(verify_in_place, static_argnames="cfg", donate_argnames=("state", "logits", "captures"))
+_accept_in_place = jit_per_gemm(accept_in_place, static_argnames="cfg", donate_argnames="state")
+_accept_scored_in_place = jit_per_gemm(accept_scored_in_place, static_argnames="cfg",
+                                       donate_argnames=("state", "scored"))
 read_verdicts_step = jax.jit(read_verdicts, donate_argnames="buffer", keep_unused=True)
 read_first_token_step = jax.jit(read_first_token, donate_argnames="buffer", keep_unused=True)
 # The per-step path: the same iteration as K + 1 programs, the runner threading the carry.
 iterate_head_step = state_jit(iterate_head, static_argnames="cfg", donate_argnames="state")
 chain_step_jit = state_jit(chain_step, static_argnames=("j", "cfg"), donate_argnames=("state", "carry"))
 commit_step = state_jit(commit_proposals, static_argnames="cfg", donate_argnames="state")
+accept_head_step = state_jit(accept_head, static_argnames="cfg", donate_argnames="state")
 
 
 def iterate_in_place_step(cfg: StepConfig, rows: int):
@@ -437,3 +526,16 @@ def iterate_in_place_step(cfg: StepConfig, rows: int):
     program as iterate_scored_in_place(params, draft_params, state, slots, tables, scored, cfg=cfg); a
     `cfg.masked` one with token_mask= too."""
     return (_iterate_scored_in_place if cfg.logprobs else _iterate_in_place)[iteration_gemm(cfg, rows)]
+
+
+def verify_step(cfg: StepConfig, rows: int):
+    """A masked iteration's jitted forward of `cfg` over `rows` rows (`verify_in_place`), its GEMMs as
+    the iteration's: call it as verify_in_place(params, state, slots, tables, logits, captures, cfg=cfg)."""
+    return _verify_in_place[iteration_gemm(cfg, rows)]
+
+
+def accept_step(cfg: StepConfig, rows: int):
+    """A masked iteration's jitted acceptance of `cfg` over `rows` rows (`accept_in_place`; a
+    `cfg.logprobs` program's `accept_scored_in_place`), called as `iterate_in_place_step`'s program
+    with the verify's logits and captures after the tables, and token_mask=."""
+    return (_accept_scored_in_place if cfg.logprobs else _accept_in_place)[iteration_gemm(cfg, rows)]
