@@ -61,7 +61,9 @@ class ServerMetrics:
                                       "cache.").labels(model_name)
         self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.").labels(
             model_name)
-        self._engine_totals = (0, 0, 0)  # the engine's preemptions, prefix queries and hits counted so far
+        self.steps = counter("engine_steps_total", "Engine steps run (each an iteration of the running batch, "
+                             "with any prefill).").labels(model_name)
+        self._engine_totals = (0, 0, 0, 0)  # the engine's preemptions, prefix queries and hits, steps counted so far
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=LATENCY_BUCKETS, **label).labels(model_name)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens (an iteration's "
@@ -103,9 +105,9 @@ class ServerMetrics:
         self.waiting.set(waiting)
         self.kv_usage.set(1 - pages_free / pages)
         if stats is not None:
-            totals = (stats.preemptions, stats.prefix_queried_tokens, stats.prefix_hit_tokens)
-            for counter, now, before in zip((self.preemptions, self.prefix_queries, self.prefix_hits), totals,
-                                            self._engine_totals):
+            totals = (stats.preemptions, stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.steps)
+            for counter, now, before in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.steps),
+                                            totals, self._engine_totals):
                 counter.inc(max(now - before, 0))  # a stats reset starts the engine's counts again
             self._engine_totals = totals
 
