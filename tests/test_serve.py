@@ -210,10 +210,11 @@ def test_metrics_use_vllms_names_and_count_what_was_served(server):
     assert metric(values, "prefix_cache_queries_total") > 0
     chosen = {k: v for k, v in values.items() if k.startswith("eagle3_jax:speculation_choice") and v == 1}
     assert sorted(re.search(r'bucket="(\d+)"', k).group(1) for k in chosen) == ["1", "8"]  # one choice a bucket
-    # vLLM's own names too, for its dashboards: the same samples (speculation_choice is ours alone).
+    # vLLM's own names too, for its dashboards: the same samples (speculation_choice and engine_steps
+    # are ours alone).
     vllms = {k.removeprefix("vllm:"): v for k, v in values.items() if k.startswith("vllm:")}
-    assert vllms == {k.removeprefix("eagle3_jax:"): v for k, v in values.items()
-                     if k.startswith("eagle3_jax:") and not k.startswith("eagle3_jax:speculation_choice")}
+    assert vllms == {k.removeprefix("eagle3_jax:"): v for k, v in values.items() if k.startswith("eagle3_jax:")
+                     and not k.startswith(("eagle3_jax:speculation_choice", "eagle3_jax:engine_steps"))}
     assert vllms['generation_tokens_total{model_name="tiny-chat"}'] > 0
 
 
