@@ -12,8 +12,9 @@ measured. The clients write raw HTTP/1.1 and only count what they read (the serv
 client's, is the question; a client shares the machine's cores). Per measured run: the SSE events
 ("chunks", the role's opening chunk and the usage chunk among them) and tokens the clients read,
 the HTTP process's CPU seconds (/proc: every thread of it, so with the engine on a thread its steps
-too), the engine's process's (--engine-process) and its steps (/metrics); then CPU us per chunk
-and per token of the HTTP process, and CPU ms per step of the engine's.
+too; and its main thread's, the event loop's, alone), the engine's process's (--engine-process)
+and its steps (/metrics); then CPU us per chunk and per token of the HTTP process, CPU us per chunk
+of its event loop, and CPU ms per step of the engine's.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ MODEL = "probe"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of every thread of process `pid` so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_s(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds so far of every thread of process `pid` (/proc/PID/stat), or of
+    one `thread` of it (its main thread: `pid`)."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14 and 15 of stat)
 
 
@@ -106,13 +109,15 @@ def measure(args, loop: str, http: str, prompts: list[str]) -> list[dict]:
         asyncio.run(level(url, prompts[:args.streams], args.streams, args.max_tokens))  # compiles, unmeasured
         for _ in range(args.reps):
             steps, http_cpu, engine_cpu = engine_steps(url), cpu_s(proc.pid), engine and cpu_s(engine)
+            loop_cpu = cpu_s(proc.pid, proc.pid)
             run = asyncio.run(level(url, prompts, args.streams, args.max_tokens))
-            http_cpu = cpu_s(proc.pid) - http_cpu
+            http_cpu, loop_cpu = cpu_s(proc.pid) - http_cpu, cpu_s(proc.pid, proc.pid) - loop_cpu
             row = dict(server=name, streams=args.streams, wall_s=round(run["wall_s"], 2), chunks=run["chunks"],
                        tokens=run["tokens"], tok_s=round(run["tokens"] / run["wall_s"], 1),
                        tokens_per_chunk=round(run["tokens"] / run["chunks"], 2), http_cpu_s=round(http_cpu, 2),
                        http_us_per_chunk=round(1e6 * http_cpu / run["chunks"], 1),
-                       http_us_per_token=round(1e6 * http_cpu / run["tokens"], 1))
+                       http_us_per_token=round(1e6 * http_cpu / run["tokens"], 1),
+                       loop_us_per_chunk=round(1e6 * loop_cpu / run["chunks"], 1))
             if engine is not None:
                 engine_cpu = cpu_s(engine) - engine_cpu
                 steps = None if steps is None else engine_steps(url) - steps

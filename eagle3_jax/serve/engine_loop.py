@@ -256,7 +256,7 @@ class EngineLoop:
                 scores["prompt_logprobs"], live.prompt_sent = req.prompt_logprobs, True
             live.sent = len(req.output)
             if new:
-                self.metrics.tokens(req.metrics, len(new), live.last_time)
+                self.metrics.tokens(req.metrics.arrival_time, req.metrics.last_token_time, len(new), live.last_time)
                 live.last_time = req.metrics.last_token_time
             if req.finished:
                 del self._live[req.id]

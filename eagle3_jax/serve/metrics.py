@@ -78,16 +78,16 @@ class ServerMetrics:
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
-    def tokens(self, m: RequestMetrics, count: int, previous_time: float | None) -> None:
-        """`count` new tokens of a request (its metrics `m`), collected at m.last_token_time; the
-        ones before them at `previous_time` (None: these are its first)."""
+    def tokens(self, arrival_time: float, token_time: float, count: int, previous_time: float | None) -> None:
+        """`count` new tokens of a request that arrived at `arrival_time`, collected at `token_time`;
+        the ones before them at `previous_time` (None: these are its first). Plain times, not the
+        request's RequestMetrics: the engine's process sends them each step for every running row."""
         self.generation_tokens.inc(count)
-        now = m.last_token_time
         if previous_time is None:
-            self.ttft.observe(now - m.arrival_time)
+            self.ttft.observe(token_time - arrival_time)
         else:
             for _ in range(count):
-                self.itl.observe((now - previous_time) / count)
+                self.itl.observe((token_time - previous_time) / count)
 
     def finish(self, finish_reason: str, m: RequestMetrics) -> None:
         self.finished.labels(self.model_name, finish_reason).inc()
