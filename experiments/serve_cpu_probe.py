@@ -106,7 +106,7 @@ def measure(args, loop: str, http: str, prompts: list[str]) -> list[dict]:
     rows = []
     try:
         engine = engine_pid(proc.pid)
-        asyncio.run(level(url, prompts[:args.streams], args.streams, args.max_tokens))  # compiles, unmeasured
+        asyncio.run(level(url, prompts, args.streams, args.max_tokens))  # compiles, unmeasured
         for _ in range(args.reps):
             steps, http_cpu, engine_cpu = engine_steps(url), cpu_s(proc.pid), engine and cpu_s(engine)
             loop_cpu = cpu_s(proc.pid, proc.pid)
@@ -158,7 +158,7 @@ def main() -> None:
     for server in args.servers.split(","):
         rows += measure(args, *server.split("/"), prompts)
     print(f"{'server':>18} {'tok/s':>7} {'tok/chunk':>9} {'HTTP us/chunk':>13} {'HTTP us/token':>13} "
-          f"{'engine ms/step':>14}")
+          f"{'loop us/chunk':>13} {'engine ms/step':>14}")
     for server in args.servers.split(","):
         mine = [r for r in rows if r["server"] == server.replace("/", "-")]
 
@@ -166,7 +166,7 @@ def main() -> None:
             return statistics.median(r[key] for r in mine) if all(r.get(key) for r in mine) else float("nan")
 
         print(f"{server:>18} {med('tok_s'):7.0f} {med('tokens_per_chunk'):9.2f} {med('http_us_per_chunk'):13.1f} "
-              f"{med('http_us_per_token'):13.1f} {med('engine_ms_per_step'):14.2f}")
+              f"{med('http_us_per_token'):13.1f} {med('loop_us_per_chunk'):13.1f} {med('engine_ms_per_step'):14.2f}")
     (Path(args.out_dir) / "serve_cpu_probe.json").write_text(json.dumps(rows, indent=1))
 
 

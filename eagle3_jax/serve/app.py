@@ -97,7 +97,9 @@ class OpenAIServer:
         self.developer_role = "developer" in template
         self.reads_tools = T.template_reads_tools(template)  # else tools.py writes them as a system message
 
-    def check_key(self, request: Request) -> None:
+    async def check_key(self, request: Request) -> None:
+        """401 unless the request carries the API key (where one is set). A coroutine: FastAPI runs a
+        plain function dependency on a worker thread, a hand-over and back for every request."""
         if self.settings.api_key is None:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
