@@ -20,9 +20,10 @@ the tokens (the verify's logits; the prefill's for the prompt).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -121,6 +122,17 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def _text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """Token ids -> text, special tokens skipped: the tokenizers library's decode where that is what
+    the transformers tokenizer returns (a fast one that cleans up no spaces), else the tokenizer's.
+    transformers' wrapper costs several times the decode itself, and the server decodes each
+    streamed update of each reply (serve/detokenize.py)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Codec:
     """The text side of a target: its tokenizer and chat template, prompts to token ids and tokens
     to text, no engine (`LLM` is one; the server's HTTP process has one alone, over `load_tokenizer`).
@@ -130,6 +142,7 @@ class Codec:
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text decoded alone (`token_texts`)
         self._byte_decoder: dict[str, int] | None = None  # a byte-level BPE's character -> byte (`token_bytes`)
+        self._decode = _text_decoder(tokenizer)
 
     def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of a prompt: raw text tokenized as it is (with the tokenizer's special tokens,
@@ -209,7 +222,7 @@ class Codec:
     def decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self._decode(list(token_ids))
 
     def token_texts(self, token_ids: Iterable[int]) -> dict[int, str | None]:
         """Each token id's text decoded alone, special tokens as written (vLLM's `decoded_token`);

@@ -108,6 +108,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own, apart from HTTP (each then has a Python "
                         "interpreter lock of its own); default: a thread of the server's process")
+    p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="uvicorn's event loop (auto: uvloop where installed, else asyncio)")
+    p.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                   help="uvicorn's HTTP/1.1 parser (auto: httptools where installed, else h11)")
     p.add_argument("--structured-warmup", action="store_true",
                    help="warm-up also compiles the programs of requests under a grammar (response_format, "
                         "structured_outputs), which otherwise compile on first use (EngineConfig.structured_warmup)")
@@ -340,7 +344,8 @@ def cmd_serve(args) -> int:
 
     try:
         server.check_address(args.host, args.port)  # before the model loads
-    except server.AddressError as e:
+        server.event_loop_and_http(args.loop, args.http)
+    except (server.AddressError, server.MissingPackage) as e:
         raise UsageError(str(e)) from None
     server.configure_logging(args.log_level)
     model_name = args.served_model_name or args.target_name or DEFAULT_MODEL_NAME

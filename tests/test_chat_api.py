@@ -100,14 +100,14 @@ def test_a_drain_refuses_new_work_and_ends_what_runs_after_its_grace(llm, grace_
         submission = engine_loop.submit(work, time.perf_counter())
         finals = {}
         try:
-            assert not (await asyncio.wait_for(submission.updates.get(), 60)).finished  # running
+            assert not any(u.finished for u in await asyncio.wait_for(submission.next_updates(), 60))  # running
             engine_loop.drain(grace_s)
             with pytest.raises(Unavailable, match="shutting down"):
                 engine_loop.submit(work, time.perf_counter())
             while len(finals) < len(work):
-                update = await asyncio.wait_for(submission.updates.get(), 60)
-                if update.finished:
-                    finals[update.index] = update
+                for update in await asyncio.wait_for(submission.next_updates(), 60):
+                    if update.finished:
+                        finals[update.index] = update
         finally:
             engine_loop.stop()
         return finals
@@ -156,7 +156,7 @@ def test_an_output_limit_that_does_not_fit_beside_the_prompt_is_refused():
 
 def test_the_metrics_vllm_has_are_also_under_its_names_with_the_same_values():
     """A dashboard built for vLLM's /metrics reads `vllm:` names: every metric of ours that vLLM
-    has is there too, with the same samples; ours alone (speculation_choice) only under ours."""
+    has is there too, with the same samples; ours alone (speculation_choice, engine_steps) only under ours."""
     from prometheus_client import generate_latest
 
     from eagle3_jax.serve.metrics import ServerMetrics
@@ -173,7 +173,7 @@ def test_the_metrics_vllm_has_are_also_under_its_names_with_the_same_values():
     ours = {k.removeprefix("eagle3_jax:"): v for k, v in series.items() if k.startswith("eagle3_jax:")}
     vllms = {k.removeprefix("vllm:"): v for k, v in series.items() if k.startswith("vllm:")}
     assert set(series) == {f"eagle3_jax:{k}" for k in ours} | {f"vllm:{k}" for k in vllms}
-    assert vllms == {k: v for k, v in ours.items() if not k.startswith("speculation_choice")}
+    assert vllms == {k: v for k, v in ours.items() if not k.startswith(("speculation_choice", "engine_steps"))}
     assert float(vllms['prompt_tokens_total{model_name="tiny"}']) == 5
     assert float(vllms['request_success_total{finished_reason="stop",model_name="tiny"}']) == 1
     assert float(vllms['spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}']) == 2
@@ -251,7 +251,9 @@ def test_an_engine_failure_ends_its_requests_and_refuses_new_ones(llm, monkeypat
         engine_loop.start(asyncio.get_running_loop())
         monkeypatch.setattr(llm.engine, "step", lost_device)
         submission = engine_loop.submit(work, time.perf_counter())
-        updates = [await asyncio.wait_for(submission.updates.get(), 30) for _ in work]
+        updates = []
+        while len(updates) < len(work):
+            updates += await asyncio.wait_for(submission.next_updates(), 30)
         with pytest.raises(Unavailable, match="engine failed"):
             engine_loop.submit(work, time.perf_counter())
         engine_loop.stop()
@@ -266,34 +268,39 @@ def test_an_engine_failure_ends_its_requests_and_refuses_new_ones(llm, monkeypat
 
 
 def test_a_consumer_behind_takes_each_samples_queued_updates_as_one_in_order():
-    """Submission.next_update: what is queued for a sample is merged into one update (tokens and
+    """Submission.next_updates: what is queued for a sample is merged into one update (tokens and
     logprobs in order, the end and final text of the last); another sample's updates keep theirs."""
     from eagle3_jax.engine.scheduler import TokenLogprobs
     from eagle3_jax.serve.engine_loop import Submission, Update
 
     scored = lambda t: TokenLogprobs(t, -0.5, 1, (t,), (-0.5,))
 
-    async def taken() -> list[Update]:
+    async def taken() -> list[list[Update]]:
         submission = Submission([([1], SamplingParams()), ([1], SamplingParams())], 0.0)
         for update in [Update(0, [3], logprobs=[scored(3)], prompt_logprobs=[None]), Update(1, [7]),
                        Update(0, [4, 5], logprobs=[scored(4), scored(5)]), Update(1, [8]),
                        Update(0, [6], True, "stop", text="cut", logprobs=[scored(6)]), Update(1, [9])]:
-            submission.updates.put_nowait(update)
-        first = [await submission.next_update(), await submission.next_update()]
-        submission.updates.put_nowait(Update(1, [10], True, "length"))
-        return [*first, await submission.next_update()]
+            submission.put(update)
+        first = await submission.next_updates()
+        assert not submission.has_updates
+        waiting = asyncio.get_running_loop().create_task(submission.next_updates())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing put: it waits
+        submission.put(Update(1, [10], True, "length"))
+        return [first, await waiting]
 
-    zero, one, last = asyncio.run(taken())
+    (zero, one), (last,) = asyncio.run(taken())
     assert (zero.index, zero.token_ids, zero.finished, zero.finish_reason, zero.text) == (0, [3, 4, 5, 6], True,
                                                                                           "stop", "cut")
     assert [s.token for s in zero.logprobs] == [3, 4, 5, 6] and zero.prompt_logprobs == [None]
     assert (one.index, one.token_ids, one.finished, one.logprobs) == (1, [7, 8, 9], False, None)
-    assert (last.token_ids, last.finish_reason) == ([10], "length")  # one queued: returned as it came
+    assert (last.index, last.token_ids, last.finish_reason) == (1, [10], "length")  # one queued: as it came
 
 
 def test_a_stream_behind_its_engine_sends_the_same_text_in_fewer_chunks(llm):
     """The chat stream of one reply whose steps are all queued when it reads (a consumer behind its
-    engine) sends them as one chunk; read step by step, one chunk a step. Both add up to the decode."""
+    engine) sends them as one chunk, written with the usage's and [DONE] at once; read step by step,
+    one chunk a step, each written alone. Both add up to the decode."""
     import json
 
     from eagle3_jax.engine.scheduler import RequestMetrics
@@ -303,10 +310,11 @@ def test_a_stream_behind_its_engine_sends_the_same_text_in_fewer_chunks(llm):
 
     ids = llm.encode("h\u00e9llo w\u00f6rld \u2014 \u00fcn\u00efcode \u2713")  # characters split across byte tokens
     steps = [ids[i:i + 2] for i in range(0, len(ids), 2)]
-    body = P.ChatCompletionRequest(model="tiny", messages=user("hi"), stream=True)
+    body = P.ChatCompletionRequest(model="tiny", messages=user("hi"), stream=True,
+                                   stream_options={"include_usage": True})
     server = OpenAIServer(llm, None, Settings("tiny"))
 
-    async def contents(behind: bool) -> list[str]:
+    async def contents(behind: bool) -> tuple[list[str], int, int]:
         submission = Submission([([1], SamplingParams())], 0.0)
         last = Update(0, steps[-1], True, "length", metrics=RequestMetrics())
         updates = [Update(0, step) for step in steps[:-1]] + [last]
@@ -315,26 +323,32 @@ def test_a_stream_behind_its_engine_sends_the_same_text_in_fewer_chunks(llm):
 
         async def feed():  # each update once the stream waits for the next
             for update in updates:
-                submission.updates.put_nowait(update)
-                while not submission.updates.empty():
+                submission.put(update)
+                while submission.has_updates:
                     await asyncio.sleep(0)
 
         if behind:
             for update in updates:
-                submission.updates.put_nowait(update)
+                submission.put(update)
         else:
             feeder = asyncio.get_running_loop().create_task(feed())
-        events = [event async for event in stream]
-        assert events[-1] == "data: [DONE]\n\n"
+        writes = [piece async for piece in stream]
+        events = "".join(writes).removesuffix("\n\n").split("\n\n")
+        assert events[-1] == "data: [DONE]" and all(w.endswith("\n\n") for w in writes)
         chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(ids)
         if not behind:
             await feeder
-        return [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"][0]["delta"].get("content")]
+        return [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"] and
+                c["choices"][0]["delta"].get("content")], len(writes), len(events)
 
-    behind, step_by_step = asyncio.run(contents(True)), asyncio.run(contents(False))
+    (behind, behind_writes, _), (step_by_step, writes, events) = asyncio.run(contents(True)), \
+        asyncio.run(contents(False))
     assert "".join(behind) == "".join(step_by_step) == llm.decode(ids)
-    assert len(behind) == 1 and len(step_by_step) > len(steps) // 2
+    assert len(behind) == 1 and behind_writes == 2  # the role's chunk, then the rest
+    # A write a chunk, but the last: the final chunk, the usage's and [DONE] together.
+    assert len(step_by_step) > len(steps) // 2 and writes == events - 2
 
 
 @pytest.fixture(scope="module")

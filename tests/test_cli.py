@@ -189,6 +189,19 @@ def test_serve_logging_leaves_out_jaxs_tpu_probe_only():
     assert "libtpu" not in proc.stderr and "backend 'tpu'" not in proc.stderr, proc.stderr
 
 
+def test_serve_runs_uvloop_and_httptools_where_they_import_else_asyncio_and_h11(monkeypatch):
+    from eagle3_jax.serve import server
+
+    assert server.event_loop_and_http("asyncio", "h11") == ("asyncio", "h11")
+    for module in ("uvloop", "httptools"):
+        monkeypatch.setitem(sys.modules, module, None)  # an import of it fails, as where it is not installed
+    assert server.event_loop_and_http() == ("asyncio", "h11")
+    with pytest.raises(server.MissingPackage, match="--loop uvloop: the package uvloop is not installed"):
+        server.event_loop_and_http("uvloop")
+    with pytest.raises(server.MissingPackage, match=r"--http httptools: .* or give --http h11"):
+        server.event_loop_and_http("auto", "httptools")
+
+
 def test_flag_messages_say_what_is_allowed():
     proc, _ = run_cli("generate", "--num-draft", "100")
     assert "outside 0..16" in one_line_error(proc)

@@ -24,6 +24,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from eagle3_jax import SamplingParams  # noqa: E402
+from eagle3_jax.serve import server as serve_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-chat"
@@ -199,19 +200,21 @@ def test_metrics_use_vllms_names_and_count_what_was_served(server):
     counters = ["prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
                 "spec_decode_num_accepted_tokens_per_pos_total", "num_preemptions_total", "prefix_cache_queries_total",
-                "prefix_cache_hits_total"]
+                "prefix_cache_hits_total", "engine_steps_total"]
     histograms = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"]
     gauges = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "speculation_choice"]
     assert set(counters + gauges) | {f"{h}_bucket" for h in histograms} <= names
     assert metric(values, "generation_tokens_total") > 0 and metric(values, "spec_decode_num_drafts_total") > 0
+    assert metric(values, "engine_steps_total") >= metric(values, "spec_decode_num_drafts_total") / 8  # 8 rows a step
     assert metric(values, "prefix_cache_queries_total") >= metric(values, "prefix_cache_hits_total") >= 0
     assert metric(values, "prefix_cache_queries_total") > 0
     chosen = {k: v for k, v in values.items() if k.startswith("eagle3_jax:speculation_choice") and v == 1}
     assert sorted(re.search(r'bucket="(\d+)"', k).group(1) for k in chosen) == ["1", "8"]  # one choice a bucket
-    # vLLM's own names too, for its dashboards: the same samples (speculation_choice is ours alone).
+    # vLLM's own names too, for its dashboards: the same samples (speculation_choice and engine_steps
+    # are ours alone).
     vllms = {k.removeprefix("vllm:"): v for k, v in values.items() if k.startswith("vllm:")}
-    assert vllms == {k.removeprefix("eagle3_jax:"): v for k, v in values.items()
-                     if k.startswith("eagle3_jax:") and not k.startswith("eagle3_jax:speculation_choice")}
+    assert vllms == {k.removeprefix("eagle3_jax:"): v for k, v in values.items() if k.startswith("eagle3_jax:")
+                     and not k.startswith(("eagle3_jax:speculation_choice", "eagle3_jax:engine_steps"))}
     assert vllms['generation_tokens_total{model_name="tiny-chat"}'] > 0
 
 
@@ -629,6 +632,9 @@ def check_sigterm_mid_stream(proc, client, log_path, n: int) -> None:
     assert proc.wait(60) == 0
     log = log_path.read_text()
     assert "ready: serving 'tiny-chat'" in log and "Traceback" not in log
+    # The line names what uvicorn runs: uvloop and httptools where installed (as here, for the tests).
+    loop, http = serve_server.event_loop_and_http()
+    assert f"(uvicorn: {loop} event loop, {http} HTTP)" in log
 
 
 def test_sigterm_mid_stream_ends_the_stream_and_exits_0(server, client):

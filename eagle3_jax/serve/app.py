@@ -97,7 +97,9 @@ class OpenAIServer:
         self.developer_role = "developer" in template
         self.reads_tools = T.template_reads_tools(template)  # else tools.py writes them as a system message
 
-    def check_key(self, request: Request) -> None:
+    async def check_key(self, request: Request) -> None:
+        """401 unless the request carries the API key (where one is set). A coroutine: FastAPI runs a
+        plain function dependency on a worker thread, a hand-over and back for every request."""
         if self.settings.api_key is None:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
@@ -240,12 +242,12 @@ class OpenAIServer:
 
     async def finished_choices(self, submission: Submission, samples: list[_Sample]) -> AsyncIterator[P.Choice]:
         while submission.unfinished:
-            update = await submission.next_update()
-            samples[update.index].text.add(update.token_ids)
-            samples[update.index].add(update)
-            if update.finished:
-                submission.unfinished -= 1
-                yield _choice(update, samples[update.index].text, self.llm)
+            for update in await submission.next_updates():
+                samples[update.index].text.add(update.token_ids)
+                samples[update.index].add(update)
+                if update.finished:
+                    submission.unfinished -= 1
+                    yield _choice(update, samples[update.index].text, self.llm)
 
     def logprobs(self, endpoint: _Endpoint, body: P.RequestBody, sample: _Sample, token_ids: list[int],
                  entries: list) -> dict | None:
@@ -264,12 +266,18 @@ class OpenAIServer:
 
     async def stream(self, endpoint: _Endpoint, body: P.RequestBody, submission: Submission, samples: list[_Sample],
                      prompt_tokens: int, watcher: asyncio.Task, calls: list[dict] | None = None) -> AsyncIterator[str]:
-        id, created = P.new_id(endpoint.kind), int(time.time())
+        """The SSE events of a streamed response; those of the updates taken at once (a step's, or
+        several steps' where the stream fell behind) in one piece, one write to the client."""
+        # Every chunk's fields before its choices are the same: encoded once. A chunk's JSON is that
+        # head, its choices' and its extra fields' (endpoint.chunk puts them after the choices).
+        head = _sse(endpoint.chunk(P.new_id(endpoint.kind), body.model, int(time.time()), []))
+        head = head[:head.rindex('"choices":') + len('"choices":')]
 
         def event(choices: list[dict], token_ids: list[int] | None = None, **extra) -> str:
             if body.return_token_ids and token_ids is not None:
                 choices[0]["token_ids"] = token_ids
-            return _sse(endpoint.chunk(id, body.model, created, choices, **extra))
+            rest = f",{_json(extra)[1:-1]}" if extra else ""
+            return f"{head}{_json(choices)}{rest}}}\n\n"
 
         def scored(sample: _Sample, update: Update) -> dict | None:
             """The update's tokens' logprobs (the prompt's first where echoed), the echo then spent."""
@@ -304,40 +312,43 @@ class OpenAIServer:
                 yield event([P.chat_delta(i, None if calls else "", role="assistant") for i in range(len(samples))])
             completion_tokens = 0
             while submission.unfinished:
-                update = await submission.next_update()
-                sample = samples[update.index]
-                sample.add(update)
-                prefix = "" if sample.echo is None else sample.echo[0]  # the first event's: `scored` spends it
-                if not update.finished:
-                    if sample.calls is not None:
-                        for chunk in with_tools(update.index, sample.calls.feed(sample.text.push(update.token_ids))):
-                            yield chunk
+                events: list[str] = []
+                for update in await submission.next_updates():
+                    sample = samples[update.index]
+                    sample.add(update)
+                    prefix = "" if sample.echo is None else sample.echo[0]  # the first event's: `scored` spends it
+                    if not update.finished:
+                        if sample.calls is not None:
+                            events += with_tools(update.index, sample.calls.feed(sample.text.push(update.token_ids)))
+                            continue
+                        text = prefix + sample.text.push(update.token_ids)
+                        logprobs = scored(sample, update)
+                        if text or body.return_token_ids or logprobs is not None:
+                            events.append(event([endpoint.delta(update.index, text, logprobs=logprobs)],
+                                                update.token_ids))
                         continue
-                    text = prefix + sample.text.push(update.token_ids)
-                    logprobs = scored(sample, update)
-                    if text or body.return_token_ids or logprobs is not None:
-                        yield event([endpoint.delta(update.index, text, logprobs=logprobs)], update.token_ids)
-                    continue
-                submission.unfinished -= 1
-                sample.text.add(update.token_ids)  # a stop string may cut them: the final text decides
-                choice = _choice(update, sample.text, self.llm)
-                completion_tokens += len(choice.token_ids)
-                if choice.finish_reason == "error":
-                    yield _sse(P.error_body(choice.text, "server_error"))
-                    continue
-                extra = {"metrics": P.request_metrics([choice])} if len(samples) == 1 else {}
-                if sample.calls is not None:
-                    piece = sample.calls.finish(sample.text.finish(choice.text))
-                    for chunk in with_tools(update.index, piece, "tool_calls" if piece.call else choice.finish_reason,
-                                            **extra):
-                        yield chunk
-                    continue
-                text = prefix + sample.text.finish(choice.text)
-                yield event([endpoint.delta(update.index, text, choice.finish_reason, scored(sample, update))],
-                            update.token_ids, **extra)
-            if body.include_usage:
-                yield event([], usage=P.usage(prompt_tokens, completion_tokens))
-            yield "data: [DONE]\n\n"
+                    submission.unfinished -= 1
+                    sample.text.add(update.token_ids)  # a stop string may cut them: the final text decides
+                    choice = _choice(update, sample.text, self.llm)
+                    completion_tokens += len(choice.token_ids)
+                    if choice.finish_reason == "error":
+                        events.append(_sse(P.error_body(choice.text, "server_error")))
+                        continue
+                    extra = {"metrics": P.request_metrics([choice])} if len(samples) == 1 else {}
+                    if sample.calls is not None:
+                        piece = sample.calls.finish(sample.text.finish(choice.text))
+                        events += with_tools(update.index, piece,
+                                             "tool_calls" if piece.call else choice.finish_reason, **extra)
+                        continue
+                    text = prefix + sample.text.finish(choice.text)
+                    events.append(event([endpoint.delta(update.index, text, choice.finish_reason,
+                                                        scored(sample, update))], update.token_ids, **extra))
+                if not submission.unfinished:
+                    if body.include_usage:
+                        events.append(event([], usage=P.usage(prompt_tokens, completion_tokens)))
+                    events.append("data: [DONE]\n\n")
+                if events:
+                    yield "".join(events)
 
 
 def create_app(llm: LLM, engine_loop: EngineLoop, metrics: ServerMetrics, settings: Settings) -> FastAPI:
@@ -402,8 +413,12 @@ def _choice(update: Update, text: TextStream, llm: LLM) -> P.Choice:
     return P.Choice(update.index, final, list(text.token_ids), update.finish_reason, update.metrics)
 
 
+def _json(data) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
 def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"data: {_json(data)}\n\n"
 
 
 def _abort_on_disconnect(request: Request, engine_loop: EngineLoop, submission: Submission) -> asyncio.Task:

@@ -5,7 +5,6 @@ per step. It blocks only on its queue, when it has nothing to run, never on HTTP
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import queue
@@ -68,32 +67,51 @@ class Update:
 
 class Submission:
     """One HTTP request's samples: (prompt ids, single-sample params) each. Their updates arrive
-    on `updates` (in order per sample); `unfinished` counts those without a last one yet."""
+    through `put` on the event loop's thread (in order per sample); `unfinished` counts those
+    without a last one yet."""
 
     def __init__(self, samples: list[tuple[list[int], SamplingParams]], arrival_time: float):
         self.samples = samples
         self.arrival_time = arrival_time  # time.perf_counter()
-        self.updates: asyncio.Queue[Update] = asyncio.Queue()
         self.unfinished = len(samples)
         self.request_ids: list[int] = []  # the engine's, set on its thread
-        self._taken: collections.deque[Update] = collections.deque()  # out of `updates`, not yet returned
+        self._ready: list[Update] = []  # put, not yet taken
+        self._wakeup: asyncio.Future | None = None  # the consumer's, while it waits for an update
 
-    async def next_update(self) -> Update:
-        """A sample's next update, with every later one of that sample already queued merged into
-        it (Update.then): a consumer that fell behind the engine by several steps catches up in one
-        update, so one stream chunk, not one per step. Each sample's updates keep their order."""
-        if not self._taken:
-            self._taken.append(await self.updates.get())
-        while not self.updates.empty():
-            self._taken.append(self.updates.get_nowait())
-        first, rest = self._taken.popleft(), collections.deque()
-        for update in self._taken:
-            if update.index == first.index and not first.finished:
-                first = first.then(update)
+    def put(self, update: Update) -> None:
+        """Hand an update over (the event loop's thread). A waiting consumer is woken once however
+        many arrive before it runs: one wakeup per step at most, fewer where it falls behind."""
+        self._ready.append(update)
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    @property
+    def has_updates(self) -> bool:
+        """Whether updates were put that `next_updates` has not taken yet."""
+        return bool(self._ready)
+
+    async def next_updates(self) -> list[Update]:
+        """Every update put since the last call (waiting for one), each sample's merged into one
+        (Update.then): a consumer that fell behind the engine by several steps catches up in one
+        update a sample, so one stream chunk, not one per step. Each sample's updates keep their
+        order; the samples are in the order of their first update."""
+        while not self._ready:
+            self._wakeup = asyncio.get_running_loop().create_future()
+            try:
+                await self._wakeup
+            finally:
+                self._wakeup = None
+        ready, self._ready = self._ready, []
+        merged: list[Update] = []
+        last: dict[int, int] = {}  # a sample's place in `merged`
+        for update in ready:
+            at = last.get(update.index)
+            if at is not None and not merged[at].finished:
+                merged[at] = merged[at].then(update)
             else:
-                rest.append(update)
-        self._taken = rest
-        return first
+                last[update.index] = len(merged)
+                merged.append(update)
+        return merged
 
 
 @dataclasses.dataclass
@@ -238,7 +256,7 @@ class EngineLoop:
                 scores["prompt_logprobs"], live.prompt_sent = req.prompt_logprobs, True
             live.sent = len(req.output)
             if new:
-                self.metrics.tokens(req.metrics, len(new), live.last_time)
+                self.metrics.tokens(req.metrics.arrival_time, req.metrics.last_token_time, len(new), live.last_time)
                 live.last_time = req.metrics.last_token_time
             if req.finished:
                 del self._live[req.id]
@@ -279,4 +297,4 @@ class EngineLoop:
 
 def put_all(batch: list[tuple[Submission, Update]]) -> None:
     for submission, update in batch:
-        submission.updates.put_nowait(update)
+        submission.put(update)

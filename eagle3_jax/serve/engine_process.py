@@ -4,9 +4,11 @@ commands from a pipe (add, abort, drain, stop) and sends one message per step: e
 sample's Update and ServerMetrics' records. The HTTP process holds no weights: `EngineClient` has
 EngineLoop's interface, `EngineFront` the tokenizer and the checks app.py makes before it submits.
 
-Messages, child -> HTTP process: ("ready", EngineFacts) once warm; ("step", [(submission id,
-Update)], [(ServerMetrics method, args)], samples taken, waiting); ("error", text) where building
-the engine failed; ("failed",) where the engine failed (every live sample ended first)."""
+Messages, child -> HTTP process: ("ready", EngineFacts) once warm; ("step", updates, [(ServerMetrics
+method, args)], samples taken, waiting), each update (submission id, sample index, token ids) where
+it is only new tokens (most are; plain values pickle several times faster than an Update) else
+(submission id, Update); ("error", text) where building the engine failed; ("failed",) where the
+engine failed (every live sample ended first)."""
 
 from __future__ import annotations
 
@@ -202,17 +204,18 @@ class EngineClient:
                 self._pending.clear()
             return
 
-    def _step(self, updates: list[tuple[int, Update]], records: list[tuple[str, tuple]], taken: int,
-              waiting: int) -> None:
+    def _step(self, updates: list[tuple], records: list[tuple[str, tuple]], taken: int, waiting: int) -> None:
         for name, args in records:
             if name in METRICS_WRITERS:
                 getattr(self.metrics, name)(*args)
         self._taken, self._waiting = taken, waiting
         batch = []
-        for sid, update in updates:
+        for sent in updates:
+            sid = sent[0]
             pending = self._pending.get(sid)
             if pending is None:
                 continue
+            update = Update(sent[1], sent[2]) if len(sent) == 3 else sent[1]
             if update.finished:
                 pending.unfinished.discard(update.index)
                 if not pending.unfinished:
@@ -246,9 +249,8 @@ class _MetricsRecords:
     def admitted(self, prompt_tokens: int) -> None:
         self.records.append(("admitted", (prompt_tokens,)))
 
-    def tokens(self, m: RequestMetrics, count: int, previous_time: float | None) -> None:
-        self.records.append(("tokens", (RequestMetrics(arrival_time=m.arrival_time,
-                                                       last_token_time=m.last_token_time), count, previous_time)))
+    def tokens(self, arrival_time: float, token_time: float, count: int, previous_time: float | None) -> None:
+        self.records.append(("tokens", (arrival_time, token_time, count, previous_time)))
 
     def finish(self, finish_reason: str, m: RequestMetrics) -> None:
         self.records.append(("finish", (finish_reason, m)))
@@ -279,7 +281,7 @@ class _ChildLoop(EngineLoop):
         self._conn = conn
         self._remotes: dict[int, _Remote] = {}
         self._unfinished: dict[int, int] = {}
-        self._out: list[tuple[int, Update]] = []
+        self._out: list[tuple] = []  # this iteration's updates, as the step message carries them
         self._taken = 0
 
     @property
@@ -318,7 +320,8 @@ class _ChildLoop(EngineLoop):
 
     def _deliver(self, batch: list[tuple[_Remote, Update]]) -> None:
         for remote, update in batch:
-            self._out.append((remote.id, update))
+            only_tokens = not update.finished and update.logprobs is None and update.prompt_logprobs is None
+            self._out.append((remote.id, update.index, update.token_ids) if only_tokens else (remote.id, update))
             if update.finished and remote.id in self._unfinished:  # else refused before it was taken
                 self._unfinished[remote.id] -= 1
                 if not self._unfinished[remote.id]:

@@ -61,7 +61,9 @@ class ServerMetrics:
                                       "cache.").labels(model_name)
         self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.").labels(
             model_name)
-        self._engine_totals = (0, 0, 0)  # the engine's preemptions, prefix queries and hits counted so far
+        self.steps = counter("engine_steps_total", "Engine steps run (each an iteration of the running batch, "
+                             "with any prefill).").labels(model_name)
+        self._engine_totals = (0, 0, 0, 0)  # the engine's preemptions, prefix queries and hits, steps counted so far
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=LATENCY_BUCKETS, **label).labels(model_name)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens (an iteration's "
@@ -76,16 +78,16 @@ class ServerMetrics:
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
-    def tokens(self, m: RequestMetrics, count: int, previous_time: float | None) -> None:
-        """`count` new tokens of a request (its metrics `m`), collected at m.last_token_time; the
-        ones before them at `previous_time` (None: these are its first)."""
+    def tokens(self, arrival_time: float, token_time: float, count: int, previous_time: float | None) -> None:
+        """`count` new tokens of a request that arrived at `arrival_time`, collected at `token_time`;
+        the ones before them at `previous_time` (None: these are its first). Plain times, not the
+        request's RequestMetrics: the engine's process sends them each step for every running row."""
         self.generation_tokens.inc(count)
-        now = m.last_token_time
         if previous_time is None:
-            self.ttft.observe(now - m.arrival_time)
+            self.ttft.observe(token_time - arrival_time)
         else:
             for _ in range(count):
-                self.itl.observe((now - previous_time) / count)
+                self.itl.observe((token_time - previous_time) / count)
 
     def finish(self, finish_reason: str, m: RequestMetrics) -> None:
         self.finished.labels(self.model_name, finish_reason).inc()
@@ -103,9 +105,9 @@ class ServerMetrics:
         self.waiting.set(waiting)
         self.kv_usage.set(1 - pages_free / pages)
         if stats is not None:
-            totals = (stats.preemptions, stats.prefix_queried_tokens, stats.prefix_hit_tokens)
-            for counter, now, before in zip((self.preemptions, self.prefix_queries, self.prefix_hits), totals,
-                                            self._engine_totals):
+            totals = (stats.preemptions, stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.steps)
+            for counter, now, before in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.steps),
+                                            totals, self._engine_totals):
                 counter.inc(max(now - before, 0))  # a stats reset starts the engine's counts again
             self._engine_totals = totals
 

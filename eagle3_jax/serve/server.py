@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import errno
 import functools
+import importlib
 import importlib.util
 import logging
 import signal
@@ -26,6 +27,11 @@ from eagle3_jax.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("eagle3_jax.serve")
 EXTRA_SHUTDOWN_S = 5  # past the drain, for the last events to reach their clients
+# uvicorn's event loops and HTTP/1.1 parsers, the fast one first: (fast, plain). At 64 streams the HTTP
+# side's CPU per streamed chunk decides whether it keeps pace with the engine; uvloop with httptools
+# spend less of it than asyncio with h11 (experiments/serve_cpu_probe.py measures both).
+EVENT_LOOPS = ("uvloop", "asyncio")
+HTTP_PARSERS = ("httptools", "h11")
 
 
 class _Server(uvicorn.Server):
@@ -81,14 +87,41 @@ def engine_process_llm(build: Callable[[argparse.Namespace], LLM], args: argpars
 def _serve(llm, engine_loop: EngineLoop | EngineClient, metrics: ServerMetrics, args: argparse.Namespace,
            model_name: str) -> int:
     app = create_app(llm, engine_loop, metrics, Settings(model_name, args.api_key, args.max_request_bytes))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=int(args.shutdown_timeout) + EXTRA_SHUTDOWN_S)
+    loop, http = event_loop_and_http(args.loop, args.http)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False, loop=loop,
+                            http=http, timeout_graceful_shutdown=int(args.shutdown_timeout) + EXTRA_SHUTDOWN_S)
     server = _Server(config, engine_loop, args.shutdown_timeout,
-                     f"ready: serving {model_name!r} on http://{args.host}:{args.port}/v1")
+                     f"ready: serving {model_name!r} on http://{args.host}:{args.port}/v1 (uvicorn: {loop} event "
+                     f"loop, {http} HTTP)")
     # uvicorn re-raises the signal it stopped on once it has shut down: exiting 0 is the answer.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server.run()
     return 0 if engine_loop.healthy else 1
+
+
+class MissingPackage(Exception):
+    """--loop or --http names an implementation whose package is not installed."""
+
+
+def event_loop_and_http(loop: str = "auto", http: str = "auto") -> tuple[str, str]:
+    """(event loop, HTTP parser) uvicorn runs for --loop and --http: "auto" is uvloop and httptools
+    where they import (pyproject lists them; uvloop has no Windows build), else asyncio and h11.
+    MissingPackage where one is named but does not import."""
+    return _implementation("--loop", loop, EVENT_LOOPS), _implementation("--http", http, HTTP_PARSERS)
+
+
+def _implementation(flag: str, asked: str, choices: tuple[str, str]) -> str:
+    fast, plain = choices
+    if asked == plain:
+        return plain
+    try:
+        importlib.import_module(fast)
+    except ImportError:
+        if asked == "auto":
+            return plain
+        raise MissingPackage(f"{flag} {fast}: the package {fast} is not installed (pip install {fast}), or give "
+                             f"{flag} {plain}") from None
+    return fast
 
 
 class AddressError(Exception):
