@@ -125,6 +125,14 @@ def mtbench_questions() -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def user_turns(prompt_file: str | Path | None = None) -> list[str]:
+    """User turns to send: one a line of `prompt_file` (a tiny model's own prompts), else the MT-bench
+    questions' first turns."""
+    if prompt_file:
+        return [line for line in Path(prompt_file).read_text().splitlines() if line.strip()]
+    return [q["turns"][0] for q in mtbench_questions()]
+
+
 def humaneval_problems(path: Path | None = None) -> list[dict]:
     """The 164 HumanEval problems (task_id, prompt: a Python signature and docstring, ...), from
     `path` (HumanEval.jsonl.gz) or the cached asset."""

@@ -172,12 +172,9 @@ def main() -> None:
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    if args.prompt_file:
-        turns = [line for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
-    else:
-        from eagle3_jax import assets
+    from eagle3_jax import assets
 
-        turns = [q["turns"][0] for q in assets.mtbench_questions()]
+    turns = assets.user_turns(args.prompt_file)
     prompts = [turns[i % len(turns)] for i in range(args.requests)]
     rows = []
     for server in args.servers.split(","):
