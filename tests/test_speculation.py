@@ -113,6 +113,17 @@ def test_a_chain_cheap_in_warm_up_gives_way_to_the_tree_faster_as_served():
     assert ran[100:].count(TREE) >= 0.9 * 900
 
 
+def test_rates_are_what_the_rule_compares():
+    """`Speculation.rates` (the server's log of each change) gives each choice's tokens a row a second
+    from the costs and estimates the rule reads: before serving, warm-up's costs and the priors
+    (steps + 1), so the target alone 1 / t0 and each proposal L / t."""
+    warm = {None: 1.0e-3, TREE: 2.0e-3, CHAIN: 1.25e-3}
+    spec = speculation(warm)
+    rates = spec.rates(BUCKET)
+    assert rates == pytest.approx({"target-only": 1000.0, spec.label(TREE): 7 / 2.0e-3, spec.label(CHAIN): 5 / 1.25e-3})
+    assert max(rates, key=rates.get) == spec.label(spec.best(BUCKET))
+
+
 def test_near_equal_choices_do_not_flap():
     """The tree 4% ahead of the chain as served (4.0 / 2.85 ms against 2.7 / 2.0), less than the
     margin, every step's time off by up to 5% and 30% of the steps untimed: over 3,000 iterations

@@ -145,6 +145,14 @@ class Speculation:
         """Every bucket's cost and choice by the rule (`report` prints it)."""
         return tuple(policy.BucketChoice(b, self.bucket_cost(b), self.label(self.best(b))) for b in self.buckets)
 
+    def rates(self, bucket: int) -> dict[str, float]:
+        """Each choice's tokens a row a second at `bucket` as the rule weighs them (`policy.rates`:
+        costs as served, acceptance as estimated), by label; empty where the bucket has no costs."""
+        cost = self.bucket_cost(bucket) if self.may_speculate(bucket) else None
+        if cost is None:
+            return {}
+        return {self.label(c): r for c, r in policy.rates(cost, self.acceptance).items()}
+
     def report(self) -> str:
         """The table and each proposal's acceptance estimate, as plain text."""
         return policy.format_table(self.table(), [(f.label, est) for f, est in zip(self.facts, self.acceptance)])

@@ -283,7 +283,9 @@ class EngineLoop:
         table = {row.bucket: row.choice for row in self.engine.speculation.table()}
         labels = [p.facts.label for p in self.engine.proposals] + ["target-only"]
         for bucket, choice in self.metrics.choices(table, labels).items():
-            logger.info("speculation: batch bucket %d runs %s", bucket, choice)
+            # The rates the rule compared, so that a log of changes says why each came.
+            rates = ", ".join(f"{label} {1e-3 * r:.2f}" for label, r in self.engine.speculation.rates(bucket).items())
+            logger.info("speculation: batch bucket %d runs %s (tokens a row a ms: %s)", bucket, choice, rates or "-")
 
     @staticmethod
     def _log_finished(req: Request) -> None:
