@@ -55,7 +55,7 @@ TUNED_TILES_ENV = "EAGLE3_JAX_GEMM_TILES"  # a file of the same form, read over 
 @dataclasses.dataclass(frozen=True)
 class TunedTile:
     """A tile measured fastest for up to `rows` rows of one projection (K, N, layout) on one GPU kind,
-    and bit-equal there to `DEFAULT_TILES` (scripts/invariance_h200.py --phase tune keeps no other)."""
+    and bit-equal there to `DEFAULT_TILES` (scripts/invariance_h200.py --phase attribution keeps no other)."""
 
     k: int
     n: int
@@ -73,7 +73,7 @@ class TunedTile:
                     tile=list(dataclasses.astuple(self.tiles)))
 
 
-def readtuned_tiles(path: Path) -> dict[str, list[TunedTile]]:
+def read_tuned_tiles(path: Path) -> dict[str, list[TunedTile]]:
     """A tile table: {device kind: [TunedTile]} from its JSON ({kind: [{k, n, transposed, rows, tile}]})."""
     try:
         table = json.loads(path.read_text())
@@ -86,9 +86,9 @@ def readtuned_tiles(path: Path) -> dict[str, list[TunedTile]]:
 def tuned_tiles(device_kind: str) -> dict[tuple[int, int, bool], list[TunedTile]]:
     """This GPU kind's tuned tiles by (K, N, transposed), fewest rows first: the shipped table's, then
     those of $EAGLE3_JAX_GEMM_TILES over them. Read once (`tuned_tiles.cache_clear()` reads again)."""
-    entries = readtuned_tiles(TUNED_TILES_FILE).get(device_kind, []) if TUNED_TILES_FILE.exists() else []
+    entries = read_tuned_tiles(TUNED_TILES_FILE).get(device_kind, []) if TUNED_TILES_FILE.exists() else []
     if explicit := os.environ.get(TUNED_TILES_ENV):
-        override = readtuned_tiles(Path(explicit)).get(device_kind, [])
+        override = read_tuned_tiles(Path(explicit)).get(device_kind, [])
         shapes = {(e.k, e.n, e.transposed) for e in override}
         entries = [e for e in entries if (e.k, e.n, e.transposed) not in shapes] + override
     by_shape: dict[tuple[int, int, bool], list[TunedTile]] = {}
