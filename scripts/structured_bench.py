@@ -229,9 +229,9 @@ def main() -> None:
                            max_num_seqs=args.batch, structured_warmup=True)
         llm = LLM(target=args.target, draft=draft, num_speculative_tokens=args.num_draft if speculative else 0,
                   tree=tree, engine_config=cfg, progress=False, batch_invariant=args.batch_invariant)
+        name = {"chain": f"chain K={args.num_draft}", "tree": f"tree ({args.tree})", "target": "target alone"}[proposal]
         if args.profile:
-            label = {"chain": f"chain K={args.num_draft}", "tree": f"tree ({args.tree})", "target": "target alone"}
-            rows += [{"run": label[proposal] + (", sampled" if r["sampled"] else ", greedy"), **r}
+            rows += [{"run": name + (", sampled" if r["sampled"] else ", greedy"), **r}
                      for r in profile(llm, work, args.max_tokens, args.batch)]
             llm.close()
             continue
@@ -239,9 +239,8 @@ def main() -> None:
             outs, seconds = run(llm, work, args.max_tokens, grammar, args.batch)
             judged = [judge(o.text, schema, validate) for o, (_, schema) in zip(outs, work)]
             tokens = sum(len(o.token_ids) for o in outs)
-            label = {"chain": f"chain K={args.num_draft}", "tree": f"tree ({args.tree})",
-                     "target": "target alone"}[proposal] + (", grammar" if grammar else ", free text")
-            rows.append({"run": label, "speculative": speculative, "grammar": grammar, "requests": len(outs),
+            rows.append({"run": name + (", grammar" if grammar else ", free text"), "speculative": speculative,
+                         "grammar": grammar, "requests": len(outs),
                          "parsed": sum(j[0] for j in judged) / len(outs),
                          "validated": sum(j[1] for j in judged) / len(outs) if validate else None,
                          "acceptance_length": sum(o.metrics.acceptance_length for o in outs) / len(outs),

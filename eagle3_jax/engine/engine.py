@@ -334,6 +334,7 @@ class Engine:
         facts, bucket = cfg.speculator.facts, len(slots)
         width = facts.verify_width
         t = time.perf_counter()
+        fill = self.grammars.masks
         if width == 1:  # the target alone
             rows = [(i, m, ()) for i, m in constrained]
         elif facts.verifies_chain:
@@ -341,12 +342,11 @@ class Engine:
             rows = [(i, m, drafts[i]) for i, m in constrained]
         else:
             tokens, parents = self._force_tree(constrained, slots, width - 1, facts.max_accepted)
-            rows = [(i, m, tokens[i], parents[i]) for i, m in constrained]
+            rows, fill = [(i, m, tokens[i], parents[i]) for i, m in constrained], self.grammars.tree_masks
         self.stats.forced_s += time.perf_counter() - t
 
         def masks() -> np.ndarray:
             start = time.perf_counter()
-            fill = self.grammars.masks if width == 1 or facts.verifies_chain else self.grammars.tree_masks
             mask = fill(rows, bucket, width)
             self.stats.mask_s += time.perf_counter() - start
             return mask
