@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import statistics
 import sys
@@ -60,26 +59,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 MODEL = "probe"
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int, thread: int | None = None) -> float:
-    """User + system CPU seconds so far of every thread of process `pid` (/proc/PID/stat), or of
-    one `thread` of it (its main thread: `pid`)."""
-    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14 and 15 of stat)
-
-
-def engine_pid(pid: int) -> int | None:
-    """The engine's process among `pid`'s children (multiprocessing's spawned one, not its resource tracker)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-    return None
-
-
 def engine_steps(url: str) -> float | None:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -122,6 +101,7 @@ async def level(url: str, prompts: list[str], streams: int, max_tokens: int) -> 
 
 def measure(args, loop: str, http: str, prompts: list[str]) -> list[dict]:
     import server_process
+    from server_process import cpu_s, engine_pid
 
     name = f"{loop}-{http}"
     proc, url = server_process.start(

@@ -7,7 +7,9 @@ as fast as its engine?
 
 For each stream count N, N clients each send their share of --requests (MT-bench first turns in
 order, chat template, greedy, --max-tokens, ignore_eos) one after another, streaming, through the
-official `openai` client; the server is a subprocess on 127.0.0.1 with the engine flags given
+official `openai` client, spread over client processes of at most --streams-per-client streams
+(one process's event loop cannot parse 64 streams' chunks as fast as the engine makes them); the
+server is a subprocess on 127.0.0.1 with the engine flags given
 (--engine; --serve-flags: its own, e.g. --engine-process). Then the same engine configuration in
 this process (`LLM`, after the server has stopped): N requests kept in flight, a new one added
 (chat-templated and tokenized, as the server does) as one finishes, the same requests. Each side
@@ -15,7 +17,9 @@ runs each level once unmeasured first, so that what N arrivals at once compile o
 in either's numbers.
 Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT
 and ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics),
-acceptance length, and the speculation the server's /metrics reports per batch bucket.
+acceptance length, and the speculation the server's /metrics reports per batch bucket. Beside them
+the CPU share over each server level (1.0: one core busy throughout) of the busiest client process,
+of the HTTP process and of the engine's (--engine-process): a share near 1.0 names what set the pace.
 Prints a table and writes serve_load.json under --out-dir.
 """
 
@@ -78,14 +82,14 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 async def _client_stream(client, messages, max_tokens: int) -> tuple[int, float, list[float], float]:
     """One streamed request -> (tokens, TTFT s, inter-token gaps s, finish time)."""
-    start = time.perf_counter()
+    start = time.monotonic()
     stream = await client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     first = last = None
     gaps, tokens = [], 0
     async for chunk in stream:
-        now = time.perf_counter()
+        now = time.monotonic()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
@@ -94,10 +98,12 @@ async def _client_stream(client, messages, max_tokens: int) -> tuple[int, float,
             else:
                 gaps.append(now - last)
             last = now
-    return tokens, (first or time.perf_counter()) - start, gaps, time.perf_counter()
+    return tokens, (first or time.monotonic()) - start, gaps, time.monotonic()
 
 
-async def _server_level(url: str, prompts: list, streams: int, max_tokens: int) -> dict:
+async def _client_streams(url: str, prompts: list, streams: int, max_tokens: int, start_at: float) -> dict:
+    """`streams` streams on one AsyncOpenAI client, each taking the next of `prompts` as its last
+    finishes, from `start_at` (time.monotonic) -> each request's result and this process's CPU."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -108,15 +114,60 @@ async def _server_level(url: str, prompts: list, streams: int, max_tokens: int) 
         while queue:
             results.append(await _client_stream(client, queue.pop(0), max_tokens))
 
-    start, cpu = time.perf_counter(), time.process_time()
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    cpu = time.process_time()
     await asyncio.gather(*[worker() for _ in range(streams)])
-    wall = max(r[3] for r in results) - start
     cpu = time.process_time() - cpu
     await client.close()
-    tokens = sum(r[0] for r in results)
-    # The client's own CPU time: on a machine of few cores, a busy client slows the server beside it.
-    return dict(tokens=tokens, wall_s=round(wall, 3), tok_s=round(tokens / wall, 1), client_cpu_s=round(cpu, 3),
-                **_latencies([r[1] for r in results], [g for r in results for g in r[2]]))
+    return dict(results=results, cpu_s=cpu, wall_s=max(r[3] for r in results) - start_at)
+
+
+def _client_process(conn) -> None:
+    """A client process's loop: run each level's share sent over `conn`, answer its results."""
+    while (job := conn.recv()) is not None:
+        conn.send(asyncio.run(_client_streams(*job)))
+
+
+class Clients:
+    """Streams spread over processes of at most `per_process` streams each: one Python process's
+    event loop parsing every chunk of 64 streams through the `openai` client saturates its core
+    (at about 21k tokens a second on an H100's host), and the server would be measured against its
+    client. Each process's CPU share is reported beside the level's figures."""
+
+    def __init__(self, processes: int, per_process: int):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # no fork of a process that may hold JAX's threads
+        self.per_process, self.pipes, self.procs = per_process, [], []
+        for _ in range(processes):
+            mine, theirs = context.Pipe()
+            proc = context.Process(target=_client_process, args=(theirs,), daemon=True)
+            proc.start()
+            self.pipes.append(mine)
+            self.procs.append(proc)
+
+    def level(self, url: str, prompts: list, streams: int, max_tokens: int) -> dict:
+        """`streams` streams over ceil(streams / per_process) processes, stream i taking requests i,
+        i + streams, ...; all start at one moment (the clock is the machine's, time.monotonic)."""
+        n = min(len(self.pipes), -(-streams // self.per_process))
+        shares = [list(range(i, streams, n)) for i in range(n)]  # process p runs streams p, p + n, ...
+        start_at = time.monotonic() + 1.0  # every process past its sleep before the first request
+        for pipe, share in zip(self.pipes, shares):
+            mine = [prompts[j] for j in range(len(prompts)) if j % streams in share]
+            pipe.send((url, mine, len(share), max_tokens, start_at))
+        parts = [pipe.recv() for pipe in self.pipes[:n]]
+        results = [r for part in parts for r in part["results"]]
+        wall = max(r[3] for r in results) - start_at
+        tokens = sum(r[0] for r in results)
+        return dict(tokens=tokens, wall_s=round(wall, 3), tok_s=round(tokens / wall, 1), client_processes=n,
+                    # near 1.0: that client process, not the server, may have set the pace
+                    client_cpu_share_max=round(max(part["cpu_s"] / part["wall_s"] for part in parts), 3),
+                    **_latencies([r[1] for r in results], [g for r in results for g in r[2]]))
+
+    def close(self) -> None:
+        for pipe, proc in zip(self.pipes, self.procs):
+            pipe.send(None)
+            proc.join(10)
 
 
 def server_metrics(url: str) -> dict:
@@ -181,6 +232,8 @@ def main() -> None:
                         "starts with --)")
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=64, help="requests at each stream count")
+    p.add_argument("--streams-per-client", type=int, default=8,
+                   help="streams a client process runs at most (its CPU share is reported)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
     p.add_argument("--prompt-file", default=None, help="user turns, one a line, instead of MT-bench")
@@ -191,16 +244,26 @@ def main() -> None:
     prompts = _prompts(args)
     levels = [int(n) for n in args.streams.split(",")]
     rows = {n: {"streams": n} for n in levels}
+    clients = Clients(-(-max(levels) // args.streams_per_client), args.streams_per_client)
     proc, url = start_server(args)
     try:
+        engine = server_process.engine_pid(proc.pid)
         for n in levels:
             # Warm-up at each level, as in process: what a batch of n arrivals compiles on first use.
-            asyncio.run(_server_level(url, prompts[:n], n, args.max_tokens))
-            rows[n]["server"] = asyncio.run(_server_level(url, prompts, n, args.max_tokens))
-            print(n, "server", rows[n]["server"], flush=True)
+            clients.level(url, prompts[:n], n, args.max_tokens)
+            cpu = [server_process.cpu_s(pid) for pid in (proc.pid, engine)]
+            rows[n]["server"] = run = clients.level(url, prompts, n, args.max_tokens)
+            # CPU share over the level (1.0: a core busy throughout) of the HTTP process (every thread:
+            # the engine's too, unless --engine-process) and of the engine's own process.
+            for name, pid, before in zip(("http", "engine"), (proc.pid, engine), cpu):
+                after = server_process.cpu_s(pid) if pid else None
+                if before is not None and after is not None:
+                    run[f"{name}_cpu_share"] = round((after - before) / run["wall_s"], 3)
+            print(n, "server", run, flush=True)
         metrics = server_metrics(url)
     finally:
         server_process.stop(proc)
+        clients.close()
     llm = _in_process_llm(args)
     for n in levels:
         in_process_level(llm, prompts[:n], n, args.max_tokens)  # warm-up
@@ -213,11 +276,13 @@ def main() -> None:
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), engine=args.engine,
                serve_flags=args.serve_flags, max_tokens=args.max_tokens, requests=args.requests,
                server_metrics=metrics, rows=list(rows.values()))
-    print(f"{'streams':>7} {'server tok/s':>12} {'in process':>10} {'ratio':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}")
+    print(f"{'streams':>7} {'server tok/s':>12} {'in process':>10} {'ratio':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}"
+          f" {'CPU: client max':>15} {'http':>5} {'engine':>6}")
     for r in out["rows"]:
         s = r["server"]
         print(f"{r['streams']:7d} {s['tok_s']:12.1f} {r['in_process']['tok_s']:10.1f} {r['ratio']:6.3f} "
-              f"{s['ttft_p50_ms']!s:>11} {s['itl_p50_ms']!s:>10}")
+              f"{s['ttft_p50_ms']!s:>11} {s['itl_p50_ms']!s:>10} {s['client_cpu_share_max']:15.2f} "
+              f"{s.get('http_cpu_share', '-')!s:>5} {s.get('engine_cpu_share', '-')!s:>6}")
     print("speculation per bucket (server):", metrics)
     (Path(args.out_dir) / "serve_load.json").write_text(json.dumps(out, indent=1))
 

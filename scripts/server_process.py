@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -58,3 +59,30 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_s(pid: int, thread: int | None = None) -> float | None:
+    """User + system CPU seconds so far of every thread of process `pid` (/proc/PID/stat), or of
+    one `thread` of it (its main thread: `pid`); None where /proc cannot say (not Linux, gone)."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14 and 15 of stat)
+
+
+def engine_pid(pid: int) -> int | None:
+    """The engine's process among the server `pid`'s children (`--engine-process`: multiprocessing's
+    spawned one, not its resource tracker), or None."""
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return int(child)
+    except OSError:
+        pass
+    return None
