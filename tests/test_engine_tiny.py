@@ -347,6 +347,19 @@ def test_a_long_prompt_arriving_while_rows_decode_prefills_one_chunk_per_iterati
     assert long.output == unchunked.token_ids and len(long.output) == 4
 
 
+def test_long_prompts_arriving_together_prefill_their_chunks_in_rounds(tiny_models):
+    """Five prompts of 1 to 3 leading chunks (16 tokens) and a last one, with nothing decoding: one
+    step prefills the prompts' first leading chunks together (two calls of up to four), then their
+    second (one), their third (one), then the last chunks (two): 6 calls, where a call per leading
+    chunk made 13. Every reply is the target alone's from unchunked prefills (a 64-token bucket)."""
+    prompts = [[(5 * i + 3 * j + 1) % TINY_VOCAB for j in range(n)] for i, n in enumerate((60, 40, 50, 33, 17))]
+    llm = make(tiny_models)
+    replies = [o.token_ids for o in llm.generate(prompts, greedy(4))]
+    assert llm.engine.stats.prefill_calls == 6
+    unchunked = make(tiny_models, None, prefill_buckets=(64,)).generate(prompts, greedy(4))
+    assert replies == [o.token_ids for o in unchunked] and all(len(r) == 4 for r in replies)
+
+
 # ---- a burst arriving while a row streams ---------------------------------------------------------
 def test_a_burst_arriving_while_a_row_streams_is_prefilled_in_one_step(tiny_models, alone):
     """One request streaming when seven short prompts arrive (a burst, as 64 streams opened at once

@@ -9,7 +9,9 @@ request's next chunk alone, or its last chunk joined by others of its chunk buck
 STEP_CHUNKS chunks' padded tokens. So a running stream waits one chunk of a long prompt at most
 between two tokens, however long the prompts that arrive (a prompt of n chunks takes n steps), and
 a few short prompts still share a call (eight of 128 tokens by default: with one chunk's budget
-they would join one a step). With none decoding, a step prefills everything.
+they would join one a step). With none decoding, a step prefills everything: the prompts' j-th
+leading chunks together, up to the largest prefill batch bucket a call, round after round, then
+the last chunks (32 prompts of three chunks: 12 calls, not 68).
 
 A burst is the exception: where more requests prefill than rows stream (have a token read), a step
 dispatches every last chunk, grouped as with none decoding, after the first request's leading
@@ -67,11 +69,14 @@ def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: Seque
     request's leading chunk if it has one; else one call at most (module docstring)."""
     largest = cfg.prefill_buckets[-1]
     if not decoding:
-        calls, lasts = [], []
+        rounds, lasts = collections.defaultdict(list), []  # rounds[j]: each prompt's j-th leading chunk
         for req in prefilling:
             *leading, last = chunks_of(req, largest)
-            calls.extend([chunk] for chunk in leading)
+            for j, chunk in enumerate(leading):
+                rounds[j].append(chunk)
             lasts.append(last)
+        most = cfg.prefill_batch_buckets[-1]  # leading chunks are whole chunks: one chunk bucket
+        calls = [chunks[i:i + most] for chunks in rounds.values() for i in range(0, len(chunks), most)]
         return calls + group_last_chunks(lasts, cfg)
     if not prefilling:
         return []
