@@ -333,11 +333,11 @@ def test_while_rows_decode_short_prompts_share_a_call_of_two_chunks():
     assert [[(c.req.id, c.start) for c in call] for call in calls] == [[(0, 0), (1, 0)]]
 
 
-def test_a_burst_prefills_every_last_chunk_in_one_step():
+def test_a_burst_prefills_every_next_chunk_in_one_step():
     """More prompts prefilling than rows streaming (a burst of arrivals): one step dispatches every
-    last chunk, grouped as with none decoding (chunk bucket 16: four a call; bucket 4 apart), after
-    the first prompt's leading chunk where it has one; the other long prompts' leading chunks wait.
-    Rows decoding whose first token is not read yet do not stream: they count as none."""
+    prompt's next chunk, the leading ones sharing a call, then the last ones grouped as with none
+    decoding (chunk bucket 16: four a call; bucket 4 apart). Rows decoding whose first token is not
+    read yet do not stream: they count as none."""
     from eagle3_jax.engine.prefill import step_calls
 
     cfg = EngineConfig(batch_buckets=(2, 8), page_size=PAGE, num_pages=128, max_model_len=64,
@@ -363,4 +363,4 @@ def test_a_burst_prefills_every_last_chunk_in_one_step():
         s2.add(prompt, params(4))
     s2.admit()
     calls = step_calls(s2.prefilling, s2.cfg, streaming(1))
-    assert [[(c.req.id, c.start) for c in call] for call in calls] == [[(0, 0)], [(1, 0)], [(3, 0)]]
+    assert [[(c.req.id, c.start) for c in call] for call in calls] == [[(0, 0), (2, 0)], [(1, 0)], [(3, 0)]]

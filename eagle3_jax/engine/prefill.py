@@ -1,5 +1,5 @@
 """Prefill packing: the requests prefilling -> this step's prefill calls (`step_calls`). A prompt
-longer than the largest chunk bucket (the chunk) prefills in chunks, its leading chunks a call each;
+longer than the largest chunk bucket (the chunk) prefills in chunks, leading ones and a last one;
 every last chunk joins the others of its chunk bucket, up to the largest prefill batch bucket a
 call, so a burst of arrivals costs a few prefills, not one per request (BENCHMARKS.md, "Serving
 with arrivals").
@@ -14,13 +14,13 @@ leading chunks together, up to the largest prefill batch bucket a call, round af
 the last chunks (32 prompts of three chunks: 12 calls, not 68).
 
 A burst is the exception: where more requests prefill than rows stream (have a token read), a step
-dispatches every last chunk, grouped as with none decoding, after the first request's leading
-chunk where it has one. Streams opened at once reach the engine over a few steps, the first ones
-decoding already; a call a step would take the rest in eight a step. Spreading the calls spares the
-decoding rows no time (each prefill runs once, before some iteration), it only splits their wait,
-while each group's first token waits an iteration (the whole batch's) longer than the group before
-it and the last group decodes alone at the end. A row whose first token is not read yet has no
-gap between tokens to keep short."""
+dispatches every prefilling request's next chunk, the leading ones sharing calls as a round with
+none decoding, then the last ones grouped by chunk bucket. Streams opened at once reach the engine
+over a few steps, the first ones decoding already; a call a step would take the rest in eight a
+step. Spreading the calls spares the decoding rows no time (each prefill runs once, before some
+iteration), it only splits their wait, while each group's first token waits an iteration (the whole
+batch's) longer than the group before it and the last group decodes alone at the end. A row whose
+first token is not read yet has no gap between tokens to keep short."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: Seque
                ) -> list[list[PrefillChunk]]:
     """The prefill calls a step dispatches, in order, for the requests `prefilling` (admission
     order), the running ones done prefilling `decoding`: with none decoding, every chunk; with
-    fewer streaming (a token read) than prefilling, a burst, every last chunk after the first
-    request's leading chunk if it has one; else one call at most (module docstring)."""
+    fewer streaming (a token read) than prefilling, a burst, every request's next chunk; else one
+    call at most (module docstring)."""
     largest = cfg.prefill_buckets[-1]
     if not decoding:
         rounds, lasts = collections.defaultdict(list), []  # rounds[j]: each prompt's j-th leading chunk
@@ -75,21 +75,27 @@ def step_calls(prefilling: Sequence[Request], cfg: ServedConfig, decoding: Seque
             for j, chunk in enumerate(leading):
                 rounds[j].append(chunk)
             lasts.append(last)
-        most = cfg.prefill_batch_buckets[-1]  # leading chunks are whole chunks: one chunk bucket
-        calls = [chunks[i:i + most] for chunks in rounds.values() for i in range(0, len(chunks), most)]
-        return calls + group_last_chunks(lasts, cfg)
+        return [call for chunks in rounds.values() for call in group_whole_chunks(chunks, cfg)] + \
+            group_last_chunks(lasts, cfg)
     if not prefilling:
         return []
-    head = PrefillChunk(prefilling[0], prefilling[0].next_chunk)
-    leading = [[head]] if head.end(largest) < head.req.context_len else []
-    lasts = [PrefillChunk(req, req.next_chunk) for req in prefilling if req.context_len - req.next_chunk <= largest]
+    following = [PrefillChunk(req, req.next_chunk) for req in prefilling]  # each request's next chunk
+    leading = [chunk for chunk in following if chunk.end(largest) < chunk.req.context_len]
+    lasts = [chunk for chunk in following if chunk.end(largest) == chunk.req.context_len]
     if len(prefilling) > sum(1 for req in decoding if req.output):
-        return leading + group_last_chunks(lasts, cfg)
-    if leading:
-        return leading
+        return group_whole_chunks(leading, cfg) + group_last_chunks(lasts, cfg)
+    head = following[0]
+    if leading and leading[0] is head:
+        return [[head]]
     size = _chunk_bucket(head, cfg)
     most = max((rows for rows in cfg.prefill_batch_buckets if rows * size <= STEP_CHUNKS * largest), default=1)
     return [[chunk for chunk in lasts if _chunk_bucket(chunk, cfg) == size][:most]]
+
+
+def group_whole_chunks(chunks: Sequence[PrefillChunk], cfg: ServedConfig) -> list[list[PrefillChunk]]:
+    """Leading chunks (whole: one chunk bucket) grouped into calls, at most the largest prefill batch bucket a call."""
+    most = cfg.prefill_batch_buckets[-1]
+    return [list(chunks[i:i + most]) for i in range(0, len(chunks), most)]
 
 
 def group_last_chunks(chunks: Sequence[PrefillChunk], cfg: ServedConfig) -> list[list[PrefillChunk]]:
