@@ -13,10 +13,14 @@ nothing of is written as if it had walked no block (no weight in the combine).
 
 A tree node reads its ancestors as at root + depth, where decode would have stored them, gathered
 from where the verify did, so its logits equal decode's. The blocks before the window's (context
-every node shares) are multiplied once a tile; the split that goes on past them leaves its carry
-(f32, exact) to a second kernel of a program per (row, kv head, token, split), which walks the
-token's blocks from the window's on, its ancestors gathered: the whole tile's MMA shape with only
-the token's rows loaded and kept, so the same arithmetic for them as a decode's tile-wide step.
+every node shares) are multiplied once a tile; the split the window starts in leaves its carry (f32,
+exact) to a second kernel, which walks each token's blocks from the window's on, its ancestors
+gathered: the whole tile's MMA shape with only the token's rows loaded and kept, so the same
+arithmetic for them as a decode's tile-wide step. A node sits at most W - 1 positions past the
+window's start, so that kernel's grid spans only the splits a window of W can touch (two when W is
+within a split), the first the window's own, found in the kernel: its outputs are whole rows of
+splits, indexed there. A program walks several tokens of one tile in turn (`window_tokens`), each
+token's steps exactly its own program's; the rest of the splits are `_tile_kernel`'s to write.
 RoPE and the KV write: `pallas_attention.rope_and_write` with tile_rows=QUERY_TILE_ROWS.
 """
 
@@ -36,6 +40,9 @@ from eagle3_jax.model.pallas_attention import MASKED
 BLOCK_KEYS = 64
 BLOCKS_PER_SPLIT = 8  # a split's fixed range: 512 key positions
 QUERY_TILE_ROWS = 64  # one Hopper warpgroup MMA's rows, whatever the step
+# The tree window kernel's programs over its first split to aim at: enough to fill an H100's SMs a few
+# times over; a program walks more tokens in turn as the batch grows past it (`window_tokens`).
+WINDOW_PROGRAMS = 1024
 
 
 def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, token=None, *, page_size: int,
@@ -57,27 +64,30 @@ def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, toke
     return pallas_attention.online_softmax_step(carry, jnp.where(key_pos[None, :] <= vpos[:, None], s, MASKED), v)
 
 
-def _bounds(nb: int, page_size: int, blocks_per_split: int):
-    """This program's split: its first block and the end of its range, never past the table (a
-    padding row's position can run past it)."""
+def _bounds(nb: int, page_size: int, blocks_per_split: int, split):
+    """A split's first block and the end of its range, never past the table (a padding row's position
+    can run past it)."""
     capacity = -(-nb * page_size // BLOCK_KEYS)
-    first = pl.program_id(3) * blocks_per_split
+    first = split * blocks_per_split
     return first, jnp.minimum(first + blocks_per_split, capacity), capacity
 
 
-def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int):
+def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int,
+                 window_splits: int = 0):
     # Program (row, kv head, tile, split): the blocks every row of the tile sees alike, to the tile's last
     # position or a tree window's block. q_ref [QT, hd], row u*R + h: q head h of the tile's token u;
     # vpos_ref [QT] own-sequence positions (-1: padding); path_ref [T, 1 + W] the row's `ancestor_paths`;
-    # table_ref [nb]; k_ref, v_ref [L, P * page, hd] -> o_ref [QT, hd], lse_ref [QT]; a tree's split that
-    # `_token_kernel` goes on with: its carry instead, carry_refs [QT, hd], [QT], [QT] f32 (exact).
+    # table_ref [nb]; k_ref, v_ref [L, P * page, hd] -> o_ref [QT, hd], lse_ref [QT]. A tree's splits
+    # `_window_kernel` writes (window_splits of them from the window's) are left to it, and the split
+    # the window starts in leaves its carry there, carry_refs [QT, hd], [QT], [QT] f32 (exact).
     if windowed:
         path_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref, *carry_refs = refs
     else:
         (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref), path_ref = refs, None
     rows, hd = q_ref.shape
     q, vpos = q_ref[...], vpos_ref[...]
-    first, last, capacity = _bounds(table_ref.shape[0], page_size, blocks_per_split)
+    split = pl.program_id(3)
+    first, last, capacity = _bounds(table_ref.shape[0], page_size, blocks_per_split, split)
     shared_end = path_ref[0, 0] // BLOCK_KEYS if windowed else capacity
     end = jnp.minimum(jnp.minimum(last, shared_end), jnp.max(vpos) // BLOCK_KEYS + 1)
     step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
@@ -91,49 +101,65 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
     if not windowed:
         pallas_attention.write_split(carry, o_ref, lse_ref)
         return
+    # Past the window's reach every row's carry is still init here (nothing of the split seen), as it
+    # would be after the window kernel's walk.
+    windows = (last > shared_end) & (split < shared_end // blocks_per_split + window_splits)
 
-    @pl.when(last <= shared_end)
+    @pl.when(jnp.logical_not(windows))
     def _():
         pallas_attention.write_split(carry, o_ref, lse_ref)
 
-    @pl.when(last > shared_end)
+    @pl.when((first <= shared_end) & (shared_end < last))  # the split the window starts in
     def _():
         for ref, value in zip(carry_refs, carry):
             ref[...] = value
 
 
-def _token_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref, carry_o_ref, carry_max_ref,
-                  carry_sum_ref, _o_in, _lse_in, o_ref, lse_ref, *, r: int, page_size: int, scale: float,
-                  blocks_per_split: int):
-    # Program (row, kv head, token, split) of a tree verify: from `_tile_kernel`'s carry, the token's
-    # blocks from the window's on, its ancestors gathered. Refs as `_tile_kernel`'s, of the token's tile;
-    # o_ref, lse_ref aliased to _o_in, _lse_in: only the token's rows are written (token 0 of a tile
-    # also writes the tile's padding rows).
+def _window_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref, carry_o_ref, carry_max_ref,
+                   carry_sum_ref, _o_in, _lse_in, o_ref, lse_ref, *, r: int, page_size: int, scale: float,
+                   blocks_per_split: int, window_tokens: int):
+    # Program (row, kv head, tile * chunks + c, k) of a tree verify: the tile's tokens c * window_tokens
+    # on, one after another, over the k-th split from the one the window starts in; each token from
+    # `_tile_kernel`'s carry (k = 0; init after), its blocks from the window's on, its ancestors
+    # gathered. Refs as `_tile_kernel`'s, of the tile; o_ref [S, QT, hd], lse_ref [S, QT] every split
+    # of the tile, aliased to _o_in, _lse_in: only the tokens' rows of split k are written (token 0 of
+    # a tile also writes the tile's padding rows).
     rows, hd = q_ref.shape
     tokens = rows // r
-    token = pl.program_id(2)
-    u = token % tokens
-    in_tile = jnp.minimum(pl.num_programs(2) - (token - u), tokens)  # the tile's tokens
-    first, last, _ = _bounds(table_ref.shape[0], page_size, blocks_per_split)
+    chunks = -(-tokens // window_tokens)
+    tile, chunk = pl.program_id(2) // chunks, pl.program_id(2) % chunks
+    in_tile = jnp.minimum(path_ref.shape[0] - tile * tokens, tokens)  # the tile's tokens
     shared_end = path_ref[0, 0] // BLOCK_KEYS
+    split = shared_end // blocks_per_split + pl.program_id(3)
+    first, last, _ = _bounds(table_ref.shape[0], page_size, blocks_per_split, split)
+    from_carry = pl.program_id(3) == 0  # a later split's blocks all lie past shared_end
 
-    @pl.when(last > shared_end)
+    @pl.when((split < o_ref.shape[0]) & (last > shared_end))
     def _():
         row_token = jax.lax.iota(jnp.int32, rows) // r
-        own = (row_token == u) | ((u == 0) & (row_token >= in_tile))
-        own2 = jnp.broadcast_to(own[:, None], (rows, hd))
-        # The whole tile's MMA shape, only the token's rows loaded: the same arithmetic for them as
-        # `_tile_kernel`'s (a decode's) step over the same block.
-        q = plgpu.load(q_ref, mask=own2, other=0)
         vpos = vpos_ref[...]
-        carry = (plgpu.load(carry_o_ref, mask=own2, other=0.0), plgpu.load(carry_max_ref, mask=own, other=MASKED),
-                 plgpu.load(carry_sum_ref, mask=own, other=0.0))
-        step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
-                                 v_ref=v_ref, path_ref=path_ref, token=token, page_size=page_size, scale=scale)
-        end = jnp.minimum(last, vpos_ref[u * r] // BLOCK_KEYS + 1)
-        o, lse = pallas_attention.split_result(jax.lax.fori_loop(jnp.maximum(first, shared_end), end, step, carry))
-        plgpu.store(o_ref, o.astype(o_ref.dtype), mask=own2)
-        plgpu.store(lse_ref, lse, mask=own)
+        o_split, lse_split = o_ref.at[split], lse_ref.at[split]
+
+        def token_walk(u, _):
+            own = (row_token == u) | ((u == 0) & (row_token >= in_tile))
+            own2 = jnp.broadcast_to(own[:, None], (rows, hd))
+            # The whole tile's MMA shape, only the token's rows loaded: the same arithmetic for them as
+            # `_tile_kernel`'s (a decode's) step over the same block.
+            q = plgpu.load(q_ref, mask=own2, other=0)
+            carry = (plgpu.load(carry_o_ref, mask=own2 & from_carry, other=0.0),
+                     plgpu.load(carry_max_ref, mask=own & from_carry, other=MASKED),
+                     plgpu.load(carry_sum_ref, mask=own & from_carry, other=0.0))
+            step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
+                                     v_ref=v_ref, path_ref=path_ref, token=tile * tokens + u, page_size=page_size,
+                                     scale=scale)
+            end = jnp.minimum(last, vpos_ref[u * r] // BLOCK_KEYS + 1)
+            o, lse = pallas_attention.split_result(
+                jax.lax.fori_loop(jnp.maximum(first, shared_end), end, step, carry))
+            plgpu.store(o_split, o.astype(o_split.dtype), mask=own2)
+            plgpu.store(lse_split, lse, mask=own)
+
+        jax.lax.fori_loop(chunk * window_tokens, jnp.minimum((chunk + 1) * window_tokens, in_tile), token_walk,
+                          None)
 
 
 def ancestor_paths(window_start: jax.Array, window_mask: jax.Array) -> jax.Array:
@@ -150,6 +176,18 @@ def ancestor_paths(window_start: jax.Array, window_mask: jax.Array) -> jax.Array
 def num_splits(num_blocks: int, page_size: int, blocks_per_split: int = BLOCKS_PER_SPLIT) -> int:
     """Splits over a table of num_blocks pages: the same for every step of an engine."""
     return -(-num_blocks * page_size // (BLOCK_KEYS * blocks_per_split))
+
+
+def window_splits(width: int, splits: int, blocks_per_split: int = BLOCKS_PER_SPLIT) -> int:
+    """The splits a tree window of `width` positions can touch (its nodes sit at most width - 1 past
+    its start), of a table's `splits`."""
+    return min(splits, (width - 2) // (BLOCK_KEYS * blocks_per_split) + 2)
+
+
+def window_tokens(batch: int, kv_heads: int, tokens: int) -> int:
+    """The tokens a window program walks in turn: one until the batch's tokens fill WINDOW_PROGRAMS
+    programs, more as it grows, at most a tile's."""
+    return max(1, min(batch * kv_heads * tokens // WINDOW_PROGRAMS, QUERY_TILE_ROWS))
 
 
 def tile_tokens(heads_per_kv: int) -> int:
@@ -188,13 +226,15 @@ def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_
 
 def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_table: jax.Array, layer,
            k_pages: jax.Array, v_pages: jax.Array, heads_per_kv: int,
-           blocks_per_split: int = BLOCKS_PER_SPLIT) -> jax.Array:
+           blocks_per_split: int = BLOCKS_PER_SPLIT, tokens_per_program: int | None = None) -> jax.Array:
     """Query tiles [B, G, n * QUERY_TILE_ROWS, hd] (`query_tiles`' layout) over layer `layer` of the pages
     [L, P, page, G, hd]; vpos [B, T] each token's position in its own sequence (a tree node's: root +
-    depth); paths [B, T, 1 + W] a tree's `ancestor_paths` or None -> [B, T, G*R, hd]."""
+    depth); paths [B, T, 1 + W] a tree's `ancestor_paths` or None -> [B, T, G*R, hd]. tokens_per_program:
+    a tree window program's tokens (None: `window_tokens`'); the output's bits do not depend on it."""
     b, g, _, hd = tiles.shape
     t, r = vpos.shape[1], heads_per_kv
     tt = tile_tokens(r)
+    tokens_per_program = min(tokens_per_program or window_tokens(b, g, t), tt)
     n = -(-t // tt)
     # Per row of a tile: its token's position, -1 on padding rows (they see nothing).
     vpos = jnp.pad(vpos.astype(jnp.int32), ((0, 0), (0, n * tt - t)), constant_values=-1)
@@ -202,14 +242,14 @@ def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_tab
                        constant_values=-1).reshape(b, n * QUERY_TILE_ROWS)
     paths = None if paths is None else paths.astype(jnp.int32)
     out = _attend(tiles, row_vpos, paths, block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-                  k_pages, v_pages, r=r, blocks_per_split=blocks_per_split)
+                  k_pages, v_pages, r=r, blocks_per_split=blocks_per_split, window_tokens=tokens_per_program)
     out = out.reshape(b, g, n, QUERY_TILE_ROWS, hd)[:, :, :, :tt * r].reshape(b, g, n * tt, r, hd)[:, :, :t]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
 
 
-@functools.partial(jax.jit, static_argnames=("r", "blocks_per_split"))
-def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: int,
-            blocks_per_split: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("r", "blocks_per_split", "window_tokens"))
+def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: int, blocks_per_split: int,
+            window_tokens: int) -> jax.Array:
     b, g, rows, hd = tiles.shape
     qt = QUERY_TILE_ROWS
     n = rows // qt
@@ -240,27 +280,34 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
     out_shapes = [jax.ShapeDtypeStruct(o_shape, tiles.dtype if splits == 1 else jnp.float32), lse_shape]
     operands = (tiles, row_vpos, *([paths] if windowed else []), block_table, layer, k_slots, v_slots)
     inputs, o_spec, lse_spec = specs(lambda n: n)
-    # A tree's carry goes on in `_token_kernel`: its output, max and sum in f32.
-    carry_specs, carry_shapes = (([o_spec, lse_spec, lse_spec],
-                                  [jax.ShapeDtypeStruct(o_shape, jnp.float32), lse_shape, lse_shape])
-                                 if windowed else ([], []))
+    # A tree's window goes on in `_window_kernel`: the carry of the split it starts in, output, max and
+    # sum in f32; the window kernel's outputs are a tile's every split, the one it writes found there.
+    touched = window_splits(paths.shape[2] - 1, splits, blocks_per_split) if windowed else 0
+    carry_specs = [pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, n, 0)),
+                   *[pl.BlockSpec((None, None, qt), lambda i, j, n, s: (i, j, n))] * 2]
+    carry_shapes = [jax.ShapeDtypeStruct((b, g, rows, hd), jnp.float32),
+                    *[jax.ShapeDtypeStruct((b, g, rows), jnp.float32)] * 2]
     outs = pl.pallas_call(
-        functools.partial(_tile_kernel, windowed=windowed, **kernel_args),
+        functools.partial(_tile_kernel, windowed=windowed, window_splits=touched, **kernel_args),
         grid=(b, g, n, splits),
         in_specs=inputs,
-        out_specs=[o_spec, lse_spec, *carry_specs],
-        out_shape=out_shapes + carry_shapes,
+        out_specs=[o_spec, lse_spec, *(carry_specs if windowed else [])],
+        out_shape=out_shapes + (carry_shapes if windowed else []),
         interpret=interpret,
         compiler_params=_compiler_params(),
         name="eagle3_invariant_attention",
     )(*operands)
-    if windowed:  # a program a token for the blocks from the tree's window on, into the same outputs
-        tokens = qt // r
-        inputs, o_spec, lse_spec = specs(lambda n: n // tokens)
+    if windowed:  # programs of window_tokens tokens over the splits the window touches, into the same outputs
+        chunks = -(-(qt // r) // window_tokens)
+        inputs, _, _ = specs(lambda p: p // chunks)
+        carry_specs = [pl.BlockSpec((None, None, qt, hd), lambda i, j, p, k: (i, j, p // chunks, 0)),
+                       *[pl.BlockSpec((None, None, qt), lambda i, j, p, k: (i, j, p // chunks))] * 2]
+        o_spec = pl.BlockSpec((None, None, splits, qt, hd), lambda i, j, p, k: (i, j, 0, p // chunks, 0))
+        lse_spec = pl.BlockSpec((None, None, splits, qt), lambda i, j, p, k: (i, j, 0, p // chunks))
         outs = pl.pallas_call(
-            functools.partial(_token_kernel, r=r, **kernel_args),
-            grid=(b, g, paths.shape[1], splits),
-            in_specs=[*inputs, o_spec, lse_spec, lse_spec, o_spec, lse_spec],
+            functools.partial(_window_kernel, r=r, window_tokens=window_tokens, **kernel_args),
+            grid=(b, g, n * chunks, touched),
+            in_specs=[*inputs, *carry_specs, o_spec, lse_spec],
             out_specs=[o_spec, lse_spec],
             out_shape=out_shapes,
             input_output_aliases={len(operands) + 3: 0, len(operands) + 4: 1},
