@@ -204,3 +204,92 @@ def test_tiles_lower_for_cuda(monkeypatch, heads, kv_heads, hd):
         for name in names:
             assert name in text, (t, name)
         assert ("eagle3_invariant_attention_tree" in text) == (tree is not None)
+
+
+def test_a_window_touches_no_more_splits_than_window_splits():
+    """Every start and width: a window's positions (start .. start + width - 1) lie within
+    `window_splits` splits from the one its start is in, never more than the table's."""
+    for blocks_per_split in (1, 2):
+        span = IA.BLOCK_KEYS * blocks_per_split
+        for width in (1, 2, 32, span, span + 1, span + 2, 3 * span):
+            touched = IA.window_splits(width, 99, blocks_per_split)
+            assert max((start + width - 1) // span - start // span + 1 for start in range(4 * span)) == touched
+    assert IA.window_splits(32, 4) == 2 and IA.window_splits(32, 1) == 1
+
+
+def _tree_step(seed, starts):
+    """A tree verify of 32 nodes (two tiles, 21 + 11) a row: random parents at most 4 back, so depths
+    past 8; row r's root at starts[r]. -> (q, k, v, table, vpos, paths, tree)."""
+    b, t = len(starts), 32
+    rng, q, k, v, table = _inputs(seed, b, t)
+    parent = np.full((b, t), -1, np.int32)
+    for i in range(1, t):
+        parent[:, i] = rng.integers(max(0, i - 4), i, b)
+    tree = tree_from_parents(jnp.zeros((b, t), jnp.int32), jnp.asarray(parent), t)
+    assert int(tree.depth.max(axis=1).min()) >= 8
+    start = jnp.asarray(starts, jnp.int32)
+    return q, k, v, table, start[:, None] + tree.depth, IA.ancestor_paths(start, tree.mask), tree
+
+
+# Splits of one block (64 positions): windows from 60 and 120 cross into the next split (depths past
+# 8), 140 stays in its own; a padding row's (its table all the scratch page) runs past its table.
+WINDOWS = [60, 120, 140]
+PADDING_ROOT = 250
+
+
+def test_tree_windows_across_splits_equal_decoding_each_node_bit_for_bit():
+    """Each node of a tree verify equals a decode of it alone, bit for bit (its ancestors stored at
+    root + depth, where decode stores them): rows with different roots, windows that cross a split
+    boundary, beside a padding row."""
+    q, k, v, table, vpos, paths, tree = _tree_step(13, WINDOWS + [PADDING_ROOT])
+    b, t = vpos.shape
+    tiles = IA.query_tiles(q, G)
+    got = np.asarray(IA.attend(tiles, vpos, paths, table.at[-1].set(0), 0, k[None], v[None], R, 1), np.float32)
+    # Decode: a row per node of the windowed rows, its table its row's but for fresh pages over the
+    # window, where the node's ancestors are moved to root + depth (positions past it as they were: unseen).
+    paths, depths = np.asarray(paths), np.asarray(tree.depth)
+    slots_k, slots_v = k.reshape(-1, G, HD), v.reshape(-1, G, HD)
+    pages_k, pages_v, tables = [k], [v], []
+    for r, n in np.ndindex(b - 1, t):
+        root, depth = paths[r, n, 0], depths[r, n]
+        stored = np.arange(PAGES * PAGE)
+        stored[root:root + depth + 1] = root + paths[r, n, 1:depth + 2]
+        window = np.arange(root // PAGE, (root + depth) // PAGE + 1)  # the pages decode would have written
+        at = (window[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
+        slot = np.asarray(table[r])[stored[at] // PAGE] * PAGE + stored[at] % PAGE
+        tables.append(np.asarray(table[r]).copy())
+        tables[-1][window] = sum(len(p) for p in pages_k) + np.arange(len(window))
+        pages_k.append(slots_k[slot].reshape(-1, PAGE, G, HD))
+        pages_v.append(slots_v[slot].reshape(-1, PAGE, G, HD))
+    decode = IA.attend(IA.query_tiles(q[:b - 1].reshape(-1, 1, G * R, HD), G), vpos[:b - 1].reshape(-1, 1), None,
+                       jnp.asarray(np.stack(tables), jnp.int32), 0, jnp.concatenate(pages_k)[None],
+                       jnp.concatenate(pages_v)[None], R, 1)
+    np.testing.assert_array_equal(np.asarray(decode, np.float32).reshape(b - 1, t, G * R, HD), got[:b - 1])
+
+
+def test_a_window_programs_tokens_do_not_change_their_bits():
+    """The window kernel's programs of one token, of 8 (a tile's 21 in three programs, the 11 of the
+    second in two) and of a whole tile give the same bits, each a program per token's of the
+    reference. Splits of two blocks: a window from 120 goes on from block 0's carry into the next
+    split, one from 60 stays in its split; a padding row past its table."""
+    q, k, v, table, vpos, paths, _ = _tree_step(17, [120, 60, PADDING_ROOT])
+    table = table.at[-1].set(0)
+    want = np.asarray(_per_token(q, vpos, paths, table, k, v, 2), np.float32)
+    tiles = IA.query_tiles(q, G)
+    for tokens in (1, 8, IA.tile_tokens(R)):
+        got = IA.attend(tiles, vpos, paths, table, 0, k[None], v[None], R, 2, tokens)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=f"{tokens} tokens a program")
+
+
+def test_window_programs_of_several_tokens_lower_for_cuda(monkeypatch):
+    """A tree verify's window kernel of 7 tokens a program, over a table of three splits (its outputs'
+    split axis not a power of two), lowers to Triton for CUDA at SmolLM2's shapes."""
+    monkeypatch.setattr(pallas_attention, "_interpret", lambda: False)
+    monkeypatch.setattr(IA, "_interpret", lambda: False)
+    b, t, g, r, hd, s = 4, 32, 3, 3, 64, jax.ShapeDtypeStruct
+    pages = s((2, 97, PAGE, g, hd), jnp.bfloat16)
+    f = lambda tiles, vpos, paths, table, k, v: IA.attend(tiles, vpos, paths, table, 1, k, v, r, tokens_per_program=7)
+    text = jax.jit(f).trace(s((b, g, 2 * IA.QUERY_TILE_ROWS, hd), jnp.bfloat16), s((b, t), jnp.int32),
+                            s((b, t, 1 + t), jnp.int32), s((b, 96), jnp.int32), pages,
+                            pages).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 3 and "eagle3_invariant_attention_tree" in text
