@@ -29,8 +29,10 @@ release: four engines one after another in one process, released by LLM.close(),
   last reference, and (the third) not at all: each one's pool, the memory held elsewhere, its reply.
 attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its config, random bf16 weights,
   --layers of them, a 256-token context): the target forward at B = --batches rows of 1, 5 and 32
-  tokens with each of attention and the projections in turn invariant or default (four
-  combinations, ms a call); then each projection alone at the engine's row counts (TUNE_ROWS): XLA's
+  causal tokens and of a (6, 8, 31) tree's verify (32 tokens, the window at the context's end) with
+  each of attention and the projections in turn invariant or default (four combinations, ms a
+  call); the tree's verify again with invariant attention at each of --window-tokens tokens a
+  program of its window kernel; then each projection alone at the engine's row counts (TUNE_ROWS): XLA's
   dot against the invariant GEMM at candidate tiles, each bit-equal to DEFAULT_TILES or not, and
   the fastest bit-equal one per shape and row count written as a tile table, tiles.json
   (eagle3_jax/model/gemm_tiles.json's form; $EAGLE3_JAX_GEMM_TILES points an engine at one).
@@ -291,10 +293,27 @@ def tune_projections(cfg, rows: tuple[int, ...], calls: int) -> tuple[list[dict]
     return results, tuned
 
 
+# The (6, 8, 31) tree's 31 nodes over its 6 levels below the root, as the draft's top-k commonly fills them.
+TREE_LEVELS = (8, 8, 6, 4, 3, 2)
+
+
+def _tree_verify(b: int, root: int, rng) -> tuple[np.ndarray, object]:
+    """A verify of a draft tree of 1 + sum(TREE_LEVELS) tokens a row, level by level, each node's parent a
+    random node of the level above, its root at position `root` -> (KV positions [B, T], TreeAttention)."""
+    parents = np.full((b, 1 + sum(TREE_LEVELS)), -1, np.int32)
+    above, first = np.array([0]), 1  # the level above's nodes; the first of this level
+    for size in TREE_LEVELS:
+        parents[:, first:first + size] = rng.choice(above, (b, size))
+        above, first = np.arange(first, first + size), first + size
+    tree = tree_from_parents(jnp.zeros(parents.shape, jnp.int32), jnp.asarray(parents), len(TREE_LEVELS))
+    stored, attention = verify_attention(tree, jnp.full((b,), root, jnp.int32))
+    return np.asarray(stored), attention
+
+
 def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     """The forward's ms under each (attention, projections) pair, and each projection alone."""
     from eagle3_jax.config import ModelConfig
-    from eagle3_jax.model import invariant_gemm
+    from eagle3_jax.model import invariant_attention, invariant_gemm
 
     cfg = ModelConfig.from_json(Path(args.target) / "config.json")
     cfg = dataclasses.replace(cfg, num_layers=args.layers or cfg.num_layers, capture_layer_ids=(0,))
@@ -303,35 +322,54 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     blocks = -(-(ctx + 32) // page)
     table = 1 + np.arange(max_b * blocks, dtype=np.int32).reshape(max_b, blocks)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (max_b, ctx + 32), dtype=np.int32)
+    trees = {b: _tree_verify(b, ctx, np.random.default_rng(b)) for b in batches}
     combos = {"both default": ("pallas", "xla"), "attention invariant": ("invariant", "xla"),
               "projections invariant": ("pallas", "invariant"), "both invariant": ("invariant", "invariant")}
     rows = []
 
-    def time_forward(label: str, attention: str, gemv: str) -> None:
-        def step(params, tokens, positions, cache, table):
-            hidden, _, cache = llama.forward(params, cfg, tokens, positions, cache, table, attention, None, gemv)
+    def time_forward(label: str, attention: str, gemv: str, causal: bool = True) -> None:
+        def step(params, tokens, positions, cache, table, tree=None):
+            hidden, _, cache = llama.forward(params, cfg, tokens, positions, cache, table, attention, None, gemv,
+                                             tree=tree)
             return llama.logits(params, hidden, gemv), cache
 
         fn = jax.jit(step, donate_argnums=3)
         cache = llama.KVCache.zeros(cfg.num_layers, max_b * blocks + 1, page, cfg.num_kv_heads, cfg.head_dim,
                                     jnp.bfloat16)
         _, cache = fn(params, prompt[:, :ctx], np.broadcast_to(np.arange(ctx), (max_b, ctx)), cache, table)
+
+        def timed(b, t, layout, positions, tree=None):
+            nonlocal cache
+            tokens = prompt[:b, ctx:ctx + t]
+            for _ in range(2):
+                logits, cache = fn(params, tokens, positions, cache, table[:b], tree)
+            jax.block_until_ready(logits)
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                logits, cache = fn(params, tokens, positions, cache, table[:b], tree)
+            jax.block_until_ready(logits)
+            rows.append(dict(kernels=label, b=b, t=t, layout=layout,
+                             ms=round((time.perf_counter() - t0) / args.calls * 1e3, 3)))
+            print(rows[-1], flush=True)
+
         for b in batches:
-            for t in (1, 5, 32):
-                tokens, positions = prompt[:b, ctx:ctx + t], np.broadcast_to(np.arange(ctx, ctx + t), (b, t))
-                for _ in range(2):
-                    logits, cache = fn(params, tokens, positions, cache, table[:b])
-                jax.block_until_ready(logits)
-                t0 = time.perf_counter()
-                for _ in range(args.calls):
-                    logits, cache = fn(params, tokens, positions, cache, table[:b])
-                jax.block_until_ready(logits)
-                rows.append(dict(kernels=label, b=b, t=t, ms=round((time.perf_counter() - t0) / args.calls * 1e3, 3)))
-                print(rows[-1], flush=True)
+            for t in (1, 5, 32) if causal else ():
+                timed(b, t, "causal", np.broadcast_to(np.arange(ctx, ctx + t), (b, t)))
+            positions, tree = trees[b]
+            timed(b, positions.shape[1], "tree", positions, tree)
         del cache
 
     for label, (attention, gemv) in combos.items():
         time_forward(label, attention, gemv)
+    # The tree window kernel's tokens a program (the output's bits the same at each): its launch against
+    # its parallelism, the engine's rule `invariant_attention.window_tokens` replaced for the timing.
+    rule = invariant_attention.window_tokens
+    for tokens in (int(k) for k in args.window_tokens.split(",") if k):
+        invariant_attention.window_tokens = lambda b, g, t, tokens=tokens: tokens
+        try:
+            time_forward(f"attention invariant, {tokens} window tokens a program", "invariant", "xla", causal=False)
+        finally:
+            invariant_attention.window_tokens = rule
     gemms, tuned = tune_projections(cfg, tuple(int(m) for m in args.tune_rows.split(",")), args.calls)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     tiles_path = Path(args.out_dir) / "tiles.json"
@@ -341,7 +379,9 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     invariant_gemm.tuned_tiles.cache_clear()
     time_forward("both invariant, tuned tiles", "invariant", "invariant")
     time_forward("projections invariant, tuned tiles", "pallas", "invariant")
-    out.update(forward_ms=rows, gemm_ms=gemms, tuned=[t.to_json() for t in tuned], layers=cfg.num_layers)
+    out.update(forward_ms=rows, gemm_ms=gemms, tuned=[t.to_json() for t in tuned], layers=cfg.num_layers,
+               tree_levels=list(TREE_LEVELS), window_tokens_rule={
+                   b: invariant_attention.window_tokens(b, cfg.num_kv_heads, 1 + sum(TREE_LEVELS)) for b in batches})
 
 
 PROPOSALS = ("target", "chain", "tree", "ngram")
@@ -582,6 +622,8 @@ def main() -> None:
     p.add_argument("--pool-pages", default="2000,60000,100000,150000", help="pool: the pool sizes tried")
     p.add_argument("--layers", type=int, default=None, help="attribution: the target's layers (default: all)")
     p.add_argument("--calls", type=int, default=30, help="attribution: timed calls a figure")
+    p.add_argument("--window-tokens", default="1,3,7,21",
+                   help="attribution: the tree window kernel's tokens a program timed (SmolLM2: 21 a tile)")
     p.add_argument("--tune-rows", default=",".join(map(str, TUNE_ROWS)),
                    help="attribution: the row counts the projections' tiles are tuned at")
     p.add_argument("--out-dir", default=".")
