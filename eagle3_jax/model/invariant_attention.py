@@ -20,7 +20,8 @@ arithmetic for them as a decode's tile-wide step. A node sits at most W - 1 posi
 window's start, so that kernel's grid spans only the splits a window of W can touch (two when W is
 within a split), the first the window's own, found in the kernel: its outputs are whole rows of
 splits, indexed there. A program walks several tokens of one tile in turn (`window_tokens`), each
-token's steps exactly its own program's; the rest of the splits are `_tile_kernel`'s to write.
+token's steps exactly its own program's. The rest of the splits, and the rows of a later split
+than the window's first that a token does not reach, are `_tile_kernel`'s to write (nothing seen).
 RoPE and the KV write: `pallas_attention.rope_and_write` with tile_rows=QUERY_TILE_ROWS.
 """
 
@@ -72,14 +73,13 @@ def _bounds(nb: int, page_size: int, blocks_per_split: int, split):
     return first, jnp.minimum(first + blocks_per_split, capacity), capacity
 
 
-def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int,
-                 window_splits: int = 0):
+def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int):
     # Program (row, kv head, tile, split): the blocks every row of the tile sees alike, to the tile's last
     # position or a tree window's block. q_ref [QT, hd], row u*R + h: q head h of the tile's token u;
     # vpos_ref [QT] own-sequence positions (-1: padding); path_ref [T, 1 + W] the row's `ancestor_paths`;
-    # table_ref [nb]; k_ref, v_ref [L, P * page, hd] -> o_ref [QT, hd], lse_ref [QT]. A tree's splits
-    # `_window_kernel` writes (window_splits of them from the window's) are left to it, and the split
-    # the window starts in leaves its carry there, carry_refs [QT, hd], [QT], [QT] f32 (exact).
+    # table_ref [nb]; k_ref, v_ref [L, P * page, hd] -> o_ref [QT, hd], lse_ref [QT]. A tree's split the
+    # window starts in leaves its carry to `_window_kernel` instead, carry_refs [QT, hd], [QT], [QT] f32
+    # (exact).
     if windowed:
         path_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref, *carry_refs = refs
     else:
@@ -101,15 +101,15 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
     if not windowed:
         pallas_attention.write_split(carry, o_ref, lse_ref)
         return
-    # Past the window's reach every row's carry is still init here (nothing of the split seen), as it
-    # would be after the window kernel's walk.
-    windows = (last > shared_end) & (split < shared_end // blocks_per_split + window_splits)
+    # Splits past the window's start are written here too, every row's carry init (nothing of them
+    # seen yet): what the window kernel's walk leaves a row it does not reach, so it skips those rows.
+    carried = (first <= shared_end) & (shared_end < last)  # the split the window starts in
 
-    @pl.when(jnp.logical_not(windows))
+    @pl.when(jnp.logical_not(carried))
     def _():
         pallas_attention.write_split(carry, o_ref, lse_ref)
 
-    @pl.when((first <= shared_end) & (shared_end < last))  # the split the window starts in
+    @pl.when(carried)
     def _():
         for ref, value in zip(carry_refs, carry):
             ref[...] = value
@@ -123,7 +123,8 @@ def _window_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref
     # `_tile_kernel`'s carry (k = 0; init after), its blocks from the window's on, its ancestors
     # gathered. Refs as `_tile_kernel`'s, of the tile; o_ref [S, QT, hd], lse_ref [S, QT] every split
     # of the tile, aliased to _o_in, _lse_in: only the tokens' rows of split k are written (token 0 of
-    # a tile also writes the tile's padding rows).
+    # a tile also writes the tile's padding rows in split 0), past split 0 only those of tokens that
+    # reach it (`_tile_kernel` wrote the rest as nothing seen).
     rows, hd = q_ref.shape
     tokens = rows // r
     chunks = -(-tokens // window_tokens)
@@ -141,22 +142,24 @@ def _window_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref
         o_split, lse_split = o_ref.at[split], lse_ref.at[split]
 
         def token_walk(u, _):
-            own = (row_token == u) | ((u == 0) & (row_token >= in_tile))
-            own2 = jnp.broadcast_to(own[:, None], (rows, hd))
-            # The whole tile's MMA shape, only the token's rows loaded: the same arithmetic for them as
-            # `_tile_kernel`'s (a decode's) step over the same block.
-            q = plgpu.load(q_ref, mask=own2, other=0)
-            carry = (plgpu.load(carry_o_ref, mask=own2 & from_carry, other=0.0),
-                     plgpu.load(carry_max_ref, mask=own & from_carry, other=MASKED),
-                     plgpu.load(carry_sum_ref, mask=own & from_carry, other=0.0))
-            step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
-                                     v_ref=v_ref, path_ref=path_ref, token=tile * tokens + u, page_size=page_size,
-                                     scale=scale)
-            end = jnp.minimum(last, vpos_ref[u * r] // BLOCK_KEYS + 1)
-            o, lse = pallas_attention.split_result(
-                jax.lax.fori_loop(jnp.maximum(first, shared_end), end, step, carry))
-            plgpu.store(o_split, o.astype(o_split.dtype), mask=own2)
-            plgpu.store(lse_split, lse, mask=own)
+            @pl.when(from_carry | (vpos_ref[u * r] >= first * BLOCK_KEYS))  # later splits: tokens that reach them
+            def _():
+                own = (row_token == u) | ((u == 0) & (row_token >= in_tile))
+                own2 = jnp.broadcast_to(own[:, None], (rows, hd))
+                # The whole tile's MMA shape, only the token's rows loaded: the same arithmetic for them as
+                # `_tile_kernel`'s (a decode's) step over the same block.
+                q = plgpu.load(q_ref, mask=own2, other=0)
+                carry = (plgpu.load(carry_o_ref, mask=own2 & from_carry, other=0.0),
+                         plgpu.load(carry_max_ref, mask=own & from_carry, other=MASKED),
+                         plgpu.load(carry_sum_ref, mask=own & from_carry, other=0.0))
+                step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
+                                         v_ref=v_ref, path_ref=path_ref, token=tile * tokens + u, page_size=page_size,
+                                         scale=scale)
+                end = jnp.minimum(last, vpos_ref[u * r] // BLOCK_KEYS + 1)
+                o, lse = pallas_attention.split_result(
+                    jax.lax.fori_loop(jnp.maximum(first, shared_end), end, step, carry))
+                plgpu.store(o_split, o.astype(o_split.dtype), mask=own2)
+                plgpu.store(lse_split, lse, mask=own)
 
         jax.lax.fori_loop(chunk * window_tokens, jnp.minimum((chunk + 1) * window_tokens, in_tile), token_walk,
                           None)
@@ -288,7 +291,7 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
     carry_shapes = [jax.ShapeDtypeStruct((b, g, rows, hd), jnp.float32),
                     *[jax.ShapeDtypeStruct((b, g, rows), jnp.float32)] * 2]
     outs = pl.pallas_call(
-        functools.partial(_tile_kernel, windowed=windowed, window_splits=touched, **kernel_args),
+        functools.partial(_tile_kernel, windowed=windowed, **kernel_args),
         grid=(b, g, n, splits),
         in_specs=inputs,
         out_specs=[o_spec, lse_spec, *(carry_specs if windowed else [])],
