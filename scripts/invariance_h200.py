@@ -28,14 +28,15 @@ pool: the target's forward alone on pools of 2,000 to 150,000 pages (SmolLM2's c
 release: four engines one after another in one process, released by LLM.close(), by dropping the
   last reference, and (the third) not at all: each one's pool, the memory held elsewhere, its reply.
 attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its config, random bf16 weights,
-  --layers of them, a 256-token context): the target forward at B = --batches rows of 1, 5 and 32
-  causal tokens and of a (6, 8, 31) tree's verify (32 tokens, the window at the context's end) with
-  each of attention and the projections in turn invariant or default (four combinations, ms a
-  call); the tree's verify again with invariant attention at each of --window-tokens tokens a
-  program of its window kernel; then each projection alone at the engine's row counts (TUNE_ROWS): XLA's
-  dot against the invariant GEMM at candidate tiles, each bit-equal to DEFAULT_TILES or not, and
-  the fastest bit-equal one per shape and row count written as a tile table, tiles.json
-  (eagle3_jax/model/gemm_tiles.json's form; $EAGLE3_JAX_GEMM_TILES points an engine at one).
+  --layers of them, a 256-token context, block tables of --table-len positions): the target forward
+  at B = --batches rows of 1, 5 and 32 causal tokens and of a (6, 8, 31) tree's verify (32 tokens, the
+  window at the context's end) with each of attention and the projections in turn invariant or
+  default (four combinations, ms a call); the tree's verify again with invariant attention at each
+  of --window-tokens tokens a program of its window kernel; then each projection alone at the
+  engine's row counts (TUNE_ROWS): XLA's dot against the invariant GEMM at candidate tiles, each
+  bit-equal to DEFAULT_TILES or not, and the fastest bit-equal one per shape and row count written
+  as a tile table, tiles.json (eagle3_jax/model/gemm_tiles.json's form; $EAGLE3_JAX_GEMM_TILES
+  points an engine at one).
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
   1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
   bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
@@ -319,7 +320,7 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     cfg = dataclasses.replace(cfg, num_layers=args.layers or cfg.num_layers, capture_layer_ids=(0,))
     params = llama.fold_norm_gains(llama.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16))
     ctx, page, max_b = 256, 16, max(batches)
-    blocks = -(-(ctx + 32) // page)
+    blocks = -(-max(args.table_len, ctx + 32) // page)  # the attention kernels' splits span the table
     table = 1 + np.arange(max_b * blocks, dtype=np.int32).reshape(max_b, blocks)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (max_b, ctx + 32), dtype=np.int32)
     trees = {b: _tree_verify(b, ctx, np.random.default_rng(b)) for b in batches}
@@ -380,6 +381,7 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     time_forward("both invariant, tuned tiles", "invariant", "invariant")
     time_forward("projections invariant, tuned tiles", "pallas", "invariant")
     out.update(forward_ms=rows, gemm_ms=gemms, tuned=[t.to_json() for t in tuned], layers=cfg.num_layers,
+               table_positions=blocks * page,
                tree_levels=list(TREE_LEVELS), window_tokens_rule={
                    b: invariant_attention.window_tokens(b, cfg.num_kv_heads, 1 + sum(TREE_LEVELS)) for b in batches})
 
@@ -622,6 +624,9 @@ def main() -> None:
     p.add_argument("--pool-pages", default="2000,60000,100000,150000", help="pool: the pool sizes tried")
     p.add_argument("--layers", type=int, default=None, help="attribution: the target's layers (default: all)")
     p.add_argument("--calls", type=int, default=30, help="attribution: timed calls a figure")
+    p.add_argument("--table-len", type=int, default=2048,
+                   help="attribution: the positions a row's block table spans (SmolLM2's max_model_len 2048: four "
+                        "splits of the invariant attention; at most 288, the context and the step: one)")
     p.add_argument("--window-tokens", default="1,3,7,21",
                    help="attribution: the tree window kernel's tokens a program timed (SmolLM2: 21 a tile)")
     p.add_argument("--tune-rows", default=",".join(map(str, TUNE_ROWS)),
