@@ -237,7 +237,7 @@ def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_tab
     b, g, _, hd = tiles.shape
     t, r = vpos.shape[1], heads_per_kv
     tt = tile_tokens(r)
-    tokens_per_program = min(tokens_per_program or window_tokens(b, g, t), tt)
+    tokens_per_program = 1 if paths is None else min(tokens_per_program or window_tokens(b, g, t), tt)
     n = -(-t // tt)
     # Per row of a tile: its token's position, -1 on padding rows (they see nothing).
     vpos = jnp.pad(vpos.astype(jnp.int32), ((0, 0), (0, n * tt - t)), constant_values=-1)
