@@ -36,7 +36,8 @@ attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its con
   engine's row counts (TUNE_ROWS): XLA's dot against the invariant GEMM at candidate tiles, each
   bit-equal to DEFAULT_TILES or not, and the fastest bit-equal one per shape and row count written
   as a tile table, tiles.json (eagle3_jax/model/gemm_tiles.json's form; $EAGLE3_JAX_GEMM_TILES
-  points an engine at one).
+  points an engine at one). --kernels: beside each figure of both kinds whole, the kernels a call
+  launches by family and each family's device time (jax.profiler's trace of 10 calls).
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
   1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
   bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
@@ -311,6 +312,37 @@ def _tree_verify(b: int, root: int, rng) -> tuple[np.ndarray, object]:
     return np.asarray(stored), attention
 
 
+def kernel_times(run, calls: int) -> dict[str, list]:
+    """The GPU kernels `calls` calls of run() launch, from jax.profiler's trace (its device plane's
+    streams): {kernel family (the name less a trailing number): [launches a call, us a call]}, the
+    longest first, and "all": the sum."""
+    import collections
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                result = run()
+            jax.block_until_ready(result)
+        data = jax.profiler.ProfileData.from_file(str(next(Path(d).rglob("*.xplane.pb"))))
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):  # the derived lines ("XLA Ops", ...) repeat the kernels
+                continue
+            for event in line.events:
+                family = totals[re.sub(r"[._]?\d+$", "", event.name)]
+                family[0] += 1
+                family[1] += event.duration_ns / 1e3
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    table = {name: [round(n / calls, 2), round(us / calls, 2)] for name, (n, us) in ranked}
+    table["all"] = [round(sum(n for n, _ in totals.values()) / calls, 2),
+                    round(sum(us for _, us in totals.values()) / calls, 2)]
+    return table
+
+
 def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     """The forward's ms under each (attention, projections) pair, and each projection alone."""
     from eagle3_jax.config import ModelConfig
@@ -351,6 +383,14 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
             jax.block_until_ready(logits)
             rows.append(dict(kernels=label, b=b, t=t, layout=layout,
                              ms=round((time.perf_counter() - t0) / args.calls * 1e3, 3)))
+            if args.kernels and label in ("both default", "both invariant"):
+
+                def call():
+                    nonlocal cache
+                    logits, cache = fn(params, tokens, positions, cache, table[:b], tree)
+                    return logits
+
+                rows[-1]["kernel_us"] = kernel_times(call, 10)
             print(rows[-1], flush=True)
 
         for b in batches:
@@ -627,6 +667,8 @@ def main() -> None:
     p.add_argument("--table-len", type=int, default=2048,
                    help="attribution: the positions a row's block table spans (SmolLM2's max_model_len 2048: four "
                         "splits of the invariant attention; at most 288, the context and the step: one)")
+    p.add_argument("--kernels", action="store_true",
+                   help="attribution: each call's GPU kernels and their device time, both kinds (jax.profiler)")
     p.add_argument("--window-tokens", default="1,3,7,21",
                    help="attribution: the tree window kernel's tokens a program timed (SmolLM2: 21 a tile)")
     p.add_argument("--tune-rows", default=",".join(map(str, TUNE_ROWS)),
