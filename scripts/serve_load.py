@@ -130,9 +130,10 @@ def _client_process(conn) -> None:
 
 class Clients:
     """Streams spread over processes of at most `per_process` streams each: one Python process's
-    event loop parsing every chunk of 64 streams through the `openai` client saturates its core
-    (at about 21k tokens a second on an H100's host), and the server would be measured against its
-    client. Each process's CPU share is reported beside the level's figures."""
+    event loop parsing every chunk through the `openai` client saturates its core (on an H100's
+    host: 64 streams at about 21k tokens a second, 8 streams at 11.7k with 95% of a core; BENCHMARKS.md,
+    "Serving"), and the server would be measured against its client. Each process's CPU share is
+    reported beside the level's figures."""
 
     def __init__(self, processes: int, per_process: int):
         import multiprocessing
@@ -232,7 +233,7 @@ def main() -> None:
                         "starts with --)")
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=64, help="requests at each stream count")
-    p.add_argument("--streams-per-client", type=int, default=8,
+    p.add_argument("--streams-per-client", type=int, default=4,
                    help="streams a client process runs at most (its CPU share is reported)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--questions", default=None, help="MT-bench question.jsonl (default: the cached asset)")
