@@ -11,7 +11,7 @@ between two tokens, however long the prompts that arrive (a prompt of n chunks t
 a few short prompts still share a call (eight of 128 tokens by default: with one chunk's budget
 they would join one a step). With none decoding, a step prefills everything: the prompts' j-th
 leading chunks together, up to the largest prefill batch bucket a call, round after round, then
-the last chunks (32 prompts of three chunks: 12 calls, not 68).
+the last chunks (32 prompts of three chunks: 12 calls, not 68; BENCHMARKS.md, "Prefill").
 
 A burst is the exception: where more requests prefill than rows stream (have a token read), a step
 dispatches every prefilling request's next chunk, the leading ones sharing calls as a round with
