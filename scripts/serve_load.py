@@ -15,11 +15,13 @@ this process (`LLM`, after the server has stopped): N requests kept in flight, a
 (chat-templated and tokenized, as the server does) as one finishes, the same requests. Each side
 runs each level once unmeasured first, so that what N arrivals at once compile on first use is not
 in either's numbers.
-Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT
-and ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics),
-acceptance length, and the speculation the server's /metrics reports per batch bucket. Beside them
-the CPU share over each server level (1.0: one core busy throughout) of the busiest client process,
-of the HTTP process and of the engine's (--engine-process): a share near 1.0 names what set the pace.
+Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT and
+ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics), in
+process the engine's steps and its host's ms a step (EngineStats; beside it the ms it waited on the
+device), acceptance length, and the speculation the server's /metrics reports per batch bucket.
+Beside them the CPU share over each server level (1.0: one core busy throughout) of the busiest
+client process, of the HTTP process and of the engine's (--engine-process): a share near 1.0 names
+what set the pace.
 Prints a table and writes serve_load.json under --out-dir.
 """
 
@@ -192,6 +194,7 @@ def in_process_level(llm, prompts: list, streams: int, max_tokens: int) -> dict:
     from eagle3_jax import SamplingParams
 
     engine, params = llm.engine, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    engine.reset_stats()
     pending = list(prompts)
     live, done = [], []
     start = time.perf_counter()
@@ -208,8 +211,11 @@ def in_process_level(llm, prompts: list, streams: int, max_tokens: int) -> dict:
     itl = [(r.metrics.last_token_time - r.metrics.first_token_time) / (len(r.output) - 1)
            for r in done if len(r.output) > 1 and r.metrics.first_token_time]
     accepted = [r.metrics.acceptance_length for r in done]
+    stats = engine.stats  # the engine's steps: its host's Python a step beside the device's wait
     return dict(tokens=tokens, wall_s=round(wall, 3), tok_s=round(tokens / wall, 1), **_latencies(ttft, itl),
-                acceptance_length=round(statistics.mean(accepted), 3))
+                acceptance_length=round(statistics.mean(accepted), 3), steps=stats.steps,
+                prefill_calls=stats.prefill_calls, host_ms_per_step=round(stats.host_ms_per_step, 3),
+                device_wait_ms_per_step=round(stats.device_wait_ms_per_step, 3))
 
 
 def _in_process_llm(args):
