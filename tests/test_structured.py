@@ -169,6 +169,75 @@ def test_tree_masks_are_each_nodes_grammar_under_its_own_path_and_leave_the_matc
         assert not any(m.advance(token) for token in reply[start:start + 5])
 
 
+def test_tree_masks_are_bit_for_bit_a_fresh_matchers_after_each_nodes_path(grammars, tokenizer):
+    """Random trees over a small schema, their rows starting anywhere in a reply so paths run past
+    its end (EOS, then more), their nodes the reply's next token or a refused or random one; rows 1
+    and 4 of a batch of six have no grammar. Each node's packed mask is the one a fresh matcher
+    gives after consuming the node's path from the root (llguidance's own fill, not
+    `tree_masks`'), or every token where a token on the path is refused or comes past the
+    grammar's end; chains (`masks`) alike; the row's matcher stays where it was."""
+    import llguidance
+    import llguidance.numpy
+
+    vocab, rng = len(tokenizer), np.random.default_rng(1)
+    words = (vocab + 31) // 32
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    schema = StructuredOutputsParams(json={"type": "object", "additionalProperties": False, "required": ["a", "n"],
+                                           "properties": {"a": {"enum": ["xy", "z"]}, "n": {"type": "integer"}}})
+    reply = [*ids('{"a":"xy","n":12}'), tokenizer.eos_token_id]
+    others = [*ids('z}"1,'), tokenizer.eos_token_id]
+    everything = np.full(words, -1, np.int32)
+
+    def reference(prefix, path):  # a fresh matcher's mask after prefix + path
+        fresh = grammars.matcher(schema).llg
+        assert fresh.consume_tokens(prefix)
+        for token in path:
+            if fresh.is_stopped() or fresh.try_consume_tokens([token]) != 1:
+                return everything
+        mask = np.zeros((1, words), np.int32)
+        llguidance.numpy.fill_next_token_bitmask(fresh, mask)
+        return mask[0]
+
+    rows, seen = [0, 2, 3, 5], {"constrained": 0, "ended": 0, "free": 0}  # nodes by their reference mask
+    for nodes in (12, 12, 12, 6):
+        starts = rng.integers(4, len(reply), len(rows))  # each row's place in the reply
+        matchers = []
+        for start in starts:
+            matchers.append(m := grammars.matcher(schema))
+            assert m.llg.consume_tokens(reply[:start])
+        chain = nodes == 6
+        parents = list(range(nodes)) if chain else [int(rng.integers(max(0, i - 4), i + 1)) for i in range(nodes)]
+        depth = [0]
+        for parent in parents:
+            depth.append(depth[parent] + 1)
+        trees = []
+        for start in starts:
+            pick = rng.random(nodes)
+            trees.append([reply[min(start + depth[i + 1] - 1, len(reply) - 1)] if pick[i] < 0.85
+                          else int(rng.choice(others)) if pick[i] < 0.95 else int(rng.integers(vocab))
+                          for i in range(nodes)])
+        if chain:
+            masks = grammars.masks([(row, m, tokens) for row, m, tokens in zip(rows, matchers, trees)], 6, nodes + 1)
+        else:
+            masks = grammars.tree_masks([(row, m, tokens, parents) for row, m, tokens in zip(rows, matchers, trees)],
+                                        6, nodes + 1)
+        assert masks.shape == (6, nodes + 1, words) and masks.dtype == np.int32
+        for row, start, m, tokens in zip(rows, starts, matchers, trees):
+            for node in range(nodes + 1):
+                path, up = [], node
+                while up:
+                    path.insert(0, tokens[up - 1])
+                    up = parents[up - 1]
+                want = reference(reply[:start], path)
+                np.testing.assert_array_equal(masks[row, node], want, err_msg=f"{row, node}")
+                seen["free" if want is everything else "ended" if not want[1:].any()
+                     and want[0] == 1 << tokenizer.eos_token_id else "constrained"] += 1
+            assert m.llg.try_consume_tokens(reply[start:-1]) == len(reply) - 1 - start  # where it was
+        for row in (1, 4):
+            np.testing.assert_array_equal(masks[row], np.broadcast_to(everything, masks[row].shape))
+    assert min(seen.values()) >= 5, seen  # under the grammar, at its end (only EOS), and under a refused token
+
+
 @pytest.mark.parametrize("params, message", [
     ({"json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, "json does not compile: .*nowhere"),
     ({"json": {"type": "objekt"}}, "json does not compile: .*objekt"),

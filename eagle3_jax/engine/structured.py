@@ -123,43 +123,44 @@ class Grammars:
         its end) a node allows every token: it is never accepted, as its parent's mask refuses it.
         A chain is the tree whose node i's parent is i - 1 (`masks`).
 
-        The tree goes as paths (`_paths`), depth first: one llguidance call a round computes each
-        row's next path's masks across rows on its threads, along the path's drafts; between
-        rounds a row's matcher rolls back only to where the next path branches off, and consumes
-        the tokens from there to its start. So each node's mask is computed once, and a path's
-        shared ancestors are consumed once. The matchers end where they started."""
+        The tree goes as paths (`_paths`), depth first, and every path of every row in one
+        llguidance call, across them on its threads, each along its path's drafts from a matcher
+        of its own at the path's start: the row's matcher for the path from the root, a copy
+        (`deep_copy`) of a walker for each other. The walker, a copy of the row's matcher, goes
+        from path to path rolling back only to where the next path branches off and consuming the
+        tokens from there to its start. So each node's mask is computed once, a path's shared
+        ancestors are consumed once, and the whole tree's masks wait on one call, not one a path.
+        The row's matcher computes the masks along the root path (its lexer keeps what they
+        teach it; a copy's is dropped) and ends where it started."""
         # Row b's j-th node in path order is scratch[b * width + j], node order[b, j] (unconstrained
         # rows: allow all, in node order).
         scratch = allow_all((batch * width,), self.vocab_size)
         order = np.tile(np.arange(width), (batch, 1))
-        walks = []  # (matcher, each node's token, each node's parent, [(path, its first place in scratch)])
+        jobs = []  # (matcher at a path's start, the path's first place in scratch, the path's tokens past its start)
         for row, m, drafts, parents in rows:
             n = min(len(drafts), width - 1)
             parent = [-1, *(int(p) if 0 <= p < i else 0 for i, p in enumerate(parents[:n], 1))]
+            token = [0, *(int(t) for t in drafts[:n])]
             paths = _paths(parent)
             order[row, :n + 1] = [node for path in paths for node in path]
-            starts = np.cumsum([0] + [len(path) for path in paths])[:-1] + row * width
-            walks.append((m.llg, [0, *(int(t) for t in drafts[:n])], parent, list(zip(paths, starts.tolist()))))
-        consumed = [[] for _ in walks]  # the nodes below the root each matcher has taken, root first
-        for r in range(max((len(w[3]) for w in walks), default=0)):
-            jobs = []
-            for (llg, token, parent, paths), at in zip(walks, consumed):
-                if r >= len(paths):
-                    continue
-                path, place = paths[r]
+            place = row * width
+            jobs.append((m.llg, place, [token[node] for node in paths[0][1:]]))
+            place += len(paths[0])
+            walker, at = m.llg.deep_copy() if len(paths) > 1 else None, []  # the nodes below the root it took
+            for k, path in enumerate(paths[1:], 1):
                 down = _ancestry(parent, path[0])  # the nodes from the root's child to the path's start
                 shared = next((i for i, (a, b) in enumerate(zip(at, down)) if a != b), min(len(at), len(down)))
                 if len(at) > shared:
-                    llg.rollback(len(at) - shared)
+                    walker.rollback(len(at) - shared)
                     del at[shared:]
-                took = llg.try_consume_tokens([token[node] for node in down[shared:]])
+                took = walker.try_consume_tokens([token[node] for node in down[shared:]])
                 at.extend(down[shared:shared + took])
                 if len(at) == len(down):  # else a token on the way was refused: the path allows all
-                    jobs.append((llg, place, [token[node] for node in path[1:]]))
-            _fill(self._executor, jobs, scratch)
-        for (llg, *_), at in zip(walks, consumed):
-            if at:
-                llg.rollback(len(at))
+                    # The last path takes the walker itself: nothing comes after it.
+                    jobs.append((walker if k == len(paths) - 1 else walker.deep_copy(), place,
+                                 [token[node] for node in path[1:]]))
+                place += len(path)
+        _fill(self._executor, jobs, scratch)
         masks = np.empty((batch, width, scratch.shape[1]), np.int32)
         masks[np.arange(batch)[:, None], order] = scratch.reshape(batch, width, -1)
         return masks
