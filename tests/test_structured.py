@@ -59,6 +59,14 @@ def allowed(words: np.ndarray, vocab: int) -> set[int]:
     return set(np.flatnonzero(bits).tolist())
 
 
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a tree whose node i + 1's parent is parents[i] (the root, node 0: 0)."""
+    depth = [0]
+    for parent in parents:
+        depth.append(depth[parent] + 1)
+    return depth
+
+
 def test_structured_outputs_take_exactly_one_form_and_a_dict_of_fields():
     params = SamplingParams(structured_outputs={"json": SCHEMA})
     assert params.structured_outputs == StructuredOutputsParams(json=SCHEMA)
@@ -142,9 +150,7 @@ def test_tree_masks_are_each_nodes_grammar_under_its_own_path_and_leave_the_matc
     for _ in range(4):
         nodes = 16
         parents = [int(rng.integers(max(0, i - 3), i + 1)) for i in range(nodes)]  # deep and bushy
-        depth = [0]
-        for parent in parents:
-            depth.append(depth[parent] + 1)
+        depth = depths(parents)
         trees = []
         for start in starts:
             pick = rng.random(nodes)
@@ -207,9 +213,7 @@ def test_tree_masks_are_bit_for_bit_a_fresh_matchers_after_each_nodes_path(gramm
             assert m.llg.consume_tokens(reply[:start])
         chain = nodes == 6
         parents = list(range(nodes)) if chain else [int(rng.integers(max(0, i - 4), i + 1)) for i in range(nodes)]
-        depth = [0]
-        for parent in parents:
-            depth.append(depth[parent] + 1)
+        depth = depths(parents)
         trees = []
         for start in starts:
             pick = rng.random(nodes)
