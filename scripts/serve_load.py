@@ -125,9 +125,13 @@ async def _client_streams(url: str, prompts: list, streams: int, max_tokens: int
 
 
 def _client_process(conn) -> None:
-    """A client process's loop: run each level's share sent over `conn`, answer its results."""
+    """A client process's loop: run each level's share sent over `conn`, answer its results (or
+    the error that ended them, as text)."""
     while (job := conn.recv()) is not None:
-        conn.send(asyncio.run(_client_streams(*job)))
+        try:
+            conn.send(asyncio.run(_client_streams(*job)))
+        except Exception as e:  # noqa: BLE001 - the parent reports it
+            conn.send(f"{type(e).__name__}: {e}")
 
 
 class Clients:
@@ -150,8 +154,9 @@ class Clients:
             self.procs.append(proc)
 
     def level(self, url: str, prompts: list, streams: int, max_tokens: int) -> dict:
-        """`streams` streams over ceil(streams / per_process) processes, stream i taking requests i,
-        i + streams, ...; all start at one moment (the clock is the machine's, time.monotonic)."""
+        """`streams` streams over n = ceil(streams / per_process) processes: process p runs streams
+        p, p + n, ... on the requests j with j mod `streams` among them, each stream taking the next
+        as its last finishes; all start at one moment (the clock is the machine's, time.monotonic)."""
         n = min(len(self.pipes), -(-streams // self.per_process))
         shares = [list(range(i, streams, n)) for i in range(n)]  # process p runs streams p, p + n, ...
         start_at = time.monotonic() + 1.0  # every process past its sleep before the first request
@@ -159,6 +164,8 @@ class Clients:
             mine = [prompts[j] for j in range(len(prompts)) if j % streams in share]
             pipe.send((url, mine, len(share), max_tokens, start_at))
         parts = [pipe.recv() for pipe in self.pipes[:n]]
+        if errors := [part for part in parts if isinstance(part, str)]:
+            raise RuntimeError(f"a client process failed: {errors[0]}")
         results = [r for part in parts for r in part["results"]]
         wall = max(r[3] for r in results) - start_at
         tokens = sum(r[0] for r in results)
