@@ -91,10 +91,11 @@ def test_the_engine_process_dying_ends_live_requests_and_answers_503(chat_models
     proc, url = start_server(chat_models, tmp_path / "server.log", "--engine-process")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=REQUEST_S)
-        stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, max_tokens=800,
-                                           stream=True)
+        # ignore_eos: a sampled end of text could finish the reply before the kill (its last chunk the first read)
+        stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, max_tokens=1000,
+                                           stream=True, extra_body={"ignore_eos": True})
         chunks = iter(stream)
-        next(chunks)
+        assert next(chunks).choices[0].finish_reason is None
         finished = threading.Event()
         rest: list = []
 
