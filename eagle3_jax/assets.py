@@ -119,18 +119,19 @@ def _download(asset: Asset, base: Path, out: Path, quiet: bool) -> Path:
     return out
 
 
-def mtbench_questions() -> list[dict]:
-    """The 80 MT-bench questions: dicts with question_id, category, turns."""
-    with open(fetch(MTBENCH)) as f:
+def mtbench_questions(path: str | Path | None = None) -> list[dict]:
+    """The 80 MT-bench questions: dicts with question_id, category, turns; from `path` (a
+    question.jsonl) or the cached asset."""
+    with open(path or fetch(MTBENCH)) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def user_turns(prompt_file: str | Path | None = None) -> list[str]:
+def user_turns(prompt_file: str | Path | None = None, questions: str | Path | None = None) -> list[str]:
     """User turns to send: one a line of `prompt_file` (a tiny model's own prompts), else the MT-bench
-    questions' first turns."""
+    questions' first turns (from `questions`, a question.jsonl, or the cached asset)."""
     if prompt_file:
         return [line for line in Path(prompt_file).read_text().splitlines() if line.strip()]
-    return [q["turns"][0] for q in mtbench_questions()]
+    return [q["turns"][0] for q in mtbench_questions(questions)]
 
 
 def humaneval_problems(path: Path | None = None) -> list[dict]:

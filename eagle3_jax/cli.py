@@ -271,10 +271,10 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from eagle3_jax.assets import mtbench_questions
+    from eagle3_jax.assets import user_turns
 
     params = _sampling(args)
-    prompts = args.prompt or [q["turns"][0] for q in mtbench_questions()[:args.mtbench]]
+    prompts = args.prompt or user_turns()[:args.mtbench]
     llm = _llm(args, len(prompts))
     start = time.perf_counter()
     outputs = (llm.generate(prompts, params) if args.raw else

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         with open(a.questions) as f:
             questions = [json.loads(line)["turns"][0] for line in f if line.strip()]
     else:
-        questions = [q["turns"][0] for q in assets.mtbench_questions()]
+        questions = assets.user_turns()
     questions = [[{"role": "user", "content": q}] for q in questions[:a.prompts]]  # chat-templated
     params = SamplingParams(max_tokens=a.max_tokens)
     modes = a.draft_acceptance.split(",")

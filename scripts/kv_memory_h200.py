@@ -72,7 +72,7 @@ def serve(llm, prompts, max_tokens: int) -> dict:
 def mtbench_prompts(llm, n: int) -> list[list[int]]:
     from eagle3_jax import assets
 
-    questions = [q["turns"][0] for q in assets.mtbench_questions()]
+    questions = assets.user_turns()
     return [chat_ids(llm, [{"role": "user", "content": questions[i % len(questions)]}]) for i in range(n)]
 
 

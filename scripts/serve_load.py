@@ -65,12 +65,7 @@ def _latencies(ttft: list[float], itl: list[float]) -> dict:
 def _prompts(args) -> list[list[dict]]:
     from eagle3_jax import assets
 
-    if args.prompt_file:  # one user turn a line (a tiny model's own prompts)
-        lines = Path(args.prompt_file).read_text().splitlines()
-        turns = [line for line in lines if line.strip()]
-    else:
-        path = Path(args.questions) if args.questions else assets.fetch(assets.MTBENCH)
-        turns = [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+    turns = assets.user_turns(args.prompt_file, args.questions)
     return [[{"role": "user", "content": turns[i % len(turns)]}] for i in range(args.requests)]
 
 

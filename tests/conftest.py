@@ -97,7 +97,7 @@ def tokenizer(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def mtbench():
-    return [q["turns"][0] for q in assets.mtbench_questions()]
+    return assets.user_turns()
 
 
 @pytest.fixture(scope="session")
