@@ -66,7 +66,18 @@ def _prompts(args) -> list[list[dict]]:
     from eagle3_jax import assets
 
     turns = assets.user_turns(args.prompt_file, args.questions)
-    return [[{"role": "user", "content": turns[i % len(turns)]}] for i in range(args.requests)]
+    most = max(level_requests(args, n) for n in _levels(args))
+    return [[{"role": "user", "content": turns[i % len(turns)]}] for i in range(most)]
+
+
+def _levels(args) -> list[int]:
+    return [int(n) for n in args.streams.split(",")]
+
+
+def level_requests(args, streams: int) -> int:
+    """Requests at a level: --requests, or more where --requests-per-stream asks, so that the waves
+    of a wide level are many and its first and last (ramp-up, drain) weigh little."""
+    return max(args.requests, streams * args.requests_per_stream)
 
 
 # ---- the server ----------------------------------------------------------------------------------
@@ -241,6 +252,8 @@ def main() -> None:
                         "starts with --)")
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=64, help="requests at each stream count")
+    p.add_argument("--requests-per-stream", type=int, default=0,
+                   help="at least this many requests a stream at each level (wide levels run longer)")
     p.add_argument("--streams-per-client", type=int, default=4,
                    help="streams a client process runs at most (its CPU share is reported)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -251,7 +264,7 @@ def main() -> None:
     args = p.parse_args()
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     prompts = _prompts(args)
-    levels = [int(n) for n in args.streams.split(",")]
+    levels = _levels(args)
     rows = {n: {"streams": n} for n in levels}
     clients = Clients(-(-max(levels) // args.streams_per_client), args.streams_per_client)
     proc, url = start_server(args)
@@ -261,7 +274,7 @@ def main() -> None:
             # Warm-up at each level, as in process: what a batch of n arrivals compiles on first use.
             clients.level(url, prompts[:n], n, args.max_tokens)
             cpu = [server_process.cpu_s(pid) for pid in (proc.pid, engine)]
-            rows[n]["server"] = run = clients.level(url, prompts, n, args.max_tokens)
+            rows[n]["server"] = run = clients.level(url, prompts[:level_requests(args, n)], n, args.max_tokens)
             # CPU share over the level (1.0: a core busy throughout) of the HTTP process (every thread:
             # the engine's too, unless --engine-process) and of the engine's own process.
             for name, pid, before in zip(("http", "engine"), (proc.pid, engine), cpu):
@@ -276,14 +289,15 @@ def main() -> None:
     llm = _in_process_llm(args)
     for n in levels:
         in_process_level(llm, prompts[:n], n, args.max_tokens)  # warm-up
-        rows[n]["in_process"] = in_process_level(llm, prompts, n, args.max_tokens)
+        rows[n]["in_process"] = in_process_level(llm, prompts[:level_requests(args, n)], n, args.max_tokens)
         rows[n]["ratio"] = round(rows[n]["server"]["tok_s"] / rows[n]["in_process"]["tok_s"], 3)
         print(n, "in process", rows[n]["in_process"], "ratio", rows[n]["ratio"], flush=True)
     import jax
 
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), engine=args.engine,
-               serve_flags=args.serve_flags, max_tokens=args.max_tokens, requests=args.requests,
+               serve_flags=args.serve_flags, max_tokens=args.max_tokens,
+               requests={n: level_requests(args, n) for n in levels},
                server_metrics=metrics, rows=list(rows.values()))
     print(f"{'streams':>7} {'server tok/s':>12} {'in process':>10} {'ratio':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}"
           f" {'CPU: client max':>15} {'http':>5} {'engine':>6}")
