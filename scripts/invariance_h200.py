@@ -37,7 +37,9 @@ attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its con
   bit-equal to DEFAULT_TILES or not, and the fastest bit-equal one per shape and row count written
   as a tile table, tiles.json (eagle3_jax/model/gemm_tiles.json's form; $EAGLE3_JAX_GEMM_TILES
   points an engine at one). --kernels: beside each figure of both kinds whole, the kernels a call
-  launches by family and each family's device time (jax.profiler's trace of 10 calls).
+  launches by family and each family's device time (jax.profiler's trace of 10 calls). --attention-only:
+  the default forward and the one with invariant attention, nothing else: one process a setting of
+  $EAGLE3_JAX_INVARIANT_ATTENTION (invariant_attention.KernelSettings) sweeps the kernels' settings.
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
   1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
   bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
@@ -358,6 +360,9 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     trees = {b: _tree_verify(b, ctx, np.random.default_rng(b)) for b in batches}
     combos = {"both default": ("pallas", "xla"), "attention invariant": ("invariant", "xla"),
               "projections invariant": ("pallas", "invariant"), "both invariant": ("invariant", "invariant")}
+    if args.attention_only:  # a kernel setting's attention against the default's, nothing else
+        combos = {label: combos[label] for label in ("both default", "attention invariant")}
+    profiled = ("both default", "attention invariant") if args.attention_only else ("both default", "both invariant")
     rows = []
 
     def time_forward(label: str, attention: str, gemv: str, causal: bool = True) -> None:
@@ -383,7 +388,7 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
             jax.block_until_ready(logits)
             rows.append(dict(kernels=label, b=b, t=t, layout=layout,
                              ms=round((time.perf_counter() - t0) / args.calls * 1e3, 3)))
-            if args.kernels and label in ("both default", "both invariant"):
+            if args.kernels and label in profiled:
 
                 def call():
                     nonlocal cache
@@ -402,6 +407,10 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
 
     for label, (attention, gemv) in combos.items():
         time_forward(label, attention, gemv)
+    out.update(forward_ms=rows, layers=cfg.num_layers, table_positions=blocks * page,
+               attention_settings=dataclasses.asdict(invariant_attention.SETTINGS))
+    if args.attention_only:
+        return
     # The tree window kernel's tokens a program (the output's bits the same at each): its launch against
     # its parallelism, the engine's rule `invariant_attention.window_tokens` replaced for the timing.
     rule = invariant_attention.window_tokens
@@ -667,6 +676,9 @@ def main() -> None:
     p.add_argument("--table-len", type=int, default=2048,
                    help="attribution: the positions a row's block table spans (SmolLM2's max_model_len 2048: four "
                         "splits of the invariant attention; at most 288, the context and the step: one)")
+    p.add_argument("--attention-only", action="store_true",
+                   help="attribution: the default forward and the one with invariant attention only (a sweep of "
+                        "$EAGLE3_JAX_INVARIANT_ATTENTION's settings runs one process a setting)")
     p.add_argument("--kernels", action="store_true",
                    help="attribution: each call's GPU kernels and their device time, both kinds (jax.profiler)")
     p.add_argument("--window-tokens", default="1,3,7,21",

@@ -293,3 +293,13 @@ def test_window_programs_of_several_tokens_lower_for_cuda(monkeypatch):
                             s((b, t, 1 + t), jnp.int32), s((b, 96), jnp.int32), pages,
                             pages).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3 and "eagle3_invariant_attention_tree" in text
+
+
+def test_kernel_settings_parse_the_tuning_override_and_name_what_is_wrong():
+    settings = IA.KernelSettings.parse("block_keys=128, num_stages=2")
+    assert (settings.block_keys, settings.num_stages, settings.blocks_per_split) == (128, 2, 8)
+    assert IA.KernelSettings.parse("") == IA.KernelSettings()
+    for text, named in (("block_key=64", "block_key=64"), ("num_warps=0", "num_warps=0"),
+                        ("num_stages=two", "num_stages=two"), ("block_keys=48", "power of two")):
+        with pytest.raises(ValueError, match=named):
+            IA.KernelSettings.parse(text)

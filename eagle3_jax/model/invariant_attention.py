@@ -27,8 +27,10 @@ RoPE and the KV write: `pallas_attention.rope_and_write` with tile_rows=QUERY_TI
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +40,40 @@ from jax.experimental.pallas import triton as plgpu
 from eagle3_jax.model import pallas_attention
 from eagle3_jax.model.pallas_attention import MASKED
 
-BLOCK_KEYS = 64
-BLOCKS_PER_SPLIT = 8  # a split's fixed range: 512 key positions
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """What may be tuned per GPU without giving up invariance, since every step of a process uses the
+    same: the key block (each sum's order), a split's blocks, and the kernels' warps and pipeline stages."""
+
+    block_keys: int = 64
+    blocks_per_split: int = 8  # a split's fixed range: 512 key positions
+    num_warps: int = 4
+    num_stages: int = 1
+    window_warps: int = 4
+    window_stages: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> KernelSettings:
+        """"block_keys=128,num_stages=2" -> the defaults with those replaced."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, _, value = item.partition("=")
+            if name not in fields or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"${SETTINGS_ENV}: {item!r} is not one of {sorted(fields)} set to a positive integer")
+            values[name] = int(value)
+        settings = cls(**values)
+        if settings.block_keys < 16 or settings.block_keys & (settings.block_keys - 1):
+            raise ValueError(f"${SETTINGS_ENV}: block_keys must be a power of two >= 16 (an MMA's depth), "
+                             f"not {settings.block_keys}")
+        return settings
+
+
+SETTINGS_ENV = "EAGLE3_JAX_INVARIANT_ATTENTION"  # KernelSettings.parse's form, read over the defaults at import
+SETTINGS = KernelSettings.parse(os.environ.get(SETTINGS_ENV, ""))
+BLOCK_KEYS = SETTINGS.block_keys
+BLOCKS_PER_SPLIT = SETTINGS.blocks_per_split
 QUERY_TILE_ROWS = 64  # one Hopper warpgroup MMA's rows, whatever the step
 # The tree window kernel's programs over its first split to aim at: enough to fill an H100's SMs a few
 # times over; a program walks more tokens in turn as the batch grows past it (`window_tokens`).
@@ -315,15 +349,17 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
             out_shape=out_shapes,
             input_output_aliases={len(operands) + 3: 0, len(operands) + 4: 1},
             interpret=interpret,
-            compiler_params=_compiler_params(),
+            compiler_params=_compiler_params(window=True),
             name="eagle3_invariant_attention_tree",
         )(*operands, *outs[2:], *outs[:2])
     out, lse = outs[:2]
     return pallas_attention.combine_splits(out, lse, rows, tiles.dtype, 1) if splits > 1 else out[:, :, 0]
 
 
-def _compiler_params():
-    return plgpu.CompilerParams(num_warps=4, num_stages=1)
+def _compiler_params(window: bool = False):
+    if window:
+        return plgpu.CompilerParams(num_warps=SETTINGS.window_warps, num_stages=SETTINGS.window_stages)
+    return plgpu.CompilerParams(num_warps=SETTINGS.num_warps, num_stages=SETTINGS.num_stages)
 
 
 def _interpret() -> bool:
