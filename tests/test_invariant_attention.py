@@ -166,7 +166,7 @@ def test_a_block_a_row_cannot_see_leaves_its_carry_unchanged():
 
 def test_rope_and_write_lays_out_the_fixed_tiles():
     """rope_and_write(tile_rows=QUERY_TILE_ROWS) writes `query_tiles`' layout of the rotated q (25
-    tokens: a tile of 21 and one of 4, their padding rows zero)."""
+    tokens: at 64 rows a tile of 21 and one of 4, the last tile's padding rows zero)."""
     b, t, hd = 2, 25, 32
     rng = np.random.default_rng(2)
     qkv = jnp.asarray(rng.standard_normal((b, t, G, R + 2, hd)), jnp.float32)
@@ -177,9 +177,11 @@ def test_rope_and_write_lays_out_the_fixed_tiles():
     tiles, _, _ = pallas_attention.rope_and_write(qkv, positions, table, inv_freq, pages, pages, 0, 0,
                                                   tile_rows=IA.QUERY_TILE_ROWS)
     q = layers.apply_rope(qkv[:, :, :, :R].reshape(b, t, G * R, hd), positions, inv_freq)
-    assert tiles.shape == (b, G, 2 * IA.QUERY_TILE_ROWS, hd)
+    tt = IA.tile_tokens(R)
+    n = -(-t // tt)
+    assert tiles.shape == (b, G, n * IA.QUERY_TILE_ROWS, hd)
     np.testing.assert_allclose(np.asarray(tiles), np.asarray(IA.query_tiles(q, G)), atol=1e-6)
-    assert not np.asarray(tiles).reshape(b, G, 2, -1, hd)[:, :, 1, 4 * R:].any()
+    assert not np.asarray(tiles).reshape(b, G, n, -1, hd)[:, :, -1, (t - (n - 1) * tt) * R:].any()
 
 
 @pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-3.1-8B
@@ -289,7 +291,8 @@ def test_window_programs_of_several_tokens_lower_for_cuda(monkeypatch):
     b, t, g, r, hd, s = 4, 32, 3, 3, 64, jax.ShapeDtypeStruct
     pages = s((2, 97, PAGE, g, hd), jnp.bfloat16)
     f = lambda tiles, vpos, paths, table, k, v: IA.attend(tiles, vpos, paths, table, 1, k, v, r, tokens_per_program=7)
-    text = jax.jit(f).trace(s((b, g, 2 * IA.QUERY_TILE_ROWS, hd), jnp.bfloat16), s((b, t), jnp.int32),
+    tiles = -(-t // IA.tile_tokens(r))
+    text = jax.jit(f).trace(s((b, g, tiles * IA.QUERY_TILE_ROWS, hd), jnp.bfloat16), s((b, t), jnp.int32),
                             s((b, t, 1 + t), jnp.int32), s((b, 96), jnp.int32), pages,
                             pages).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3 and "eagle3_invariant_attention_tree" in text
@@ -300,6 +303,7 @@ def test_kernel_settings_parse_the_tuning_override_and_name_what_is_wrong():
     assert (settings.block_keys, settings.num_stages, settings.blocks_per_split) == (128, 2, 8)
     assert IA.KernelSettings.parse("") == IA.KernelSettings()
     for text, named in (("block_key=64", "block_key=64"), ("num_warps=0", "num_warps=0"),
-                        ("num_stages=two", "num_stages=two"), ("block_keys=48", "power of two")):
+                        ("num_stages=two", "num_stages=two"), ("block_keys=48", "block_keys must be a power of two"),
+                        ("query_tile_rows=8", "query_tile_rows must be a power of two >= 16")):
         with pytest.raises(ValueError, match=named):
             IA.KernelSettings.parse(text)

@@ -49,6 +49,9 @@ class KernelSettings:
 
     block_keys: int = 64
     blocks_per_split: int = 8  # a split's fixed range: 512 key positions
+    # A query tile's rows: one Hopper warpgroup MMA's at 64. Fewer waste fewer rows on a decode's R
+    # q heads and on the tree window's per-token walks, at smaller MMAs.
+    query_tile_rows: int = 64
     num_warps: int = 4
     num_stages: int = 1
     window_warps: int = 4
@@ -65,9 +68,10 @@ class KernelSettings:
                 raise ValueError(f"${SETTINGS_ENV}: {item!r} is not one of {sorted(fields)} set to a positive integer")
             values[name] = int(value)
         settings = cls(**values)
-        if settings.block_keys < 16 or settings.block_keys & (settings.block_keys - 1):
-            raise ValueError(f"${SETTINGS_ENV}: block_keys must be a power of two >= 16 (an MMA's depth), "
-                             f"not {settings.block_keys}")
+        for name in ("block_keys", "query_tile_rows"):
+            value = getattr(settings, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"${SETTINGS_ENV}: {name} must be a power of two >= 16 (an MMA's side), not {value}")
         return settings
 
 
@@ -75,7 +79,7 @@ SETTINGS_ENV = "EAGLE3_JAX_INVARIANT_ATTENTION"  # KernelSettings.parse's form, 
 SETTINGS = KernelSettings.parse(os.environ.get(SETTINGS_ENV, ""))
 BLOCK_KEYS = SETTINGS.block_keys
 BLOCKS_PER_SPLIT = SETTINGS.blocks_per_split
-QUERY_TILE_ROWS = 64  # one Hopper warpgroup MMA's rows, whatever the step
+QUERY_TILE_ROWS = SETTINGS.query_tile_rows  # whatever the step
 # The tree window kernel's programs over its first split to aim at: enough to fill an H100's SMs a few
 # times over; a program walks more tokens in turn as the batch grows past it (`window_tokens`).
 WINDOW_PROGRAMS = 1024
