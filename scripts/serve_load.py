@@ -5,16 +5,16 @@ as fast as its engine?
     python3 scripts/serve_load.py --target T --draft D --streams 1,8,32,64 --out-dir "$OUT"
     python3 scripts/serve_load.py --target T --draft D --streams 1,64 --requests 64 --max-tokens 32   # CPU
 
-For each stream count N, N clients each send their share of --requests (MT-bench first turns in
-order, chat template, greedy, --max-tokens, ignore_eos) one after another, streaming, through the
-official `openai` client, spread over client processes of at most --streams-per-client streams
-(one process's event loop cannot parse 64 streams' chunks as fast as the engine makes them); the
-server is a subprocess on 127.0.0.1 with the engine flags given
-(--engine; --serve-flags: its own, e.g. --engine-process). Then the same engine configuration in
-this process (`LLM`, after the server has stopped): N requests kept in flight, a new one added
-(chat-templated and tokenized, as the server does) as one finishes, the same requests. Each side
-runs each level once unmeasured first, so that what N arrivals at once compile on first use is not
-in either's numbers.
+For each stream count N, N clients each send their share of --requests, or of N x
+--requests-per-stream where that is more (MT-bench first turns in order, chat template, greedy,
+--max-tokens, ignore_eos) one after another, streaming, through the official `openai` client, spread
+over client processes of at most --streams-per-client streams (one process's event loop cannot parse
+64 streams' chunks as fast as the engine makes them); the server is a subprocess on 127.0.0.1 with
+the engine flags given (--engine; --serve-flags: its own, e.g. --engine-process). Then the same
+engine configuration in this process (`LLM`, after the server has stopped): N requests kept in
+flight, a new one added (chat-templated and tokenized, as the server does) as one finishes, the same
+requests. Each side runs each level once unmeasured first, so that what N arrivals at once compile
+on first use is not in either's numbers.
 Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT and
 ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics), in
 process the engine's steps and its host's ms a step (EngineStats; beside it the ms it waited on the
