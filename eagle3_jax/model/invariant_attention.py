@@ -45,7 +45,8 @@ from eagle3_jax.model.pallas_attention import MASKED
 class KernelSettings:
     """What may be tuned per GPU without giving up invariance, since every step of a process uses the
     same: the key block (each sum's order), a split's blocks, and the kernels' warps and pipeline stages.
-    The defaults were the fastest of those swept on an H100 (BENCHMARKS.md, "Batch invariance: the cost")."""
+    The key block, splits, warps and stages as shipped were the fastest of those swept on an H100
+    (BENCHMARKS.md, "Batch invariance: the cost"); fewer query tile rows are not yet measured there."""
 
     block_keys: int = 64
     blocks_per_split: int = 8  # a split's fixed range: 512 key positions
