@@ -194,7 +194,12 @@ def test_chat_greedy_equals_llm_chat_with_usage_and_speculation_metrics(client, 
     assert spec["mean_acceptance_length"] == pytest.approx(1 + m.accepted / m.speculative_iterations)
 
 
-def test_metrics_use_vllms_names_and_count_what_was_served(server):
+def test_metrics_use_vllms_names_and_count_what_was_served(server, client):
+    # Its own traffic first, whatever ran before: a prompt twice (the second a prefix-cache hit) and
+    # eight at once (bucket 8).
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, messages=user("Name three colors."), **GREEDY)
+    client.completions.create(model=MODEL, prompt=[f"Count to {i}:" for i in range(8)], **GREEDY)
     values = scrape(server["url"])
     names = {re.sub(r"\{.*", "", k).removeprefix("eagle3_jax:") for k in values}
     counters = ["prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
