@@ -58,11 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="eval.json")
     a = ap.parse_args(argv)
     start = time.perf_counter()
-    if a.questions:
-        with open(a.questions) as f:
-            questions = [json.loads(line)["turns"][0] for line in f if line.strip()]
-    else:
-        questions = assets.user_turns()
+    questions = assets.user_turns(questions=a.questions)
     questions = [[{"role": "user", "content": q}] for q in questions[:a.prompts]]  # chat-templated
     params = SamplingParams(max_tokens=a.max_tokens)
     modes = a.draft_acceptance.split(",")

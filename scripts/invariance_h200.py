@@ -698,9 +698,8 @@ def main() -> None:
     elif args.phase == "attribution":
         phase_attribution(out, args, batches)
     else:
-        path = Path(args.questions) if args.questions else assets.fetch(assets.MTBENCH)
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        questions = [[{"role": "user", "content": json.loads(line)["turns"][0]}] for line in lines][:args.prompts]
+        questions = [[{"role": "user", "content": turn}] for turn in assets.user_turns(questions=args.questions)]
+        questions = questions[:args.prompts]
         if args.phase == "replies":
             phase_replies(out, args, questions)
         elif args.phase == "lossless":

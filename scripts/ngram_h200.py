@@ -82,10 +82,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
-    mtbench = Path(args.questions) if args.questions else assets.fetch(assets.MTBENCH)
     workloads = {
-        "MT-bench": [[{"role": "user", "content": json.loads(line)["turns"][0]}]
-                     for line in mtbench.read_text().splitlines() if line.strip()][:args.prompts],
+        "MT-bench": [[{"role": "user", "content": turn}]
+                     for turn in assets.user_turns(questions=args.questions)][:args.prompts],
         "HumanEval": [[{"role": "user", "content": code_prompt(x)}]
                       for x in assets.humaneval_problems(Path(args.humaneval) if args.humaneval else None)
                       ][:args.prompts],
