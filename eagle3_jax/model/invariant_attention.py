@@ -319,6 +319,11 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
         return (inputs, pl.BlockSpec((None, None, None, qt, hd), lambda i, j, n, s: (i, j, s, tile_of(n), 0)),
                 pl.BlockSpec((None, None, None, qt), lambda i, j, n, s: (i, j, s, tile_of(n))))
 
+    def carry_specs(tile_of) -> list[pl.BlockSpec]:
+        """A tree's carry (output, max, sum in f32, one split's) of tile tile_of(n), as `specs`."""
+        return [pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, tile_of(n), 0)),
+                *[pl.BlockSpec((None, None, qt), lambda i, j, n, s: (i, j, tile_of(n)))] * 2]
+
     o_shape, lse_shape = (b, g, splits, rows, hd), jax.ShapeDtypeStruct((b, g, splits, rows), jnp.float32)
     out_shapes = [jax.ShapeDtypeStruct(o_shape, tiles.dtype if splits == 1 else jnp.float32), lse_shape]
     operands = (tiles, row_vpos, *([paths] if windowed else []), block_table, layer, k_slots, v_slots)
@@ -326,15 +331,13 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
     # A tree's window goes on in `_window_kernel`: the carry of the split it starts in, output, max and
     # sum in f32; the window kernel's outputs are a tile's every split, the one it writes found there.
     touched = window_splits(paths.shape[2] - 1, splits, blocks_per_split) if windowed else 0
-    carry_specs = [pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, n, 0)),
-                   *[pl.BlockSpec((None, None, qt), lambda i, j, n, s: (i, j, n))] * 2]
     carry_shapes = [jax.ShapeDtypeStruct((b, g, rows, hd), jnp.float32),
                     *[jax.ShapeDtypeStruct((b, g, rows), jnp.float32)] * 2]
     outs = pl.pallas_call(
         functools.partial(_tile_kernel, windowed=windowed, **kernel_args),
         grid=(b, g, n, splits),
         in_specs=inputs,
-        out_specs=[o_spec, lse_spec, *(carry_specs if windowed else [])],
+        out_specs=[o_spec, lse_spec, *(carry_specs(lambda n: n) if windowed else [])],
         out_shape=out_shapes + (carry_shapes if windowed else []),
         interpret=interpret,
         compiler_params=_compiler_params(),
@@ -343,14 +346,12 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
     if windowed:  # programs of window_tokens tokens over the splits the window touches, into the same outputs
         chunks = -(-(qt // r) // window_tokens)
         inputs, _, _ = specs(lambda p: p // chunks)
-        carry_specs = [pl.BlockSpec((None, None, qt, hd), lambda i, j, p, k: (i, j, p // chunks, 0)),
-                       *[pl.BlockSpec((None, None, qt), lambda i, j, p, k: (i, j, p // chunks))] * 2]
         o_spec = pl.BlockSpec((None, None, splits, qt, hd), lambda i, j, p, k: (i, j, 0, p // chunks, 0))
         lse_spec = pl.BlockSpec((None, None, splits, qt), lambda i, j, p, k: (i, j, 0, p // chunks))
         outs = pl.pallas_call(
             functools.partial(_window_kernel, r=r, window_tokens=window_tokens, **kernel_args),
             grid=(b, g, n * chunks, touched),
-            in_specs=[*inputs, *carry_specs, o_spec, lse_spec],
+            in_specs=[*inputs, *carry_specs(lambda p: p // chunks), o_spec, lse_spec],
             out_specs=[o_spec, lse_spec],
             out_shape=out_shapes,
             input_output_aliases={len(operands) + 3: 0, len(operands) + 4: 1},
