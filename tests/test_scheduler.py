@@ -287,12 +287,11 @@ def streaming(n: int) -> list:
 
 def test_while_rows_decode_a_step_prefills_one_chunk_at_most():
     """engine/prefill.py's plan per step (chunks of 16, the largest prefill bucket; 1 or 4 prompts a
-    call). With nothing decoding, a step prefills every chunk of every prompt admitted: a long
-    prompt's leading chunks a call each (the only prompt with any), the last chunks grouped by
-    chunk bucket. While as many rows
-    stream as prompts prefill, one call at most: the first prompt's next chunk alone, or its last
-    chunk joined by the other last chunks of its bucket within two chunks' padded tokens (4 of 4
-    tokens, 1 of 16); the scheduler's batch takes a request once its last chunk is dispatched."""
+    call). With nothing decoding, a step prefills every chunk of every prompt admitted: a long prompt's
+    leading chunks a call each (the only prompt with any), the last chunks grouped by chunk bucket.
+    While as many rows stream as prompts prefill, one call at most: the first prompt's next chunk alone,
+    or its last chunk joined by the other last chunks of its bucket within two chunks' padded tokens (4
+    of 4 tokens, 1 of 16); the scheduler's batch takes a request once its last chunk is dispatched."""
     from eagle3_jax.engine.prefill import step_calls
 
     cfg = EngineConfig(batch_buckets=(2, 4), page_size=PAGE, num_pages=64, max_model_len=64,
