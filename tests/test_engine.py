@@ -148,9 +148,9 @@ def test_stop_token_ids_and_stop_strings(spec_llm, chat_ids):
 def test_prompts_admitted_together_share_prefill_calls(spec_llm, target_llm, chat_ids):
     """Six prompts admitted in one step: the long ones' j-th leading chunks share a call, round after
     round, then all six last chunks run as one call of the 8-row prefill (two padding rows), where a
-    call per leading chunk made more. The greedy tokens equal
-    the target alone's, and a seeded sample (its first token drawn in that call) equals its own
-    alone. A token after BOS no other test's prompt has keeps them out of the prefix cache."""
+    call per leading chunk made more. The greedy tokens equal the target alone's, and a seeded sample
+    (its first token drawn in that call) equals its own alone. A token after BOS no other test's prompt
+    has keeps them out of the prefix cache."""
     engine = spec_llm.engine
     assert engine.cfg.prefill_batch_buckets == (1, 8) and engine.cfg.prefill_buckets == (64,)
     prompts = [[p[0], 100 + i, *p[1:]] for i, p in enumerate(chat_ids[10:16])]
