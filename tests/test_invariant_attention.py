@@ -24,7 +24,7 @@ from eagle3_jax.model.pallas_attention import MASKED, online_softmax_init, onlin
 from eagle3_jax.runner.tree import tree_from_parents
 
 PAGE, PAGES = 16, 16  # 256 positions a row: 4 key blocks
-G, R, HD = 2, 3, 32  # SmolLM2's grouping: 21 tokens a tile, its last row padding
+G, R, HD = 2, 3, 32  # SmolLM2's grouping: a tile of 16 rows holds 5 tokens, its last row padding
 
 
 def _per_token_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int):
@@ -58,7 +58,8 @@ def _per_token(q, vpos, paths, table, k_pages, v_pages, blocks_per_split):
     """q [B, T, G*R, hd] rotated; k_pages, v_pages [P, page, G, hd] -> [B, T, G*R, hd]."""
     b, t, h, hd = q.shape
     num_pages, page_size, g = k_pages.shape[:3]
-    r, rt = h // g, IA.QUERY_TILE_ROWS
+    r = h // g
+    rt = IA.tile_rows(r)
     tiles = jnp.pad(q.reshape(b, t, g, r, hd).transpose(0, 2, 1, 3, 4), ((0, 0),) * 3 + ((0, rt - r), (0, 0)))
     splits = IA.num_splits(table.shape[1], page_size, blocks_per_split)
     slots_spec = pl.BlockSpec((num_pages * page_size, None, hd), lambda i, j, n, s: (0, j, 0))
@@ -165,8 +166,8 @@ def test_a_block_a_row_cannot_see_leaves_its_carry_unchanged():
 
 
 def test_rope_and_write_lays_out_the_fixed_tiles():
-    """rope_and_write(tile_rows=QUERY_TILE_ROWS) writes `query_tiles`' layout of the rotated q (25
-    tokens: at 64 rows a tile of 21 and one of 4, the last tile's padding rows zero)."""
+    """rope_and_write(tile_rows=tile_rows(R)) writes `query_tiles`' layout of the rotated q (25 tokens
+    in tiles of tile_tokens(R), the last tile's padding rows zero)."""
     b, t, hd = 2, 25, 32
     rng = np.random.default_rng(2)
     qkv = jnp.asarray(rng.standard_normal((b, t, G, R + 2, hd)), jnp.float32)
@@ -175,11 +176,11 @@ def test_rope_and_write_lays_out_the_fixed_tiles():
     table = jnp.arange(1, 9, dtype=jnp.int32).reshape(2, 4)
     inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
     tiles, _, _ = pallas_attention.rope_and_write(qkv, positions, table, inv_freq, pages, pages, 0, 0,
-                                                  tile_rows=IA.QUERY_TILE_ROWS)
+                                                  tile_rows=IA.tile_rows(R))
     q = layers.apply_rope(qkv[:, :, :, :R].reshape(b, t, G * R, hd), positions, inv_freq)
     tt = IA.tile_tokens(R)
     n = -(-t // tt)
-    assert tiles.shape == (b, G, n * IA.QUERY_TILE_ROWS, hd)
+    assert tiles.shape == (b, G, n * IA.tile_rows(R), hd)
     np.testing.assert_allclose(np.asarray(tiles), np.asarray(IA.query_tiles(q, G)), atol=1e-6)
     assert not np.asarray(tiles).reshape(b, G, n, -1, hd)[:, :, -1, (t - (n - 1) * tt) * R:].any()
 
@@ -284,18 +285,29 @@ def test_a_window_programs_tokens_do_not_change_their_bits():
 
 
 def test_window_programs_of_several_tokens_lower_for_cuda(monkeypatch):
-    """A tree verify's window kernel of 7 tokens a program, over a table of three splits (its outputs'
-    split axis not a power of two), lowers to Triton for CUDA at SmolLM2's shapes."""
+    """A tree verify's window kernel of a tile's tokens a program, over a table of three splits (its
+    outputs' split axis not a power of two), lowers to Triton for CUDA at SmolLM2's shapes."""
     monkeypatch.setattr(pallas_attention, "_interpret", lambda: False)
     monkeypatch.setattr(IA, "_interpret", lambda: False)
     b, t, g, r, hd, s = 4, 32, 3, 3, 64, jax.ShapeDtypeStruct
     pages = s((2, 97, PAGE, g, hd), jnp.bfloat16)
-    f = lambda tiles, vpos, paths, table, k, v: IA.attend(tiles, vpos, paths, table, 1, k, v, r, tokens_per_program=7)
+    f = lambda tiles, vpos, paths, table, k, v: IA.attend(tiles, vpos, paths, table, 1, k, v, r,
+                                                          tokens_per_program=IA.tile_tokens(r))
     tiles = -(-t // IA.tile_tokens(r))
-    text = jax.jit(f).trace(s((b, g, tiles * IA.QUERY_TILE_ROWS, hd), jnp.bfloat16), s((b, t), jnp.int32),
+    text = jax.jit(f).trace(s((b, g, tiles * IA.tile_rows(r), hd), jnp.bfloat16), s((b, t), jnp.int32),
                             s((b, t, 1 + t), jnp.int32), s((b, 96), jnp.int32), pages,
                             pages).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3 and "eagle3_invariant_attention_tree" in text
+
+
+def test_a_tile_holds_at_least_one_tokens_q_heads():
+    """A model with more q heads a kv head than QUERY_TILE_ROWS gets tiles of the next power of two."""
+    assert [IA.tile_rows(r) for r in (1, 3, 4, 8)] == [IA.QUERY_TILE_ROWS] * 4
+    assert [IA.tile_tokens(r) for r in (1, 3, 4, 8)] == [IA.QUERY_TILE_ROWS // r for r in (1, 3, 4, 8)]
+    assert [IA.tile_rows(r) for r in (20, 32, 48)] == [max(IA.QUERY_TILE_ROWS, m) for m in (32, 32, 64)]
+    assert IA.tile_tokens(48) == max(IA.QUERY_TILE_ROWS, 64) // 48
+    with pytest.raises(ValueError, match="at least one q head"):
+        IA.tile_rows(0)
 
 
 def test_kernel_settings_parse_the_tuning_override_and_name_what_is_wrong():

@@ -2,8 +2,8 @@
 a tree's verify, or a prefill chunk, at any batch size (pallas_attention's step-sized tiles and
 batch-sized splits make its sums' order depend on the neighbours).
 
-One program per (row, kv head, query tile, split). A query tile is always QUERY_TILE_ROWS rows, the R
-q heads of QUERY_TILE_ROWS // R tokens and masked padding (a decode's R rows too), so every step's
+One program per (row, kv head, query tile, split). A query tile is always `tile_rows(R)` rows, the R
+q heads of `tile_tokens(R)` tokens and masked padding (a decode's R rows too), so every step's
 products are the same MMA shape and its row sums the same layout: a row's arithmetic does not depend
 on the rows beside it, as invariant_gemm's fixed BLOCK_M. Keys are walked in BLOCK_KEYS blocks by
 position in the token's own sequence, in fixed splits of BLOCKS_PER_SPLIT blocks, so every sum's
@@ -22,7 +22,7 @@ within a split), the first the window's own, found in the kernel: its outputs ar
 splits, indexed there. A program walks several tokens of one tile in turn (`window_tokens`), each
 token's steps exactly its own program's. The rest of the splits, and the rows of a later split
 than the window's first that a token does not reach, are `_tile_kernel`'s to write (nothing seen).
-RoPE and the KV write: `pallas_attention.rope_and_write` with tile_rows=QUERY_TILE_ROWS.
+RoPE and the KV write: `pallas_attention.rope_and_write` with tile_rows=`tile_rows(R)`.
 """
 
 from __future__ import annotations
@@ -44,15 +44,16 @@ from eagle3_jax.model.pallas_attention import MASKED
 @dataclasses.dataclass(frozen=True)
 class KernelSettings:
     """What may be tuned per GPU without giving up invariance, since every step of a process uses the
-    same: the key block (each sum's order), a split's blocks, and the kernels' warps and pipeline stages.
-    The key block, splits, warps and stages as shipped were the fastest of those swept on an H100
-    (BENCHMARKS.md, "Batch invariance: the cost"); fewer query tile rows are not yet measured there."""
+    same: the key block (each sum's order), a split's blocks, the query tile's rows, and the kernels'
+    warps and pipeline stages. As shipped: the fastest of those swept on an H100 (BENCHMARKS.md,
+    "Batch invariance: the cost")."""
 
     block_keys: int = 64
     blocks_per_split: int = 8  # a split's fixed range: 512 key positions
-    # A query tile's rows: one Hopper warpgroup MMA's at 64. Fewer waste fewer rows on a decode's R
-    # q heads and on the tree window's per-token walks, at smaller MMAs.
-    query_tile_rows: int = 64
+    # A query tile's rows, at least (`tile_rows`): 16 waste fewer rows than a Hopper warpgroup MMA's 64
+    # on a decode's R q heads and on the tree window's per-token walks; 64 read a long chunk's keys
+    # fewer times.
+    query_tile_rows: int = 16
     num_warps: int = 4
     num_stages: int = 1
     window_warps: int = 4
@@ -80,7 +81,7 @@ SETTINGS_ENV = "EAGLE3_JAX_INVARIANT_ATTENTION"  # KernelSettings.parse's form, 
 SETTINGS = KernelSettings.parse(os.environ.get(SETTINGS_ENV, ""))
 BLOCK_KEYS = SETTINGS.block_keys
 BLOCKS_PER_SPLIT = SETTINGS.blocks_per_split
-QUERY_TILE_ROWS = SETTINGS.query_tile_rows  # whatever the step
+QUERY_TILE_ROWS = SETTINGS.query_tile_rows  # a tile's rows at least, whatever the step (`tile_rows`)
 # The tree window kernel's programs over its first split to aim at: enough to fill an H100's SMs a few
 # times over; a program walks more tokens in turn as the batch grows past it (`window_tokens`).
 WINDOW_PROGRAMS = 1024
@@ -233,24 +234,30 @@ def window_tokens(batch: int, kv_heads: int, tokens: int) -> int:
     return max(1, min(batch * kv_heads * tokens // WINDOW_PROGRAMS, QUERY_TILE_ROWS))
 
 
+def tile_rows(heads_per_kv: int) -> int:
+    """A query tile's rows for a model of R q heads a kv head: QUERY_TILE_ROWS, or the power of two
+    that holds one token's R rows where that is more. Fixed by the model, so by every step alike."""
+    if heads_per_kv < 1:
+        raise ValueError(f"invariant attention takes at least one q head a kv head, not {heads_per_kv}")
+    return max(QUERY_TILE_ROWS, 1 << (heads_per_kv - 1).bit_length())
+
+
 def tile_tokens(heads_per_kv: int) -> int:
-    """The tokens of one query tile: as many whose R q heads fit QUERY_TILE_ROWS rows."""
-    if not 1 <= heads_per_kv <= QUERY_TILE_ROWS:
-        raise ValueError(f"invariant attention takes 1 to {QUERY_TILE_ROWS} q heads a kv head, not {heads_per_kv}")
-    return QUERY_TILE_ROWS // heads_per_kv
+    """The tokens of one query tile: as many whose R q heads fit `tile_rows(R)` rows."""
+    return tile_rows(heads_per_kv) // heads_per_kv
 
 
 def query_tiles(q: jax.Array, kv_heads: int) -> jax.Array:
-    """Rotated q [B, T, G*R, hd] -> [B, G, n * QUERY_TILE_ROWS, hd]: the layout `rope_and_write` writes
-    with tile_rows=QUERY_TILE_ROWS (row u*R + h of tile k: q head g*R + h of token k * tile_tokens + u)."""
+    """Rotated q [B, T, G*R, hd] -> [B, G, n * M, hd], M = `tile_rows(R)`: the layout `rope_and_write`
+    writes with tile_rows=M (row u*R + h of tile k: q head g*R + h of token k * tile_tokens + u)."""
     b, t, h, hd = q.shape
     r = h // kv_heads
-    tt = tile_tokens(r)
+    m, tt = tile_rows(r), tile_tokens(r)
     n = -(-t // tt)
     q = jnp.pad(q, ((0, 0), (0, n * tt - t), (0, 0), (0, 0))).reshape(b, n, tt, kv_heads, r, hd)
     q = q.transpose(0, 3, 1, 2, 4, 5).reshape(b, kv_heads, n, tt * r, hd)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, QUERY_TILE_ROWS - tt * r), (0, 0)))
-    return q.reshape(b, kv_heads, n * QUERY_TILE_ROWS, hd)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, m - tt * r), (0, 0)))
+    return q.reshape(b, kv_heads, n * m, hd)
 
 
 def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_freq, k_pages: jax.Array,
@@ -261,7 +268,7 @@ def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_
     rope = None if tree is None else tree.rope_positions
     tiles, k_pages, v_pages = pallas_attention.rope_and_write(
         qkv, positions, block_table, inv_freq, k_pages, v_pages, layer, scratch_page, rope,
-        tile_rows=QUERY_TILE_ROWS)
+        tile_rows=tile_rows(r))
     vpos = positions if tree is None else tree.rope_positions
     paths = None if tree is None else ancestor_paths(tree.window_start, tree.window_mask)
     return attend(tiles, vpos, paths, block_table, layer, k_pages, v_pages, r), k_pages, v_pages
@@ -270,23 +277,23 @@ def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_
 def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_table: jax.Array, layer,
            k_pages: jax.Array, v_pages: jax.Array, heads_per_kv: int,
            blocks_per_split: int = BLOCKS_PER_SPLIT, tokens_per_program: int | None = None) -> jax.Array:
-    """Query tiles [B, G, n * QUERY_TILE_ROWS, hd] (`query_tiles`' layout) over layer `layer` of the pages
+    """Query tiles [B, G, n * tile_rows(R), hd] (`query_tiles`' layout) over layer `layer` of the pages
     [L, P, page, G, hd]; vpos [B, T] each token's position in its own sequence (a tree node's: root +
     depth); paths [B, T, 1 + W] a tree's `ancestor_paths` or None -> [B, T, G*R, hd]. tokens_per_program:
     a tree window program's tokens (None: `window_tokens`'); the output's bits do not depend on it."""
     b, g, _, hd = tiles.shape
     t, r = vpos.shape[1], heads_per_kv
-    tt = tile_tokens(r)
+    m, tt = tile_rows(r), tile_tokens(r)
     tokens_per_program = 1 if paths is None else min(tokens_per_program or window_tokens(b, g, t), tt)
     n = -(-t // tt)
     # Per row of a tile: its token's position, -1 on padding rows (they see nothing).
     vpos = jnp.pad(vpos.astype(jnp.int32), ((0, 0), (0, n * tt - t)), constant_values=-1)
-    row_vpos = jnp.pad(jnp.repeat(vpos.reshape(b, n, tt), r, axis=2), ((0, 0), (0, 0), (0, QUERY_TILE_ROWS - tt * r)),
-                       constant_values=-1).reshape(b, n * QUERY_TILE_ROWS)
+    row_vpos = jnp.pad(jnp.repeat(vpos.reshape(b, n, tt), r, axis=2), ((0, 0), (0, 0), (0, m - tt * r)),
+                       constant_values=-1).reshape(b, n * m)
     paths = None if paths is None else paths.astype(jnp.int32)
     out = _attend(tiles, row_vpos, paths, block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
                   k_pages, v_pages, r=r, blocks_per_split=blocks_per_split, window_tokens=tokens_per_program)
-    out = out.reshape(b, g, n, QUERY_TILE_ROWS, hd)[:, :, :, :tt * r].reshape(b, g, n * tt, r, hd)[:, :, :t]
+    out = out.reshape(b, g, n, m, hd)[:, :, :, :tt * r].reshape(b, g, n * tt, r, hd)[:, :, :t]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
 
 
@@ -294,7 +301,7 @@ def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_tab
 def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: int, blocks_per_split: int,
             window_tokens: int) -> jax.Array:
     b, g, rows, hd = tiles.shape
-    qt = QUERY_TILE_ROWS
+    qt = tile_rows(r)
     n = rows // qt
     num_layers, num_pages, page_size = k_pages.shape[:3]
     splits = num_splits(block_table.shape[1], page_size, blocks_per_split)
