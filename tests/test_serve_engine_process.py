@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import signal
 import threading
@@ -22,6 +23,7 @@ from test_serve import (
     GREEDY,
     KEY,
     MODEL,
+    REPO,
     REQUEST_S,
     check_sigterm_mid_stream,
     llm,  # noqa: F401  (the fixture: the server's engine in this process)
@@ -40,26 +42,21 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 
-def listening_inode(port: int) -> str:
-    """The inode of the socket listening on 127.0.0.1:`port` (/proc/net/tcp)."""
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":  # local address, state LISTEN
-            return fields[9]
-    raise AssertionError(f"nothing listens on port {port}")
+def load_server_process():
+    """scripts/server_process.py, whose look-up of a server's processes scripts/serve_load.py uses."""
+    spec = importlib.util.spec_from_file_location("server_process", REPO / "scripts" / "server_process.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def server_pids(server_pid: int, port: int) -> tuple[list[int], int]:
+def server_pids(server_pid: int) -> tuple[list[int], int]:
     """(the HTTP processes: the server's own, then those it spawned holding its listening socket; the
     engine's process: the one spawned that does not), beside multiprocessing's resource tracker."""
-    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
-    spawned = [p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    socket_link = f"socket:[{listening_inode(port)}]"
-    http = [p for p in spawned if any(os.readlink(fd) == socket_link for fd in Path(f"/proc/{p}/fd").iterdir())]
-    engines = [p for p in spawned if p not in http]
-    assert len(engines) == 1, (children, http)
-    return [server_pid, *http], engines[0]
+    server_process = load_server_process()
+    http, engine = server_process.http_pids(server_pid), server_process.engine_pid(server_pid)
+    assert engine is not None and engine not in http, (http, engine)
+    return http, engine
 
 
 @contextlib.contextmanager
@@ -142,7 +139,7 @@ def test_an_http_process_dying_aborts_its_requests_and_the_engine_dying_ends_eve
     proc, url = start_server(chat_models, tmp_path / "server.log", "--engine-process", "--api-server-count", "2")
     try:
         wait_ready_line(tmp_path / "server.log")
-        (main, worker), engine = server_pids(proc.pid, int(url.rsplit(":", 1)[1]))
+        (main, worker), engine = server_pids(proc.pid)
         # The second HTTP process killed mid-stream: the engine aborts its request, the first serves on.
         with stopped(main):
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=REQUEST_S)
@@ -193,7 +190,7 @@ def test_two_http_processes_serve_one_socket_and_one_engine_and_stop_together_on
     proc, url = start_server(chat_models, log, "--engine-process", "--api-server-count", "2")
     try:
         assert "by 2 HTTP processes" in wait_ready_line(log)
-        http, engine = server_pids(proc.pid, int(url.rsplit(":", 1)[1]))
+        http, engine = server_pids(proc.pid)
         assert len(http) == 2
         conversations = [user(f"Tell me about the number {i}.") for i in range(16)]
         want = llm.chat(conversations, SamplingParams(max_tokens=16))
