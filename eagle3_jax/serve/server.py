@@ -46,12 +46,23 @@ HTTP_PARSERS = ("httptools", "h11")
 
 class _Server(uvicorn.Server):
     """uvicorn's server, draining the engine when a signal asks it to exit (and passing SIGTERM on
-    to the other HTTP processes, `workers`), calling `on_started` once it listens."""
+    to the other HTTP processes, `workers`), calling `on_started` once it listens. Given the main
+    process's pid (`parent`: this is another HTTP process), it drains and exits too once that
+    process is gone, killed say: the server does not serve on without it."""
 
     def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop | EngineClient, grace_s: float,
-                 on_started: Callable[[], None], workers: Sequence[multiprocessing.Process] = ()):
+                 on_started: Callable[[], None], workers: Sequence[multiprocessing.Process] = (),
+                 parent: int | None = None):
         super().__init__(config)
         self.engine_loop, self.grace_s, self.on_started, self.workers = engine_loop, grace_s, on_started, workers
+        self.parent = parent
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.parent is not None and os.getppid() != self.parent and not self.should_exit:  # every 0.1 s
+            logger.error("the server's main process is gone: draining and exiting")
+            self.engine_loop.drain(self.grace_s)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig, frame) -> None:
         self.engine_loop.drain(self.grace_s)
@@ -122,10 +133,11 @@ def engine_process_llm(build: Callable[[argparse.Namespace], LLM], args: argpars
 
 def _serve(llm, engine_loop: EngineLoop | EngineClient, metrics: ServerMetrics, args: argparse.Namespace,
            model_name: str, sockets: list[socket.socket] | None = None,
-           workers: Sequence[multiprocessing.Process] = (), on_started: Callable[[], None] | None = None) -> int:
+           workers: Sequence[multiprocessing.Process] = (), on_started: Callable[[], None] | None = None,
+           parent: int | None = None) -> int:
     """Serve the app on `sockets` (None: uvicorn binds --host and --port itself) until a signal or
     a drain elsewhere ends it; -> the exit status. `on_started` (default: the ready line) is called
-    once it listens."""
+    once it listens; `workers`, `parent`: as _Server takes them."""
     app = create_app(llm, engine_loop, metrics, Settings(model_name, args.api_key, args.max_request_bytes))
     loop, http = event_loop_and_http(args.loop, args.http)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False, loop=loop,
@@ -134,7 +146,7 @@ def _serve(llm, engine_loop: EngineLoop | EngineClient, metrics: ServerMetrics, 
     ready_line = (f"ready: serving {model_name!r} on http://{args.host}:{args.port}/v1{processes} (uvicorn: {loop} "
                   f"event loop, {http} HTTP)")
     server = _Server(config, engine_loop, args.shutdown_timeout, on_started or (lambda: logger.info(ready_line)),
-                     workers)
+                     workers, parent)
     if isinstance(engine_loop, EngineClient):
         engine_loop.on_drain = functools.partial(setattr, server, "should_exit", True)  # polled by uvicorn's loop
     # uvicorn re-raises the signal it stopped on once it has shut down: SIGTERM's answer is the exit status.
@@ -215,6 +227,7 @@ def http_process_main(conn: connection.Connection, sockets: list[socket.socket],
     # ends this one as it exits); while it serves, uvicorn takes either signal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
     configure_logging(args.log_level)
     prometheus_client.disable_created_metrics()
     metrics = ServerMetrics(model_name)
@@ -229,7 +242,8 @@ def http_process_main(conn: connection.Connection, sockets: list[socket.socket],
         started.send(True)
         started.close()
 
-    raise SystemExit(_serve(EngineFront(facts), client, metrics, args, model_name, sockets, on_started=listening))
+    raise SystemExit(_serve(EngineFront(facts), client, metrics, args, model_name, sockets, on_started=listening,
+                            parent=parent))
 
 
 class MissingPackage(Exception):
