@@ -108,6 +108,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own, apart from HTTP (each then has a Python "
                         "interpreter lock of its own); default: a thread of the server's process")
+    p.add_argument("--api-server-count", type=positive_int, default=1, metavar="N",
+                   help="HTTP processes serving the one listening socket, each with its own pipe to the engine's "
+                        "process (more than 1 needs --engine-process): where one process's socket writes, one per "
+                        "streamed chunk, cannot keep pace with the engine at many streams. Each process's /metrics "
+                        "is the whole server's; --max-waiting counts the engine's queue and what that process has "
+                        "on its way to it (default: %(default)s)")
     p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                    help="uvicorn's event loop (auto: uvloop where installed, else asyncio)")
     p.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
@@ -340,6 +346,9 @@ def serve_llm(args):
 
 
 def cmd_serve(args) -> int:
+    if args.api_server_count > 1 and not args.engine_process:
+        raise UsageError(f"--api-server-count {args.api_server_count} needs --engine-process: the HTTP processes "
+                         "share one engine, in a process of its own")
     from eagle3_jax.serve import server
 
     try:
@@ -350,7 +359,10 @@ def cmd_serve(args) -> int:
     server.configure_logging(args.log_level)
     model_name = args.served_model_name or args.target_name or DEFAULT_MODEL_NAME
     if args.engine_process:
-        return server.run_engine_process(serve_llm, args, model_name)
+        try:
+            return server.run_engine_process(serve_llm, args, model_name)
+        except server.AddressError as e:  # the listening socket, bound before the model loads
+            raise UsageError(str(e)) from None
     llm = serve_llm(args)
     server.log_engine(llm)
     return server.run(llm, args, model_name)

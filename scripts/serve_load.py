@@ -20,8 +20,9 @@ ITL p50 / p99 (server: as the client sees them, in process: the engine's Request
 process the engine's steps and its host's ms a step (EngineStats; beside it the ms it waited on the
 device), acceptance length, and the speculation the server's /metrics reports per batch bucket.
 Beside them the CPU share over each server level (1.0: one core busy throughout) of the busiest
-client process, of the HTTP process and of the engine's (--engine-process): a share near 1.0 names
-what set the pace.
+client process, of the busiest HTTP process (each one's in http_cpu_shares, the server's own
+first: --serve-flags="--engine-process --api-server-count N" runs N) and of the engine's
+(--engine-process): a share near 1.0 names what set the pace.
 Prints a table and writes serve_load.json under --out-dir.
 """
 
@@ -269,18 +270,22 @@ def main() -> None:
     clients = Clients(-(-max(levels) // args.streams_per_client), args.streams_per_client)
     proc, url = start_server(args)
     try:
-        engine = server_process.engine_pid(proc.pid)
+        engine, http = server_process.engine_pid(proc.pid), server_process.http_pids(proc.pid)
         for n in levels:
             # Warm-up at each level, as in process: what a batch of n arrivals compiles on first use.
             clients.level(url, prompts[:n], n, args.max_tokens)
-            cpu = [server_process.cpu_s(pid) for pid in (proc.pid, engine)]
+            pids = [*http, *([engine] if engine else [])]
+            cpu = [server_process.cpu_s(pid) for pid in pids]
             rows[n]["server"] = run = clients.level(url, prompts[:level_requests(args, n)], n, args.max_tokens)
-            # CPU share over the level (1.0: a core busy throughout) of the HTTP process (every thread:
-            # the engine's too, unless --engine-process) and of the engine's own process.
-            for name, pid, before in zip(("http", "engine"), (proc.pid, engine), cpu):
-                after = server_process.cpu_s(pid) if pid else None
-                if before is not None and after is not None:
-                    run[f"{name}_cpu_share"] = round((after - before) / run["wall_s"], 3)
+            # CPU share over the level (1.0: a core busy throughout) of each HTTP process (the server's
+            # own: every thread, the engine's too unless --engine-process) and of the engine's process.
+            shares = [None if before is None or after is None else round((after - before) / run["wall_s"], 3)
+                      for before, after in zip(cpu, map(server_process.cpu_s, pids))]
+            if None not in shares[:len(http)]:
+                run["http_cpu_share"] = max(shares[:len(http)])  # the busiest: near 1.0, HTTP set the pace
+                run["http_cpu_shares"] = shares[:len(http)]
+            if engine and shares[-1] is not None:
+                run["engine_cpu_share"] = shares[-1]
             print(n, "server", run, flush=True)
         metrics = server_metrics(url)
     finally:

@@ -75,14 +75,47 @@ def cpu_s(pid: int, thread: int | None = None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14 and 15 of stat)
 
 
-def engine_pid(pid: int) -> int | None:
-    """The engine's process among the server `pid`'s children (`--engine-process`: multiprocessing's
-    spawned one, not its resource tracker), or None."""
+def _spawned(pid: int) -> list[int]:
+    """The children of process `pid` that multiprocessing spawned (not its resource tracker)."""
+    children = []
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
             for child in (task / "children").read_text().split():
                 if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    return int(child)
+                    children.append(int(child))
     except OSError:
         pass
-    return None
+    return children
+
+
+def _listening_sockets() -> set[str]:
+    """The TCP sockets listening on this machine, as /proc/PID/fd names them ("socket:[inode]")."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        sockets |= {f"socket:[{f[9]}]" for f in map(str.split, lines) if f[3] == "0A"}  # state LISTEN
+    return sockets
+
+
+def _listens(pid: int, sockets: set[str]) -> bool:
+    try:
+        return any(os.readlink(fd) in sockets for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+def http_pids(pid: int) -> list[int]:
+    """The server `pid`'s HTTP processes: itself, then (`--api-server-count N`) the N - 1 it spawned,
+    which hold its listening socket as it does."""
+    sockets = _listening_sockets()
+    return [pid, *(child for child in _spawned(pid) if _listens(child, sockets))]
+
+
+def engine_pid(pid: int) -> int | None:
+    """The engine's process among the server `pid`'s children (`--engine-process`: the one spawned
+    that listens on no socket, the HTTP processes' do), or None."""
+    sockets = _listening_sockets()
+    return next((child for child in _spawned(pid) if not _listens(child, sockets)), None)

@@ -146,6 +146,7 @@ SERVE_FLAG_MISTAKES = [
     (["--max-waiting", "0"], "--max-waiting"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
     (["--num-draft", "100"], "--num-draft"),
+    (["--api-server-count", "0"], "--api-server-count"),
 ]
 
 
@@ -154,6 +155,13 @@ def test_serve_flag_mistakes_are_one_line_and_fast(flags, flag):
     proc, seconds = run_cli("serve", *flags)
     line = one_line_error(proc)
     assert line.startswith(f"eagle3-jax serve: error: argument {flag}") and flags[1] in line
+    assert seconds < FLAG_SECONDS, f"{seconds:.1f} s: a flag mistake must not wait for a model to load"
+
+
+def test_serve_more_than_one_http_process_needs_the_engine_in_a_process_of_its_own():
+    proc, seconds = run_cli("serve", "--api-server-count", "2")
+    assert one_line_error(proc) == ("eagle3-jax serve: error: --api-server-count 2 needs --engine-process: the HTTP "
+                                    "processes share one engine, in a process of its own")
     assert seconds < FLAG_SECONDS, f"{seconds:.1f} s: a flag mistake must not wait for a model to load"
 
 

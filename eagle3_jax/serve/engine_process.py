@@ -3,25 +3,32 @@ then hold a GIL each. The child (multiprocessing, spawn) builds the LLM, runs En
 commands from a pipe (add, abort, drain, stop) and sends one message per step: every changed
 sample's Update and ServerMetrics' records. The HTTP process holds no weights: `EngineClient` has
 EngineLoop's interface, `EngineFront` the tokenizer and the checks app.py makes before it submits.
+With `--api-server-count N` the child has one pipe to each of N HTTP processes (`EngineProcess`):
+it reads the commands of all, keeps each one's submissions apart, sends each its own updates and
+every one all the records, so that each process's /metrics is the whole server's.
 
 Messages, child -> HTTP process: ("ready", EngineFacts) once warm; ("step", updates, [(ServerMetrics
 method, args)], samples taken, waiting), each update (submission id, sample index, token ids) where
 it is only new tokens (most are; plain values pickle several times faster than an Update) else
-(submission id, Update); ("error", text) where building the engine failed; ("failed",) where the
-engine failed (every live sample ended first)."""
+(submission id, Update), the records pickled once for every pipe (bytes) where there are several;
+("drain",) where another HTTP process asked for a drain; ("error", text) where building the engine
+failed; ("failed",) where the engine failed (every live sample ended first)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import pickle
 import queue
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing import connection
 from pathlib import Path
 
 from eagle3_jax.api import Codec, load_tokenizer
@@ -34,7 +41,7 @@ from eagle3_jax.serve.engine_loop import FAILED, EngineLoop, Submission, Unavail
 from eagle3_jax.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-STOP_S = 30.0  # how long `stop` waits for the child to exit before it terminates it
+STOP_S = 30.0  # how long `EngineProcess.join` waits for the child to exit before it terminates it
 METRICS_WRITERS = frozenset({"admitted", "tokens", "finish", "engine_state", "choices"})
 
 
@@ -92,20 +99,58 @@ class _Pending:
     unfinished: set[int]  # its samples without a last update yet
 
 
-class EngineClient:
-    """EngineLoop's interface (submit, abort, drain, stop, num_waiting, healthy, accepting) over the
-    engine's process. Commands leave through a queue and a writer thread (drain is called from a
-    signal handler); a reader thread takes each step's message, applies its metrics and hands its
-    updates to the event loop in one call. If the child dies, every live sample ends as failed."""
+class EngineProcess:
+    """The engine's process (multiprocessing, spawn) and a pipe to it for each of `connections` HTTP
+    processes: `connections[i]` is the i-th one's end, for its EngineClient."""
 
     def __init__(self, build: Callable[[argparse.Namespace], object], args: argparse.Namespace,
-                 metrics: ServerMetrics, max_waiting: int | None = None):
+                 connections: int = 1):
         context = multiprocessing.get_context("spawn")  # a fork would copy the parent's threads' locks
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=child_main, args=(build, args, child_conn), name="engine", daemon=True)
-        self._child_conn = child_conn
+        pipes = [context.Pipe() for _ in range(connections)]
+        self.connections = [ours for ours, _ in pipes]
+        self._child_ends = [theirs for _, theirs in pipes]
+        self._process = context.Process(target=child_main, args=(build, args, self._child_ends), name="engine",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Start it; each connection's first message says whether it is ready (EngineClient.connect)."""
+        self._process.start()
+        for end in self._child_ends:
+            end.close()  # the child's ends live in the child only: its exit is our EOF
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._process.exitcode
+
+    def join(self, timeout_s: float = STOP_S) -> None:
+        """Wait for it to exit (once every HTTP process has stopped or gone), killing it after
+        `timeout_s` seconds."""
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            logger.warning("the engine's process did not stop in %.0f s: killing it", timeout_s)
+            self.kill()
+            self._process.join(5)
+
+    def kill(self) -> None:
+        """End it now, where it runs (SIGKILL: it ignores SIGTERM, the HTTP processes decide when it
+        stops, and multiprocessing's exit would wait for it forever). Safe from a signal handler."""
+        if self._process.is_alive():
+            self._process.kill()
+
+
+class EngineClient:
+    """EngineLoop's interface (submit, abort, drain, stop, num_waiting, healthy, accepting) over a
+    pipe to the engine's process (EngineProcess.connections). Commands leave through a queue and a
+    writer thread (drain is called from a signal handler); a reader thread takes each step's
+    message, applies its metrics and hands its updates to the event loop in one call. If the child
+    dies, every live sample ends as failed. `on_drain` is called (on the reader's thread) where
+    another HTTP process drained the engine: this one stops taking requests and should exit too."""
+
+    def __init__(self, conn, metrics: ServerMetrics, max_waiting: int | None = None):
+        self._conn = conn
         self.metrics, self.max_waiting = metrics, max_waiting
         self.accepting = True
+        self.on_drain: Callable[[], None] | None = None
         self._ready = self._failed = self._stopping = False
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, _Pending] = {}
@@ -115,18 +160,13 @@ class EngineClient:
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="engine-writer", daemon=True)
 
-    def start_child(self) -> EngineFacts:
-        """Start the engine's process and wait until it is warm; EngineFailed if it is not."""
-        self._process.start()
-        self._child_conn.close()  # the child's end lives in the child only: its exit is our EOF
+    def connect(self) -> EngineFacts:
+        """Wait until the engine is warm; EngineFailed if building it failed or its process exited."""
         try:
             message = self._conn.recv()
         except EOFError:
-            self._process.join(5)
-            raise EngineFailed(f"the engine's process exited with {self._process.exitcode} before it was ready "
-                               "(see the log)") from None
+            raise EngineFailed("the engine's process exited before it was ready (see the log)") from None
         if message[0] == "error":
-            self._process.join(STOP_S)
             raise EngineFailed(message[1])
         self._ready = True
         self._writer.start()
@@ -168,14 +208,11 @@ class EngineClient:
         self.accepting = False
         self._outbox.put(("drain", grace_s))
 
-    def stop(self, timeout_s: float = STOP_S) -> None:
+    def stop(self) -> None:
+        """Tell the engine this process takes no more updates (it then ends this one's unfinished
+        samples); the engine's process exits once every HTTP process has (EngineProcess.join)."""
         self._stopping = True
         self._outbox.put(("stop",))
-        self._process.join(timeout_s)
-        if self._process.is_alive():
-            logger.warning("the engine's process did not stop in %.0f s: terminating it", timeout_s)
-            self._process.terminate()
-            self._process.join(5)
 
     def _write(self) -> None:
         while True:
@@ -196,6 +233,11 @@ class EngineClient:
             if message[0] == "step":
                 self._step(*message[1:])
                 continue
+            if message[0] == "drain":  # asked of another HTTP process: the whole server stops
+                self.accepting = False
+                if self.on_drain is not None:
+                    self.on_drain()
+                continue
             if message[0] == "failed" or self._pending:
                 logger.error("the engine's process failed or exited (see the log above): ending every request")
                 self._failed = True
@@ -204,7 +246,10 @@ class EngineClient:
                 self._pending.clear()
             return
 
-    def _step(self, updates: list[tuple], records: list[tuple[str, tuple]], taken: int, waiting: int) -> None:
+    def _step(self, updates: list[tuple], records: list[tuple[str, tuple]] | bytes, taken: int,
+              waiting: int) -> None:
+        if type(records) is bytes:  # pickled once for every HTTP process
+            records = pickle.loads(records)
         for name, args in records:
             if name in METRICS_WRITERS:
                 getattr(self.metrics, name)(*args)
@@ -229,10 +274,26 @@ class EngineClient:
 
 
 # ---- the engine's process ------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Remote:
-    """A submission of the HTTP process, in the child: what EngineLoop reads of a Submission."""
+@dataclasses.dataclass(eq=False)
+class _Front:
+    """An HTTP process's pipe, in the child: its submissions by their id there, and this
+    iteration's updates for it. `fileno` lets multiprocessing.connection.wait watch it."""
 
+    conn: connection.Connection
+    remotes: dict[int, _Remote] = dataclasses.field(default_factory=dict)
+    unfinished: dict[int, int] = dataclasses.field(default_factory=dict)  # by id: its samples not yet ended
+    out: list[tuple] = dataclasses.field(default_factory=list)  # as the step message carries them
+    taken: int = 0  # its samples taken so far
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+
+@dataclasses.dataclass(eq=False)
+class _Remote:
+    """A submission of an HTTP process, in the child: what EngineLoop reads of a Submission."""
+
+    front: _Front
     id: int
     samples: list[tuple[list[int], SamplingParams]]
     arrival_time: float
@@ -271,95 +332,141 @@ class _MetricsRecords:
 
 
 class _ChildLoop(EngineLoop):
-    """EngineLoop in the engine's process, on its main thread: it reads its commands from the pipe
-    between steps (no second thread to share the interpreter with), and each iteration's updates
-    and metrics leave in one message."""
+    """EngineLoop in the engine's process, on its main thread: it reads its commands from the
+    pipes between steps (no second thread to share the interpreter with), and each iteration's
+    updates and metrics leave in one message a pipe. It stops once every HTTP process has said
+    stop or is gone; one that goes has its unfinished samples aborted."""
 
-    def __init__(self, engine: Engine, conn):
+    def __init__(self, engine: Engine, conns: Sequence[connection.Connection]):
         self.records = _MetricsRecords()
         super().__init__(engine, self.records)
-        self._conn = conn
-        self._remotes: dict[int, _Remote] = {}
-        self._unfinished: dict[int, int] = {}
-        self._out: list[tuple] = []  # this iteration's updates, as the step message carries them
-        self._taken = 0
+        self._fronts = [_Front(conn) for conn in conns]  # those still open
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.num_waiting  # the HTTP process adds what is on its way
+        return self.engine.num_waiting  # each HTTP process adds what is on its way
 
     def _take_commands(self, block: bool) -> bool:
-        """Apply every command the pipe holds (waiting for one when `block`), read between steps on
-        this thread; False on stop, or where the HTTP process is gone."""
-        try:
-            while block or self._conn.poll():
-                block = False
-                command = self._conn.recv()
-                kind = command[0]
-                if kind == "stop":
-                    return False
-                if kind == "add":
-                    self._add(_Remote(*command[1:]))
-                elif kind == "abort":
-                    self._abort(command[1])
-                elif kind == "drain":
-                    self._deadline = time.monotonic() + command[1]
-        except (EOFError, OSError):
-            return False
-        return True
+        """Apply every command the pipes hold (waiting for one when `block`), read between steps on
+        this thread; False once no HTTP process is left."""
+        for front in self._readable(block):
+            try:
+                while True:
+                    command = front.conn.recv()
+                    kind = command[0]
+                    if kind == "stop":
+                        self._close(front)
+                        break
+                    if kind == "add":
+                        self._add(_Remote(front, *command[1:]))
+                    elif kind == "abort":
+                        self._abort(front, command[1])
+                    elif kind == "drain":
+                        self._drain(front, command[1])
+                    if not front.conn.poll():
+                        break
+            except (EOFError, OSError):  # that HTTP process is gone
+                self._close(front, gone=True)
+        return bool(self._fronts)
+
+    def _readable(self, block: bool) -> Sequence[_Front]:
+        """The fronts with something to read (waiting for one when `block`). One pipe, the default,
+        is polled as it is: a wait over several builds a selector on every call."""
+        if len(self._fronts) == 1:
+            front = self._fronts[0]
+            return (front,) if block or front.conn.poll() else ()
+        return connection.wait(self._fronts, None if block else 0)
 
     def _add(self, remote: _Remote) -> None:
-        self._remotes[remote.id] = remote
-        self._unfinished[remote.id] = len(remote.samples)
-        self._taken += len(remote.samples)
+        front = remote.front
+        front.remotes[remote.id] = remote
+        front.unfinished[remote.id] = len(remote.samples)
+        front.taken += len(remote.samples)
         super()._add(remote)
 
-    def _abort(self, sid: int) -> None:
-        if (remote := self._remotes.get(sid)) is not None:
+    def _abort(self, front: _Front, sid: int) -> None:
+        if (remote := front.remotes.get(sid)) is not None:
+            super()._abort(remote)
+
+    def _drain(self, front: _Front, grace_s: float) -> None:
+        """A drain asked by one HTTP process drains the engine, and the others are told to stop
+        taking requests and exit: the whole server shuts down."""
+        deadline = time.monotonic() + grace_s
+        if self._deadline is None:
+            for other in list(self._fronts):
+                if other is not front:
+                    self._send(other, ("drain",))
+        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+
+    def _close(self, front: _Front, gone: bool = False) -> None:
+        """Send `front` nothing more; end its unfinished samples (its process takes no updates now)."""
+        if front not in self._fronts:
+            return
+        self._fronts.remove(front)
+        front.conn.close()
+        if gone and front.remotes:
+            logger.warning("an HTTP process is gone: aborting its %d unfinished request(s)", len(front.remotes))
+        for remote in list(front.remotes.values()):
             super()._abort(remote)
 
     def _deliver(self, batch: list[tuple[_Remote, Update]]) -> None:
         for remote, update in batch:
+            front = remote.front
             only_tokens = not update.finished and update.logprobs is None and update.prompt_logprobs is None
-            self._out.append((remote.id, update.index, update.token_ids) if only_tokens else (remote.id, update))
-            if update.finished and remote.id in self._unfinished:  # else refused before it was taken
-                self._unfinished[remote.id] -= 1
-                if not self._unfinished[remote.id]:
-                    del self._remotes[remote.id], self._unfinished[remote.id]
+            front.out.append((remote.id, update.index, update.token_ids) if only_tokens else (remote.id, update))
+            if update.finished and remote.id in front.unfinished:  # else refused before it was taken
+                front.unfinished[remote.id] -= 1
+                if not front.unfinished[remote.id]:
+                    del front.remotes[remote.id], front.unfinished[remote.id]
 
     def _observe_engine(self) -> None:
         super()._observe_engine()
         self.send()
 
     def send(self) -> None:
-        """This iteration's updates and records, as one message."""
-        out, self._out = self._out, []
-        self._conn.send(("step", out, self.records.take(), self._taken, self.engine.num_waiting))
+        """This iteration's updates and records, one message a pipe: each HTTP process its own
+        updates, every one all the records (pickled once where there are several)."""
+        records, waiting = self.records.take(), self.engine.num_waiting
+        if len(self._fronts) > 1:
+            records = pickle.dumps(records, pickle.HIGHEST_PROTOCOL)
+        for front in list(self._fronts):
+            out, front.out = front.out, []
+            self._send(front, ("step", out, records, front.taken, waiting))
+
+    def broadcast(self, message: tuple) -> None:
+        for front in list(self._fronts):
+            self._send(front, message)
+
+    def _send(self, front: _Front, message: tuple) -> None:
+        try:
+            front.conn.send(message)
+        except OSError:  # that HTTP process is gone (BrokenPipeError, ConnectionResetError)
+            self._close(front, gone=True)
 
     def run(self) -> None:
         self._run()
         self.send()  # what a failure ended
 
 
-def child_main(build: Callable[[argparse.Namespace], object], args: argparse.Namespace, conn) -> None:
+def child_main(build: Callable[[argparse.Namespace], object], args: argparse.Namespace,
+               conns: Sequence[connection.Connection]) -> None:
     """The engine's process: build the LLM from the serve command's arguments (`build` also sets
-    up this process's logging), report ready, loop."""
-    # The HTTP process decides when to stop (a signal to the whole group reaches it too).
+    up this process's logging), report ready on every pipe, loop."""
+    # The HTTP processes decide when to stop (a signal to the whole group reaches them too).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         llm = build(args)
         facts = EngineFacts.of(llm)
+        loop = _ChildLoop(llm.engine, conns)
     except Exception as e:
         logger.exception("building the engine failed")
-        conn.send(("error", f"building the engine failed: {e}"))
+        for conn in conns:
+            with contextlib.suppress(OSError):  # that HTTP process is gone already
+                conn.send(("error", f"building the engine failed: {e}"))
         raise SystemExit(1) from None
-    loop = _ChildLoop(llm.engine, conn)
-    conn.send(("ready", facts))
-    try:
-        loop.run()
-        if not loop.healthy:
-            conn.send(("failed",))
-    except (BrokenPipeError, EOFError):  # the HTTP process is gone
-        pass
+    loop.broadcast(("ready", facts))
+    loop.run()
+    if not loop.healthy:
+        loop.broadcast(("failed",))
     raise SystemExit(0 if loop.healthy else 1)

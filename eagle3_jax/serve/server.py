@@ -1,6 +1,12 @@
 """`eagle3-jax serve`: the engine, warmed up, behind uvicorn. SIGTERM (or Ctrl-C) stops taking
 requests, gives the running ones --shutdown-timeout seconds, ends the rest with a final event
-(finish_reason "abort") and exits 0."""
+(finish_reason "abort") and exits 0 (1 where the engine had failed).
+
+With --api-server-count N (and --engine-process) this process binds the listening socket once and
+serves it as HTTP process 0 beside N - 1 more (multiprocessing, spawn), each with its own pipe to
+the engine's process; the kernel hands each connection to one of the processes accepting on it. A
+drain reaching any of them drains the engine, which tells the others to stop too; SIGTERM to this
+process is also passed on to the others, and it exits once they and the engine have."""
 
 from __future__ import annotations
 
@@ -11,10 +17,14 @@ import functools
 import importlib
 import importlib.util
 import logging
+import multiprocessing
+import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing import connection
 
 import prometheus_client
 import uvicorn
@@ -22,7 +32,7 @@ import uvicorn
 from eagle3_jax.api import LLM
 from eagle3_jax.serve.app import Settings, create_app
 from eagle3_jax.serve.engine_loop import EngineLoop
-from eagle3_jax.serve.engine_process import EngineClient, EngineFailed, EngineFront
+from eagle3_jax.serve.engine_process import STOP_S, EngineClient, EngineFailed, EngineFront, EngineProcess
 from eagle3_jax.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("eagle3_jax.serve")
@@ -35,21 +45,37 @@ HTTP_PARSERS = ("httptools", "h11")
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, draining the engine when a signal asks it to exit, and logging once it
-    listens."""
+    """uvicorn's server, draining the engine when a signal asks it to exit (and passing SIGTERM on
+    to the other HTTP processes, `workers`), calling `on_started` once it listens. Given the main
+    process's pid (`parent`: this is another HTTP process), it drains and exits too once that
+    process is gone, killed say: the server does not serve on without it."""
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float, ready_line: str):
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop | EngineClient, grace_s: float,
+                 on_started: Callable[[], None], workers: Sequence[multiprocessing.Process] = (),
+                 parent: int | None = None):
         super().__init__(config)
-        self.engine_loop, self.grace_s, self.ready_line = engine_loop, grace_s, ready_line
+        self.engine_loop, self.grace_s, self.on_started, self.workers = engine_loop, grace_s, on_started, workers
+        self.parent = parent
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.parent is not None and os.getppid() != self.parent and not self.should_exit:  # every 0.1 s
+            logger.error("the server's main process is gone: draining and exiting")
+            self.engine_loop.drain(self.grace_s)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig, frame) -> None:
         self.engine_loop.drain(self.grace_s)
+        # SIGTERM, not a second SIGINT: to uvicorn that would say exit now, without the drain.
+        for worker in self.workers:
+            if worker.exitcode is None:
+                os.kill(worker.pid, signal.SIGTERM)
         super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
-            logger.info(self.ready_line)
+            self.on_started()
 
 
 def run(llm: LLM, args: argparse.Namespace, model_name: str) -> int:
@@ -62,18 +88,39 @@ def run(llm: LLM, args: argparse.Namespace, model_name: str) -> int:
 
 def run_engine_process(build: Callable[[argparse.Namespace], LLM], args: argparse.Namespace, model_name: str) -> int:
     """Serve the LLM that `build(args)` makes in a process of its own (engine_process.py): this
-    one holds the tokenizer and HTTP only."""
+    one holds the tokenizer and HTTP only, beside --api-server-count - 1 more HTTP processes
+    (AddressError where the listening socket cannot be bound)."""
+    count = args.api_server_count
+    sockets = [listening_socket(args.host, args.port)] if count > 1 else None
     prometheus_client.disable_created_metrics()
     metrics = ServerMetrics(model_name)
-    client = EngineClient(functools.partial(engine_process_llm, build), args, metrics, args.max_waiting)
-    # A signal while the engine loads ends this process; the engine's, a daemon, goes with it.
+    engine = EngineProcess(functools.partial(engine_process_llm, build), args, count)
+    client = EngineClient(engine.connections[0], metrics, args.max_waiting)
+    # A signal before this process serves ends it; the other HTTP processes, daemons, get SIGTERM as
+    # it exits.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        facts = client.start_child()
+        engine.start()
+        facts = client.connect()
+        workers = start_http_processes(engine.connections[1:], sockets, args, model_name)
     except EngineFailed as e:
-        logger.error("%s", e)
+        engine.join(5)
+        logger.error("%s (exit code %s)", e, engine.exitcode)
         return 1
-    return _serve(EngineFront(facts), client, metrics, args, model_name)
+    except WorkerFailed as e:
+        logger.error("%s", e)
+        engine.kill()
+        return 1
+    except BaseException:  # SIGTERM, Ctrl-C: the engine ignores both, and exiting would wait for it
+        engine.kill()
+        raise
+    try:
+        code = _serve(EngineFront(facts), client, metrics, args, model_name, sockets, workers)
+    finally:
+        client.stop()  # where uvicorn did not (Ctrl-C before it started, or twice: it exits at once)
+        failed = join_http_processes(workers, args.shutdown_timeout + EXTRA_SHUTDOWN_S + STOP_S)
+        engine.join()
+    return code or int(failed)
 
 
 def engine_process_llm(build: Callable[[argparse.Namespace], LLM], args: argparse.Namespace) -> LLM:
@@ -85,18 +132,118 @@ def engine_process_llm(build: Callable[[argparse.Namespace], LLM], args: argpars
 
 
 def _serve(llm, engine_loop: EngineLoop | EngineClient, metrics: ServerMetrics, args: argparse.Namespace,
-           model_name: str) -> int:
+           model_name: str, sockets: list[socket.socket] | None = None,
+           workers: Sequence[multiprocessing.Process] = (), on_started: Callable[[], None] | None = None,
+           parent: int | None = None) -> int:
+    """Serve the app on `sockets` (None: uvicorn binds --host and --port itself) until a signal or
+    a drain elsewhere ends it; -> the exit status. `on_started` (default: the ready line) is called
+    once it listens; `workers`, `parent`: as _Server takes them."""
     app = create_app(llm, engine_loop, metrics, Settings(model_name, args.api_key, args.max_request_bytes))
     loop, http = event_loop_and_http(args.loop, args.http)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False, loop=loop,
                             http=http, timeout_graceful_shutdown=int(args.shutdown_timeout) + EXTRA_SHUTDOWN_S)
-    server = _Server(config, engine_loop, args.shutdown_timeout,
-                     f"ready: serving {model_name!r} on http://{args.host}:{args.port}/v1 (uvicorn: {loop} event "
-                     f"loop, {http} HTTP)")
-    # uvicorn re-raises the signal it stopped on once it has shut down: exiting 0 is the answer.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server.run()
+    processes = f" by {len(workers) + 1} HTTP processes" if workers else ""
+    ready_line = (f"ready: serving {model_name!r} on http://{args.host}:{args.port}/v1{processes} (uvicorn: {loop} "
+                  f"event loop, {http} HTTP)")
+    server = _Server(config, engine_loop, args.shutdown_timeout, on_started or (lambda: logger.info(ready_line)),
+                     workers, parent)
+    if isinstance(engine_loop, EngineClient):
+        engine_loop.on_drain = functools.partial(setattr, server, "should_exit", True)  # polled by uvicorn's loop
+    # uvicorn re-raises the signal it stopped on once it has shut down: SIGTERM's answer is the exit status.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0 if engine_loop.healthy else 1))
+    server.run(sockets)
     return 0 if engine_loop.healthy else 1
+
+
+# ---- more HTTP processes (--api-server-count) ------------------------------------------------------
+class WorkerFailed(Exception):
+    """An HTTP process beside the main one exited before it served."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` as uvicorn binds one for its workers (Config.bind_socket:
+    SO_REUSEADDR; IPv6 where the host is an IPv6 address); each HTTP process's event loop listens on
+    it. AddressError where it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise AddressError(_bind_problem(host, port, e)) from None
+    return sock
+
+
+def start_http_processes(conns: Sequence[connection.Connection], sockets: list[socket.socket] | None,
+                         args: argparse.Namespace, model_name: str) -> list[multiprocessing.Process]:
+    """An HTTP process for each of the engine's pipes `conns`, each serving `sockets`; returns once
+    every one listens (WorkerFailed where one exits first). This process's ends of the pipes are
+    closed: each lives in its HTTP process only, so that its exit is the engine's EOF."""
+    context = multiprocessing.get_context("spawn")  # as the engine's: no fork of a process with threads
+    workers, heard = [], []
+    for i, conn in enumerate(conns, 1):
+        listen, say = context.Pipe(duplex=False)
+        worker = context.Process(target=http_process_main, args=(conn, sockets, say, args, model_name),
+                                 name=f"http-{i}", daemon=True)
+        worker.start()
+        conn.close()
+        say.close()
+        workers.append(worker)
+        heard.append(listen)
+    for i, (worker, listen) in enumerate(zip(workers, heard), 1):
+        try:
+            listen.recv()
+        except EOFError:
+            worker.join(5)
+            raise WorkerFailed(f"HTTP process {i} exited with {worker.exitcode} before it served (see the log)") \
+                from None
+        finally:
+            listen.close()
+    return workers
+
+
+def join_http_processes(workers: Sequence[multiprocessing.Process], timeout_s: float) -> bool:
+    """Wait for the other HTTP processes to exit (terminating any still there after `timeout_s`
+    seconds); -> whether one failed (the engine's failure, or a process that died)."""
+    deadline = time.monotonic() + timeout_s
+    failed = False
+    for i, worker in enumerate(workers, 1):
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            logger.warning("HTTP process %d did not stop in %.0f s: terminating it", i, timeout_s)
+            worker.terminate()
+            worker.join(5)
+        if worker.exitcode != 0:
+            logger.error("HTTP process %d exited with %s", i, worker.exitcode)
+            failed = True
+    return failed
+
+
+def http_process_main(conn: connection.Connection, sockets: list[socket.socket], started: connection.Connection,
+                      args: argparse.Namespace, model_name: str) -> None:
+    """An HTTP process beside the main one: the app over its own pipe to the engine (`conn`), on the
+    shared listening `sockets`; `started` hears once it listens."""
+    # Ctrl-C reaches the whole process group: while this one starts, the main process decides (it
+    # ends this one as it exits); while it serves, uvicorn takes either signal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
+    configure_logging(args.log_level)
+    prometheus_client.disable_created_metrics()
+    metrics = ServerMetrics(model_name)
+    client = EngineClient(conn, metrics, args.max_waiting)
+    try:
+        facts = client.connect()
+    except EngineFailed as e:
+        logger.error("%s", e)
+        raise SystemExit(1) from None
+
+    def listening() -> None:
+        started.send(True)
+        started.close()
+
+    raise SystemExit(_serve(EngineFront(facts), client, metrics, args, model_name, sockets, on_started=listening,
+                            parent=parent))
 
 
 class MissingPackage(Exception):
