@@ -297,13 +297,16 @@ def main() -> None:
         rows[n]["in_process"] = in_process_level(llm, prompts[:level_requests(args, n)], n, args.max_tokens)
         rows[n]["ratio"] = round(rows[n]["server"]["tok_s"] / rows[n]["in_process"]["tok_s"], 3)
         print(n, "in process", rows[n]["in_process"], "ratio", rows[n]["ratio"], flush=True)
+    # The engine's choice per bucket by the end, as the server's /metrics reports its own.
+    in_process_choices = {str(row.bucket): row.choice for row in llm.engine.speculation.table()} \
+        if llm.engine.proposals else {}
     import jax
 
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), engine=args.engine,
                serve_flags=args.serve_flags, max_tokens=args.max_tokens,
                requests={n: level_requests(args, n) for n in levels},
-               server_metrics=metrics, rows=list(rows.values()))
+               server_metrics=metrics, in_process_speculation=in_process_choices, rows=list(rows.values()))
     print(f"{'streams':>7} {'server tok/s':>12} {'in process':>10} {'ratio':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}"
           f" {'CPU: client max':>15} {'http':>5} {'engine':>6}")
     for r in out["rows"]:
@@ -312,6 +315,7 @@ def main() -> None:
               f"{s['ttft_p50_ms']!s:>11} {s['itl_p50_ms']!s:>10} {s['client_cpu_share_max']:15.2f} "
               f"{s.get('http_cpu_share', '-')!s:>5} {s.get('engine_cpu_share', '-')!s:>6}")
     print("speculation per bucket (server):", metrics)
+    print("speculation per bucket (in process):", in_process_choices)
     (Path(args.out_dir) / "serve_load.json").write_text(json.dumps(out, indent=1))
 
 

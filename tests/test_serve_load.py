@@ -35,4 +35,7 @@ def test_serve_load_measures_the_server_against_its_engine_in_process(chat_model
         assert row["server"]["tokens"] == row["in_process"]["tokens"] == 64 * 8  # every request in full
         assert row["ratio"] > 0 and row["server"]["ttft_p50_ms"] is not None
     assert result["server_metrics"]["speculation"]  # the bucket choices /metrics reports
+    # ... and the engine's in process, over the same buckets (speculation "always": the chain at each)
+    assert result["in_process_speculation"].keys() == result["server_metrics"]["speculation"].keys()
+    assert set(result["in_process_speculation"].values()) == {"chain K=3"}
     print(done.stdout[-1500:])
