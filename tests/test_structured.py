@@ -411,6 +411,24 @@ def test_structured_warmup_builds_what_a_structured_request_runs(chat_models, tr
     llm.close()
 
 
+def test_auto_times_batches_under_a_grammar_apart_from_free_ones(chat_models):
+    """Under "auto" a step whose batch has a row under a grammar (its masks computed on the host, its
+    results read before the next dispatch) is timed among the constrained steps only, and a free
+    batch's steps among the free ones (speculation.py, `Timings`)."""
+    from conftest import make_llm
+
+    llm = make_llm(*chat_models, warmup=False, tree=None, structured_warmup=True, batch_buckets=(1,),
+                   speculation="auto")
+    llm.engine.warmup(progress=False, greedy=True)
+    spec = llm.engine.speculation
+    llm.generate("Code:", SamplingParams(max_tokens=24, ignore_eos=True, structured_outputs={"regex": "[a-c]{24}"}))
+    assert spec.constrained.served.get(1) and not spec.free.served
+    llm.generate("Code:", SamplingParams(max_tokens=24, ignore_eos=True))
+    assert spec.free.served.get(1)
+    assert all(t.samples >= 1 for t in (*spec.free.served[1].values(), *spec.constrained.served[1].values()))
+    llm.close()
+
+
 @pytest.mark.slow
 def test_logprobs_of_a_constrained_output_are_the_targets_before_the_mask(chat_models):
     """Structured outputs with logprobs (the scoring and the masked programs at once, on the EAGLE-3

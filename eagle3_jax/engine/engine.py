@@ -223,9 +223,9 @@ class Engine:
         self.stats.steps += 1
         took = time.perf_counter() - start
         self.stats.host_s += took - (self.stats.device_wait_s - waited)
-        # A step that prefilled, or waited for its results, is no period of the overlapped loop (nor
-        # is a scoring iteration's: its `ran` is None).
-        self.speculation.time_step(None if prefilled or constrained else ran, took)
+        # A step that prefilled is no period of the loop (nor is a scoring iteration's: its `ran` is
+        # None); a constrained one, which waited for its results, is one of the constrained loop.
+        self.speculation.time_step(None if prefilled else ran, took, constrained)
         return changed
 
     def _admit(self, reqs: list[Request]) -> None:
@@ -308,11 +308,11 @@ class Engine:
         scored logprobs (its time is not the choice's)."""
         bucket = len(slots)
         constrained = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
-        choice = self.speculation.choice(bucket)
+        choice = self.speculation.choice(bucket, bool(constrained))
         scoring = any(r.logprobs is not None for r in reqs)
         cfg = self._config(choice, greedy=all(r.params.greedy for r in reqs), logprobs=scoring,
                            masked=bool(constrained))
-        fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice)
+        fresh = self.speculation.dispatched(bucket, slots[:len(reqs)], choice, bool(constrained))
         masks = self._masks(reqs, constrained, slots, cfg) if constrained else None
         t, masking = time.perf_counter(), self.stats.mask_s
         verdicts = self.runner.iterate(slots, tables, cfg, masks)  # calls `masks` while the verify runs

@@ -10,7 +10,8 @@ one estimate serves all (BENCHMARKS.md, "Trees end to end").
 The costs, every choice's measured the same way. Warm-up times each choice at each bucket (context
 0, greedy rows): the prior, which misses the host's work and longer contexts. Serving times each
 step that ran the same bucket and choice as the step before, neither step dispatching a prefill
-(one period of the overlapped loop, host work included: `ServedTime`), and that served time
+(one period of the overlapped loop, host work included: `ServedTime`; batches with a row under a
+grammar are timed apart, `speculation.Timings`), and that served time
 replaces the choice's warm-up cost. A choice not yet served at the bucket costs its warm-up time
 times the mean ratio served / warm-up of the bucket's served choices (`served_cost`), so a served
 time is never weighed against a bare warm-up one. Injected costs (step_costs) stay as given.

@@ -6,6 +6,12 @@ its current position. Host only: the engine reports what it dispatched and colle
 
 A choice is the index of a proposal in the engine's order (the engine's own first), or None for the
 target alone.
+
+Batches with a row under a grammar are timed apart (`constrained`): the host computes their masks
+each step and reads every result before the next dispatch, so their steps cost otherwise than free
+ones, and most for the proposal with the most masks (a tree's, a mask a node). Each bucket has a
+second set of served times, probes and incumbent for them, from the same warm-up costs; the
+acceptance estimates stay shared.
 """
 
 from __future__ import annotations
@@ -34,6 +40,22 @@ class BucketState:
     timings: int = 0  # changes to its served times (what `Speculation.bucket_cost` keeps to)
 
 
+@dataclasses.dataclass
+class Timings:
+    """Per bucket, for one kind of batch (free, or with a row under a grammar): each choice's served
+    time, what its choice rests on besides, and its cost as last computed, with the warm-up cost and
+    the count of served timings it came from."""
+
+    state: dict[int, BucketState]
+    served: dict[int, dict[Choice, policy.ServedTime]] = dataclasses.field(default_factory=dict)
+    costs: dict[int, tuple[policy.BucketCost | None, int, policy.BucketCost | None]] = dataclasses.field(
+        default_factory=dict)
+
+    @classmethod
+    def of(cls, buckets: Sequence[int]) -> Timings:
+        return cls({b: BucketState() for b in buckets})
+
+
 class Speculation:
     """cfg: what iterations may draft (the proposals, the engine's own first), in which mode ("auto":
     the policy chooses; "always": the engine's proposal wherever a bucket may speculate), up to
@@ -54,14 +76,11 @@ class Speculation:
             int(c[0]): policy.BucketCost(c[1], tuple(c[2:])) for c in cfg.step_costs or ()
             if c[0] in self.buckets and self.facts}
         self._injected = frozenset(self.step_costs)
-        # Per bucket, each choice's served time and the rest of what its choice rests on; the
-        # (bucket, choice) of the last step's iteration when that step dispatched no prefill.
-        self.served: dict[int, dict[Choice, policy.ServedTime]] = {}
-        self.state: dict[int, BucketState] = {b: BucketState() for b in self.buckets}
-        self._last_steady: tuple[int, Choice] | None = None
-        # Each bucket's cost as last computed, with the warm-up cost and the count of served timings
-        # it came from (host time per step).
-        self._costs: dict[int, tuple[policy.BucketCost | None, int, policy.BucketCost | None]] = {}
+        # Per bucket, each choice's served time and the rest of what its choice rests on, for free
+        # batches and for those with a row under a grammar; the (constrained, bucket, choice) of the
+        # last step's iteration when that step dispatched no prefill.
+        self.free, self.constrained = Timings.of(self.buckets), Timings.of(self.buckets)
+        self._last_steady: tuple[bool, int, Choice] | None = None
         # [S] the proposal whose proposals the slot holds fresh, drafted at its current position (-1
         # after a target-only iteration: the next verify checks stale proposals, no measure of the drafter).
         self._drafted = np.full(num_slots, -1)
@@ -71,16 +90,31 @@ class Speculation:
         """Whether a bucket can speculate at all: a proposal, within max_batch."""
         return bool(self.facts) and (self.max_batch is None or bucket <= self.max_batch)
 
-    def choice(self, bucket: int) -> Choice:
-        """What the bucket's next iteration runs. "always": the engine's proposal wherever it may
-        speculate; "auto": a timing probe under way or due, else the policy's choice, which becomes
-        the bucket's incumbent. Asking starts the probe that is due: asked again, it gives the same
-        answer until an iteration is dispatched or collected."""
-        choice, why = self._plan(bucket)
+    @property
+    def state(self) -> dict[int, BucketState]:
+        """Free batches' state per bucket."""
+        return self.free.state
+
+    @property
+    def served(self) -> dict[int, dict[Choice, policy.ServedTime]]:
+        """Free batches' served times per bucket."""
+        return self.free.served
+
+    def timings(self, constrained: bool) -> Timings:
+        return self.constrained if constrained else self.free
+
+    def choice(self, bucket: int, constrained: bool = False) -> Choice:
+        """What the bucket's next iteration runs (`constrained`: a row of the batch is under a
+        grammar). "always": the engine's proposal wherever it may speculate; "auto": a timing probe
+        under way or due, else the policy's choice, which becomes the bucket's incumbent. Asking
+        starts the probe that is due: asked again, it gives the same answer until an iteration is
+        dispatched or collected."""
+        t = self.timings(constrained)
+        choice, why = self._plan(bucket, constrained)
         if why == "rule":
-            self.state[bucket].incumbent = choice
-        elif why == "timing probe" and not (state := self.state[bucket]).probing:
-            times = self.served.setdefault(bucket, {})
+            t.state[bucket].incumbent = choice
+        elif why == "timing probe" and not (state := t.state[bucket]).probing:
+            times = t.served.setdefault(bucket, {})
             if choice in times:
                 times[choice] = policy.retimed(times[choice], self.policy)
                 state.timings += 1
@@ -88,19 +122,20 @@ class Speculation:
             state.probe_samples = times[choice].samples if choice in times else 0
         return choice
 
-    def best(self, bucket: int) -> Choice:
+    def best(self, bucket: int, constrained: bool = False) -> Choice:
         """The bucket's choice by the rule, probes left out (what `table` reports)."""
-        return self._plan(bucket, probes=False)[0]
+        return self._plan(bucket, constrained, probes=False)[0]
 
-    def _plan(self, bucket: int, probes: bool = True) -> tuple[Choice, str]:
+    def _plan(self, bucket: int, constrained: bool = False, probes: bool = True) -> tuple[Choice, str]:
         """(what the bucket's next iteration runs, why: "fixed", "rule", "acceptance probe" or
         "timing probe"); changes nothing."""
         if not self.may_speculate(bucket):
             return None, "fixed"
-        cost = self.bucket_cost(bucket)
+        cost = self.bucket_cost(bucket, constrained)
         if self.mode == "always" or cost is None:
             return 0, "fixed"
-        state = self.state[bucket]
+        t = self.timings(constrained)
+        state = t.state[bucket]
         if state.probing and probes:
             return state.probe, "timing probe"
         best = policy.best_choice(cost, self.acceptance, self.policy, state.incumbent)
@@ -109,7 +144,7 @@ class Speculation:
         probe = policy.acceptance_probe(cost, self.acceptance, self._longest, best, self.policy)
         if probe is not None:
             return probe, "acceptance probe"
-        if self._timed(bucket) and (due := policy.timing_due(cost, self.acceptance, best, self.served.get(bucket, {}),
+        if self._timed(bucket) and (due := policy.timing_due(cost, self.acceptance, best, t.served.get(bucket, {}),
                                                              state.tried_at, state.iterations, self.policy)):
             return due[0], "timing probe"
         return best, "rule"
@@ -128,27 +163,31 @@ class Speculation:
             choices.append(None)
         return choices
 
-    def bucket_cost(self, bucket: int) -> policy.BucketCost | None:
+    def bucket_cost(self, bucket: int, constrained: bool = False) -> policy.BucketCost | None:
         """The bucket's cost as the policy takes it: warm-up's (or injected), each choice's replaced
-        by its served time once serving has timed it, the others' scaled alike (`policy.served_cost`)."""
-        warm, timings = self.step_costs.get(bucket), self.state[bucket].timings
-        kept = self._costs.get(bucket)
+        by its served time once serving has timed it, the others' scaled alike (`policy.served_cost`),
+        for free batches or constrained ones."""
+        t = self.timings(constrained)
+        warm, timings = self.step_costs.get(bucket), t.state[bucket].timings
+        kept = t.costs.get(bucket)
         if kept is None or kept[0] is not warm or kept[1] != timings:
-            cost = policy.served_cost(warm, self.served[bucket]) if warm is not None and bucket in self.served else warm
-            kept = self._costs[bucket] = (warm, timings, cost)
+            cost = policy.served_cost(warm, t.served[bucket]) if warm is not None and bucket in t.served else warm
+            kept = t.costs[bucket] = (warm, timings, cost)
         return kept[2]
 
     def label(self, choice: Choice) -> str:
         return "target-only" if choice is None else self.facts[choice].label
 
-    def table(self) -> tuple[policy.BucketChoice, ...]:
-        """Every bucket's cost and choice by the rule (`report` prints it)."""
-        return tuple(policy.BucketChoice(b, self.bucket_cost(b), self.label(self.best(b))) for b in self.buckets)
+    def table(self, constrained: bool = False) -> tuple[policy.BucketChoice, ...]:
+        """Every bucket's cost and choice by the rule, for free batches or constrained ones (`report`
+        prints the free ones')."""
+        return tuple(policy.BucketChoice(b, self.bucket_cost(b, constrained), self.label(self.best(b, constrained)))
+                     for b in self.buckets)
 
-    def rates(self, bucket: int) -> dict[str, float]:
+    def rates(self, bucket: int, constrained: bool = False) -> dict[str, float]:
         """Each choice's tokens a row a second at `bucket` as the rule weighs them (`policy.rates`:
         costs as served, acceptance as estimated), by label; empty where the bucket has no costs."""
-        cost = self.bucket_cost(bucket) if self.may_speculate(bucket) else None
+        cost = self.bucket_cost(bucket, constrained) if self.may_speculate(bucket) else None
         if cost is None:
             return {}
         return {self.label(c): r for c, r in policy.rates(cost, self.acceptance).items()}
@@ -162,11 +201,11 @@ class Speculation:
         """A prefill's last chunk drafted the engine's proposal into `slot`."""
         self._drafted[slot] = 0 if self.facts else -1
 
-    def dispatched(self, bucket: int, rows: np.ndarray, choice: Choice) -> np.ndarray:
+    def dispatched(self, bucket: int, rows: np.ndarray, choice: Choice, constrained: bool = False) -> np.ndarray:
         """An iteration of `choice` at `bucket` over the slots `rows` [n] -> [n] bool, whether it
         verifies proposals drafted fresh by the proposal it runs. Device order is dispatch order, so
         freshness at dispatch is what the iteration verifies."""
-        state = self.state[bucket]
+        state = self.timings(constrained).state[bucket]
         state.iterations += 1
         if state.probing and state.iterations - state.probe_start >= self.policy.probe_iterations:
             self._end_probe(state)
@@ -205,20 +244,24 @@ class Speculation:
             bound = policy.AcceptanceEstimate(mean=float(np.minimum(top1, longest)[measured].mean()) + 1.0)
         return policy.observe(bound, np.minimum(top1, longest), measured, self.policy)
 
-    def time_step(self, ran: tuple[int, Choice] | None, seconds: float) -> None:
+    def time_step(self, ran: tuple[int, Choice] | None, seconds: float, constrained: bool = False) -> None:
         """A step that ran the iteration `ran` (bucket, choice) and dispatched no prefill (else None)
-        took `seconds`: after a step that ran the same, in the overlapped loop that is one period of
-        the choice's iterations as served, host work included (policy.py, "The costs")."""
-        if ran is not None and ran == self._last_steady and self._timed(ran[0]):
+        took `seconds`: after a step that ran the same on the same kind of batch (`constrained`), in
+        the loop that is one period of the choice's iterations as served, host work included
+        (policy.py, "The costs"). A constrained step's period reads its results before the next
+        dispatch: it is timed among the constrained ones only."""
+        steady = None if ran is None else (constrained, *ran)
+        if steady is not None and steady == self._last_steady and self._timed(ran[0]):
             bucket, choice = ran
-            times, state = self.served.setdefault(bucket, {}), self.state[bucket]
+            t = self.timings(constrained)
+            times, state = t.served.setdefault(bucket, {}), t.state[bucket]
             times[choice] = policy.observe_time(times.get(choice), seconds, self.policy)
             state.tried_at[choice] = state.iterations
             state.timings += 1
             if (state.probing and state.probe == choice
                     and times[choice].samples - state.probe_samples >= self.policy.probe_steps):
                 self._end_probe(state)
-        self._last_steady = ran
+        self._last_steady = steady
 
     @staticmethod
     def _end_probe(state: BucketState) -> None:
