@@ -20,9 +20,10 @@ lossless: SmolLM2-135M-Instruct in bf16 with the shipped drafter, the 80 MT-benc
   the same way. Each engine in a process of its own (`--phase replies`), the pool sized by default,
   prefix caching on; `--variants` reruns them with other pool settings. Invariant kernels; the
   default kernels on the same comparisons beside them.
-speed: tok/s end to end, SmolLM2 with the shipped drafter, batch 1 (8 prompts one by one), 8 and
-  64 (one round), target alone, chain of 4, tree and prompt lookup, with and without batch_invariant;
-  each engine in a process of its own, timed after a pass that compiled every shape it times.
+speed: tok/s end to end, SmolLM2 with the shipped drafter, batch 1, 8 and 64 (--speed-requests
+  prompts at each, at least a batch: one by one, or in waves of the batch), target alone, chain of
+  4, tree and prompt lookup, with and without batch_invariant; each engine in a process of its own,
+  timed after a pass that compiled every shape it times.
 pool: the target's forward alone on pools of 2,000 to 150,000 pages (SmolLM2's config, random
   weights): a decode against itself repeated and against a verify, bit for bit.
 release: four engines one after another in one process, released by LLM.close(), by dropping the
@@ -602,8 +603,10 @@ def phase_release(out: dict, args, questions: list[list[dict]]) -> None:
 
 
 def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tuple[int, ...]) -> None:
-    """One engine's tok/s at each batch size, timed after a pass over the same prompts compiled
-    every shape it runs (at batch 1 each prompt's prefill bucket), prefix caching off."""
+    """One engine's tok/s at each batch size b, --speed-requests prompts (at least b) in waves of b,
+    timed after a pass over the same prompts compiled every shape it runs (at batch 1 each prompt's
+    prefill bucket), prefix caching off. Many short waves, not one: a run of 8 prompts moved the
+    ratio between two runs' kinds by 0.1-0.2."""
     from eagle3_jax.sampling_params import SamplingParams
 
     # No prefix caching: a warm cache would give the timed pass other (shorter) prefills than the
@@ -612,10 +615,10 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for b in batches:
-        prompts = questions[:8] if b == 1 else questions[:b]
+        prompts = questions[:max(b, args.speed_requests)]
 
         def run(prompts=prompts, b=b):
-            return [llm.chat(q, params)[0] for q in prompts] if b == 1 else llm.chat(prompts, params)
+            return [out for i in range(0, len(prompts), b) for out in llm.chat(prompts[i:i + b], params)]
 
         run()  # warm-up: the same shapes
         t0 = time.perf_counter()
@@ -636,7 +639,7 @@ def phase_speed(out: dict, args) -> None:
         for kind in args.kinds.split(","):
             stem = f"speed-{kind}-{proposal}"
             options = ["--kind", kind, "--proposal", proposal, "--max-tokens", str(args.max_tokens),
-                       "--batches", args.batches]
+                       "--batches", args.batches, "--speed-requests", str(args.speed_requests)]
             rows += _child(args, "speed-engine", stem, options).get("speed", [])
     for row in rows:  # each kind's tok/s over the default kernels'
         base = next((r for r in rows if r["proposal"] == row["proposal"] and r["b"] == row["b"]
@@ -655,6 +658,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--batches", default="1,8,64", help="8b, speed: rows of the steps checked and timed")
     p.add_argument("--max-tokens", type=int, default=256, help="lossless, speed: tokens a reply")
+    p.add_argument("--speed-requests", type=int, default=64,
+                   help="speed: the prompts timed at each batch size (at least the batch), in waves of the batch")
     p.add_argument("--kinds", default="invariant,default")
     p.add_argument("--proposals", default=",".join(PROPOSALS), help="lossless: the engines compared")
     p.add_argument("--variants", default="",
@@ -681,8 +686,8 @@ def main() -> None:
                         "$EAGLE3_JAX_INVARIANT_ATTENTION's settings runs one process a setting)")
     p.add_argument("--kernels", action="store_true",
                    help="attribution: each call's GPU kernels and their device time, both kinds (jax.profiler)")
-    p.add_argument("--window-tokens", default="1,3,7,21",
-                   help="attribution: the tree window kernel's tokens a program timed (SmolLM2: 21 a tile)")
+    p.add_argument("--window-tokens", default="1,2,3,5",
+                   help="attribution: the tree window kernel's tokens a program timed (SmolLM2: 5 a tile of 16 rows)")
     p.add_argument("--tune-rows", default=",".join(map(str, TUNE_ROWS)),
                    help="attribution: the row counts the projections' tiles are tuned at")
     p.add_argument("--out-dir", default=".")
