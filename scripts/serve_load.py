@@ -10,7 +10,8 @@ For each stream count N, N clients each send their share of --requests, or of N 
 --max-tokens, ignore_eos) one after another, streaming, through the official `openai` client, spread
 over client processes of at most --streams-per-client streams (one process's event loop cannot parse
 64 streams' chunks as fast as the engine makes them); the server is a subprocess on 127.0.0.1 with
-the engine flags given (--engine; --serve-flags: its own, e.g. --engine-process). Then the same
+the engine flags given (--engine; --serve-flags: its own, e.g. --engine-process; given again, one
+server after another, each against the same figures in process). Then the same
 engine configuration in this process (`LLM`, after the server has stopped): N requests kept in
 flight, a new one added (chat-templated and tokenized, as the server does) as one finishes, the same
 requests. Each side runs each level once unmeasured first, so that what N arrivals at once compile
@@ -18,7 +19,8 @@ on first use is not in either's numbers.
 Output tok/s (output tokens / wall s, first request to last token) of each, their ratio, TTFT and
 ITL p50 / p99 (server: as the client sees them, in process: the engine's RequestMetrics), in
 process the engine's steps and its host's ms a step (EngineStats; beside it the ms it waited on the
-device), acceptance length, and the speculation the server's /metrics reports per batch bucket.
+device), acceptance length, and the speculation per batch bucket, as each server's /metrics reports
+it and as the engine in process chose it.
 Beside them the CPU share over each server level (1.0: one core busy throughout) of the busiest
 client process, of the busiest HTTP process (each one's in http_cpu_shares, the server's own
 first: --serve-flags="--engine-process --api-server-count N" runs N) and of the engine's
@@ -82,11 +84,38 @@ def level_requests(args, streams: int) -> int:
 
 
 # ---- the server ----------------------------------------------------------------------------------
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, serve_flags: str, log: Path) -> tuple[subprocess.Popen, str]:
     return server_process.start(["--target", args.target, "--served-model-name", MODEL,
                                  *(["--draft", args.draft] if args.draft else []), *args.engine.split(),
-                                 *args.serve_flags.split()],
-                                Path(args.out_dir) / "server.log", args.start_timeout)
+                                 *serve_flags.split()], log, args.start_timeout)
+
+
+def serve_levels(args, serve_flags: str, log: Path, clients, prompts: list, levels: list[int]) -> tuple[dict, dict]:
+    """One server's run at every level -> ({streams: its figures}, what its /metrics reports)."""
+    rows = {}
+    proc, url = start_server(args, serve_flags, log)
+    try:
+        engine, http = server_process.engine_pid(proc.pid), server_process.http_pids(proc.pid)
+        for n in levels:
+            # Warm-up at each level, as in process: what a batch of n arrivals compiles on first use.
+            clients.level(url, prompts[:n], n, args.max_tokens)
+            pids = [*http, *([engine] if engine else [])]
+            cpu = [server_process.cpu_s(pid) for pid in pids]
+            rows[n] = run = clients.level(url, prompts[:level_requests(args, n)], n, args.max_tokens)
+            # CPU share over the level (1.0: a core busy throughout) of each HTTP process (the server's
+            # own: every thread, the engine's too unless --engine-process) and of the engine's process.
+            shares = [None if before is None or after is None else round((after - before) / run["wall_s"], 3)
+                      for before, after in zip(cpu, map(server_process.cpu_s, pids))]
+            if None not in shares[:len(http)]:
+                run["http_cpu_share"] = max(shares[:len(http)])  # the busiest: near 1.0, HTTP set the pace
+                run["http_cpu_shares"] = shares[:len(http)]
+            if engine and shares[-1] is not None:
+                run["engine_cpu_share"] = shares[-1]
+            print(n, "server", serve_flags, run, flush=True)
+        metrics = server_metrics(url)
+    finally:
+        server_process.stop(proc)
+    return rows, metrics
 
 
 async def _client_stream(client, messages, max_tokens: int) -> tuple[int, float, list[float], float]:
@@ -248,9 +277,10 @@ def main() -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default=None)
     p.add_argument("--engine", default="", help="engine flags for both, as `serve` takes them")
-    p.add_argument("--serve-flags", default="",
+    p.add_argument("--serve-flags", action="append", default=None,
                    help="flags for the server only, e.g. --serve-flags=--engine-process (with '=': the value "
-                        "starts with --)")
+                        "starts with --); given again, another server after the first, each measured against the "
+                        "same figures in process")
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=64, help="requests at each stream count")
     p.add_argument("--requests-per-stream", type=int, default=0,
@@ -266,55 +296,46 @@ def main() -> None:
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     prompts = _prompts(args)
     levels = _levels(args)
-    rows = {n: {"streams": n} for n in levels}
     clients = Clients(-(-max(levels) // args.streams_per_client), args.streams_per_client)
-    proc, url = start_server(args)
+    servers = []
     try:
-        engine, http = server_process.engine_pid(proc.pid), server_process.http_pids(proc.pid)
-        for n in levels:
-            # Warm-up at each level, as in process: what a batch of n arrivals compiles on first use.
-            clients.level(url, prompts[:n], n, args.max_tokens)
-            pids = [*http, *([engine] if engine else [])]
-            cpu = [server_process.cpu_s(pid) for pid in pids]
-            rows[n]["server"] = run = clients.level(url, prompts[:level_requests(args, n)], n, args.max_tokens)
-            # CPU share over the level (1.0: a core busy throughout) of each HTTP process (the server's
-            # own: every thread, the engine's too unless --engine-process) and of the engine's process.
-            shares = [None if before is None or after is None else round((after - before) / run["wall_s"], 3)
-                      for before, after in zip(cpu, map(server_process.cpu_s, pids))]
-            if None not in shares[:len(http)]:
-                run["http_cpu_share"] = max(shares[:len(http)])  # the busiest: near 1.0, HTTP set the pace
-                run["http_cpu_shares"] = shares[:len(http)]
-            if engine and shares[-1] is not None:
-                run["engine_cpu_share"] = shares[-1]
-            print(n, "server", run, flush=True)
-        metrics = server_metrics(url)
+        for i, flags in enumerate(args.serve_flags or [""]):
+            log = Path(args.out_dir) / ("server.log" if i == 0 else f"server-{i}.log")
+            rows, metrics = serve_levels(args, flags, log, clients, prompts, levels)
+            servers.append(dict(serve_flags=flags, server_metrics=metrics,
+                                rows=[{"streams": n, "server": rows[n]} for n in levels]))
     finally:
-        server_process.stop(proc)
         clients.close()
     llm = _in_process_llm(args)
+    in_process = {}
     for n in levels:
         in_process_level(llm, prompts[:n], n, args.max_tokens)  # warm-up
-        rows[n]["in_process"] = in_process_level(llm, prompts[:level_requests(args, n)], n, args.max_tokens)
-        rows[n]["ratio"] = round(rows[n]["server"]["tok_s"] / rows[n]["in_process"]["tok_s"], 3)
-        print(n, "in process", rows[n]["in_process"], "ratio", rows[n]["ratio"], flush=True)
-    # The engine's choice per bucket by the end, as the server's /metrics reports its own.
+        in_process[n] = in_process_level(llm, prompts[:level_requests(args, n)], n, args.max_tokens)
+        print(n, "in process", in_process[n], flush=True)
+    for server in servers:
+        for row in server["rows"]:
+            row["ratio"] = round(row["server"]["tok_s"] / in_process[row["streams"]]["tok_s"], 3)
+    # The engine's choice per bucket by the end, as each server's /metrics reports its own.
     in_process_choices = {str(row.bucket): row.choice for row in llm.engine.speculation.table()} \
         if llm.engine.proposals else {}
     import jax
 
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), engine=args.engine,
-               serve_flags=args.serve_flags, max_tokens=args.max_tokens,
-               requests={n: level_requests(args, n) for n in levels},
-               server_metrics=metrics, in_process_speculation=in_process_choices, rows=list(rows.values()))
-    print(f"{'streams':>7} {'server tok/s':>12} {'in process':>10} {'ratio':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10}"
-          f" {'CPU: client max':>15} {'http':>5} {'engine':>6}")
-    for r in out["rows"]:
-        s = r["server"]
-        print(f"{r['streams']:7d} {s['tok_s']:12.1f} {r['in_process']['tok_s']:10.1f} {r['ratio']:6.3f} "
-              f"{s['ttft_p50_ms']!s:>11} {s['itl_p50_ms']!s:>10} {s['client_cpu_share_max']:15.2f} "
-              f"{s.get('http_cpu_share', '-')!s:>5} {s.get('engine_cpu_share', '-')!s:>6}")
-    print("speculation per bucket (server):", metrics)
+               max_tokens=args.max_tokens, requests={n: level_requests(args, n) for n in levels},
+               in_process=[{"streams": n, **in_process[n]} for n in levels],
+               in_process_speculation=in_process_choices, servers=servers)
+    for server in servers:
+        print(f"server flags: {server['serve_flags'] or '(none)'}")
+        print(f"{'streams':>7} {'server tok/s':>12} {'in process':>10} {'ratio':>6} {'TTFT p50 ms':>11} "
+              f"{'ITL p50 ms':>10} {'CPU: client max':>15} {'http':>5} {'engine':>6}")
+        for row in server["rows"]:
+            s = row["server"]
+            print(f"{row['streams']:7d} {s['tok_s']:12.1f} {in_process[row['streams']]['tok_s']:10.1f} "
+                  f"{row['ratio']:6.3f} {s['ttft_p50_ms']!s:>11} {s['itl_p50_ms']!s:>10} "
+                  f"{s['client_cpu_share_max']:15.2f} {s.get('http_cpu_share', '-')!s:>5} "
+                  f"{s.get('engine_cpu_share', '-')!s:>6}")
+        print("speculation per bucket (server):", server["server_metrics"])
     print("speculation per bucket (in process):", in_process_choices)
     (Path(args.out_dir) / "serve_load.json").write_text(json.dumps(out, indent=1))
 

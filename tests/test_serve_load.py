@@ -25,17 +25,25 @@ def test_serve_load_measures_the_server_against_its_engine_in_process(chat_model
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "scripts" / "serve_load.py"), "--target", str(target), "--draft", str(draft),
            "--engine", ENGINE, "--streams", "1,64", "--requests", "64", "--max-tokens", "8",
+           "--serve-flags=--engine-process", "--serve-flags=--engine-process --api-server-count 2",
            "--prompt-file", str(prompts), "--start-timeout", "240", "--out-dir", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "serve_load.json").read_text())
-    assert [row["streams"] for row in result["rows"]] == [1, 64]
-    for row in result["rows"]:
-        assert row["server"]["tokens"] == row["in_process"]["tokens"] == 64 * 8  # every request in full
-        assert row["ratio"] > 0 and row["server"]["ttft_p50_ms"] is not None
-    assert result["server_metrics"]["speculation"]  # the bucket choices /metrics reports
-    # ... and the engine's in process, over the same buckets (speculation "always": the chain at each)
-    assert result["in_process_speculation"].keys() == result["server_metrics"]["speculation"].keys()
+    assert [row["streams"] for row in result["in_process"]] == [1, 64]
+    assert all(row["tokens"] == 64 * 8 for row in result["in_process"])  # every request in full
+    assert [s["serve_flags"] for s in result["servers"]] == ["--engine-process",
+                                                             "--engine-process --api-server-count 2"]
+    for server in result["servers"]:
+        assert [row["streams"] for row in server["rows"]] == [1, 64]
+        for row in server["rows"]:
+            assert row["server"]["tokens"] == 64 * 8
+            assert row["ratio"] > 0 and row["server"]["ttft_p50_ms"] is not None
+            assert row["server"]["engine_cpu_share"] >= 0
+        assert server["server_metrics"]["speculation"]  # the bucket choices /metrics reports
+        # ... and the engine's in process, over the same buckets (speculation "always": the chain at each)
+        assert result["in_process_speculation"].keys() == server["server_metrics"]["speculation"].keys()
     assert set(result["in_process_speculation"].values()) == {"chain K=3"}
+    assert [len(row["server"]["http_cpu_shares"]) for s in result["servers"] for row in s["rows"]] == [1, 1, 2, 2]
     print(done.stdout[-1500:])
