@@ -323,7 +323,8 @@ def forced_run(engine, prompts, ref, k: int, target_only_every: int) -> dict:
     engine.overlap = False  # read each step before forcing the next one's proposals
     done = [0]
     if target_only_every:
-        engine.speculation.choice = lambda bucket: None if done[0] % target_only_every == target_only_every - 1 else 0
+        every = target_only_every
+        engine.speculation.choice = lambda bucket, constrained=False: None if done[0] % every == every - 1 else 0
     target_only = sum(engine.stats.target_only_iterations.values())
     reqs = [engine.add_request(p, SamplingParams(max_tokens=len(r))) for p, r in zip(prompts, ref)]
     history, drafted = [[] for _ in reqs], [[] for _ in reqs]
