@@ -45,8 +45,9 @@ from eagle3_jax.model.pallas_attention import MASKED
 class KernelSettings:
     """What may be tuned per GPU without giving up invariance, since every step of a process uses the
     same: the key block (each sum's order), a split's blocks, the query tile's rows, and the kernels'
-    warps and pipeline stages. As shipped: the fastest of those swept on an H100 (BENCHMARKS.md,
-    "Batch invariance: the cost")."""
+    warps and pipeline stages. As shipped, swept on an H100 (BENCHMARKS.md, "Batch invariance: the
+    cost"): the key block, splits, warps and stages the fastest with 64-row tiles, then 16 rows the
+    fastest tile with them."""
 
     block_keys: int = 64
     blocks_per_split: int = 8  # a split's fixed range: 512 key positions
