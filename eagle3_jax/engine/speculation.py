@@ -53,6 +53,7 @@ class Timings:
 
     @classmethod
     def of(cls, buckets: Sequence[int]) -> Timings:
+        """Nothing timed yet at any of `buckets`."""
         return cls({b: BucketState() for b in buckets})
 
 
@@ -101,6 +102,7 @@ class Speculation:
         return self.free.served
 
     def timings(self, constrained: bool) -> Timings:
+        """What a bucket's choice rests on for batches with a row under a grammar, or for free ones."""
         return self.constrained if constrained else self.free
 
     def choice(self, bucket: int, constrained: bool = False) -> Choice:
