@@ -112,9 +112,10 @@ def test_engine_process_serves_as_the_thread_does_and_drains_on_sigterm(chat_mod
         assert values[f'eagle3_jax:request_success_total{{finished_reason="{reason}",model_name="{MODEL}"}}'] == 1
         assert metric(values, "generation_tokens_total") == len(ids)
 
-        # A client hanging up mid-stream aborts its request in the engine's process.
-        stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, max_tokens=500,
-                                           stream=True)
+        # A client hanging up mid-stream aborts its request in the engine's process (ignore_eos and
+        # 1,000 tokens: a sampled end of text, or the last token, must not come before the hang-up).
+        stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, max_tokens=1000,
+                                           stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
         stream.close()
         values = wait_idle(url)
