@@ -105,15 +105,17 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds running requests get to finish before they are aborted")
     p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
                    help="debug adds each request's summary")
-    p.add_argument("--engine-process", action="store_true",
-                   help="run the engine in a process of its own, apart from HTTP (each then has a Python "
-                        "interpreter lock of its own); default: a thread of the server's process")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, apart from HTTP, each then with a Python "
+                        "interpreter lock of its own (the default: at 64 streams the HTTP process alone keeps a "
+                        "core busy, BENCHMARKS.md \"Serving\"); --no-engine-process: on a thread of the server's "
+                        "process, one process fewer")
     p.add_argument("--api-server-count", type=positive_int, default=1, metavar="N",
                    help="HTTP processes serving the one listening socket, each with its own pipe to the engine's "
-                        "process (more than 1 needs --engine-process): where one process's socket writes, one per "
-                        "streamed chunk, cannot keep pace with the engine at many streams. Each process's /metrics "
-                        "is the whole server's; --max-waiting counts the engine's queue and what that process has "
-                        "on its way to it (default: %(default)s)")
+                        "process (more than 1 needs the engine's process, not --no-engine-process): where one "
+                        "process's socket writes, one per streamed chunk, cannot keep pace with the engine at many "
+                        "streams. Each process's /metrics is the whole server's; --max-waiting counts the engine's "
+                        "queue and what that process has on its way to it (default: %(default)s)")
     p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                    help="uvicorn's event loop (auto: uvloop where installed, else asyncio)")
     p.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
@@ -347,8 +349,8 @@ def serve_llm(args):
 
 def cmd_serve(args) -> int:
     if args.api_server_count > 1 and not args.engine_process:
-        raise UsageError(f"--api-server-count {args.api_server_count} needs --engine-process: the HTTP processes "
-                         "share one engine, in a process of its own")
+        raise UsageError(f"--api-server-count {args.api_server_count} needs the engine in a process of its own "
+                         "(leave out --no-engine-process): the HTTP processes share it")
     from eagle3_jax.serve import server
 
     try:

@@ -159,9 +159,9 @@ def test_serve_flag_mistakes_are_one_line_and_fast(flags, flag):
 
 
 def test_serve_more_than_one_http_process_needs_the_engine_in_a_process_of_its_own():
-    proc, seconds = run_cli("serve", "--api-server-count", "2")
-    assert one_line_error(proc) == ("eagle3-jax serve: error: --api-server-count 2 needs --engine-process: the HTTP "
-                                    "processes share one engine, in a process of its own")
+    proc, seconds = run_cli("serve", "--no-engine-process", "--api-server-count", "2")
+    assert one_line_error(proc) == ("eagle3-jax serve: error: --api-server-count 2 needs the engine in a process of "
+                                    "its own (leave out --no-engine-process): the HTTP processes share it")
     assert seconds < FLAG_SECONDS, f"{seconds:.1f} s: a flag mistake must not wait for a model to load"
 
 

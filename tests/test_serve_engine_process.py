@@ -1,5 +1,5 @@
-"""`eagle3-jax serve --engine-process`: the engine in a process of its own. The main paths as
-test_serve.py drives them (same tiny models and engine flags); with --api-server-count 2 two HTTP
+"""`eagle3-jax serve`'s engine in a process of its own (the default, as test_serve.py drives it) and
+on a thread of the server's process (--no-engine-process): the main paths; with --api-server-count 2 two HTTP
 processes on one socket, each shown to serve on its own while the other is stopped (SIGSTOP: it
 accepts nothing meanwhile); then an HTTP process and the engine's process killed: the first's
 requests are aborted and the other serves on, the second's end every live request with an error,
@@ -98,8 +98,9 @@ def health(url: str) -> int:
         return e.code
 
 
-def test_engine_process_serves_as_the_thread_does_and_drains_on_sigterm(chat_models, llm, tmp_path):  # noqa: F811
-    proc, url = start_server(chat_models, tmp_path / "server.log", "--engine-process")
+def test_the_engine_on_the_servers_thread_serves_as_its_process_does_and_drains_on_sigterm(chat_models, llm,  # noqa: F811
+                                                                                            tmp_path):
+    proc, url = start_server(chat_models, tmp_path / "server.log", "--no-engine-process")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=REQUEST_S)
         messages = user("Tell me a story.")
@@ -112,7 +113,7 @@ def test_engine_process_serves_as_the_thread_does_and_drains_on_sigterm(chat_mod
         assert values[f'eagle3_jax:request_success_total{{finished_reason="{reason}",model_name="{MODEL}"}}'] == 1
         assert metric(values, "generation_tokens_total") == len(ids)
 
-        # A client hanging up mid-stream aborts its request in the engine's process (ignore_eos and
+        # A client hanging up mid-stream aborts its request in the engine (ignore_eos and
         # 1,000 tokens: a sampled end of text, or the last token, must not come before the hang-up).
         stream = client.completions.create(model=MODEL, prompt="A long answer", temperature=1.0, max_tokens=1000,
                                            stream=True, extra_body={"ignore_eos": True})
@@ -122,7 +123,7 @@ def test_engine_process_serves_as_the_thread_does_and_drains_on_sigterm(chat_mod
         assert values[f'eagle3_jax:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'] == 1
         assert metric(values, "kv_cache_usage_perc") == 0
 
-        # Checked in the HTTP process, as the engine would: 400 at once.
+        # Checked before the engine sees them: 400 at once.
         status, body = raw_post(url, "/v1/completions", b'{"model": "%s", "prompt": [1, 2, 999999]}' % MODEL.encode())
         assert status == 400 and "outside the vocabulary" in body["error"]["message"]
         status, body = raw_post(url, "/v1/completions", b'{"model": "%s", "prompt": "hi", "max_tokens": 4, '
