@@ -10,7 +10,7 @@ For each stream count N, N clients each send their share of --requests, or of N 
 --max-tokens, ignore_eos) one after another, streaming, through the official `openai` client, spread
 over client processes of at most --streams-per-client streams (one process's event loop cannot parse
 64 streams' chunks as fast as the engine makes them); the server is a subprocess on 127.0.0.1 with
-the engine flags given (--engine; --serve-flags: its own, e.g. --engine-process; given again, one
+the engine flags given (--engine; --serve-flags: its own, e.g. --no-engine-process; given again, one
 server after another, each against the same figures in process). Then the same
 engine configuration in this process (`LLM`, after the server has stopped): N requests kept in
 flight, a new one added (chat-templated and tokenized, as the server does) as one finishes, the same
@@ -23,8 +23,8 @@ device), acceptance length, and the speculation per batch bucket, as each server
 it and as the engine in process chose it.
 Beside them the CPU share over each server level (1.0: one core busy throughout) of the busiest
 client process, of the busiest HTTP process (each one's in http_cpu_shares, the server's own
-first: --serve-flags="--engine-process --api-server-count N" runs N) and of the engine's
-(--engine-process): a share near 1.0 names what set the pace.
+first: --serve-flags="--api-server-count N" runs N) and of the engine's (unless
+--no-engine-process): a share near 1.0 names what set the pace.
 Prints a table and writes serve_load.json under --out-dir.
 """
 
@@ -103,7 +103,7 @@ def serve_levels(args, serve_flags: str, log: Path, clients, prompts: list, leve
             cpu = [server_process.cpu_s(pid) for pid in pids]
             rows[n] = run = clients.level(url, prompts[:level_requests(args, n)], n, args.max_tokens)
             # CPU share over the level (1.0: a core busy throughout) of each HTTP process (the server's
-            # own: every thread, the engine's too unless --engine-process) and of the engine's process.
+            # own: every thread, the engine's too with --no-engine-process) and of the engine's process.
             shares = [None if before is None or after is None else round((after - before) / run["wall_s"], 3)
                       for before, after in zip(cpu, map(server_process.cpu_s, pids))]
             if None not in shares[:len(http)]:
@@ -278,7 +278,7 @@ def main() -> None:
     p.add_argument("--draft", default=None)
     p.add_argument("--engine", default="", help="engine flags for both, as `serve` takes them")
     p.add_argument("--serve-flags", action="append", default=None,
-                   help="flags for the server only, e.g. --serve-flags=--engine-process (with '=': the value "
+                   help="flags for the server only, e.g. --serve-flags=--no-engine-process (with '=': the value "
                         "starts with --); given again, another server after the first, each measured against the "
                         "same figures in process")
     p.add_argument("--streams", default="1,8,32,64")

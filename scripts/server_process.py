@@ -115,7 +115,7 @@ def http_pids(pid: int) -> list[int]:
 
 
 def engine_pid(pid: int) -> int | None:
-    """The engine's process among the server `pid`'s children (`--engine-process`: the one spawned
+    """The engine's process among the server `pid`'s children (unless --no-engine-process: the one spawned
     that listens on no socket, the HTTP processes' do), or None."""
     sockets = _listening_sockets()
     return next((child for child in _spawned(pid) if not _listens(child, sockets)), None)

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (`serve --engine-process`): the HTTP process and the engine
+"""The engine in a process of its own (`serve`, unless --no-engine-process): the HTTP process and the engine
 then hold a GIL each. The child (multiprocessing, spawn) builds the LLM, runs EngineLoop's loop on
 commands from a pipe (add, abort, drain, stop) and sends one message per step: every changed
 sample's Update and ServerMetrics' records. The HTTP process holds no weights: `EngineClient` has

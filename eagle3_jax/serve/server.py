@@ -2,7 +2,7 @@
 requests, gives the running ones --shutdown-timeout seconds, ends the rest with a final event
 (finish_reason "abort") and exits 0 (1 where the engine had failed).
 
-With --api-server-count N (and --engine-process) this process binds the listening socket once and
+With --api-server-count N (the engine in its own process) this process binds the listening socket once and
 serves it as HTTP process 0 beside N - 1 more (multiprocessing, spawn), each with its own pipe to
 the engine's process; the kernel hands each connection to one of the processes accepting on it. A
 drain reaching any of them drains the engine, which tells the others to stop too; SIGTERM to this
