@@ -41,6 +41,8 @@ attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its con
   launches by family and each family's device time (jax.profiler's trace of 10 calls). --attention-only:
   the default forward and the one with invariant attention, nothing else: one process a setting of
   $EAGLE3_JAX_INVARIANT_ATTENTION (invariant_attention.KernelSettings) sweeps the kernels' settings.
+  --projections-only: the same for the invariant projections ($EAGLE3_JAX_GEMM_MIN_SPLIT_K sweeps
+  the shortest part a reduction's K splits into).
 gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
   1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
   bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
@@ -361,9 +363,12 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     trees = {b: _tree_verify(b, ctx, np.random.default_rng(b)) for b in batches}
     combos = {"both default": ("pallas", "xla"), "attention invariant": ("invariant", "xla"),
               "projections invariant": ("pallas", "invariant"), "both invariant": ("invariant", "invariant")}
-    if args.attention_only:  # a kernel setting's attention against the default's, nothing else
-        combos = {label: combos[label] for label in ("both default", "attention invariant")}
-    profiled = ("both default", "attention invariant") if args.attention_only else ("both default", "both invariant")
+    # --attention-only / --projections-only: that kind's invariant kernels (a setting of theirs) against
+    # the default forward, nothing else.
+    only = "attention invariant" if args.attention_only else "projections invariant" if args.projections_only else None
+    if only:
+        combos = {label: combos[label] for label in ("both default", only)}
+    profiled = ("both default", only or "both invariant")
     rows = []
 
     def time_forward(label: str, attention: str, gemv: str, causal: bool = True) -> None:
@@ -409,8 +414,9 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
     for label, (attention, gemv) in combos.items():
         time_forward(label, attention, gemv)
     out.update(forward_ms=rows, layers=cfg.num_layers, table_positions=blocks * page,
-               attention_settings=dataclasses.asdict(invariant_attention.SETTINGS))
-    if args.attention_only:
+               attention_settings=dataclasses.asdict(invariant_attention.SETTINGS),
+               gemm_min_split_k=invariant_gemm.MIN_SPLIT_K)
+    if only:
         return
     # The tree window kernel's tokens a program (the output's bits the same at each): its launch against
     # its parallelism, the engine's rule `invariant_attention.window_tokens` replaced for the timing.
@@ -684,6 +690,9 @@ def main() -> None:
     p.add_argument("--attention-only", action="store_true",
                    help="attribution: the default forward and the one with invariant attention only (a sweep of "
                         "$EAGLE3_JAX_INVARIANT_ATTENTION's settings runs one process a setting)")
+    p.add_argument("--projections-only", action="store_true",
+                   help="attribution: the default forward and the one with invariant projections only (a sweep "
+                        "of $EAGLE3_JAX_GEMM_MIN_SPLIT_K runs one process a value)")
     p.add_argument("--kernels", action="store_true",
                    help="attribution: each call's GPU kernels and their device time, both kinds (jax.profiler)")
     p.add_argument("--window-tokens", default="1,2,3,5",

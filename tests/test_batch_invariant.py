@@ -36,6 +36,28 @@ def test_gemm_rows_do_not_depend_on_the_rows_beside_them(k, n, transposed):
         assert np.array_equal(part, full[:m]), m
 
 
+def test_shorter_k_parts_split_by_any_divisor_and_keep_rows_independent(monkeypatch):
+    """$EAGLE3_JAX_GEMM_MIN_SPLIT_K lowers the shortest part: K splits into any whole number of its
+    blocks (SmolLM2's K of 576, nine blocks, into three), the shipped shapes keep their splits, each
+    row of a split product is the same alone, and a bad value is named."""
+    assert [invariant_gemm.k_splits(k, n) for k, n in ((4096, 6144), (14336, 4096), (576, 960))] == [2, 2, 1]
+    monkeypatch.setattr(invariant_gemm, "MIN_SPLIT_K", 192)
+    assert [invariant_gemm.k_splits(k, n) for k, n in ((576, 960), (1536, 576), (576, 49152))] == [3, 8, 1]
+    monkeypatch.setattr(invariant_gemm, "MIN_SPLIT_K", 64)
+    k, n = 192, 48  # three blocks of 64, one N tile: three parts (a shape no other test traces)
+    assert invariant_gemm.k_splits(k, n) == 3
+    x = jax.random.normal(jax.random.PRNGKey(4), (64, k), jnp.float32).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.PRNGKey(5), (k, n))).astype(jnp.bfloat16)
+    full = np.asarray(invariant_gemm.matmul(x, w, out_dtype=jnp.float32))
+    np.testing.assert_allclose(full, np.asarray(x, np.float32) @ np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
+    for m in (1, 5, 40):
+        assert np.array_equal(np.asarray(invariant_gemm.matmul(x[:m], w, out_dtype=jnp.float32)), full[:m]), m
+    assert invariant_gemm.parse_min_split_k("") == 1024 and invariant_gemm.parse_min_split_k("128") == 128
+    for bad in ("8", "-64", "1k"):
+        with pytest.raises(ValueError, match=invariant_gemm.MIN_SPLIT_K_ENV):
+            invariant_gemm.parse_min_split_k(bad)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_the_wide_tile_from_many_rows_gives_the_rows_of_few(transposed):
     """`project` switches to the wide tile at WIDE_ROWS rows (N dividing it): each row of that

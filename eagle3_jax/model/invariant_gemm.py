@@ -27,7 +27,20 @@ BLOCK_M = 64  # one Hopper warpgroup MMA tile of rows
 BLOCK_N = 64  # the N tile `k_splits` counts programs by, whatever tile runs
 BLOCK_K = 64
 MIN_PROGRAMS = 128  # about one per SM of an H200 (132): fewer N tiles than this split K
-MIN_SPLIT_K = 1024  # never split a reduction into parts shorter than this
+MIN_SPLIT_K_ENV = "EAGLE3_JAX_GEMM_MIN_SPLIT_K"  # read at import, over the default below
+
+
+def parse_min_split_k(text: str) -> int:
+    """The shortest part of K a reduction is split into ("": 1,024). Any value keeps every row's sum
+    fixed by the weight; shorter parts fill more SMs at few rows and write more partial sums at many."""
+    if not text:
+        return 1024
+    if not text.isdigit() or int(text) < 16:
+        raise ValueError(f"${MIN_SPLIT_K_ENV}: {text!r} is not a whole number of K columns >= 16")
+    return int(text)
+
+
+MIN_SPLIT_K = parse_min_split_k(os.environ.get(MIN_SPLIT_K_ENV, ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +140,11 @@ def block_k(k: int) -> int:
 
 
 def k_splits(k: int, n: int) -> int:
-    """Parts of the K loop of a K x N weight: split while the N tiles leave SMs idle, parts >= MIN_SPLIT_K."""
+    """Parts of the K loop of a K x N weight, each a whole number of K blocks and >= MIN_SPLIT_K: the
+    fewest that give the N tiles MIN_PROGRAMS programs, else as many as those bounds allow."""
     tiles, steps = -(-n // BLOCK_N), -(-k // block_k(k))
-    splits = 1
-    while tiles * splits < MIN_PROGRAMS and steps % (2 * splits) == 0 and k // (2 * splits) >= MIN_SPLIT_K:
-        splits *= 2
-    return splits
+    allowed = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or k // s >= MIN_SPLIT_K)]
+    return next((s for s in allowed if tiles * s >= MIN_PROGRAMS), allowed[-1])
 
 
 def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool, block_m: int):
