@@ -687,12 +687,13 @@ def main() -> None:
     p.add_argument("--table-len", type=int, default=2048,
                    help="attribution: the positions a row's block table spans (SmolLM2's max_model_len 2048: four "
                         "splits of the invariant attention; at most 288, the context and the step: one)")
-    p.add_argument("--attention-only", action="store_true",
-                   help="attribution: the default forward and the one with invariant attention only (a sweep of "
-                        "$EAGLE3_JAX_INVARIANT_ATTENTION's settings runs one process a setting)")
-    p.add_argument("--projections-only", action="store_true",
-                   help="attribution: the default forward and the one with invariant projections only (a sweep "
-                        "of $EAGLE3_JAX_GEMM_MIN_SPLIT_K runs one process a value)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--attention-only", action="store_true",
+                      help="attribution: the default forward and the one with invariant attention only (a sweep of "
+                           "$EAGLE3_JAX_INVARIANT_ATTENTION's settings runs one process a setting)")
+    only.add_argument("--projections-only", action="store_true",
+                      help="attribution: the default forward and the one with invariant projections only (a sweep "
+                           "of $EAGLE3_JAX_GEMM_MIN_SPLIT_K runs one process a value)")
     p.add_argument("--kernels", action="store_true",
                    help="attribution: each call's GPU kernels and their device time, both kinds (jax.profiler)")
     p.add_argument("--window-tokens", default="1,2,3,5",
