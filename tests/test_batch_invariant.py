@@ -21,37 +21,32 @@ from eagle3_jax.runner.tree import tree_from_parents, verify_attention
 INVARIANT = dict(attention="invariant", gemv="invariant")
 
 
-@pytest.mark.parametrize("k, n, transposed", [(96, 192, False), (32, 12, True), (2048, 64, False)])
-def test_gemm_rows_do_not_depend_on_the_rows_beside_them(k, n, transposed):
-    """Every row of x[:m] @ w equals the same row of the 64-row product, m = 1..64, in bf16; the
-    last shape splits K (`k_splits`: its 64 columns are one tile), the second pads a tiny vocabulary."""
+@pytest.mark.parametrize("k, n, transposed, min_split_k, splits", [
+    (96, 192, False, 1024, 1), (32, 12, True, 1024, 1), (2048, 64, False, 1024, 2), (192, 48, False, 64, 3)])
+def test_gemm_rows_do_not_depend_on_the_rows_beside_them(k, n, transposed, min_split_k, splits, monkeypatch):
+    """Every row of x[:m] @ w equals the same row of the 64-row product, m = 1..64, in bf16. The
+    second shape pads a tiny vocabulary; the third splits K in two (its 64 columns are one tile); the
+    last, under a shortest part of 64 ($EAGLE3_JAX_GEMM_MIN_SPLIT_K), splits K into three: any whole
+    number of its blocks, not only powers of two."""
+    monkeypatch.setattr(invariant_gemm, "MIN_SPLIT_K", min_split_k)
+    assert invariant_gemm.k_splits(k, n) == splits
     x = jax.random.normal(jax.random.PRNGKey(0), (64, k), jnp.float32).astype(jnp.bfloat16)
     w = (0.05 * jax.random.normal(jax.random.PRNGKey(1), (n, k) if transposed else (k, n))).astype(jnp.bfloat16)
     full = np.asarray(invariant_gemm.matmul(x, w, out_dtype=jnp.float32, transposed=transposed))
     ref = np.asarray(x, np.float32) @ np.asarray(w.T if transposed else w, np.float32)
     np.testing.assert_allclose(full, ref, rtol=1e-4, atol=1e-4)
-    assert invariant_gemm.k_splits(k, n) == (2 if k == 2048 else 1)
     for m in range(1, 65):
         part = np.asarray(invariant_gemm.matmul(x[:m], w, out_dtype=jnp.float32, transposed=transposed))
         assert np.array_equal(part, full[:m]), m
 
 
-def test_shorter_k_parts_split_by_any_divisor_and_keep_rows_independent(monkeypatch):
-    """$EAGLE3_JAX_GEMM_MIN_SPLIT_K lowers the shortest part: K splits into any whole number of its
-    blocks (SmolLM2's K of 576, nine blocks, into three), the shipped shapes keep their splits, each
-    row of a split product is the same alone, and a bad value is named."""
+def test_k_splits_keep_the_shipped_shapes_and_name_a_bad_shortest_part(monkeypatch):
+    """The shipped shortest part (1,024) keeps the 8B shapes' splits and leaves SmolLM2's alone; at
+    192 SmolLM2's K of 576 (nine blocks) splits into three and its lm_head, already many tiles, not at
+    all; a bad $EAGLE3_JAX_GEMM_MIN_SPLIT_K is named."""
     assert [invariant_gemm.k_splits(k, n) for k, n in ((4096, 6144), (14336, 4096), (576, 960))] == [2, 2, 1]
     monkeypatch.setattr(invariant_gemm, "MIN_SPLIT_K", 192)
     assert [invariant_gemm.k_splits(k, n) for k, n in ((576, 960), (1536, 576), (576, 49152))] == [3, 8, 1]
-    monkeypatch.setattr(invariant_gemm, "MIN_SPLIT_K", 64)
-    k, n = 192, 48  # three blocks of 64, one N tile: three parts (a shape no other test traces)
-    assert invariant_gemm.k_splits(k, n) == 3
-    x = jax.random.normal(jax.random.PRNGKey(4), (64, k), jnp.float32).astype(jnp.bfloat16)
-    w = (0.05 * jax.random.normal(jax.random.PRNGKey(5), (k, n))).astype(jnp.bfloat16)
-    full = np.asarray(invariant_gemm.matmul(x, w, out_dtype=jnp.float32))
-    np.testing.assert_allclose(full, np.asarray(x, np.float32) @ np.asarray(w, np.float32), rtol=1e-4, atol=1e-4)
-    for m in (1, 5, 40):
-        assert np.array_equal(np.asarray(invariant_gemm.matmul(x[:m], w, out_dtype=jnp.float32)), full[:m]), m
     assert invariant_gemm.parse_min_split_k("") == 1024 and invariant_gemm.parse_min_split_k("128") == 128
     for bad in ("8", "-64", "1k"):
         with pytest.raises(ValueError, match=invariant_gemm.MIN_SPLIT_K_ENV):
