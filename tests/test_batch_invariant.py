@@ -184,7 +184,7 @@ def test_invariant_kernels_lower_for_cuda(monkeypatch):
     text = jax.jit(f).trace(s((b, t, d), jnp.bfloat16), s((d, kv_heads, heads // kv_heads + 2, hd), jnp.bfloat16),
                             s((heads * hd, d), jnp.bfloat16), s((b, t), jnp.int32), pages, pages,
                             s((b, 64), jnp.int32), tree).lower(lowering_platforms=("cuda",)).as_text()
-    for name in ("eagle3_rope_write_kv", "eagle3_invariant_attention", "eagle3_attention_combine",
+    for name in ("eagle3_rope_write_kv", "eagle3_invariant_attention", "eagle3_invariant_attention_combine",
                  "eagle3_invariant_gemm"):
         assert name in text, name
     assert "stablehlo.dot_general" not in text

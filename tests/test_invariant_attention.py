@@ -95,17 +95,22 @@ def _inputs(seed, b, t):
 
 
 def _assert_tiles_equal_per_token(q, vpos, paths, table, k, v, blocks_per_split):
-    got = IA.attend(IA.query_tiles(q, G), vpos, paths, table, 0, k[None], v[None], R, blocks_per_split)
+    """The tiles' output equals a program per token's, bit for bit, reading every key of a walked block
+    or only those some row of interest sees (skip_unseen_keys)."""
     want = _per_token(q, vpos, paths, table, k, v, blocks_per_split)
-    assert got.dtype == want.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for skip_unseen_keys in (False, True):
+        got = IA.attend(IA.query_tiles(q, G), vpos, paths, table, 0, k[None], v[None], R, blocks_per_split,
+                        skip_unseen_keys=skip_unseen_keys)
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                      err_msg=f"skip_unseen_keys={skip_unseen_keys}")
     return np.asarray(got, np.float32)
 
 
 STEPS = {
     # rows at different lengths; the last a padding row whose position runs past its table
     "decode": (1, [0, 70, 200, 400], 2),
-    "chain of 5": (5, [0, 59, 123, 251], 2),
+    "chain of 5": (5, [0, 59, 126, 251], 2),  # 126..130: one tile's tokens in two splits
     # 40 tokens (two tiles, 21 + 19) across the split boundary at 128 with one block a split
     "prefill chunk of 40": (40, [100, 10], 1),
 }
@@ -120,6 +125,27 @@ def test_causal_tiles_equal_a_program_per_token_bit_for_bit(step):
     vpos = jnp.asarray(np.array(starts)[:, None] + np.arange(t), jnp.int32)
     got = _assert_tiles_equal_per_token(q, vpos, None, table, k, v, blocks_per_split)
     assert np.isfinite(got).all()
+
+
+def test_the_combine_takes_each_rows_splits_to_its_own_position_and_reads_none_past_it():
+    """Splits past a row's position's are garbage (NaN, as if never written) and change nothing: each
+    row equals its combine where they saw nothing (no weight), bit for bit, and the every-split
+    combine to rounding."""
+    rng = np.random.default_rng(3)
+    b, g, splits, m, hd, split_keys = 2, 2, 4, 16, 32, 128
+    vpos = rng.integers(-1, splits * split_keys, (b, m)).astype(np.int32)
+    vpos[1] = -1  # a tile of padding alone
+    out = rng.standard_normal((b, g, splits, m, hd)).astype(np.float32)
+    lse = rng.standard_normal((b, g, splits, m)).astype(np.float32)
+    past = np.arange(splits)[None, None, :, None] > (vpos // split_keys)[:, None, None, :]  # [b, 1, S, m]
+    past[:, :, 0] = False  # split 0 is always written
+    out_seen, lse_seen = jnp.asarray(np.where(past[..., None], 0.0, out)), jnp.asarray(np.where(past, MASKED, lse))
+    every_split = pallas_attention.combine_splits(out_seen, lse_seen, m, jnp.float32, 1)
+    seen_nothing = IA.combine_splits(out_seen, lse_seen, jnp.asarray(vpos), jnp.float32, split_keys)
+    out_nan, lse_nan = jnp.asarray(np.where(past[..., None], np.nan, out)), jnp.asarray(np.where(past, np.nan, lse))
+    got = IA.combine_splits(out_nan, lse_nan, jnp.asarray(vpos), jnp.float32, split_keys)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(seen_nothing))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(every_split), rtol=1e-5, atol=1e-6)
 
 
 def test_tree_tiles_equal_a_program_per_token_bit_for_bit():
@@ -196,7 +222,7 @@ def test_tiles_lower_for_cuda(monkeypatch, heads, kv_heads, hd):
     pages = s((2, 65, PAGE, kv_heads, hd), jnp.bfloat16)
     inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
     r = heads // kv_heads
-    kernels = ["eagle3_rope_write_kv", "eagle3_invariant_attention", "eagle3_attention_combine"]
+    kernels = ["eagle3_rope_write_kv", "eagle3_invariant_attention", "eagle3_invariant_attention_combine"]
     for t, tree in ((32, layers.TreeAttention(s((b, 32), jnp.int32), s((b,), jnp.int32), s((b, 32, 32), jnp.bool_))),
                     (40, None)):
         f = lambda qkv, positions, k, v, table, tree: IA.attention(qkv, positions, table, inv_freq, k, v, 1, 0, tree)
@@ -284,15 +310,18 @@ def test_a_window_programs_tokens_do_not_change_their_bits():
         np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=f"{tokens} tokens a program")
 
 
-def test_window_programs_of_several_tokens_lower_for_cuda(monkeypatch):
+@pytest.mark.parametrize("skip_unseen_keys", [False, True])
+def test_window_programs_of_several_tokens_lower_for_cuda(monkeypatch, skip_unseen_keys):
     """A tree verify's window kernel of a tile's tokens a program, over a table of three splits (its
-    outputs' split axis not a power of two), lowers to Triton for CUDA at SmolLM2's shapes."""
+    outputs' split axis not a power of two), lowers to Triton for CUDA at SmolLM2's shapes, its key
+    blocks read whole or only as far as they are seen."""
     monkeypatch.setattr(pallas_attention, "_interpret", lambda: False)
     monkeypatch.setattr(IA, "_interpret", lambda: False)
     b, t, g, r, hd, s = 4, 32, 3, 3, 64, jax.ShapeDtypeStruct
     pages = s((2, 97, PAGE, g, hd), jnp.bfloat16)
     f = lambda tiles, vpos, paths, table, k, v: IA.attend(tiles, vpos, paths, table, 1, k, v, r,
-                                                          tokens_per_program=IA.tile_tokens(r))
+                                                          tokens_per_program=IA.tile_tokens(r),
+                                                          skip_unseen_keys=skip_unseen_keys)
     tiles = -(-t // IA.tile_tokens(r))
     text = jax.jit(f).trace(s((b, g, tiles * IA.tile_rows(r), hd), jnp.bfloat16), s((b, t), jnp.int32),
                             s((b, t, 1 + t), jnp.int32), s((b, 96), jnp.int32), pages,
@@ -314,8 +343,10 @@ def test_kernel_settings_parse_the_tuning_override_and_name_what_is_wrong():
     settings = IA.KernelSettings.parse("block_keys=128, num_stages=2")
     assert (settings.block_keys, settings.num_stages, settings.blocks_per_split) == (128, 2, 8)
     assert IA.KernelSettings.parse("") == IA.KernelSettings()
+    assert IA.KernelSettings.parse("skip_unseen_keys=1").skip_unseen_keys == 1
     for text, named in (("block_key=64", "block_key=64"), ("num_warps=0", "num_warps=0"),
                         ("num_stages=two", "num_stages=two"), ("block_keys=48", "block_keys must be a power of two"),
-                        ("query_tile_rows=8", "query_tile_rows must be a power of two >= 16")):
+                        ("query_tile_rows=8", "query_tile_rows must be a power of two >= 16"),
+                        ("skip_unseen_keys=2", "0 or 1 for skip_unseen_keys")):
         with pytest.raises(ValueError, match=named):
             IA.KernelSettings.parse(text)

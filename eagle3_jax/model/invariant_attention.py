@@ -9,7 +9,10 @@ on the rows beside it, as invariant_gemm's fixed BLOCK_M. Keys are walked in BLO
 position in the token's own sequence, in fixed splits of BLOCKS_PER_SPLIT blocks, so every sum's
 order is fixed by positions alone. A tile walks to its last token's position: a block a row sees
 nothing of leaves its carry unchanged (p = exp(MASKED - max) = 0, correction 1), and a split it sees
-nothing of is written as if it had walked no block (no weight in the combine).
+nothing of is written as if it had walked no block. The combine takes each row's splits in order up to
+its own position's and no further, so its sums too are fixed by the row's position; a split past the
+tile's last position is never read, and not written: small splits shorten a decode's walk without a
+long table's empty splits costing writes and reads.
 
 A tree node reads its ancestors as at root + depth, where decode would have stored them, gathered
 from where the verify did, so its logits equal decode's. The blocks before the window's (context
@@ -44,8 +47,8 @@ from eagle3_jax.model.pallas_attention import MASKED
 @dataclasses.dataclass(frozen=True)
 class KernelSettings:
     """What may be tuned per GPU without giving up invariance, since every step of a process uses the
-    same: the key block (each sum's order), a split's blocks, the query tile's rows, and the kernels'
-    warps and pipeline stages. As shipped, swept on an H100 (BENCHMARKS.md, "Batch invariance: the
+    same: the key block (each sum's order), a split's blocks, the query tile's rows, the kernels' warps
+    and pipeline stages, and whether keys no row sees are read. As shipped, swept on an H100 (BENCHMARKS.md, "Batch invariance: the
     cost"): the key block, splits, warps and stages the fastest with 64-row tiles, then 16 rows the
     fastest tile with them."""
 
@@ -59,6 +62,10 @@ class KernelSettings:
     num_stages: int = 1
     window_warps: int = 4
     window_stages: int = 1
+    # 1: a block's keys past every position its rows see are not read (masked loads, zeros): they get
+    # p = 0 (or are dropped with the carry they were added to), so no output bit moves; a decode's last
+    # block and a tree token's window block read only what it sees. 0: every key of a walked block read.
+    skip_unseen_keys: int = 0
 
     @classmethod
     def parse(cls, text: str) -> KernelSettings:
@@ -67,8 +74,10 @@ class KernelSettings:
         values = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, _, value = item.partition("=")
-            if name not in fields or not value.isdigit() or int(value) < 1:
-                raise ValueError(f"${SETTINGS_ENV}: {item!r} is not one of {sorted(fields)} set to a positive integer")
+            allowed = ("0", "1") if name in SWITCHES else () if not value.isdigit() or int(value) < 1 else (value,)
+            if name not in fields or value not in allowed:
+                raise ValueError(f"${SETTINGS_ENV}: {item!r} is not one of {sorted(fields)} set to a positive integer"
+                                 f" (0 or 1 for {', '.join(SWITCHES)})")
             values[name] = int(value)
         settings = cls(**values)
         for name in ("block_keys", "query_tile_rows"):
@@ -78,6 +87,7 @@ class KernelSettings:
         return settings
 
 
+SWITCHES = ("skip_unseen_keys",)  # KernelSettings' fields that are 0 or 1
 SETTINGS_ENV = "EAGLE3_JAX_INVARIANT_ATTENTION"  # KernelSettings.parse's form, read over the defaults at import
 SETTINGS = KernelSettings.parse(os.environ.get(SETTINGS_ENV, ""))
 BLOCK_KEYS = SETTINGS.block_keys
@@ -88,10 +98,11 @@ QUERY_TILE_ROWS = SETTINGS.query_tile_rows  # a tile's rows at least, whatever t
 WINDOW_PROGRAMS = 1024
 
 
-def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, token=None, *, page_size: int,
-          scale: float):
+def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, token=None, *, last_pos, page_size: int,
+          scale: float, skip_unseen_keys: bool):
     """Key block i (BLOCK_KEYS positions) for query tile q [QT, hd], rows at positions vpos [QT]: as
-    `token` sees it, its ancestors gathered from where the verify stored them (None: as every row does)."""
+    `token` sees it, its ancestors gathered from where the verify stored them (None: as every row does).
+    last_pos: the last position a row of interest sees (with skip_unseen_keys, keys past it are not read)."""
     nb = table_ref.shape[0]
     key_pos = i * BLOCK_KEYS + jax.lax.iota(jnp.int32, BLOCK_KEYS)
     stored = key_pos
@@ -102,7 +113,13 @@ def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, toke
         stored = jnp.where(depth >= 0, start + offset, key_pos)
     page = table_ref[jnp.clip(stored // page_size, 0, nb - 1)]
     slot = page * page_size + stored % page_size
-    k, v = k_ref[layer, slot], v_ref[layer, slot]
+    if skip_unseen_keys:
+        hd = k_ref.shape[-1]
+        read = jnp.broadcast_to((key_pos <= last_pos)[:, None], (BLOCK_KEYS, hd))
+        at = (layer, slot[:, None], jax.lax.iota(jnp.int32, hd)[None, :])  # [BLOCK_KEYS, hd] element indices
+        k, v = (plgpu.load(ref.at[at], mask=read, other=0) for ref in (k_ref, v_ref))
+    else:
+        k, v = k_ref[layer, slot], v_ref[layer, slot]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
     return pallas_attention.online_softmax_step(carry, jnp.where(key_pos[None, :] <= vpos[:, None], s, MASKED), v)
 
@@ -115,7 +132,8 @@ def _bounds(nb: int, page_size: int, blocks_per_split: int, split):
     return first, jnp.minimum(first + blocks_per_split, capacity), capacity
 
 
-def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int):
+def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int,
+                 skip_unseen_keys: bool):
     # Program (row, kv head, tile, split): the blocks every row of the tile sees alike, to the tile's last
     # position or a tree window's block. q_ref [QT, hd], row u*R + h: q head h of the tile's token u;
     # vpos_ref [QT] own-sequence positions (-1: padding); path_ref [T, 1 + W] the row's `ancestor_paths`;
@@ -127,39 +145,48 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
     else:
         (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref), path_ref = refs, None
     rows, hd = q_ref.shape
-    q, vpos = q_ref[...], vpos_ref[...]
+    vpos = vpos_ref[...]
     split = pl.program_id(3)
     first, last, capacity = _bounds(table_ref.shape[0], page_size, blocks_per_split, split)
     shared_end = path_ref[0, 0] // BLOCK_KEYS if windowed else capacity
-    end = jnp.minimum(jnp.minimum(last, shared_end), jnp.max(vpos) // BLOCK_KEYS + 1)
-    step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
-                             v_ref=v_ref, page_size=page_size, scale=scale)
-    init = pallas_attention.online_softmax_init(rows, hd)
-    carry = jax.lax.fori_loop(first, end, step, init)
-    # A row sees key `first * BLOCK_KEYS` if it sees anything of the split: else no block happened to it
-    # (blocks it saw nothing of left p = 1 where its max was still MASKED).
-    seen = vpos >= first * BLOCK_KEYS
-    carry = tuple(jnp.where(seen.reshape((rows,) + (1,) * (a.ndim - 1)), a, b) for a, b in zip(carry, init))
-    if not windowed:
-        pallas_attention.write_split(carry, o_ref, lse_ref)
-        return
-    # Splits past the window's start are written here too, every row's carry init (nothing of them
-    # seen yet): what the window kernel's walk leaves a row it does not reach, so it skips those rows.
-    carried = (first <= shared_end) & (shared_end < last)  # the split the window starts in
+    # A tree's split the window starts in: its carry goes on in `_window_kernel`.
+    carried = (first <= shared_end) & (shared_end < last) if windowed else False
+    # A split past the tile's last position is neither walked, written nor read (`_combine_kernel` stops
+    # each row at its own position's split): small splits cost a long table nothing past the context.
+    # Split 0 is written whatever the tile (padding's included).
+    reached = (split == 0) | (first * BLOCK_KEYS <= jnp.max(vpos))
 
-    @pl.when(jnp.logical_not(carried))
+    @pl.when(reached | carried)
     def _():
-        pallas_attention.write_split(carry, o_ref, lse_ref)
+        end = jnp.minimum(jnp.minimum(last, shared_end), jnp.max(vpos) // BLOCK_KEYS + 1)
+        step = functools.partial(_step, q=q_ref[...], vpos=vpos, table_ref=table_ref, layer=layer_ref[0],
+                                 k_ref=k_ref, v_ref=v_ref, last_pos=jnp.max(vpos), page_size=page_size, scale=scale,
+                                 skip_unseen_keys=skip_unseen_keys)
+        init = pallas_attention.online_softmax_init(rows, hd)
+        carry = jax.lax.fori_loop(first, end, step, init)
+        # A row sees key `first * BLOCK_KEYS` if it sees anything of the split: else no block happened to it
+        # (blocks it saw nothing of left p = 1 where its max was still MASKED).
+        seen = vpos >= first * BLOCK_KEYS
+        carry = tuple(jnp.where(seen.reshape((rows,) + (1,) * (a.ndim - 1)), a, b) for a, b in zip(carry, init))
+        if not windowed:
+            pallas_attention.write_split(carry, o_ref, lse_ref)
+            return
+        # Splits past the window's start are written here too, every row's carry init (nothing of them
+        # seen yet): what the window kernel's walk leaves a row it does not reach, so it skips those rows.
 
-    @pl.when(carried)
-    def _():
-        for ref, value in zip(carry_refs, carry):
-            ref[...] = value
+        @pl.when(jnp.logical_not(carried))
+        def _():
+            pallas_attention.write_split(carry, o_ref, lse_ref)
+
+        @pl.when(carried)
+        def _():
+            for ref, value in zip(carry_refs, carry):
+                ref[...] = value
 
 
 def _window_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref, carry_o_ref, carry_max_ref,
                    carry_sum_ref, _o_in, _lse_in, o_ref, lse_ref, *, r: int, page_size: int, scale: float,
-                   blocks_per_split: int, window_tokens: int):
+                   blocks_per_split: int, window_tokens: int, skip_unseen_keys: bool):
     # Program (row, kv head, tile * chunks + c, k) of a tree verify: the tile's tokens c * window_tokens
     # on, one after another, over the k-th split from the one the window starts in; each token from
     # `_tile_kernel`'s carry (k = 0; init after), its blocks from the window's on, its ancestors
@@ -195,8 +222,9 @@ def _window_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref
                          plgpu.load(carry_max_ref, mask=own & from_carry, other=MASKED),
                          plgpu.load(carry_sum_ref, mask=own & from_carry, other=0.0))
                 step = functools.partial(_step, q=q, vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
-                                         v_ref=v_ref, path_ref=path_ref, token=tile * tokens + u, page_size=page_size,
-                                         scale=scale)
+                                         v_ref=v_ref, path_ref=path_ref, token=tile * tokens + u,
+                                         last_pos=vpos_ref[u * r], page_size=page_size, scale=scale,
+                                         skip_unseen_keys=skip_unseen_keys)
                 end = jnp.minimum(last, vpos_ref[u * r] // BLOCK_KEYS + 1)
                 o, lse = pallas_attention.split_result(
                     jax.lax.fori_loop(jnp.maximum(first, shared_end), end, step, carry))
@@ -205,6 +233,45 @@ def _window_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref
 
         jax.lax.fori_loop(chunk * window_tokens, jnp.minimum((chunk + 1) * window_tokens, in_tile), token_walk,
                           None)
+
+
+def _combine_kernel(vpos_ref, o_ref, lse_ref, out_ref, *, split_keys: int):
+    # Program (row, kv head, row chunk, hd chunk): vpos_ref [rows] positions (-1: padding), o_ref
+    # [S, rows, chunk] f32, lse_ref [S, rows] -> out_ref [rows, chunk]. A row takes the splits to its own
+    # position's, in order, and no further: those past it saw nothing (and a tile does not write those
+    # past its last position), so a row's sums depend on its position alone, not on the tile's rows.
+    row_splits = vpos_ref[...] // split_keys + 1  # [rows]; padding rows: split 0 alone (the init)
+    splits = jnp.clip(jnp.max(row_splits), 1, o_ref.shape[0])
+
+    def add(s, carry):
+        acc, row_max, den = carry
+        merged = pallas_attention.merge_split(acc, row_max, den, o_ref[s], lse_ref[s])
+        mine = s < row_splits
+        return (jnp.where(mine[:, None], merged[0], acc), jnp.where(mine, merged[1], row_max),
+                jnp.where(mine, merged[2], den))
+
+    first = lse_ref[0]
+    acc, _, den = jax.lax.fori_loop(1, splits, add, (o_ref[0], first, jnp.ones_like(first)))
+    out_ref[...] = (acc / den[:, None]).astype(out_ref.dtype)
+
+
+def combine_splits(out: jax.Array, lse: jax.Array, row_vpos: jax.Array, dtype, split_keys: int) -> jax.Array:
+    """out [B, G, S, M, hd] f32, lse [B, G, S, M], row_vpos [B, M] -> [B, G, M, hd]: each row's splits to
+    its own position's, weighted by softmax mass (`_combine_kernel`)."""
+    b, g, splits, m, hd = out.shape
+    chunk, row_chunk = min(pallas_attention.COMBINE_CHUNK, hd), min(pallas_attention.COMBINE_ROWS, m)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, split_keys=split_keys),
+        grid=(b, g, m // row_chunk, hd // chunk),
+        in_specs=[pl.BlockSpec((None, row_chunk), lambda i, j, q, c: (i, q)),
+                  pl.BlockSpec((None, None, splits, row_chunk, chunk), lambda i, j, q, c: (i, j, 0, q, c)),
+                  pl.BlockSpec((None, None, splits, row_chunk), lambda i, j, q, c: (i, j, 0, q))],
+        out_specs=pl.BlockSpec((None, None, row_chunk, chunk), lambda i, j, q, c: (i, j, q, c)),
+        out_shape=jax.ShapeDtypeStruct((b, g, m, hd), dtype),
+        interpret=_interpret(),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="eagle3_invariant_attention_combine",
+    )(row_vpos, out, lse)
 
 
 def ancestor_paths(window_start: jax.Array, window_mask: jax.Array) -> jax.Array:
@@ -277,11 +344,13 @@ def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_
 
 def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_table: jax.Array, layer,
            k_pages: jax.Array, v_pages: jax.Array, heads_per_kv: int,
-           blocks_per_split: int = BLOCKS_PER_SPLIT, tokens_per_program: int | None = None) -> jax.Array:
+           blocks_per_split: int = BLOCKS_PER_SPLIT, tokens_per_program: int | None = None,
+           skip_unseen_keys: bool = bool(SETTINGS.skip_unseen_keys)) -> jax.Array:
     """Query tiles [B, G, n * tile_rows(R), hd] (`query_tiles`' layout) over layer `layer` of the pages
     [L, P, page, G, hd]; vpos [B, T] each token's position in its own sequence (a tree node's: root +
     depth); paths [B, T, 1 + W] a tree's `ancestor_paths` or None -> [B, T, G*R, hd]. tokens_per_program:
-    a tree window program's tokens (None: `window_tokens`'); the output's bits do not depend on it."""
+    a tree window program's tokens (None: `window_tokens`'); the output's bits depend neither on it nor on
+    skip_unseen_keys (`KernelSettings`)."""
     b, g, _, hd = tiles.shape
     t, r = vpos.shape[1], heads_per_kv
     m, tt = tile_rows(r), tile_tokens(r)
@@ -293,14 +362,15 @@ def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_tab
                        constant_values=-1).reshape(b, n * m)
     paths = None if paths is None else paths.astype(jnp.int32)
     out = _attend(tiles, row_vpos, paths, block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-                  k_pages, v_pages, r=r, blocks_per_split=blocks_per_split, window_tokens=tokens_per_program)
+                  k_pages, v_pages, r=r, blocks_per_split=blocks_per_split, window_tokens=tokens_per_program,
+                  skip_unseen_keys=skip_unseen_keys)
     out = out.reshape(b, g, n, m, hd)[:, :, :, :tt * r].reshape(b, g, n * tt, r, hd)[:, :, :t]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
 
 
-@functools.partial(jax.jit, static_argnames=("r", "blocks_per_split", "window_tokens"))
+@functools.partial(jax.jit, static_argnames=("r", "blocks_per_split", "window_tokens", "skip_unseen_keys"))
 def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: int, blocks_per_split: int,
-            window_tokens: int) -> jax.Array:
+            window_tokens: int, skip_unseen_keys: bool) -> jax.Array:
     b, g, rows, hd = tiles.shape
     qt = tile_rows(r)
     n = rows // qt
@@ -314,7 +384,8 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
     k_slots = k_pages.reshape(num_layers, num_pages * page_size, g, hd)
     v_slots = v_pages.reshape(num_layers, num_pages * page_size, g, hd)
     windowed = paths is not None
-    kernel_args = dict(page_size=page_size, scale=1.0 / math.sqrt(hd), blocks_per_split=blocks_per_split)
+    kernel_args = dict(page_size=page_size, scale=1.0 / math.sqrt(hd), blocks_per_split=blocks_per_split,
+                       skip_unseen_keys=skip_unseen_keys)
 
     def specs(tile_of) -> tuple[list[pl.BlockSpec], pl.BlockSpec, pl.BlockSpec]:
         """(inputs, an output tile's spec, its lse's) for a grid whose third index n is in tile tile_of(n)."""
@@ -368,7 +439,9 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
             name="eagle3_invariant_attention_tree",
         )(*operands, *outs[2:], *outs[:2])
     out, lse = outs[:2]
-    return pallas_attention.combine_splits(out, lse, rows, tiles.dtype, 1) if splits > 1 else out[:, :, 0]
+    if splits == 1:
+        return out[:, :, 0]
+    return combine_splits(out, lse, row_vpos, tiles.dtype, BLOCK_KEYS * blocks_per_split)
 
 
 def _compiler_params(window: bool = False):

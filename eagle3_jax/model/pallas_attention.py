@@ -142,17 +142,20 @@ def num_splits(batch: int, kv_heads: int, key_blocks: int, programs: int = TARGE
     return 1 << (wanted.bit_length() - 1)
 
 
+def merge_split(acc: jax.Array, row_max: jax.Array, den: jax.Array, o: jax.Array, lse: jax.Array):
+    """A combine's running sums (acc [rows, chunk], row max [rows], denominator [rows]) with one more
+    split's normalized output o [rows, chunk] and log-sum-exp [rows] weighed in."""
+    new_max = jnp.maximum(row_max, lse)
+    correction, weight = jnp.exp(row_max - new_max), jnp.exp(lse - new_max)
+    return acc * correction[:, None] + o * weight[:, None], new_max, den * correction + weight
+
+
 def _combine_kernel(o_ref, lse_ref, out_ref):
     # o_ref [S, rows, chunk] f32, lse_ref [S, rows] -> out_ref [rows, chunk]; S unrolled: independent loads.
     acc, row_max = o_ref[0], lse_ref[0]
     den = jnp.ones_like(row_max)
     for s in range(1, o_ref.shape[0]):
-        lse = lse_ref[s]
-        new_max = jnp.maximum(row_max, lse)
-        correction, weight = jnp.exp(row_max - new_max), jnp.exp(lse - new_max)
-        acc = acc * correction[:, None] + o_ref[s] * weight[:, None]
-        den = den * correction + weight
-        row_max = new_max
+        acc, row_max, den = merge_split(acc, row_max, den, o_ref[s], lse_ref[s])
     out_ref[...] = (acc / den[:, None]).astype(out_ref.dtype)
 
 
