@@ -6,6 +6,7 @@ the last test lowers them for CUDA."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -38,6 +39,25 @@ def test_gemm_rows_do_not_depend_on_the_rows_beside_them(k, n, transposed, min_s
     for m in range(1, 65):
         part = np.asarray(invariant_gemm.matmul(x[:m], w, out_dtype=jnp.float32, transposed=transposed))
         assert np.array_equal(part, full[:m]), m
+
+
+def test_k_parts_in_one_program_give_the_sums_of_parts_written_apart(monkeypatch):
+    """Where the M x N tiles fill the SMs alone, one program walks K's parts in turn: each row equals
+    the row computed at few rows, whose parts run as programs of their own and are added after,
+    bit for bit. (MIN_PROGRAMS of 4 here: three 64-row tiles or fewer split across the grid.)"""
+    monkeypatch.setattr(invariant_gemm, "MIN_PROGRAMS", 4)
+    monkeypatch.setattr(invariant_gemm, "MIN_SPLIT_K", 128)
+    k, n = 384, 48  # six K blocks, one N tile: three parts of two blocks
+    assert invariant_gemm.k_splits(k, n) == 3
+    tiles = invariant_gemm.DEFAULT_TILES
+    assert [invariant_gemm.splits_across_grid(m, n, tiles, 3) for m in (1, 192, 193, 256)] == [3, 3, 1, 1]
+    x = jax.random.normal(jax.random.PRNGKey(6), (256, k), jnp.float32).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.PRNGKey(7), (k, n))).astype(jnp.bfloat16)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        walked = np.asarray(invariant_gemm.matmul(x, w, out_dtype=out_dtype).astype(jnp.float32))
+        for m in (1, 7, 64, 192):
+            apart = np.asarray(invariant_gemm.matmul(x[:m], w, out_dtype=out_dtype).astype(jnp.float32))
+            assert np.array_equal(apart, walked[:m]), (out_dtype, m)
 
 
 def test_k_splits_keep_the_shipped_shapes_and_name_a_bad_shortest_part(monkeypatch):
@@ -188,6 +208,21 @@ def test_invariant_kernels_lower_for_cuda(monkeypatch):
                  "eagle3_invariant_gemm"):
         assert name in text, name
     assert "stablehlo.dot_general" not in text
+
+
+@pytest.mark.parametrize("m, grid_splits", [(64, 2), (2048, 1)])
+def test_k_parts_lower_for_cuda_across_the_grid_and_in_one_program(monkeypatch, m, grid_splits):
+    """Llama-3.1-8B's qkv projection (K 4,096 in two parts) lowers to Triton for CUDA both ways: at a
+    decode's 64 rows the parts as programs of their own, at 2,048 rows (the wide tile) walked in turn."""
+    monkeypatch.setattr(invariant_gemm, "_interpret", lambda: False)
+    k, n = 4096, 6144
+    tiles = invariant_gemm.untuned_tiles(m, n)
+    assert invariant_gemm.splits_across_grid(m, n, tiles, invariant_gemm.k_splits(k, n)) == grid_splits
+    s = jax.ShapeDtypeStruct
+    text = jax.jit(functools.partial(invariant_gemm.matmul, tiles=tiles)).trace(
+        s((m, k), jnp.bfloat16), s((k, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.dot_general" not in text
+    assert text.count("stablehlo.add") == grid_splits - 1  # the parts written apart, added after
 
 
 def test_batch_invariant_must_be_a_bool():

@@ -48,9 +48,10 @@ from eagle3_jax.model.pallas_attention import MASKED
 class KernelSettings:
     """What may be tuned per GPU without giving up invariance, since every step of a process uses the
     same: the key block (each sum's order), a split's blocks, the query tile's rows, the kernels' warps
-    and pipeline stages, and whether keys no row sees are read. As shipped, swept on an H100 (BENCHMARKS.md, "Batch invariance: the
-    cost"): the key block, splits, warps and stages the fastest with 64-row tiles, then 16 rows the
-    fastest tile with them."""
+    and pipeline stages, and whether keys no row sees are read. As shipped, swept on an H100
+    (BENCHMARKS.md, "Batch invariance: the cost"): the key block, splits, warps and stages the fastest
+    with 64-row tiles, then 16 rows the fastest tile with them; with the combine by position 2 blocks
+    a split win at one or five tokens a row and lose at 32 or a tree's window."""
 
     block_keys: int = 64
     blocks_per_split: int = 8  # a split's fixed range: 512 key positions

@@ -2,8 +2,10 @@
 instructions in the same order whatever the rows beside it. XLA picks tiling, K split and library per
 shape, so a token's row rounds differently in a decode, a verify and a prefill chunk, and one ulp can
 flip a near-tie argmax. Here the K loop runs in order in blocks and splits fixed by the weight (K, N)
-alone, the parts added in order; the M x N tile (`Tiles`) only says which program computes an output
-element, so it may follow the row count as long as every tile lowers to the same MMA instruction.
+alone, the parts added in order (as programs of their own where few rows leave SMs idle, else in
+turn by one program: `splits_across_grid`); the M x N tile (`Tiles`) only says which program
+computes an output element, so it may follow the row count as long as every tile lowers to the
+same MMA instruction.
 Which tile serves which rows of which projection on a GPU kind is tuned there (gemm_tiles.json,
 written by scripts/invariance_h200.py --phase attribution, which keeps only tiles whose every row
 equals DEFAULT_TILES' bit for bit): BENCHMARKS.md, "Batch invariance: the cost".
@@ -147,8 +149,18 @@ def k_splits(k: int, n: int) -> int:
     return next((s for s in allowed if tiles * s >= MIN_PROGRAMS), allowed[-1])
 
 
-def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool, block_m: int):
-    # x_ref [M, Ks] every row, this split's K range; w_ref [Ks, BN] ([BN, Ks] transposed); o_ref [M, BN].
+def splits_across_grid(m: int, n: int, tiles: Tiles, splits: int) -> int:
+    """How many of K's `splits` parts run as programs of their own: all where the M x N tiles alone
+    would leave SMs idle (fewer than MIN_PROGRAMS), else none, one program walking its parts in turn:
+    the same sums, with no partial sums written, read back and added by another kernel (1.7x a
+    SmolLM2 forward at 2,048 rows with K in 3 parts: BENCHMARKS.md, "Batch invariance: the cost")."""
+    return splits if -(-m // tiles.block_m) * -(-n // tiles.block_n) < MIN_PROGRAMS else 1
+
+
+def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool, block_m: int, parts: int):
+    # x_ref [M, Ks] every row, this program's K range; w_ref [Ks, BN] ([BN, Ks] transposed); o_ref [M, BN].
+    # The range holds `parts` parts of the K split (1 where the split runs across the grid): each summed
+    # from zero, then added in order, the same f32 adds as `matmul`'s of parts written apart.
     # The program's block_m rows are read and written masked past M (no padded copy of x, no slice of
     # the output: two fewer launches a projection); masked rows are zeros and never stored.
     contract = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
@@ -162,8 +174,15 @@ def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool, block_m: int):
         x = plgpu.load(x_ref.at[rows, ks], mask=valid, other=0.0)
         return acc + jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
 
-    steps = x_ref.shape[1] // kb
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, o_ref.shape[1]), jnp.float32))
+    steps = x_ref.shape[1] // kb // parts  # a part's
+    zeros = jnp.zeros((block_m, o_ref.shape[1]), jnp.float32)
+
+    def part(p):
+        return jax.lax.fori_loop(p * steps, (p + 1) * steps, step, zeros)
+
+    acc = part(0)  # not 0 + part(0): -0.0 stays -0.0, as the first part written apart does
+    if parts > 1:
+        acc = jax.lax.fori_loop(1, parts, lambda p, acc: acc + part(p), acc)
     plgpu.store(o_ref.at[rows, :], acc.astype(o_ref.dtype), mask=valid)
 
 
@@ -182,22 +201,23 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False,
     if (kp, np_) != (k, n):
         w = jnp.pad(w, ((0, np_ - n), (0, kp - k)) if transposed else ((0, kp - k), (0, np_ - n)))
     kb, splits = block_k(kp), k_splits(kp, n)
-    ks = kp // splits
+    grid_splits = splits_across_grid(m, np_, tiles, splits)
+    ks = kp // grid_splits
     w_spec = (pl.BlockSpec((bn, ks), lambda s, i, j: (j, s)) if transposed
               else pl.BlockSpec((ks, bn), lambda s, i, j: (s, j)))
-    part_dtype = out_dtype if splits == 1 else jnp.float32
+    part_dtype = out_dtype if grid_splits == 1 else jnp.float32
     parts = pl.pallas_call(
-        functools.partial(_kernel, kb=kb, transposed=transposed, block_m=bm),
-        grid=(splits, -(-m // bm), np_ // bn),
+        functools.partial(_kernel, kb=kb, transposed=transposed, block_m=bm, parts=splits // grid_splits),
+        grid=(grid_splits, -(-m // bm), np_ // bn),
         in_specs=[pl.BlockSpec((m, ks), lambda s, i, j: (0, s)), w_spec],
         out_specs=pl.BlockSpec((None, m, bn), lambda s, i, j: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, m, np_), part_dtype),
+        out_shape=jax.ShapeDtypeStruct((grid_splits, m, np_), part_dtype),
         interpret=_interpret(),
         compiler_params=_compiler_params(tiles),
         name="eagle3_invariant_gemm",
     )(x, w)
     out = parts[0]
-    for s in range(1, splits):  # in split order, whatever M is
+    for s in range(1, grid_splits):  # in split order, whatever M is
         out = out + parts[s]
     return (out if np_ == n else out[:, :n]).astype(out_dtype)
 
