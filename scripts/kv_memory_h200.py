@@ -110,8 +110,10 @@ def phase_chat(args) -> dict:
                 q = questions[i % len(questions)]["turns"]
                 chat.append({"role": "user", "content": q[turn] if turn < len(q) else FOLLOW_UPS[turn - len(q)]})
             engine = llm.engine
-            reqs = [engine.add_request(chat_ids(llm, chat), SamplingParams(max_tokens=args.chat_tokens))
-                    for chat in chats]
+            # Every conversation's template applied before the first arrives: each takes milliseconds
+            # on the host, which would count in the TTFT of the requests added before it.
+            prompts = [chat_ids(llm, chat) for chat in chats]
+            reqs = [engine.add_request(ids, SamplingParams(max_tokens=args.chat_tokens)) for ids in prompts]
             engine.run(reqs)
             ttft.append(statistics.median(r.metrics.first_token_time - r.metrics.arrival_time for r in reqs))
             for chat, req in zip(chats, reqs):
