@@ -51,6 +51,8 @@ def test_k_parts_in_one_program_give_the_sums_of_parts_written_apart(monkeypatch
     assert invariant_gemm.k_splits(k, n) == 3
     tiles = invariant_gemm.DEFAULT_TILES
     assert [invariant_gemm.splits_across_grid(m, n, tiles, 3) for m in (1, 192, 193, 256)] == [3, 3, 1, 1]
+    # The wide tile's two sums would take 256 registers a thread: its parts stay apart.
+    assert invariant_gemm.splits_across_grid(4096, 4096, invariant_gemm.WIDE_TILES, 2) == 2
     x = jax.random.normal(jax.random.PRNGKey(6), (256, k), jnp.float32).astype(jnp.bfloat16)
     w = (0.05 * jax.random.normal(jax.random.PRNGKey(7), (k, n))).astype(jnp.bfloat16)
     for out_dtype in (jnp.float32, jnp.bfloat16):
@@ -213,10 +215,10 @@ def test_invariant_kernels_lower_for_cuda(monkeypatch):
 @pytest.mark.parametrize("m, grid_splits", [(64, 2), (2048, 1)])
 def test_k_parts_lower_for_cuda_across_the_grid_and_in_one_program(monkeypatch, m, grid_splits):
     """Llama-3.1-8B's qkv projection (K 4,096 in two parts) lowers to Triton for CUDA both ways: at a
-    decode's 64 rows the parts as programs of their own, at 2,048 rows (the wide tile) walked in turn."""
+    decode's 64 rows the parts as programs of their own, at 2,048 rows walked in turn."""
     monkeypatch.setattr(invariant_gemm, "_interpret", lambda: False)
     k, n = 4096, 6144
-    tiles = invariant_gemm.untuned_tiles(m, n)
+    tiles = invariant_gemm.DEFAULT_TILES
     assert invariant_gemm.splits_across_grid(m, n, tiles, invariant_gemm.k_splits(k, n)) == grid_splits
     s = jax.ShapeDtypeStruct
     text = jax.jit(functools.partial(invariant_gemm.matmul, tiles=tiles)).trace(

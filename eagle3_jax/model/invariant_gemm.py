@@ -149,12 +149,20 @@ def k_splits(k: int, n: int) -> int:
     return next((s for s in allowed if tiles * s >= MIN_PROGRAMS), allowed[-1])
 
 
+# A program walking K's parts in turn holds two f32 tiles (a part's sum and the parts' total): at most
+# this many registers a thread for both, of the 255 a thread can hold (the wide tile's would take 256).
+MAX_WALK_REGISTERS = 128
+
+
 def splits_across_grid(m: int, n: int, tiles: Tiles, splits: int) -> int:
     """How many of K's `splits` parts run as programs of their own: all where the M x N tiles alone
-    would leave SMs idle (fewer than MIN_PROGRAMS), else none, one program walking its parts in turn:
-    the same sums, with no partial sums written, read back and added by another kernel (1.7x a
-    SmolLM2 forward at 2,048 rows with K in 3 parts: BENCHMARKS.md, "Batch invariance: the cost")."""
-    return splits if -(-m // tiles.block_m) * -(-n // tiles.block_n) < MIN_PROGRAMS else 1
+    would leave SMs idle (fewer than MIN_PROGRAMS) or a tile's two sums would not fit a thread's
+    registers (MAX_WALK_REGISTERS), else none, one program walking its parts in turn: the same sums,
+    with no partial sums written, read back and added by another kernel (1.7x a SmolLM2 forward at
+    2,048 rows with K in 3 parts: BENCHMARKS.md, "Batch invariance: the cost")."""
+    programs = -(-m // tiles.block_m) * -(-n // tiles.block_n)
+    registers = 2 * tiles.block_m * tiles.block_n // (32 * tiles.num_warps)
+    return splits if programs < MIN_PROGRAMS or registers > MAX_WALK_REGISTERS else 1
 
 
 def _kernel(x_ref, w_ref, o_ref, *, kb: int, transposed: bool, block_m: int, parts: int):
