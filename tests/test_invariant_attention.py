@@ -96,14 +96,16 @@ def _inputs(seed, b, t):
 
 def _assert_tiles_equal_per_token(q, vpos, paths, table, k, v, blocks_per_split):
     """The tiles' output equals a program per token's, bit for bit, reading every key of a walked block
-    or only those some row of interest sees (skip_unseen_keys)."""
+    or only those some row of interest sees (skip_unseen_keys); a causal step's also with each tile
+    walking its splits in turn and combining them itself (walk_splits)."""
     want = _per_token(q, vpos, paths, table, k, v, blocks_per_split)
-    for skip_unseen_keys in (False, True):
+    variants = [(False, False), (True, False)] + ([(False, True)] if paths is None else [])
+    for skip_unseen_keys, walk_splits in variants:
         got = IA.attend(IA.query_tiles(q, G), vpos, paths, table, 0, k[None], v[None], R, blocks_per_split,
-                        skip_unseen_keys=skip_unseen_keys)
+                        skip_unseen_keys=skip_unseen_keys, walk_splits=walk_splits)
         assert got.dtype == want.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                      err_msg=f"skip_unseen_keys={skip_unseen_keys}")
+                                      err_msg=f"skip_unseen_keys={skip_unseen_keys}, walk_splits={walk_splits}")
     return np.asarray(got, np.float32)
 
 
@@ -209,6 +211,21 @@ def test_rope_and_write_lays_out_the_fixed_tiles():
     assert tiles.shape == (b, G, n * IA.tile_rows(R), hd)
     np.testing.assert_allclose(np.asarray(tiles), np.asarray(IA.query_tiles(q, G)), atol=1e-6)
     assert not np.asarray(tiles).reshape(b, G, n, -1, hd)[:, :, -1, (t - (n - 1) * tt) * R:].any()
+
+
+@pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-3.1-8B
+def test_tiles_walking_their_splits_lower_for_cuda(monkeypatch, heads, kv_heads, hd):
+    """A causal chunk of 40 tokens over a table of 1,024 positions (two splits), each tile walking its
+    splits and combining them itself, lowers to one Triton program for the attention: no combine."""
+    monkeypatch.setattr(IA, "_interpret", lambda: False)
+    b, t, s = 2, 40, jax.ShapeDtypeStruct
+    r = heads // kv_heads
+    n = -(-t // IA.tile_tokens(r))
+    f = lambda tiles, vpos, k, v, table: IA.attend(tiles, vpos, None, table, 1, k, v, r, walk_splits=True)
+    pages = s((2, 65, PAGE, kv_heads, hd), jnp.bfloat16)
+    text = jax.jit(f).trace(s((b, kv_heads, n * IA.tile_rows(r), hd), jnp.bfloat16), s((b, t), jnp.int32), pages,
+                            pages, s((b, 64), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1 and "eagle3_invariant_attention_walk" in text
 
 
 @pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-3.1-8B
@@ -344,7 +361,9 @@ def test_kernel_settings_parse_the_tuning_override_and_name_what_is_wrong():
     assert (settings.block_keys, settings.num_stages, settings.blocks_per_split) == (128, 2, 8)
     assert IA.KernelSettings.parse("") == IA.KernelSettings()
     assert IA.KernelSettings.parse("skip_unseen_keys=1").skip_unseen_keys == 1
+    assert [IA.KernelSettings.parse(f"walk_splits_from={v}").walk_splits_from for v in (0, 512)] == [0, 512]
     for text, named in (("block_key=64", "block_key=64"), ("num_warps=0", "num_warps=0"),
+                        ("walk_splits_from=-1", "0 or more for walk_splits_from"),
                         ("num_stages=two", "num_stages=two"), ("block_keys=48", "block_keys must be a power of two"),
                         ("query_tile_rows=8", "query_tile_rows must be a power of two >= 16"),
                         ("skip_unseen_keys=2", "0 or 1 for skip_unseen_keys")):

@@ -12,7 +12,10 @@ nothing of leaves its carry unchanged (p = exp(MASKED - max) = 0, correction 1),
 nothing of is written as if it had walked no block. The combine takes each row's splits in order up to
 its own position's and no further, so its sums too are fixed by the row's position; a split past the
 tile's last position is never read, and not written: small splits shorten a decode's walk without a
-long table's empty splits costing writes and reads.
+long table's empty splits costing writes and reads. Where a causal step's tiles are many
+(`KernelSettings.walk_splits_from`; off as shipped, not yet timed on a GPU), a program a tile walks
+its splits in turn and combines them itself (`_walk_kernel`): the same sums, no split's output
+written and read back.
 
 A tree node reads its ancestors as at root + depth, where decode would have stored them, gathered
 from where the verify did, so its logits equal decode's. The blocks before the window's (context
@@ -67,6 +70,10 @@ class KernelSettings:
     # p = 0 (or are dropped with the carry they were added to), so no output bit moves; a decode's last
     # block and a tree token's window block read only what it sees. 0: every key of a walked block read.
     skip_unseen_keys: int = 0
+    # From this many (row, kv head, query tile) programs, a causal step's tile walks its splits in turn
+    # and combines them itself, as `_combine_kernel` would (the same sums: `_walk_kernel`), writing no
+    # split's output: many tiles fill the SMs without splits. 0: splits always run as programs.
+    walk_splits_from: int = 0
 
     @classmethod
     def parse(cls, text: str) -> KernelSettings:
@@ -75,10 +82,11 @@ class KernelSettings:
         values = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, _, value = item.partition("=")
-            allowed = ("0", "1") if name in SWITCHES else () if not value.isdigit() or int(value) < 1 else (value,)
+            allowed = (("0", "1") if name in SWITCHES else (value,) if value.isdigit() and name in COUNTS
+                       else () if not value.isdigit() or int(value) < 1 else (value,))
             if name not in fields or value not in allowed:
                 raise ValueError(f"${SETTINGS_ENV}: {item!r} is not one of {sorted(fields)} set to a positive integer"
-                                 f" (0 or 1 for {', '.join(SWITCHES)})")
+                                 f" (0 or 1 for {', '.join(SWITCHES)}; 0 or more for {', '.join(COUNTS)})")
             values[name] = int(value)
         settings = cls(**values)
         for name in ("block_keys", "query_tile_rows"):
@@ -89,6 +97,7 @@ class KernelSettings:
 
 
 SWITCHES = ("skip_unseen_keys",)  # KernelSettings' fields that are 0 or 1
+COUNTS = ("walk_splits_from",)  # and those that may be 0
 SETTINGS_ENV = "EAGLE3_JAX_INVARIANT_ATTENTION"  # KernelSettings.parse's form, read over the defaults at import
 SETTINGS = KernelSettings.parse(os.environ.get(SETTINGS_ENV, ""))
 BLOCK_KEYS = SETTINGS.block_keys
@@ -133,6 +142,51 @@ def _bounds(nb: int, page_size: int, blocks_per_split: int, split):
     return first, jnp.minimum(first + blocks_per_split, capacity), capacity
 
 
+def _split_carry(step, vpos, first, last, hd: int):
+    """A tile's online softmax over key blocks [first, last) of a split, to its last row's position:
+    (output [QT, hd], row max, row sum) in f32, each row's init where it sees nothing of the split."""
+    rows = vpos.shape[0]
+    end = jnp.minimum(last, jnp.max(vpos) // BLOCK_KEYS + 1)
+    init = pallas_attention.online_softmax_init(rows, hd)
+    carry = jax.lax.fori_loop(first, end, step, init)
+    # A row sees key `first * BLOCK_KEYS` if it sees anything of the split: else no block happened to it
+    # (blocks it saw nothing of left p = 1 where its max was still MASKED).
+    seen = vpos >= first * BLOCK_KEYS
+    return tuple(jnp.where(seen.reshape((rows,) + (1,) * (a.ndim - 1)), a, b) for a, b in zip(carry, init))
+
+
+def _walk_kernel(q_ref, vpos_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, *, page_size: int, scale: float,
+                 blocks_per_split: int, skip_unseen_keys: bool, num_splits: int):
+    # Program (row, kv head, tile) of a causal step: refs as `_tile_kernel`'s, o_ref [QT, hd] the output.
+    # The tile's splits in turn, each as `_tile_kernel` walks it, combined as `_combine_kernel` combines
+    # them (split 0, then each row's next ones to its own position's): the same f32 sums, none written.
+    rows, hd = q_ref.shape
+    vpos = vpos_ref[...]
+    split_keys = BLOCK_KEYS * blocks_per_split
+    step = functools.partial(_step, q=q_ref[...], vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
+                             v_ref=v_ref, last_pos=jnp.max(vpos), page_size=page_size, scale=scale,
+                             skip_unseen_keys=skip_unseen_keys)
+
+    def split_result(split):
+        first, last, _ = _bounds(table_ref.shape[0], page_size, blocks_per_split, split)
+        return pallas_attention.split_result(_split_carry(step, vpos, first, last, hd))
+
+    row_splits = vpos // split_keys + 1  # [rows]; padding rows: split 0 alone
+    splits = jnp.clip(jnp.max(row_splits), 1, num_splits)  # the table's, as `_combine_kernel` stops
+
+    def add(split, carry):
+        acc, row_max, den = carry
+        o, lse = split_result(split)
+        merged = pallas_attention.merge_split(acc, row_max, den, o, lse)
+        mine = split < row_splits
+        return (jnp.where(mine[:, None], merged[0], acc), jnp.where(mine, merged[1], row_max),
+                jnp.where(mine, merged[2], den))
+
+    o, lse = split_result(0)
+    acc, _, den = jax.lax.fori_loop(1, splits, add, (o, lse, jnp.ones_like(lse)))
+    o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
+
+
 def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int,
                  skip_unseen_keys: bool):
     # Program (row, kv head, tile, split): the blocks every row of the tile sees alike, to the tile's last
@@ -159,16 +213,10 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
 
     @pl.when(reached | carried)
     def _():
-        end = jnp.minimum(jnp.minimum(last, shared_end), jnp.max(vpos) // BLOCK_KEYS + 1)
         step = functools.partial(_step, q=q_ref[...], vpos=vpos, table_ref=table_ref, layer=layer_ref[0],
                                  k_ref=k_ref, v_ref=v_ref, last_pos=jnp.max(vpos), page_size=page_size, scale=scale,
                                  skip_unseen_keys=skip_unseen_keys)
-        init = pallas_attention.online_softmax_init(rows, hd)
-        carry = jax.lax.fori_loop(first, end, step, init)
-        # A row sees key `first * BLOCK_KEYS` if it sees anything of the split: else no block happened to it
-        # (blocks it saw nothing of left p = 1 where its max was still MASKED).
-        seen = vpos >= first * BLOCK_KEYS
-        carry = tuple(jnp.where(seen.reshape((rows,) + (1,) * (a.ndim - 1)), a, b) for a, b in zip(carry, init))
+        carry = _split_carry(step, vpos, first, jnp.minimum(last, shared_end), hd)
         if not windowed:
             pallas_attention.write_split(carry, o_ref, lse_ref)
             return
@@ -346,12 +394,13 @@ def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_
 def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_table: jax.Array, layer,
            k_pages: jax.Array, v_pages: jax.Array, heads_per_kv: int,
            blocks_per_split: int = BLOCKS_PER_SPLIT, tokens_per_program: int | None = None,
-           skip_unseen_keys: bool = bool(SETTINGS.skip_unseen_keys)) -> jax.Array:
+           skip_unseen_keys: bool = bool(SETTINGS.skip_unseen_keys), walk_splits: bool | None = None) -> jax.Array:
     """Query tiles [B, G, n * tile_rows(R), hd] (`query_tiles`' layout) over layer `layer` of the pages
     [L, P, page, G, hd]; vpos [B, T] each token's position in its own sequence (a tree node's: root +
     depth); paths [B, T, 1 + W] a tree's `ancestor_paths` or None -> [B, T, G*R, hd]. tokens_per_program:
-    a tree window program's tokens (None: `window_tokens`'); the output's bits depend neither on it nor on
-    skip_unseen_keys (`KernelSettings`)."""
+    a tree window program's tokens (None: `window_tokens`'); walk_splits: a causal step's tiles walk their
+    splits in turn (None: from `KernelSettings.walk_splits_from` programs); the output's bits depend on
+    none of these, nor on skip_unseen_keys (`KernelSettings`)."""
     b, g, _, hd = tiles.shape
     t, r = vpos.shape[1], heads_per_kv
     m, tt = tile_rows(r), tile_tokens(r)
@@ -362,16 +411,19 @@ def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_tab
     row_vpos = jnp.pad(jnp.repeat(vpos.reshape(b, n, tt), r, axis=2), ((0, 0), (0, 0), (0, m - tt * r)),
                        constant_values=-1).reshape(b, n * m)
     paths = None if paths is None else paths.astype(jnp.int32)
+    if walk_splits is None:
+        walk_splits = 0 < SETTINGS.walk_splits_from <= b * g * n
     out = _attend(tiles, row_vpos, paths, block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
                   k_pages, v_pages, r=r, blocks_per_split=blocks_per_split, window_tokens=tokens_per_program,
-                  skip_unseen_keys=skip_unseen_keys)
+                  skip_unseen_keys=skip_unseen_keys, walk_splits=walk_splits and paths is None)
     out = out.reshape(b, g, n, m, hd)[:, :, :, :tt * r].reshape(b, g, n * tt, r, hd)[:, :, :t]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
 
 
-@functools.partial(jax.jit, static_argnames=("r", "blocks_per_split", "window_tokens", "skip_unseen_keys"))
+@functools.partial(jax.jit, static_argnames=("r", "blocks_per_split", "window_tokens", "skip_unseen_keys",
+                                             "walk_splits"))
 def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: int, blocks_per_split: int,
-            window_tokens: int, skip_unseen_keys: bool) -> jax.Array:
+            window_tokens: int, skip_unseen_keys: bool, walk_splits: bool) -> jax.Array:
     b, g, rows, hd = tiles.shape
     qt = tile_rows(r)
     n = rows // qt
@@ -404,6 +456,18 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
         return [pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, tile_of(n), 0)),
                 *[pl.BlockSpec((None, None, qt), lambda i, j, n, s: (i, j, tile_of(n)))] * 2]
 
+    if walk_splits and splits > 1:  # a program a tile, its splits walked and combined there
+        inputs, _, _ = specs(lambda n: n)
+        return pl.pallas_call(
+            functools.partial(_walk_kernel, num_splits=splits, **kernel_args),
+            grid=(b, g, n, 1),
+            in_specs=inputs,
+            out_specs=pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, n, 0)),
+            out_shape=jax.ShapeDtypeStruct((b, g, rows, hd), tiles.dtype),
+            interpret=interpret,
+            compiler_params=_compiler_params(),
+            name="eagle3_invariant_attention_walk",
+        )(tiles, row_vpos, block_table, layer, k_slots, v_slots)
     o_shape, lse_shape = (b, g, splits, rows, hd), jax.ShapeDtypeStruct((b, g, splits, rows), jnp.float32)
     out_shapes = [jax.ShapeDtypeStruct(o_shape, tiles.dtype if splits == 1 else jnp.float32), lse_shape]
     operands = (tiles, row_vpos, *([paths] if windowed else []), block_table, layer, k_slots, v_slots)
