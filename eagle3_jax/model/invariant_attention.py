@@ -82,9 +82,9 @@ class KernelSettings:
         values = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, _, value = item.partition("=")
-            allowed = (("0", "1") if name in SWITCHES else (value,) if value.isdigit() and name in COUNTS
-                       else () if not value.isdigit() or int(value) < 1 else (value,))
-            if name not in fields or value not in allowed:
+            valid = (value in ("0", "1") if name in SWITCHES
+                     else value.isdigit() and (name in COUNTS or int(value) >= 1))
+            if name not in fields or not valid:
                 raise ValueError(f"${SETTINGS_ENV}: {item!r} is not one of {sorted(fields)} set to a positive integer"
                                  f" (0 or 1 for {', '.join(SWITCHES)}; 0 or more for {', '.join(COUNTS)})")
             values[name] = int(value)
@@ -142,6 +142,34 @@ def _bounds(nb: int, page_size: int, blocks_per_split: int, split):
     return first, jnp.minimum(first + blocks_per_split, capacity), capacity
 
 
+def _tile_step(q_ref, vpos, table_ref, layer_ref, k_ref, v_ref, *, page_size: int, scale: float,
+               skip_unseen_keys: bool):
+    """`_step` over key blocks as every row of the tile sees them, to its last row's position."""
+    return functools.partial(_step, q=q_ref[...], vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
+                             v_ref=v_ref, last_pos=jnp.max(vpos), page_size=page_size, scale=scale,
+                             skip_unseen_keys=skip_unseen_keys)
+
+
+def _combine_in_order(split_result, vpos, split_keys: int, num_splits: int) -> jax.Array:
+    """Split 0's (o, lse), then each row's next splits' to its own position's and no further, in order:
+    -> acc / den [rows, chunk] f32. split_result(s) -> (o [rows, chunk] f32, lse [rows]): read where
+    `_combine_kernel` combines splits written apart, computed where `_walk_kernel` walks them."""
+    row_splits = vpos // split_keys + 1  # [rows]; padding rows: split 0 alone (the init)
+    splits = jnp.clip(jnp.max(row_splits), 1, num_splits)
+
+    def add(split, carry):
+        acc, row_max, den = carry
+        o, lse = split_result(split)
+        merged = pallas_attention.merge_split(acc, row_max, den, o, lse)
+        mine = split < row_splits
+        return (jnp.where(mine[:, None], merged[0], acc), jnp.where(mine, merged[1], row_max),
+                jnp.where(mine, merged[2], den))
+
+    o, lse = split_result(0)
+    acc, _, den = jax.lax.fori_loop(1, splits, add, (o, lse, jnp.ones_like(lse)))
+    return acc / den[:, None]
+
+
 def _split_carry(step, vpos, first, last, hd: int):
     """A tile's online softmax over key blocks [first, last) of a split, to its last row's position:
     (output [QT, hd], row max, row sum) in f32, each row's init where it sees nothing of the split."""
@@ -160,31 +188,17 @@ def _walk_kernel(q_ref, vpos_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, *, 
     # Program (row, kv head, tile) of a causal step: refs as `_tile_kernel`'s, o_ref [QT, hd] the output.
     # The tile's splits in turn, each as `_tile_kernel` walks it, combined as `_combine_kernel` combines
     # them (split 0, then each row's next ones to its own position's): the same f32 sums, none written.
-    rows, hd = q_ref.shape
+    hd = q_ref.shape[1]
     vpos = vpos_ref[...]
-    split_keys = BLOCK_KEYS * blocks_per_split
-    step = functools.partial(_step, q=q_ref[...], vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
-                             v_ref=v_ref, last_pos=jnp.max(vpos), page_size=page_size, scale=scale,
-                             skip_unseen_keys=skip_unseen_keys)
+    step = _tile_step(q_ref, vpos, table_ref, layer_ref, k_ref, v_ref, page_size=page_size, scale=scale,
+                      skip_unseen_keys=skip_unseen_keys)
 
     def split_result(split):
         first, last, _ = _bounds(table_ref.shape[0], page_size, blocks_per_split, split)
         return pallas_attention.split_result(_split_carry(step, vpos, first, last, hd))
 
-    row_splits = vpos // split_keys + 1  # [rows]; padding rows: split 0 alone
-    splits = jnp.clip(jnp.max(row_splits), 1, num_splits)  # the table's, as `_combine_kernel` stops
-
-    def add(split, carry):
-        acc, row_max, den = carry
-        o, lse = split_result(split)
-        merged = pallas_attention.merge_split(acc, row_max, den, o, lse)
-        mine = split < row_splits
-        return (jnp.where(mine[:, None], merged[0], acc), jnp.where(mine, merged[1], row_max),
-                jnp.where(mine, merged[2], den))
-
-    o, lse = split_result(0)
-    acc, _, den = jax.lax.fori_loop(1, splits, add, (o, lse, jnp.ones_like(lse)))
-    o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
+    out = _combine_in_order(split_result, vpos, BLOCK_KEYS * blocks_per_split, num_splits)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int,
@@ -199,7 +213,7 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
         path_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref, *carry_refs = refs
     else:
         (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref), path_ref = refs, None
-    rows, hd = q_ref.shape
+    hd = q_ref.shape[1]
     vpos = vpos_ref[...]
     split = pl.program_id(3)
     first, last, capacity = _bounds(table_ref.shape[0], page_size, blocks_per_split, split)
@@ -213,9 +227,8 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
 
     @pl.when(reached | carried)
     def _():
-        step = functools.partial(_step, q=q_ref[...], vpos=vpos, table_ref=table_ref, layer=layer_ref[0],
-                                 k_ref=k_ref, v_ref=v_ref, last_pos=jnp.max(vpos), page_size=page_size, scale=scale,
-                                 skip_unseen_keys=skip_unseen_keys)
+        step = _tile_step(q_ref, vpos, table_ref, layer_ref, k_ref, v_ref, page_size=page_size, scale=scale,
+                          skip_unseen_keys=skip_unseen_keys)
         carry = _split_carry(step, vpos, first, jnp.minimum(last, shared_end), hd)
         if not windowed:
             pallas_attention.write_split(carry, o_ref, lse_ref)
@@ -289,19 +302,8 @@ def _combine_kernel(vpos_ref, o_ref, lse_ref, out_ref, *, split_keys: int):
     # [S, rows, chunk] f32, lse_ref [S, rows] -> out_ref [rows, chunk]. A row takes the splits to its own
     # position's, in order, and no further: those past it saw nothing (and a tile does not write those
     # past its last position), so a row's sums depend on its position alone, not on the tile's rows.
-    row_splits = vpos_ref[...] // split_keys + 1  # [rows]; padding rows: split 0 alone (the init)
-    splits = jnp.clip(jnp.max(row_splits), 1, o_ref.shape[0])
-
-    def add(s, carry):
-        acc, row_max, den = carry
-        merged = pallas_attention.merge_split(acc, row_max, den, o_ref[s], lse_ref[s])
-        mine = s < row_splits
-        return (jnp.where(mine[:, None], merged[0], acc), jnp.where(mine, merged[1], row_max),
-                jnp.where(mine, merged[2], den))
-
-    first = lse_ref[0]
-    acc, _, den = jax.lax.fori_loop(1, splits, add, (o_ref[0], first, jnp.ones_like(first)))
-    out_ref[...] = (acc / den[:, None]).astype(out_ref.dtype)
+    out = _combine_in_order(lambda s: (o_ref[s], lse_ref[s]), vpos_ref[...], split_keys, o_ref.shape[0])
+    out_ref[...] = out.astype(out_ref.dtype)
 
 
 def combine_splits(out: jax.Array, lse: jax.Array, row_vpos: jax.Array, dtype, split_keys: int) -> jax.Array:
