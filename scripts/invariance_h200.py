@@ -23,7 +23,9 @@ lossless: SmolLM2-135M-Instruct in bf16 with the shipped drafter, the 80 MT-benc
 speed: tok/s end to end, SmolLM2 with the shipped drafter, batch 1, 8 and 64 (--speed-requests
   prompts at each, at least a batch: one by one, or in waves of the batch), target alone, chain of
   4, tree and prompt lookup, with and without batch_invariant; each engine in a process of its own,
-  timed after a pass that compiled every shape it times.
+  timed --speed-repeats times after a pass that compiled every shape it times (the median pass), and
+  compared in tok/s and in rows x iterations a second (tok/s over the acceptance length: the two
+  kinds' replies differ, and with them what a draft accepts).
 pool: the target's forward alone on pools of 2,000 to 150,000 pages (SmolLM2's config, random
   weights): a decode against itself repeated and against a verify, bit for bit.
 release: four engines one after another in one process, released by LLM.close(), by dropping the
@@ -610,9 +612,12 @@ def phase_release(out: dict, args, questions: list[list[dict]]) -> None:
 
 def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tuple[int, ...]) -> None:
     """One engine's tok/s at each batch size b, --speed-requests prompts (at least b) in waves of b,
-    timed after a pass over the same prompts compiled every shape it runs (at batch 1 each prompt's
-    prefill bucket), prefix caching off. Many short waves, not one: a run of 8 prompts moved the
-    ratio between two runs' kinds by 0.1-0.2."""
+    timed --speed-repeats times after a pass over the same prompts compiled every shape it runs (at
+    batch 1 each prompt's prefill bucket), prefix caching off; the median pass is the figure, the
+    fastest and slowest beside it. Many short waves, not one: a run of 8 prompts moved the ratio
+    between two runs' kinds by 0.1-0.2. Greedy passes repeat the same replies, so each pass does the
+    same work; `row_iterations_s` (tok/s over the acceptance length: rows x iterations a second) is
+    the figure the kernels decide, whatever replies the kind's rounding gave."""
     from eagle3_jax.sampling_params import SamplingParams
 
     # No prefix caching: a warm cache would give the timed pass other (shorter) prefills than the
@@ -627,30 +632,39 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
             return [out for i in range(0, len(prompts), b) for out in llm.chat(prompts[i:i + b], params)]
 
         run()  # warm-up: the same shapes
-        t0 = time.perf_counter()
-        outs = run()
-        wall = time.perf_counter() - t0
+        walls = []
+        for _ in range(args.speed_repeats):
+            t0 = time.perf_counter()
+            outs = run()
+            walls.append(time.perf_counter() - t0)
         tokens = sum(len(o.token_ids) for o in outs)
-        acc = np.mean([o.metrics.acceptance_length for o in outs]) if args.proposal != "target" else 1.0
-        rows.append(dict(proposal=args.proposal, kind=args.kind, b=b, tok_s=round(tokens / wall),
-                         acceptance=round(float(acc), 3)))
+        acc = float(np.mean([o.metrics.acceptance_length for o in outs])) if args.proposal != "target" else 1.0
+        tok_s = tokens / float(np.median(walls))
+        rows.append(dict(proposal=args.proposal, kind=args.kind, b=b, tok_s=round(tok_s, 1),
+                         tok_s_range=[round(tokens / max(walls), 1), round(tokens / min(walls), 1)],
+                         acceptance=round(acc, 3), row_iterations_s=round(tok_s / acc, 1), passes=len(walls)))
         print(rows[-1], flush=True)
     out["speed"] = rows
 
 
 def phase_speed(out: dict, args) -> None:
-    """tok/s of each proposal with each kernel kind, every engine in a process of its own."""
+    """tok/s of each proposal with each kernel kind, every engine in a process of its own; each kind
+    over the default kernels in tok/s (`vs_default`) and in rows x iterations a second
+    (`vs_default_per_iteration`: the kernels' cost without the replies' acceptance)."""
     rows = []
     for proposal in args.proposals.split(","):
         for kind in args.kinds.split(","):
             stem = f"speed-{kind}-{proposal}"
             options = ["--kind", kind, "--proposal", proposal, "--max-tokens", str(args.max_tokens),
-                       "--batches", args.batches, "--speed-requests", str(args.speed_requests)]
+                       "--batches", args.batches, "--speed-requests", str(args.speed_requests),
+                       "--speed-repeats", str(args.speed_repeats)]
             rows += _child(args, "speed-engine", stem, options).get("speed", [])
-    for row in rows:  # each kind's tok/s over the default kernels'
+    for row in rows:
         base = next((r for r in rows if r["proposal"] == row["proposal"] and r["b"] == row["b"]
                      and r["kind"] == "default"), None)
         row["vs_default"] = round(row["tok_s"] / base["tok_s"], 3) if base else None
+        row["vs_default_per_iteration"] = (round(row["row_iterations_s"] / base["row_iterations_s"], 3)
+                                           if base else None)
     out["speed"] = rows
 
 
@@ -666,6 +680,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="lossless, speed: tokens a reply")
     p.add_argument("--speed-requests", type=int, default=64,
                    help="speed: the prompts timed at each batch size (at least the batch), in waves of the batch")
+    p.add_argument("--speed-repeats", type=int, default=5, help="speed: timed passes at each batch size (the median)")
     p.add_argument("--kinds", default="invariant,default")
     p.add_argument("--proposals", default=",".join(PROPOSALS), help="lossless: the engines compared")
     p.add_argument("--variants", default="",
