@@ -617,7 +617,8 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
     fastest and slowest beside it. Many short waves, not one: a run of 8 prompts moved the ratio
     between two runs' kinds by 0.1-0.2. Greedy passes repeat the same replies, so each pass does the
     same work; `row_iterations_s` (tok/s over the acceptance length: rows x iterations a second) is
-    the figure the kernels decide, whatever replies the kind's rounding gave."""
+    the figure the kernels decide, whatever replies the kind's rounding gave, and the median TTFT and
+    time a token after the first (TPOT) put prefill and decoding apart."""
     from eagle3_jax.sampling_params import SamplingParams
 
     # No prefix caching: a warm cache would give the timed pass other (shorter) prefills than the
@@ -632,25 +633,34 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
             return [out for i in range(0, len(prompts), b) for out in llm.chat(prompts[i:i + b], params)]
 
         run()  # warm-up: the same shapes
-        walls = []
+        passes = []  # (wall s, outputs)
         for _ in range(args.speed_repeats):
             t0 = time.perf_counter()
             outs = run()
-            walls.append(time.perf_counter() - t0)
+            passes.append((time.perf_counter() - t0, outs))
+        walls = sorted(wall for wall, _ in passes)
+        wall, outs = sorted(passes, key=lambda p: p[0])[len(passes) // 2]  # the median pass
         tokens = sum(len(o.token_ids) for o in outs)
         acc = float(np.mean([o.metrics.acceptance_length for o in outs])) if args.proposal != "target" else 1.0
-        tok_s = tokens / float(np.median(walls))
-        rows.append(dict(proposal=args.proposal, kind=args.kind, b=b, tok_s=round(tok_s, 1),
-                         tok_s_range=[round(tokens / max(walls), 1), round(tokens / min(walls), 1)],
-                         acceptance=round(acc, 3), row_iterations_s=round(tok_s / acc, 1), passes=len(walls)))
+        m = [o.metrics for o in outs]
+        # Prefill and decoding apart: a request's wait for its first token, then its time a token after it.
+        ttft = [x.first_token_time - x.arrival_time for x in m]
+        tpot = [(x.last_token_time - x.first_token_time) / (len(o.token_ids) - 1)
+                for x, o in zip(m, outs) if len(o.token_ids) > 1]
+        rows.append(dict(proposal=args.proposal, kind=args.kind, b=b, tok_s=round(tokens / wall, 1),
+                         tok_s_range=[round(tokens / walls[-1], 1), round(tokens / walls[0], 1)],
+                         acceptance=round(acc, 3), row_iterations_s=round(tokens / wall / acc, 1),
+                         ttft_p50_ms=round(1e3 * float(np.median(ttft)), 2),
+                         tpot_p50_ms=round(1e3 * float(np.median(tpot)), 3) if tpot else None, passes=len(passes)))
         print(rows[-1], flush=True)
     out["speed"] = rows
 
 
 def phase_speed(out: dict, args) -> None:
     """tok/s of each proposal with each kernel kind, every engine in a process of its own; each kind
-    over the default kernels in tok/s (`vs_default`) and in rows x iterations a second
-    (`vs_default_per_iteration`: the kernels' cost without the replies' acceptance)."""
+    over the default kernels in tok/s (`vs_default`), in rows x iterations a second
+    (`vs_default_per_iteration`: the kernels' cost without the replies' acceptance) and in decoding
+    alone (`vs_default_decoding`: the time a token after the first, prefill left out)."""
     rows = []
     for proposal in args.proposals.split(","):
         for kind in args.kinds.split(","):
@@ -665,6 +675,9 @@ def phase_speed(out: dict, args) -> None:
         row["vs_default"] = round(row["tok_s"] / base["tok_s"], 3) if base else None
         row["vs_default_per_iteration"] = (round(row["row_iterations_s"] / base["row_iterations_s"], 3)
                                            if base else None)
+        # Decoding alone, as a speed (the default's time a token over this one's): prefill left out.
+        row["vs_default_decoding"] = (round(base["tpot_p50_ms"] / row["tpot_p50_ms"], 3)
+                                      if base and base.get("tpot_p50_ms") and row.get("tpot_p50_ms") else None)
     out["speed"] = rows
 
 
