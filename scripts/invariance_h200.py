@@ -638,8 +638,8 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
             t0 = time.perf_counter()
             outs = run()
             passes.append((time.perf_counter() - t0, outs))
-        walls = sorted(wall for wall, _ in passes)
-        wall, outs = sorted(passes, key=lambda p: p[0])[len(passes) // 2]  # the median pass
+        passes.sort(key=lambda p: p[0])
+        wall, outs = passes[len(passes) // 2]  # the median pass
         tokens = sum(len(o.token_ids) for o in outs)
         acc = float(np.mean([o.metrics.acceptance_length for o in outs])) if args.proposal != "target" else 1.0
         m = [o.metrics for o in outs]
@@ -648,7 +648,7 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
         tpot = [(x.last_token_time - x.first_token_time) / (len(o.token_ids) - 1)
                 for x, o in zip(m, outs) if len(o.token_ids) > 1]
         rows.append(dict(proposal=args.proposal, kind=args.kind, b=b, tok_s=round(tokens / wall, 1),
-                         tok_s_range=[round(tokens / walls[-1], 1), round(tokens / walls[0], 1)],
+                         tok_s_range=[round(tokens / passes[-1][0], 1), round(tokens / passes[0][0], 1)],
                          acceptance=round(acc, 3), row_iterations_s=round(tokens / wall / acc, 1),
                          ttft_p50_ms=round(1e3 * float(np.median(ttft)), 2),
                          tpot_p50_ms=round(1e3 * float(np.median(tpot)), 3) if tpot else None, passes=len(passes)))
@@ -731,6 +731,8 @@ def main() -> None:
     p.add_argument("--out-dir", default=".")
     p.add_argument("--out-name", default=None, help="the JSON's name (default: the phase's)")
     args = p.parse_args()
+    if args.speed_repeats < 1:
+        p.error(f"--speed-repeats {args.speed_repeats}: at least one timed pass")
     out: dict = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                      date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     batches = tuple(int(b) for b in args.batches.split(","))
