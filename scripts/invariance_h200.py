@@ -642,11 +642,10 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
         wall, outs = passes[len(passes) // 2]  # the median pass
         tokens = sum(len(o.token_ids) for o in outs)
         acc = float(np.mean([o.metrics.acceptance_length for o in outs])) if args.proposal != "target" else 1.0
-        m = [o.metrics for o in outs]
         # Prefill and decoding apart: a request's wait for its first token, then its time a token after it.
-        ttft = [x.first_token_time - x.arrival_time for x in m]
-        tpot = [(x.last_token_time - x.first_token_time) / (len(o.token_ids) - 1)
-                for x, o in zip(m, outs) if len(o.token_ids) > 1]
+        ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+        tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+                for o in outs if len(o.token_ids) > 1]
         rows.append(dict(proposal=args.proposal, kind=args.kind, b=b, tok_s=round(tokens / wall, 1),
                          tok_s_range=[round(tokens / passes[-1][0], 1), round(tokens / passes[0][0], 1)],
                          acceptance=round(acc, 3), row_iterations_s=round(tokens / wall / acc, 1),

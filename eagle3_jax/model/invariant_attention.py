@@ -13,9 +13,10 @@ nothing of is written as if it had walked no block. The combine takes each row's
 its own position's and no further, so its sums too are fixed by the row's position; a split past the
 tile's last position is never read, and not written: small splits shorten a decode's walk without a
 long table's empty splits costing writes and reads. Where a causal step's tiles are many
-(`KernelSettings.walk_splits_from`; off as shipped, not yet timed on a GPU), a program a tile walks
-its splits in turn and combines them itself (`_walk_kernel`): the same sums, no split's output
-written and read back.
+(`KernelSettings.walk_splits_from`; off as shipped), a program a tile walks its splits in turn and
+combines them itself (`_walk_kernel`): the same sums, no split's output written and read back. On an
+H100 it spared a 32-token step at 64 rows 7-24% of its attention but the whole forward 1%
+(BENCHMARKS.md, "Batch invariance: the cost"), and its bits are not yet checked on a GPU.
 
 A tree node reads its ancestors as at root + depth, where decode would have stored them, gathered
 from where the verify did, so its logits equal decode's. The blocks before the window's (context
