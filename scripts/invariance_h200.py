@@ -429,7 +429,10 @@ def phase_attribution(out: dict, args, batches: tuple[int, ...]) -> None:
             time_forward(f"attention invariant, {tokens} window tokens a program", "invariant", "xla", causal=False)
         finally:
             invariant_attention.window_tokens = rule
-    gemms, tuned = tune_projections(cfg, tuple(int(m) for m in args.tune_rows.split(",")), args.calls)
+    tune_rows = tuple(int(m) for m in args.tune_rows.split(",") if m)
+    if not tune_rows:
+        return
+    gemms, tuned = tune_projections(cfg, tune_rows, args.calls)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     tiles_path = Path(args.out_dir) / "tiles.json"
     tiles_path.write_text(json.dumps({jax.devices()[0].device_kind: [t.to_json() for t in tuned]}, indent=1))
@@ -726,7 +729,7 @@ def main() -> None:
     p.add_argument("--window-tokens", default="1,2,3,5",
                    help="attribution: the tree window kernel's tokens a program timed (SmolLM2: 5 a tile of 16 rows)")
     p.add_argument("--tune-rows", default=",".join(map(str, TUNE_ROWS)),
-                   help="attribution: the row counts the projections' tiles are tuned at")
+                   help="attribution: the row counts the projections' tiles are tuned at ('': no tuning)")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--out-name", default=None, help="the JSON's name (default: the phase's)")
     args = p.parse_args()
