@@ -96,16 +96,21 @@ def _inputs(seed, b, t):
 
 def _assert_tiles_equal_per_token(q, vpos, paths, table, k, v, blocks_per_split):
     """The tiles' output equals a program per token's, bit for bit, reading every key of a walked block
-    or only those some row of interest sees (skip_unseen_keys); a causal step's also with each tile
-    walking its splits in turn and combining them itself (walk_splits)."""
+    or only those some row of interest sees (skip_unseen_keys), a program a tile or a group of 2, 4 or 8
+    tiles sharing each block's keys (tiles_per_program: the last group padded with tiles of nothing);
+    a causal step's also with each tile walking its splits in turn and combining them itself
+    (walk_splits)."""
     want = _per_token(q, vpos, paths, table, k, v, blocks_per_split)
-    variants = [(False, False), (True, False)] + ([(False, True)] if paths is None else [])
-    for skip_unseen_keys, walk_splits in variants:
+    variants = [(False, False, 1), (True, False, 1), (False, False, 2), (True, False, 4), (False, False, 8)]
+    variants += [(False, True, 1)] if paths is None else []
+    for skip_unseen_keys, walk_splits, tiles_per_program in variants:
         got = IA.attend(IA.query_tiles(q, G), vpos, paths, table, 0, k[None], v[None], R, blocks_per_split,
-                        skip_unseen_keys=skip_unseen_keys, walk_splits=walk_splits)
+                        skip_unseen_keys=skip_unseen_keys, walk_splits=walk_splits,
+                        tiles_per_program=tiles_per_program)
         assert got.dtype == want.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                      err_msg=f"skip_unseen_keys={skip_unseen_keys}, walk_splits={walk_splits}")
+                                      err_msg=f"skip_unseen_keys={skip_unseen_keys}, walk_splits={walk_splits}, "
+                                              f"tiles_per_program={tiles_per_program}")
     return np.asarray(got, np.float32)
 
 
@@ -151,7 +156,7 @@ def test_the_combine_takes_each_rows_splits_to_its_own_position_and_reads_none_p
 
 
 def test_tree_tiles_equal_a_program_per_token_bit_for_bit():
-    """A tree verify of 32 tokens (two tiles): each node reads its ancestors at root + depth from
+    """A tree verify of 32 tokens (seven tiles): each node reads its ancestors at root + depth from
     root + index. Splits of two blocks; windows at 0 (no shared context), at 60 (nodes past depth 3
     in the next block) and at 120 (block 0 shared, block 1 a node's own, nodes past depth 7 in the
     next split)."""
@@ -228,13 +233,19 @@ def test_tiles_walking_their_splits_lower_for_cuda(monkeypatch, heads, kv_heads,
     assert text.count("xla.gpu.triton") == 1 and "eagle3_invariant_attention_walk" in text
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("heads, kv_heads, hd", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-3.1-8B
-def test_tiles_lower_for_cuda(monkeypatch, heads, kv_heads, hd):
+def test_tiles_lower_for_cuda(monkeypatch, heads, kv_heads, hd, grouped):
     """The tile kernels under a tree verify of 32 tokens and a causal chunk of 40, split over a table
     of 1,024 positions, lower to Triton for CUDA: the tiled RoPE write, the attention (a tree's
-    window blocks a program a token after it), the combine."""
+    window blocks a program a token after it), the combine; a program a tile, or up to 4 tiles a
+    program (`KernelSettings.tiles_per_program`)."""
     monkeypatch.setattr(pallas_attention, "_interpret", lambda: False)
     monkeypatch.setattr(IA, "_interpret", lambda: False)
+    if grouped:
+        monkeypatch.setattr(IA, "SETTINGS", IA.KernelSettings(tiles_per_program=4))
+        monkeypatch.setattr(IA, "GROUPED_MIN_PROGRAMS", 1)
+        assert IA.tile_group(2, kv_heads, 7) == 4 and IA.tile_group(2, kv_heads, 2) == 2
     b, s = 2, jax.ShapeDtypeStruct
     pages = s((2, 65, PAGE, kv_heads, hd), jnp.bfloat16)
     inv_freq = layers.rope_inv_freq(hd, 10000.0, None)
@@ -264,7 +275,7 @@ def test_a_window_touches_no_more_splits_than_window_splits():
 
 
 def _tree_step(seed, starts):
-    """A tree verify of 32 nodes (two tiles, 21 + 11) a row: random parents at most 4 back, so depths
+    """A tree verify of 32 nodes (seven tiles, the last of two nodes) a row: random parents at most 4 back, so depths
     past 8; row r's root at starts[r]. -> (q, k, v, table, vpos, paths, tree)."""
     b, t = len(starts), 32
     rng, q, k, v, table = _inputs(seed, b, t)
@@ -362,10 +373,30 @@ def test_kernel_settings_parse_the_tuning_override_and_name_what_is_wrong():
     assert IA.KernelSettings.parse("") == IA.KernelSettings()
     assert IA.KernelSettings.parse("skip_unseen_keys=1").skip_unseen_keys == 1
     assert [IA.KernelSettings.parse(f"walk_splits_from={v}").walk_splits_from for v in (0, 512)] == [0, 512]
+    assert IA.KernelSettings.parse("tiles_per_program=8").tiles_per_program == 8
     for text, named in (("block_key=64", "block_key=64"), ("num_warps=0", "num_warps=0"),
                         ("walk_splits_from=-1", "0 or more for walk_splits_from"),
                         ("num_stages=two", "num_stages=two"), ("block_keys=48", "block_keys must be a power of two"),
                         ("query_tile_rows=8", "query_tile_rows must be a power of two >= 16"),
-                        ("skip_unseen_keys=2", "0 or 1 for skip_unseen_keys")):
+                        ("skip_unseen_keys=2", "0 or 1 for skip_unseen_keys"),
+                        ("tiles_per_program=3", "tiles_per_program must be a power of two"),
+                        ("tiles_per_program=0", "tiles_per_program=0")):
         with pytest.raises(ValueError, match=named):
             IA.KernelSettings.parse(text)
+
+
+def test_tiles_group_only_while_the_programs_fill_the_gpu(monkeypatch):
+    """`tile_group`: up to tiles_per_program tiles a program, never more than the tiles (rounded up to
+    a power of two), and only while the programs stay GROUPED_MIN_PROGRAMS; 1 as shipped."""
+    assert IA.KernelSettings().tiles_per_program == 1 and IA.tile_group(64, 8, 8) == 1
+    monkeypatch.setattr(IA, "SETTINGS", IA.KernelSettings(tiles_per_program=8))
+    assert IA.GROUPED_MIN_PROGRAMS == 256
+    # SmolLM2's tree of 32 nodes (7 tiles, 3 kv heads) at 64 rows: 4 a program (2 programs a row's head).
+    assert [IA.tile_group(b, 3, 7) for b in (1, 8, 64, 128)] == [1, 1, 4, 8]
+    # Llama-3.1-8B's 32 tokens a row (8 tiles, 8 kv heads); a decode's one tile stays one.
+    assert [IA.tile_group(b, 8, 8) for b in (4, 8, 16, 32)] == [1, 2, 4, 8]
+    assert IA.tile_group(64, 8, 1) == 1 and IA.tile_group(64, 8, 2) == 2
+    _, q, k, v, table = _inputs(1, 1, 5)
+    with pytest.raises(ValueError, match="power of two"):
+        IA.attend(IA.query_tiles(q, G), jnp.zeros((1, 5), jnp.int32), None, table, 0, k[None], v[None], R,
+                  tiles_per_program=3)

@@ -16,7 +16,10 @@ long table's empty splits costing writes and reads. Where a causal step's tiles 
 (`KernelSettings.walk_splits_from`; off as shipped), a program a tile walks its splits in turn and
 combines them itself (`_walk_kernel`): the same sums, no split's output written and read back. On an
 H100 it spared a 32-token step at 64 rows 7-24% of its attention but the whole forward 1%
-(BENCHMARKS.md, "Batch invariance: the cost"), and its bits are not yet checked on a GPU.
+(BENCHMARKS.md, "Batch invariance: the cost"), and its bits are not yet checked on a GPU. Where a
+row's kv head has several query tiles (a long chunk, a tree), a program may take a group of them
+(`KernelSettings.tiles_per_program`; off as shipped): each key block is loaded once for the group,
+each tile's MMAs and sums its own, so every tile's arithmetic is a lone tile's.
 
 A tree node reads its ancestors as at root + depth, where decode would have stored them, gathered
 from where the verify did, so its logits equal decode's. The blocks before the window's (context
@@ -75,6 +78,11 @@ class KernelSettings:
     # and combines them itself, as `_combine_kernel` would (the same sums: `_walk_kernel`), writing no
     # split's output: many tiles fill the SMs without splits. 0: splits always run as programs.
     walk_splits_from: int = 0
+    # A causal step's or a tree's context program takes up to this many query tiles of a row's kv head
+    # (a power of two), each block of keys loaded once for them all, each tile's MMAs and sums its own:
+    # a long chunk's or a tree's tiles read the keys fewer times. 1: a program a tile. Taken only
+    # while the programs stay at least GROUPED_MIN_PROGRAMS (`tile_group`).
+    tiles_per_program: int = 1
 
     @classmethod
     def parse(cls, text: str) -> KernelSettings:
@@ -94,6 +102,9 @@ class KernelSettings:
             value = getattr(settings, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"${SETTINGS_ENV}: {name} must be a power of two >= 16 (an MMA's side), not {value}")
+        if settings.tiles_per_program & (settings.tiles_per_program - 1):
+            raise ValueError(f"${SETTINGS_ENV}: tiles_per_program must be a power of two (a block's rows), "
+                             f"not {settings.tiles_per_program}")
         return settings
 
 
@@ -107,12 +118,15 @@ QUERY_TILE_ROWS = SETTINGS.query_tile_rows  # a tile's rows at least, whatever t
 # The tree window kernel's programs over its first split to aim at: enough to fill an H100's SMs a few
 # times over; a program walks more tokens in turn as the batch grows past it (`window_tokens`).
 WINDOW_PROGRAMS = 1024
+# Tiles grouped into one program (`KernelSettings.tiles_per_program`) only while the programs stay this
+# many: about two an H100 SM.
+GROUPED_MIN_PROGRAMS = 256
 
 
-def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, token=None, *, last_pos, page_size: int,
-          scale: float, skip_unseen_keys: bool):
-    """Key block i (BLOCK_KEYS positions) for query tile q [QT, hd], rows at positions vpos [QT]: as
-    `token` sees it, its ancestors gathered from where the verify stored them (None: as every row does).
+def _keys(i, table_ref, layer, k_ref, v_ref, path_ref=None, token=None, *, last_pos, page_size: int,
+          skip_unseen_keys: bool):
+    """Key block i (BLOCK_KEYS positions) as `token` sees it, its ancestors gathered from where the verify
+    stored them (None: as every row does) -> (positions [BLOCK_KEYS], k, v [BLOCK_KEYS, hd]).
     last_pos: the last position a row of interest sees (with skip_unseen_keys, keys past it are not read)."""
     nb = table_ref.shape[0]
     key_pos = i * BLOCK_KEYS + jax.lax.iota(jnp.int32, BLOCK_KEYS)
@@ -131,8 +145,22 @@ def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, toke
         k, v = (plgpu.load(ref.at[at], mask=read, other=0) for ref in (k_ref, v_ref))
     else:
         k, v = k_ref[layer, slot], v_ref[layer, slot]
+    return key_pos, k, v
+
+
+def _update(carry, q, vpos, key_pos, k, v, scale: float):
+    """A query tile q [QT, hd], rows at positions vpos [QT], over one key block: its online softmax carry
+    on. Every tile's the same MMA shape, whatever program runs it and whatever tiles beside it."""
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
     return pallas_attention.online_softmax_step(carry, jnp.where(key_pos[None, :] <= vpos[:, None], s, MASKED), v)
+
+
+def _step(i, carry, q, vpos, table_ref, layer, k_ref, v_ref, path_ref=None, token=None, *, last_pos, page_size: int,
+          scale: float, skip_unseen_keys: bool):
+    """`_update` over key block i (`_keys`)."""
+    keys = _keys(i, table_ref, layer, k_ref, v_ref, path_ref, token, last_pos=last_pos, page_size=page_size,
+                 skip_unseen_keys=skip_unseen_keys)
+    return _update(carry, q, vpos, *keys, scale)
 
 
 def _bounds(nb: int, page_size: int, blocks_per_split: int, split):
@@ -143,12 +171,10 @@ def _bounds(nb: int, page_size: int, blocks_per_split: int, split):
     return first, jnp.minimum(first + blocks_per_split, capacity), capacity
 
 
-def _tile_step(q_ref, vpos, table_ref, layer_ref, k_ref, v_ref, *, page_size: int, scale: float,
-               skip_unseen_keys: bool):
-    """`_step` over key blocks as every row of the tile sees them, to its last row's position."""
-    return functools.partial(_step, q=q_ref[...], vpos=vpos, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref,
-                             v_ref=v_ref, last_pos=jnp.max(vpos), page_size=page_size, scale=scale,
-                             skip_unseen_keys=skip_unseen_keys)
+def _tile_keys(table_ref, layer_ref, k_ref, v_ref, last_pos, *, page_size: int, skip_unseen_keys: bool):
+    """`_keys` of block i as every row of the tiles sees them, to `last_pos`, their last row's position."""
+    return functools.partial(_keys, table_ref=table_ref, layer=layer_ref[0], k_ref=k_ref, v_ref=v_ref,
+                             last_pos=last_pos, page_size=page_size, skip_unseen_keys=skip_unseen_keys)
 
 
 def _combine_in_order(split_result, vpos, split_keys: int, num_splits: int) -> jax.Array:
@@ -171,17 +197,26 @@ def _combine_in_order(split_result, vpos, split_keys: int, num_splits: int) -> j
     return acc / den[:, None]
 
 
-def _split_carry(step, vpos, first, last, hd: int):
-    """A tile's online softmax over key blocks [first, last) of a split, to its last row's position:
-    (output [QT, hd], row max, row sum) in f32, each row's init where it sees nothing of the split."""
-    rows = vpos.shape[0]
-    end = jnp.minimum(last, jnp.max(vpos) // BLOCK_KEYS + 1)
-    init = pallas_attention.online_softmax_init(rows, hd)
-    carry = jax.lax.fori_loop(first, end, step, init)
+def _split_carries(keys, tiles, first, last, scale: float) -> list:
+    """The online softmax of each query tile of `tiles` [(q [QT, hd], vpos [QT])] over key blocks
+    [first, last) of a split, to their last row's position, each block's keys loaded once (`keys(i)`):
+    [(output [QT, hd], row max, row sum)] in f32, each row's init where it sees nothing of the split.
+    A tile walked past its own last row's block is left as it was (p = 0, correction 1)."""
+    end = jnp.minimum(last, functools.reduce(jnp.maximum, [jnp.max(vpos) for _, vpos in tiles]) // BLOCK_KEYS + 1)
+    inits = tuple(pallas_attention.online_softmax_init(*q.shape) for q, _ in tiles)
+
+    def block(i, carries):
+        key_pos, k, v = keys(i)
+        return tuple(_update(c, q, vpos, key_pos, k, v, scale) for c, (q, vpos) in zip(carries, tiles))
+
+    carries = jax.lax.fori_loop(first, end, block, inits)
     # A row sees key `first * BLOCK_KEYS` if it sees anything of the split: else no block happened to it
     # (blocks it saw nothing of left p = 1 where its max was still MASKED).
-    seen = vpos >= first * BLOCK_KEYS
-    return tuple(jnp.where(seen.reshape((rows,) + (1,) * (a.ndim - 1)), a, b) for a, b in zip(carry, init))
+    out = []
+    for carry, init, (_, vpos) in zip(carries, inits, tiles):
+        seen = vpos >= first * BLOCK_KEYS
+        out.append(tuple(jnp.where(seen.reshape((-1,) + (1,) * (a.ndim - 1)), a, b) for a, b in zip(carry, init)))
+    return out
 
 
 def _walk_kernel(q_ref, vpos_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, *, page_size: int, scale: float,
@@ -189,62 +224,72 @@ def _walk_kernel(q_ref, vpos_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, *, 
     # Program (row, kv head, tile) of a causal step: refs as `_tile_kernel`'s, o_ref [QT, hd] the output.
     # The tile's splits in turn, each as `_tile_kernel` walks it, combined as `_combine_kernel` combines
     # them (split 0, then each row's next ones to its own position's): the same f32 sums, none written.
-    hd = q_ref.shape[1]
-    vpos = vpos_ref[...]
-    step = _tile_step(q_ref, vpos, table_ref, layer_ref, k_ref, v_ref, page_size=page_size, scale=scale,
+    q, vpos = q_ref[...], vpos_ref[...]
+    keys = _tile_keys(table_ref, layer_ref, k_ref, v_ref, jnp.max(vpos), page_size=page_size,
                       skip_unseen_keys=skip_unseen_keys)
 
     def split_result(split):
         first, last, _ = _bounds(table_ref.shape[0], page_size, blocks_per_split, split)
-        return pallas_attention.split_result(_split_carry(step, vpos, first, last, hd))
+        return pallas_attention.split_result(_split_carries(keys, [(q, vpos)], first, last, scale)[0])
 
     out = _combine_in_order(split_result, vpos, BLOCK_KEYS * blocks_per_split, num_splits)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed: bool, blocks_per_split: int,
-                 skip_unseen_keys: bool):
-    # Program (row, kv head, tile, split): the blocks every row of the tile sees alike, to the tile's last
-    # position or a tree window's block. q_ref [QT, hd], row u*R + h: q head h of the tile's token u;
-    # vpos_ref [QT] own-sequence positions (-1: padding); path_ref [T, 1 + W] the row's `ancestor_paths`;
-    # table_ref [nb]; k_ref, v_ref [L, P * page, hd] -> o_ref [QT, hd], lse_ref [QT]. A tree's split the
-    # window starts in leaves its carry to `_window_kernel` instead, carry_refs [QT, hd], [QT], [QT] f32
-    # (exact).
+                 skip_unseen_keys: bool, group: int):
+    # Program (row, kv head, group of tiles, split): the blocks every row of the tiles sees alike, to their
+    # last position or a tree window's block, each block's keys loaded once for the `group` tiles. q_ref
+    # [group * QT, hd], row u*R + h of a tile: q head h of its token u; vpos_ref [group * QT] own-sequence
+    # positions (-1: padding); path_ref [T, 1 + W] the row's `ancestor_paths`; table_ref [nb]; k_ref,
+    # v_ref [L, P * page, hd] -> o_ref [group * QT, hd], lse_ref [group * QT]. A tree's split the window
+    # starts in leaves its carry to `_window_kernel` instead, carry_refs [group * QT, hd], [group * QT],
+    # [group * QT] f32 (exact).
     if windowed:
         path_ref, table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref, *carry_refs = refs
     else:
         (table_ref, layer_ref, k_ref, v_ref, o_ref, lse_ref), path_ref = refs, None
-    hd = q_ref.shape[1]
+    qt = q_ref.shape[0] // group
     vpos = vpos_ref[...]
     split = pl.program_id(3)
     first, last, capacity = _bounds(table_ref.shape[0], page_size, blocks_per_split, split)
     shared_end = path_ref[0, 0] // BLOCK_KEYS if windowed else capacity
     # A tree's split the window starts in: its carry goes on in `_window_kernel`.
     carried = (first <= shared_end) & (shared_end < last) if windowed else False
-    # A split past the tile's last position is neither walked, written nor read (`_combine_kernel` stops
+    # A split past the tiles' last position is neither walked, written nor read (`_combine_kernel` stops
     # each row at its own position's split): small splits cost a long table nothing past the context.
     # Split 0 is written whatever the tile (padding's included).
     reached = (split == 0) | (first * BLOCK_KEYS <= jnp.max(vpos))
+    rows = [pl.ds(i * qt, qt) for i in range(group)]  # each tile's rows of the blocks
+
+    def write(carries):
+        for at, carry in zip(rows, carries):
+            o, lse = pallas_attention.split_result(carry)
+            o_ref[at, :] = o.astype(o_ref.dtype)
+            lse_ref[at] = lse
 
     @pl.when(reached | carried)
     def _():
-        step = _tile_step(q_ref, vpos, table_ref, layer_ref, k_ref, v_ref, page_size=page_size, scale=scale,
+        keys = _tile_keys(table_ref, layer_ref, k_ref, v_ref, jnp.max(vpos), page_size=page_size,
                           skip_unseen_keys=skip_unseen_keys)
-        carry = _split_carry(step, vpos, first, jnp.minimum(last, shared_end), hd)
+        tiles = [(q_ref[...], vpos)] if group == 1 else [(q_ref[at, :], vpos_ref[at]) for at in rows]
+        carries = _split_carries(keys, tiles, first, jnp.minimum(last, shared_end), scale)
         if not windowed:
-            pallas_attention.write_split(carry, o_ref, lse_ref)
+            write(carries)
             return
         # Splits past the window's start are written here too, every row's carry init (nothing of them
         # seen yet): what the window kernel's walk leaves a row it does not reach, so it skips those rows.
 
         @pl.when(jnp.logical_not(carried))
         def _():
-            pallas_attention.write_split(carry, o_ref, lse_ref)
+            write(carries)
 
         @pl.when(carried)
         def _():
-            for ref, value in zip(carry_refs, carry):
-                ref[...] = value
+            for at, carry in zip(rows, carries):
+                carry_refs[0][at, :] = carry[0]
+                carry_refs[1][at] = carry[1]
+                carry_refs[2][at] = carry[2]
 
 
 def _window_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref, carry_o_ref, carry_max_ref,
@@ -354,6 +399,17 @@ def window_tokens(batch: int, kv_heads: int, tokens: int) -> int:
     return max(1, min(batch * kv_heads * tokens // WINDOW_PROGRAMS, QUERY_TILE_ROWS))
 
 
+def tile_group(batch: int, kv_heads: int, tiles: int) -> int:
+    """The query tiles of a row's kv head a causal or context program takes: the most, a power of two up
+    to `KernelSettings.tiles_per_program` and to the tiles there are, that leaves GROUPED_MIN_PROGRAMS
+    programs (a split's)."""
+    group = 1
+    while (group < SETTINGS.tiles_per_program and group < tiles
+           and batch * kv_heads * -(-tiles // (2 * group)) >= GROUPED_MIN_PROGRAMS):
+        group *= 2
+    return group
+
+
 def tile_rows(heads_per_kv: int) -> int:
     """A query tile's rows for a model of R q heads a kv head: QUERY_TILE_ROWS, or the power of two
     that holds one token's R rows where that is more. Fixed by the model, so by every step alike."""
@@ -397,13 +453,15 @@ def attention(qkv: jax.Array, positions: jax.Array, block_table: jax.Array, inv_
 def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_table: jax.Array, layer,
            k_pages: jax.Array, v_pages: jax.Array, heads_per_kv: int,
            blocks_per_split: int = BLOCKS_PER_SPLIT, tokens_per_program: int | None = None,
-           skip_unseen_keys: bool = bool(SETTINGS.skip_unseen_keys), walk_splits: bool | None = None) -> jax.Array:
+           skip_unseen_keys: bool = bool(SETTINGS.skip_unseen_keys), walk_splits: bool | None = None,
+           tiles_per_program: int | None = None) -> jax.Array:
     """Query tiles [B, G, n * tile_rows(R), hd] (`query_tiles`' layout) over layer `layer` of the pages
     [L, P, page, G, hd]; vpos [B, T] each token's position in its own sequence (a tree node's: root +
     depth); paths [B, T, 1 + W] a tree's `ancestor_paths` or None -> [B, T, G*R, hd]. tokens_per_program:
     a tree window program's tokens (None: `window_tokens`'); walk_splits: a causal step's tiles walk their
-    splits in turn (None: from `KernelSettings.walk_splits_from` programs); the output's bits depend on
-    none of these, nor on skip_unseen_keys (`KernelSettings`)."""
+    splits in turn (None: from `KernelSettings.walk_splits_from` programs); tiles_per_program: the query
+    tiles a causal or context program takes, a power of two (None: `tile_group`'s); the output's bits
+    depend on none of these, nor on skip_unseen_keys (`KernelSettings`)."""
     b, g, _, hd = tiles.shape
     t, r = vpos.shape[1], heads_per_kv
     m, tt = tile_rows(r), tile_tokens(r)
@@ -416,20 +474,29 @@ def attend(tiles: jax.Array, vpos: jax.Array, paths: jax.Array | None, block_tab
     paths = None if paths is None else paths.astype(jnp.int32)
     if walk_splits is None:
         walk_splits = 0 < SETTINGS.walk_splits_from <= b * g * n
+    walk_splits = walk_splits and paths is None
+    group = 1 if walk_splits else tiles_per_program or tile_group(b, g, n)
+    if group & (group - 1):
+        raise ValueError(f"invariant attention: tiles_per_program must be a power of two, not {group}")
     out = _attend(tiles, row_vpos, paths, block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
                   k_pages, v_pages, r=r, blocks_per_split=blocks_per_split, window_tokens=tokens_per_program,
-                  skip_unseen_keys=skip_unseen_keys, walk_splits=walk_splits and paths is None)
+                  skip_unseen_keys=skip_unseen_keys, walk_splits=walk_splits, group=group)
     out = out.reshape(b, g, n, m, hd)[:, :, :, :tt * r].reshape(b, g, n * tt, r, hd)[:, :, :t]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, g * r, hd)
 
 
 @functools.partial(jax.jit, static_argnames=("r", "blocks_per_split", "window_tokens", "skip_unseen_keys",
-                                             "walk_splits"))
+                                             "walk_splits", "group"))
 def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: int, blocks_per_split: int,
-            window_tokens: int, skip_unseen_keys: bool, walk_splits: bool) -> jax.Array:
+            window_tokens: int, skip_unseen_keys: bool, walk_splits: bool, group: int) -> jax.Array:
     b, g, rows, hd = tiles.shape
     qt = tile_rows(r)
     n = rows // qt
+    # Whole groups of tiles: padding tiles (positions -1) see nothing, and their rows are dropped.
+    n_grouped = -(-n // group) * group
+    if n_grouped > n:
+        tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, (n_grouped - n) * qt), (0, 0)))
+        row_vpos = jnp.pad(row_vpos, ((0, 0), (0, (n_grouped - n) * qt)), constant_values=-1)
     num_layers, num_pages, page_size = k_pages.shape[:3]
     splits = num_splits(block_table.shape[1], page_size, blocks_per_split)
     interpret = _interpret()
@@ -443,21 +510,22 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
     kernel_args = dict(page_size=page_size, scale=1.0 / math.sqrt(hd), blocks_per_split=blocks_per_split,
                        skip_unseen_keys=skip_unseen_keys)
 
-    def specs(tile_of) -> tuple[list[pl.BlockSpec], pl.BlockSpec, pl.BlockSpec]:
-        """(inputs, an output tile's spec, its lse's) for a grid whose third index n is in tile tile_of(n)."""
-        inputs = [pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, tile_of(n), 0)),
-                  pl.BlockSpec((None, qt), lambda i, j, n, s: (i, tile_of(n))),
+    def specs(tile_of, block_rows: int = qt) -> tuple[list[pl.BlockSpec], pl.BlockSpec, pl.BlockSpec]:
+        """(inputs, an output tile's spec, its lse's) for a grid whose third index n is in block tile_of(n)
+        of block_rows rows (a tile's, or a group of tiles')."""
+        inputs = [pl.BlockSpec((None, None, block_rows, hd), lambda i, j, n, s: (i, j, tile_of(n), 0)),
+                  pl.BlockSpec((None, block_rows), lambda i, j, n, s: (i, tile_of(n))),
                   *([pl.BlockSpec((None, *paths.shape[1:]), lambda i, j, n, s: (i, 0, 0))] if windowed else []),
                   pl.BlockSpec((None, block_table.shape[1]), lambda i, j, n, s: (i, 0)),
                   pl.BlockSpec((1,), lambda i, j, n, s: (0,)),
                   *[pl.BlockSpec((num_layers, num_pages * page_size, None, hd), lambda i, j, n, s: (0, 0, j, 0))] * 2]
-        return (inputs, pl.BlockSpec((None, None, None, qt, hd), lambda i, j, n, s: (i, j, s, tile_of(n), 0)),
-                pl.BlockSpec((None, None, None, qt), lambda i, j, n, s: (i, j, s, tile_of(n))))
+        return (inputs, pl.BlockSpec((None, None, None, block_rows, hd), lambda i, j, n, s: (i, j, s, tile_of(n), 0)),
+                pl.BlockSpec((None, None, None, block_rows), lambda i, j, n, s: (i, j, s, tile_of(n))))
 
-    def carry_specs(tile_of) -> list[pl.BlockSpec]:
-        """A tree's carry (output, max, sum in f32, one split's) of tile tile_of(n), as `specs`."""
-        return [pl.BlockSpec((None, None, qt, hd), lambda i, j, n, s: (i, j, tile_of(n), 0)),
-                *[pl.BlockSpec((None, None, qt), lambda i, j, n, s: (i, j, tile_of(n)))] * 2]
+    def carry_specs(tile_of, block_rows: int = qt) -> list[pl.BlockSpec]:
+        """A tree's carry (output, max, sum in f32, one split's) of block tile_of(n), as `specs`."""
+        return [pl.BlockSpec((None, None, block_rows, hd), lambda i, j, n, s: (i, j, tile_of(n), 0)),
+                *[pl.BlockSpec((None, None, block_rows), lambda i, j, n, s: (i, j, tile_of(n)))] * 2]
 
     if walk_splits and splits > 1:  # a program a tile, its splits walked and combined there
         inputs, _, _ = specs(lambda n: n)
@@ -471,20 +539,21 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
             compiler_params=_compiler_params(),
             name="eagle3_invariant_attention_walk",
         )(tiles, row_vpos, block_table, layer, k_slots, v_slots)
+    rows = n_grouped * qt
     o_shape, lse_shape = (b, g, splits, rows, hd), jax.ShapeDtypeStruct((b, g, splits, rows), jnp.float32)
     out_shapes = [jax.ShapeDtypeStruct(o_shape, tiles.dtype if splits == 1 else jnp.float32), lse_shape]
     operands = (tiles, row_vpos, *([paths] if windowed else []), block_table, layer, k_slots, v_slots)
-    inputs, o_spec, lse_spec = specs(lambda n: n)
+    inputs, o_spec, lse_spec = specs(lambda n: n, group * qt)
     # A tree's window goes on in `_window_kernel`: the carry of the split it starts in, output, max and
     # sum in f32; the window kernel's outputs are a tile's every split, the one it writes found there.
     touched = window_splits(paths.shape[2] - 1, splits, blocks_per_split) if windowed else 0
     carry_shapes = [jax.ShapeDtypeStruct((b, g, rows, hd), jnp.float32),
                     *[jax.ShapeDtypeStruct((b, g, rows), jnp.float32)] * 2]
     outs = pl.pallas_call(
-        functools.partial(_tile_kernel, windowed=windowed, **kernel_args),
-        grid=(b, g, n, splits),
+        functools.partial(_tile_kernel, windowed=windowed, group=group, **kernel_args),
+        grid=(b, g, n_grouped // group, splits),
         in_specs=inputs,
-        out_specs=[o_spec, lse_spec, *(carry_specs(lambda n: n) if windowed else [])],
+        out_specs=[o_spec, lse_spec, *(carry_specs(lambda n: n, group * qt) if windowed else [])],
         out_shape=out_shapes + (carry_shapes if windowed else []),
         interpret=interpret,
         compiler_params=_compiler_params(),
@@ -507,9 +576,9 @@ def _attend(tiles, row_vpos, paths, block_table, layer, k_pages, v_pages, *, r: 
             name="eagle3_invariant_attention_tree",
         )(*operands, *outs[2:], *outs[:2])
     out, lse = outs[:2]
-    if splits == 1:
-        return out[:, :, 0]
-    return combine_splits(out, lse, row_vpos, tiles.dtype, BLOCK_KEYS * blocks_per_split)
+    out = out[:, :, 0] if splits == 1 else combine_splits(out, lse, row_vpos, tiles.dtype,
+                                                         BLOCK_KEYS * blocks_per_split)
+    return out[:, :, :n * qt]
 
 
 def _compiler_params(window: bool = False):
