@@ -402,7 +402,7 @@ def window_tokens(batch: int, kv_heads: int, tokens: int) -> int:
 def tile_group(batch: int, kv_heads: int, tiles: int) -> int:
     """The query tiles of a row's kv head a causal or context program takes: the most, a power of two up
     to `KernelSettings.tiles_per_program` and to the tiles there are, that leaves GROUPED_MIN_PROGRAMS
-    programs (a split's)."""
+    programs a split."""
     group = 1
     while (group < SETTINGS.tiles_per_program and group < tiles
            and batch * kv_heads * -(-tiles // (2 * group)) >= GROUPED_MIN_PROGRAMS):
