@@ -98,13 +98,11 @@ class KernelSettings:
                                  f" (0 or 1 for {', '.join(SWITCHES)}; 0 or more for {', '.join(COUNTS)})")
             values[name] = int(value)
         settings = cls(**values)
-        for name in ("block_keys", "query_tile_rows"):
+        # An MMA's side; a group of tiles' rows, a block's.
+        for name, least in (("block_keys", 16), ("query_tile_rows", 16), ("tiles_per_program", 1)):
             value = getattr(settings, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"${SETTINGS_ENV}: {name} must be a power of two >= 16 (an MMA's side), not {value}")
-        if settings.tiles_per_program & (settings.tiles_per_program - 1):
-            raise ValueError(f"${SETTINGS_ENV}: tiles_per_program must be a power of two (a block's rows), "
-                             f"not {settings.tiles_per_program}")
+            if value < least or value & (value - 1):
+                raise ValueError(f"${SETTINGS_ENV}: {name} must be a power of two >= {least}, not {value}")
         return settings
 
 
@@ -265,14 +263,14 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
     def write(carries):
         for at, carry in zip(rows, carries):
             o, lse = pallas_attention.split_result(carry)
-            o_ref[at, :] = o.astype(o_ref.dtype)
+            o_ref[at] = o.astype(o_ref.dtype)
             lse_ref[at] = lse
 
     @pl.when(reached | carried)
     def _():
         keys = _tile_keys(table_ref, layer_ref, k_ref, v_ref, jnp.max(vpos), page_size=page_size,
                           skip_unseen_keys=skip_unseen_keys)
-        tiles = [(q_ref[...], vpos)] if group == 1 else [(q_ref[at, :], vpos_ref[at]) for at in rows]
+        tiles = [(q_ref[at], vpos_ref[at]) for at in rows]
         carries = _split_carries(keys, tiles, first, jnp.minimum(last, shared_end), scale)
         if not windowed:
             write(carries)
@@ -287,9 +285,8 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
         @pl.when(carried)
         def _():
             for at, carry in zip(rows, carries):
-                carry_refs[0][at, :] = carry[0]
-                carry_refs[1][at] = carry[1]
-                carry_refs[2][at] = carry[2]
+                for ref, value in zip(carry_refs, carry):
+                    ref[at] = value
 
 
 def _window_kernel(q_ref, vpos_ref, path_ref, table_ref, layer_ref, k_ref, v_ref, carry_o_ref, carry_max_ref,
