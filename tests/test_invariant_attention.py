@@ -387,8 +387,9 @@ def test_kernel_settings_parse_the_tuning_override_and_name_what_is_wrong():
 
 def test_tiles_group_only_while_the_programs_fill_the_gpu(monkeypatch):
     """`tile_group`: up to tiles_per_program tiles a program, never more than the tiles (rounded up to
-    a power of two), and only while the programs stay GROUPED_MIN_PROGRAMS; 1 as shipped."""
-    assert IA.KernelSettings().tiles_per_program == 1 and IA.tile_group(64, 8, 8) == 1
+    a power of two), and only while the programs stay GROUPED_MIN_PROGRAMS; 4 as shipped."""
+    assert IA.KernelSettings().tiles_per_program == 4 and IA.tile_group(64, 8, 8) == 4
+    assert IA.tile_group(64, 3, 7) == 4 and IA.tile_group(8, 3, 7) == 1
     monkeypatch.setattr(IA, "SETTINGS", IA.KernelSettings(tiles_per_program=8))
     assert IA.GROUPED_MIN_PROGRAMS == 256
     # SmolLM2's tree of 32 nodes (7 tiles, 3 kv heads) at 64 rows: 4 a program (2 programs a row's head).

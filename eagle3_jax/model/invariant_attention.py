@@ -15,11 +15,13 @@ tile's last position is never read, and not written: small splits shorten a deco
 long table's empty splits costing writes and reads. Where a causal step's tiles are many
 (`KernelSettings.walk_splits_from`; off as shipped), a program a tile walks its splits in turn and
 combines them itself (`_walk_kernel`): the same sums, no split's output written and read back. On an
-H100 it spared a 32-token step at 64 rows 7-24% of its attention but the whole forward 1%
-(BENCHMARKS.md, "Batch invariance: the cost"), and its bits are not yet checked on a GPU. Where a
-row's kv head has several query tiles (a long chunk, a tree), a program may take a group of them
-(`KernelSettings.tiles_per_program`; off as shipped): each key block is loaded once for the group,
-each tile's MMAs and sums its own, so every tile's arithmetic is a lone tile's.
+H100 it spared a 32-token step at 64 rows 7-24% of its attention but the whole forward 1%, and the
+8B steps kept their bits with it (BENCHMARKS.md, "Batch invariance: the cost"). Where a row's kv
+head has several query tiles (a long chunk, a tree), a program may take a group of them
+(`KernelSettings.tiles_per_program`, 4 as shipped): each key block is loaded once for the group,
+each tile's MMAs and sums its own, so every tile's arithmetic is a lone tile's. On an H100 it spared
+a 32-token step at 64 rows 16% of its attention and the tree's verify there 9%, and the 8B bits held
+(BENCHMARKS.md, "Batch invariance: the cost").
 
 A tree node reads its ancestors as at root + depth, where decode would have stored them, gathered
 from where the verify did, so its logits equal decode's. The blocks before the window's (context
@@ -58,7 +60,8 @@ class KernelSettings:
     and pipeline stages, and whether keys no row sees are read. As shipped, swept on an H100
     (BENCHMARKS.md, "Batch invariance: the cost"): the key block, splits, warps and stages the fastest
     with 64-row tiles, then 16 rows the fastest tile with them; with the combine by position 2 blocks
-    a split win at one or five tokens a row and lose at 32 or a tree's window."""
+    a split win at one or five tokens a row and lose at 32 or a tree's window; 4 query tiles a program
+    where a step has many."""
 
     block_keys: int = 64
     blocks_per_split: int = 8  # a split's fixed range: 512 key positions
@@ -81,8 +84,8 @@ class KernelSettings:
     # A causal step's or a tree's context program takes up to this many query tiles of a row's kv head
     # (a power of two), each block of keys loaded once for them all, each tile's MMAs and sums its own:
     # a long chunk's or a tree's tiles read the keys fewer times. 1: a program a tile. Taken only
-    # while the programs stay at least GROUPED_MIN_PROGRAMS (`tile_group`).
-    tiles_per_program: int = 1
+    # while the programs stay at least GROUPED_MIN_PROGRAMS (`tile_group`). 4 and 8 timed alike on an H100.
+    tiles_per_program: int = 4
 
     @classmethod
     def parse(cls, text: str) -> KernelSettings:
