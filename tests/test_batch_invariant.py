@@ -241,8 +241,9 @@ def test_engine_greedy_and_seeded_outputs_alone_and_batched_in_bf16(tiny_models)
 
     target, drafts = tiny_models
     prompts = [[1, 5, 7, 3, 9], [4, 4, 8, 1, 6, 2, 11, 3], [7, 1], [3, 9, 10, 5, 5, 1]]
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-    seeded = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=i) for i in range(len(prompts))]
+    # 16 tokens: several verify steps a reply; the kernels run in Pallas' interpreter, about 0.7 s a step.
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=i) for i in range(len(prompts))]
     replies = {}
     for name, draft, tree in (("target", None, None), ("chain", drafts["shared"], None),
                               ("tree", drafts["shared"], TreeSpec(3, 2, 5))):
