@@ -234,25 +234,27 @@ def test_batch_invariant_must_be_a_bool():
 
 @pytest.mark.slow
 def test_engine_greedy_and_seeded_outputs_alone_and_batched_in_bf16(tiny_models):
-    """The engine in bf16 with batch_invariant: the chain's and the tree's greedy replies equal the
-    target alone's, and every request's reply (greedy or seeded) is the same alone as in the batch."""
+    """The engine in bf16 with batch_invariant: every request's reply, greedy or seeded, is the same
+    alone as in a batch of greedy and seeded rows, and the chain's and the tree's replies are the
+    target alone's (seeded too: the seed-coupled noise draws each position's token alike)."""
     from eagle3_jax.api import LLM
     from eagle3_jax.sampling_params import SamplingParams
 
     target, drafts = tiny_models
     prompts = [[1, 5, 7, 3, 9], [4, 4, 8, 1, 6, 2, 11, 3], [7, 1], [3, 9, 10, 5, 5, 1]]
     # 16 tokens: several verify steps a reply; the kernels run in Pallas' interpreter, about 0.7 s a step.
-    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
-    seeded = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=i) for i in range(len(prompts))]
+    # Each prompt greedy and seeded: 8 rows, the test engine's widest bucket, in one batch.
+    params = ([SamplingParams(max_tokens=16, ignore_eos=True)] * len(prompts)
+              + [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=i) for i in range(len(prompts))])
+    requests = prompts * 2
     replies = {}
     for name, draft, tree in (("target", None, None), ("chain", drafts["shared"], None),
                               ("tree", drafts["shared"], TreeSpec(3, 2, 5))):
         llm = LLM(target=target, draft=draft, num_speculative_tokens=3, dtype=jnp.bfloat16, warmup=False,
                   engine_config=EngineConfig(**{**TEST_ENGINE, "batch_invariant": True}), progress=False, tree=tree)
-        for mode, params in (("greedy", greedy), ("seeded", seeded)):
-            batch = [o.token_ids for o in llm.generate(prompts, params)]
-            alone = [llm.generate([p], params if mode == "greedy" else params[i])[0].token_ids
-                     for i, p in enumerate(prompts)]
-            assert alone == batch, (name, mode)
-            replies[name, mode] = batch
-    assert replies["chain", "greedy"] == replies["target", "greedy"] == replies["tree", "greedy"]
+        batch = [o.token_ids for o in llm.generate(requests, params)]
+        alone = [llm.generate([p], q)[0].token_ids for p, q in zip(requests, params)]
+        assert alone == batch, name
+        replies[name] = batch
+    assert replies["chain"] == replies["target"] == replies["tree"]
+    assert replies["target"][:len(prompts)] != replies["target"][len(prompts):]  # the seeded rows sampled
