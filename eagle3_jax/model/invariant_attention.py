@@ -265,9 +265,7 @@ def _tile_kernel(q_ref, vpos_ref, *refs, page_size: int, scale: float, windowed:
 
     def write(carries):
         for at, carry in zip(rows, carries):
-            o, lse = pallas_attention.split_result(carry)
-            o_ref[at] = o.astype(o_ref.dtype)
-            lse_ref[at] = lse
+            pallas_attention.write_split(carry, o_ref.at[at], lse_ref.at[at])
 
     @pl.when(reached | carried)
     def _():
