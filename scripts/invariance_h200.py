@@ -45,9 +45,10 @@ attribution: where the invariant kernels' cost lies on SmolLM2's shapes (its con
   $EAGLE3_JAX_INVARIANT_ATTENTION (invariant_attention.KernelSettings) sweeps the kernels' settings.
   --projections-only: the same for the invariant projections ($EAGLE3_JAX_GEMM_MIN_SPLIT_K sweeps
   the shortest part a reduction's K splits into).
-gemm: the invariant GEMM's output tiles (invariant_gemm.Tiles) at Llama-3.1-8B's projection shapes and
-  1 to 2,048 rows: each tile's time against XLA's dot, and whether its rows equal the default tile's
-  bit for bit (a tile that does may serve those rows: the sum's order is the weight's alone).
+gemm: the invariant GEMM's tiles (invariant_gemm.Tiles: output tile, launch, K columns a step) at
+  Llama-3.1-8B's projection shapes and --gemm-rows rows: each tile's time against XLA's dot, and
+  whether its rows equal the default tile's bit for bit (a tile that does may serve those rows: the
+  sum's order is the weight's alone).
 Prints a table per phase and writes PHASE.json under --out-dir.
 """
 
@@ -182,8 +183,9 @@ def phase_8b(out: dict, batches: tuple[int, ...]) -> None:
 
 GEMM_SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
                "lm_head": (4096, 128256)}
+# (block M, block N, warps, stages[, K columns a loop step]): the last four take 128 K columns a step.
 GEMM_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 4, 3),
-              (16, 64, 4, 3)]
+              (16, 64, 4, 3), (64, 64, 4, 3, 128), (64, 128, 4, 3, 128), (128, 128, 8, 3, 128), (128, 256, 8, 2, 128)]
 
 
 def _time(fn, *args, calls: int = 30) -> float:
@@ -249,7 +251,7 @@ def phase_gemm(out: dict, rows: tuple[int, ...]) -> None:
 TUNE_ROWS = (1, 8, 40, 64, 256, 320, 1024, 2048)
 FEW_ROW_TILES = [(64, 64, 4, 3), (64, 32, 4, 3), (64, 16, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (16, 32, 4, 3)]
 MANY_ROW_TILES = [(64, 64, 4, 3), (128, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 4, 3),
-                  (64, 256, 4, 3)]
+                  (64, 256, 4, 3), (64, 64, 4, 3, 128), (128, 128, 8, 3, 128), (128, 256, 8, 2, 128)]
 
 
 def tune_projections(cfg, rows: tuple[int, ...], calls: int) -> tuple[list[dict], list]:
@@ -730,6 +732,7 @@ def main() -> None:
                    help="attribution: the tree window kernel's tokens a program timed (SmolLM2: 5 a tile of 16 rows)")
     p.add_argument("--tune-rows", default=",".join(map(str, TUNE_ROWS)),
                    help="attribution: the row counts the projections' tiles are tuned at ('': no tuning)")
+    p.add_argument("--gemm-rows", default="1,64,320,2048", help="gemm: the row counts each tile is timed at")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--out-name", default=None, help="the JSON's name (default: the phase's)")
     args = p.parse_args()
@@ -741,7 +744,7 @@ def main() -> None:
     if args.phase == "8b":
         phase_8b(out, batches)
     elif args.phase == "gemm":
-        phase_gemm(out, (1, 64, 320, 2048))
+        phase_gemm(out, tuple(int(m) for m in args.gemm_rows.split(",")))
     elif args.phase == "attribution":
         phase_attribution(out, args, batches)
     else:

@@ -212,13 +212,14 @@ def test_invariant_kernels_lower_for_cuda(monkeypatch):
     assert "stablehlo.dot_general" not in text
 
 
-@pytest.mark.parametrize("m, grid_splits", [(64, 2), (2048, 1)])
-def test_k_parts_lower_for_cuda_across_the_grid_and_in_one_program(monkeypatch, m, grid_splits):
+@pytest.mark.parametrize("m, grid_splits, block_k", [(64, 2, 64), (2048, 1, 64), (320, 1, 128)])
+def test_k_parts_lower_for_cuda_across_the_grid_and_in_one_program(monkeypatch, m, grid_splits, block_k):
     """Llama-3.1-8B's qkv projection (K 4,096 in two parts) lowers to Triton for CUDA both ways: at a
-    decode's 64 rows the parts as programs of their own, at 2,048 rows walked in turn."""
+    decode's 64 rows the parts as programs of their own, from 320 rows walked in turn (there in 128
+    K columns a step too)."""
     monkeypatch.setattr(invariant_gemm, "_interpret", lambda: False)
     k, n = 4096, 6144
-    tiles = invariant_gemm.DEFAULT_TILES
+    tiles = dataclasses.replace(invariant_gemm.DEFAULT_TILES, block_k=block_k)
     assert invariant_gemm.splits_across_grid(m, n, tiles, invariant_gemm.k_splits(k, n)) == grid_splits
     s = jax.ShapeDtypeStruct
     text = jax.jit(functools.partial(invariant_gemm.matmul, tiles=tiles)).trace(

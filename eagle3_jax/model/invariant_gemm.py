@@ -1,11 +1,11 @@
 """Batch-invariant weight projections: a Pallas (Triton) GEMM computing every output row by the same
 instructions in the same order whatever the rows beside it. XLA picks tiling, K split and library per
 shape, so a token's row rounds differently in a decode, a verify and a prefill chunk, and one ulp can
-flip a near-tie argmax. Here the K loop runs in order in blocks and splits fixed by the weight (K, N)
-alone, the parts added in order (as programs of their own where few rows leave SMs idle, else in
-turn by one program: `splits_across_grid`); the M x N tile (`Tiles`) only says which program
-computes an output element, so it may follow the row count as long as every tile lowers to the
-same MMA instruction.
+flip a near-tie argmax. Here the K loop runs in order, in splits fixed by the weight (K, N) alone,
+the parts added in order (as programs of their own where few rows leave SMs idle, else in turn by
+one program: `splits_across_grid`); the M x N tile and the K columns a loop step loads (`Tiles`)
+only say which program computes an output element and how it stages its loads, so they may follow
+the row count as long as every tile lowers to the same MMA instruction.
 Which tile serves which rows of which projection on a GPU kind is tuned there (gemm_tiles.json,
 written by scripts/invariance_h200.py --phase attribution, which keeps only tiles whose every row
 equals DEFAULT_TILES' bit for bit): BENCHMARKS.md, "Batch invariance: the cost".
@@ -53,6 +53,11 @@ class Tiles:
     block_n: int = BLOCK_N
     num_warps: int = 4  # one warpgroup for a 64-row tile (wgmma)
     num_stages: int = 3  # three stages hide the K loop's loads
+    # K columns a loop step loads. On the GPU Triton accumulates a step's MMAs into the loop's f32 tile
+    # in K order, so the depth moves no sum (128 against 64: bit-equal on an H200 at Llama-3.1-8B's
+    # shapes, BENCHMARKS.md, "Invariant GEMM tiles"; the tuner keeps a depth only where it is); the
+    # interpreter's dot sums a step apart, so off the GPU a step is BLOCK_K deep whatever this says.
+    block_k: int = BLOCK_K
 
 
 DEFAULT_TILES = Tiles()
@@ -133,9 +138,9 @@ def untuned_tiles(m: int, n: int) -> Tiles:
     return WIDE_TILES if m >= WIDE_ROWS and n % WIDE_TILES.block_n == 0 else DEFAULT_TILES
 
 
-def block_k(k: int) -> int:
-    """BLOCK_K, or the largest power of two >= 16 (Triton's MMA depth) dividing K."""
-    kb = BLOCK_K
+def block_k(k: int, deepest: int = BLOCK_K) -> int:
+    """`deepest`, or the largest power of two >= 16 (Triton's MMA depth) below it dividing K."""
+    kb = deepest
     while kb > 16 and k % kb:
         kb //= 2
     return kb
@@ -208,7 +213,8 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None, transposed: bool = False,
         x = jnp.pad(x, ((0, 0), (0, kp - k)))
     if (kp, np_) != (k, n):
         w = jnp.pad(w, ((0, np_ - n), (0, kp - k)) if transposed else ((0, kp - k), (0, np_ - n)))
-    kb, splits = block_k(kp), k_splits(kp, n)
+    splits = k_splits(kp, n)
+    kb = block_k(kp // splits, tiles.block_k if not _interpret() else BLOCK_K)  # a part's K in whole steps
     grid_splits = splits_across_grid(m, np_, tiles, splits)
     ks = kp // grid_splits
     w_spec = (pl.BlockSpec((bn, ks), lambda s, i, j: (j, s)) if transposed
