@@ -110,10 +110,12 @@ def test_a_tuned_tile_serves_up_to_its_rows_on_its_gpu_kind_only(tmp_path, monke
         assert invariant_gemm.tiles_for(8, 576, 1024) == invariant_gemm.DEFAULT_TILES
         monkeypatch.setattr(invariant_gemm, "_device_kind", lambda: "GPU Y")
         assert invariant_gemm.tiles_for(8, 576, 960) == invariant_gemm.DEFAULT_TILES
-        path.write_text('{"GPU X": [{"k": 576}]}')
-        invariant_gemm.tuned_tiles.cache_clear()
-        with pytest.raises(ValueError, match=r"tiles\.json: not a table of tuned tiles"):
-            invariant_gemm.tiles_for(8, 576, 960)
+        for bad, named in (('[{"k": 576}]', "'n'"), ('[{"k": 576, "n": 960, "transposed": false, "rows": 8, '
+                                                        '"tile": [64, 64, 4, 3, 48]}]', "block_k=48")):
+            path.write_text(f'{{"GPU X": {bad}}}')
+            invariant_gemm.tuned_tiles.cache_clear()
+            with pytest.raises(ValueError, match=rf"tiles\.json: not a table of tuned tiles .*{named}"):
+                invariant_gemm.tiles_for(8, 576, 960)
     finally:
         monkeypatch.delenv(invariant_gemm.TUNED_TILES_ENV)
         invariant_gemm.tuned_tiles.cache_clear()

@@ -59,6 +59,12 @@ class Tiles:
     # interpreter's dot sums a step apart, so off the GPU a step is BLOCK_K deep whatever this says.
     block_k: int = BLOCK_K
 
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            size = getattr(self, name)
+            if not (isinstance(size, int) and size >= 16 and size & (size - 1) == 0):
+                raise ValueError(f"Tiles.{name}={size!r}: Triton's blocks are powers of two >= 16")
+
 
 DEFAULT_TILES = Tiles()
 # From this many rows a 128 x 256 tile of two warpgroups is the fastest measured on an H100 (up to
