@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from conftest import TEST_ENGINE, TINY
 
-from eagle3_jax.config import ConfigError, EngineConfig, TreeSpec
+from eagle3_jax.config import ConfigError, EngineConfig, KernelConfig, TreeSpec
 from eagle3_jax.model import invariant_attention, invariant_gemm, layers, llama, pallas_attention
+from eagle3_jax.runner.served import DeviceFacts, untuned_tiles_line
 from eagle3_jax.runner.tree import tree_from_parents, verify_attention
 
 INVARIANT = dict(attention="invariant", gemv="invariant")
@@ -119,6 +120,19 @@ def test_a_tuned_tile_serves_up_to_its_rows_on_its_gpu_kind_only(tmp_path, monke
     finally:
         monkeypatch.delenv(invariant_gemm.TUNED_TILES_ENV)
         invariant_gemm.tuned_tiles.cache_clear()
+
+
+def test_an_engine_on_a_gpu_kind_without_tuned_tiles_says_so():
+    """The start-up warning names a GPU kind the tile table lacks, only for batch-invariant kernels
+    on a GPU."""
+    def line(batch_invariant: bool, backend: str, kind: str):
+        device = DeviceFacts(backend=backend, name=kind, hopper=backend == "gpu", tp=None)
+        return untuned_tiles_line(KernelConfig("pallas", "xla", "auto", batch_invariant), device)
+
+    shipped = next(iter(invariant_gemm.read_tuned_tiles(invariant_gemm.TUNED_TILES_FILE)))
+    assert "no tuned tiles for 'GPU Z' in gemm_tiles.json" in line(True, "gpu", "GPU Z")
+    assert line(True, "gpu", shipped) is None
+    assert line(False, "gpu", "GPU Z") is None and line(True, "cpu", "cpu") is None
 
 
 def _tiny(dtype, tied: bool):

@@ -53,7 +53,7 @@ from eagle3_jax.engine.stats import EngineStats
 from eagle3_jax.engine.structured import Grammars, Matcher
 from eagle3_jax.runner import kv_memory, logprobs
 from eagle3_jax.runner.runner import ModelRunner, freeze_heap, place_weights
-from eagle3_jax.runner.served import DeviceFacts, served_config
+from eagle3_jax.runner.served import DeviceFacts, served_config, untuned_tiles_line
 from eagle3_jax.runner.steps import TARGET_ALONE, StepConfig, split_verdicts
 from eagle3_jax.sampling_params import SamplingParams
 
@@ -129,6 +129,8 @@ class Engine:
         self.scheduler = Scheduler(served, target.vocab_size, spec.max_accepted, spec.positions_per_iteration)
         self.speculation = Speculation(spec, served.batch_buckets, served.max_num_seqs + 1)
         log.info(kv_memory.pool_line(served, device.free_bytes, cfg.num_pages is not None, device.held_elsewhere))
+        if line := untuned_tiles_line(served.kernels, device):
+            log.warning(line)
         self.stats = EngineStats()
         self._pending: collections.deque[_Pending] = collections.deque()
         # request id -> the logprobs of its prefill's chunks dispatched so far (a prefill may span

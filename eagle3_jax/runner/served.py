@@ -29,6 +29,7 @@ from eagle3_jax.config import (
     drafted,
     proposal_specs,
 )
+from eagle3_jax.model import invariant_gemm
 from eagle3_jax.parallel import sharding
 from eagle3_jax.runner import kv_memory
 from eagle3_jax.runner.speculators import speculators_for
@@ -94,6 +95,17 @@ def settled_speculation(cfg: EngineConfig, draft: DraftConfig | None, backend: s
     return SpeculationConfig(speculator=cfg.speculator, num_speculative_tokens=k, tree=tree, proposals=proposals,
                              mode=cfg.speculation, speculative_max_batch=cfg.speculative_max_batch,
                              step_costs=cfg.step_costs, fused_iteration=cfg.fused_iteration)
+
+
+def untuned_tiles_line(kernels: KernelConfig, device: DeviceFacts) -> str | None:
+    """The start-up warning for batch-invariant kernels on a GPU kind the GEMM tile table does not
+    cover (None where it does, or where they do not run): its rule's tiles give the same bits, only
+    slower where a tuned tile would win."""
+    if not kernels.batch_invariant or device.backend != "gpu" or invariant_gemm.has_tuned_tiles(device.name):
+        return None
+    return (f"batch-invariant GEMM: no tuned tiles for {device.name!r} in {invariant_gemm.TUNED_TILES_FILE.name} "
+            f"or ${invariant_gemm.TUNED_TILES_ENV}: every projection runs the untuned rule's tile (the same bits, "
+            "maybe slower); scripts/invariance_h200.py --phase attribution writes a table for this GPU")
 
 
 def attention_kind(cfg: EngineConfig, device: DeviceFacts) -> str:
