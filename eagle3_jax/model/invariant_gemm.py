@@ -123,11 +123,6 @@ def tuned_tiles(device_kind: str) -> dict[tuple[int, int, bool], list[TunedTile]
     return by_shape
 
 
-def has_tuned_tiles(device_kind: str) -> bool:
-    """Whether the tile table (the shipped one, or $EAGLE3_JAX_GEMM_TILES over it) has tiles for this GPU kind."""
-    return bool(tuned_tiles(device_kind))
-
-
 def _device_kind() -> str | None:
     device = jax.devices()[0]
     return device.device_kind if device.platform == "gpu" else None

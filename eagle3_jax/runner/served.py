@@ -101,7 +101,7 @@ def untuned_tiles_line(kernels: KernelConfig, device: DeviceFacts) -> str | None
     """The start-up warning for batch-invariant kernels on a GPU kind the GEMM tile table does not
     cover (None where it does, or where they do not run): its rule's tiles give the same bits, only
     slower where a tuned tile would win."""
-    if not kernels.batch_invariant or device.backend != "gpu" or invariant_gemm.has_tuned_tiles(device.name):
+    if not kernels.batch_invariant or device.backend != "gpu" or invariant_gemm.tuned_tiles(device.name):
         return None
     return (f"batch-invariant GEMM: no tuned tiles for {device.name!r} in {invariant_gemm.TUNED_TILES_FILE.name} "
             f"or ${invariant_gemm.TUNED_TILES_ENV}: every projection runs the untuned rule's tile (the same bits, "
