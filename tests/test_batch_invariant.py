@@ -259,10 +259,10 @@ def test_engine_greedy_and_seeded_outputs_alone_and_batched_in_bf16(tiny_models)
 
     target, drafts = tiny_models
     prompts = [[1, 5, 7, 3, 9], [4, 4, 8, 1, 6, 2, 11, 3], [7, 1], [3, 9, 10, 5, 5, 1]]
-    # 16 tokens: several verify steps a reply; the kernels run in Pallas' interpreter, about 0.7 s a step.
+    # 10 tokens: several verify steps a reply; the kernels run in Pallas' interpreter, about 0.7 s a step.
     # Each prompt greedy and seeded: 8 rows, the test engine's widest bucket, in one batch.
-    params = ([SamplingParams(max_tokens=16, ignore_eos=True)] * len(prompts)
-              + [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=i) for i in range(len(prompts))])
+    params = ([SamplingParams(max_tokens=10, ignore_eos=True)] * len(prompts)
+              + [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=i) for i in range(len(prompts))])
     requests = prompts * 2
     replies = {}
     for name, draft, tree in (("target", None, None), ("chain", drafts["shared"], None),

@@ -24,7 +24,7 @@ def test_serve_load_measures_the_server_against_its_engine_in_process(chat_model
     prompts.write_text("\n".join(f"Say {i} in words." for i in range(16)))
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "scripts" / "serve_load.py"), "--target", str(target), "--draft", str(draft),
-           "--engine", ENGINE, "--streams", "1,64", "--requests", "64", "--max-tokens", "8",
+           "--engine", ENGINE, "--streams", "1,64", "--requests", "8", "--requests-per-stream", "1", "--max-tokens", "8",
            "--serve-flags=--engine-process", "--serve-flags=--engine-process --api-server-count 2",
            "--prompt-file", str(prompts), "--start-timeout", "240", "--out-dir", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -32,13 +32,14 @@ def test_serve_load_measures_the_server_against_its_engine_in_process(chat_model
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "serve_load.json").read_text())
     assert [row["streams"] for row in result["in_process"]] == [1, 64]
-    assert all(row["tokens"] == 64 * 8 for row in result["in_process"])  # every request in full
+    # Every request in full: 8 at one stream, one a stream at 64.
+    assert [row["tokens"] for row in result["in_process"]] == [8 * 8, 64 * 8]
     assert [s["serve_flags"] for s in result["servers"]] == ["--engine-process",
                                                              "--engine-process --api-server-count 2"]
     for server in result["servers"]:
         assert [row["streams"] for row in server["rows"]] == [1, 64]
+        assert [row["server"]["tokens"] for row in server["rows"]] == [8 * 8, 64 * 8]
         for row in server["rows"]:
-            assert row["server"]["tokens"] == 64 * 8
             assert row["ratio"] > 0 and row["server"]["ttft_p50_ms"] is not None
             assert row["server"]["engine_cpu_share"] >= 0
         assert server["server_metrics"]["speculation"]  # the bucket choices /metrics reports
