@@ -455,8 +455,8 @@ def run_invariant() -> dict:
     for tp in (2, 4):
         decode = run(tp, tokens, [1] * 12)
         out[str(tp)] = dict(prefill_equal=bool(np.array_equal(run(tp, tokens, [12]), decode)),
-                            verify_equal=bool(np.array_equal(run(tp, tokens, [5, 4, 3]), decode)),
-                            alone_equal=bool(np.array_equal(run(tp, tokens[1:], [3, 9])[0], decode[1])),
+                            verify_equal=bool(np.array_equal(run(tp, tokens, [4, 4, 4]), decode)),
+                            alone_equal=bool(np.array_equal(run(tp, tokens[1:], [4, 8])[0], decode[1])),
                             rel_to_tp1=rel(decode, one))
     return out
 
