@@ -282,13 +282,14 @@ def test_a_config_json_that_is_not_an_object_is_one_line(tiny_target, tiny_draft
     from eagle3_jax.api import LLM
 
     target = with_config(tmp_path / "target", tiny_target, config)
-    proc, _ = run_cli("generate", "--target", str(target), "--draft", "none", "--prompt", "hi")
-    line = one_line_error(proc)
-    assert f"{target / 'config.json'}: {words}" in line, line
     draft = with_config(tmp_path / "draft", tiny_drafter, config)
-    proc, _ = run_cli("generate", "--target", str(tiny_target), "--draft", str(draft), "--prompt", "hi")
-    line = one_line_error(proc)
-    assert f"--draft {draft}: {draft / 'config.json'}: {words}" in line, line
+    if config in (b"[]", b'{"model_type": "ll\xffama"}'):  # the CLI words every ConfigError alike: two kinds
+        proc, _ = run_cli("generate", "--target", str(target), "--draft", "none", "--prompt", "hi")
+        line = one_line_error(proc)
+        assert f"{target / 'config.json'}: {words}" in line, line
+        proc, _ = run_cli("generate", "--target", str(tiny_target), "--draft", str(draft), "--prompt", "hi")
+        line = one_line_error(proc)
+        assert f"--draft {draft}: {draft / 'config.json'}: {words}" in line, line
     # The library raises the same ConfigError, naming the file.
     for kwargs, bad in (({"target": target, "draft": None}, target), ({"target": tiny_target, "draft": draft}, draft)):
         with pytest.raises(ConfigError) as e:
