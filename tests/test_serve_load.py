@@ -24,7 +24,8 @@ def test_serve_load_measures_the_server_against_its_engine_in_process(chat_model
     prompts.write_text("\n".join(f"Say {i} in words." for i in range(16)))
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "scripts" / "serve_load.py"), "--target", str(target), "--draft", str(draft),
-           "--engine", ENGINE, "--streams", "1,64", "--requests", "8", "--requests-per-stream", "1", "--max-tokens", "8",
+           "--engine", ENGINE, "--streams", "1,64", "--requests", "8", "--requests-per-stream", "1",
+           "--max-tokens", "8",
            "--serve-flags=--engine-process", "--serve-flags=--engine-process --api-server-count 2",
            "--prompt-file", str(prompts), "--start-timeout", "240", "--out-dir", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
