@@ -518,16 +518,18 @@ def test_every_flag_has_help_and_shows_its_default(command):
         assert "(default: 3)" in proc.stdout and "(default: 256)" in proc.stdout
 
 
-# ---- the real model ----------------------------------------------------------------------------
-@pytest.mark.slow
-def test_overlong_prompt_names_max_model_len(smollm2_dir):
-    proc, _ = run_cli("generate", "--prompt", "tell me more " * 40, "--max-model-len", "64", "--max-tokens", "4",
-                      "--draft", "none", timeout=600)
+def test_overlong_prompt_names_max_model_len(chat_models):
+    """A chat prompt past the context, on the tiny byte-tokenized chat target: one line naming the flag."""
+    target, _ = chat_models
+    proc, _ = run_cli("generate", "--target", str(target), "--prompt", "tell me more " * 40, "--max-model-len", "64",
+                      "--max-tokens", "4", "--draft", "none", timeout=600)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("eagle3-jax generate: error:")]
     assert len(errors) == 1, proc.stderr
     assert "the context holds 64" in errors[0] and "--max-model-len" in errors[0]
 
+
+# ---- the real model ----------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_chat_with_piped_input_ends_each_reply_and_is_quiet(smollm2_dir):
