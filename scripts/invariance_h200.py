@@ -20,12 +20,13 @@ lossless: SmolLM2-135M-Instruct in bf16 with the shipped drafter, the 80 MT-benc
   the same way. Each engine in a process of its own (`--phase replies`), the pool sized by default,
   prefix caching on; `--variants` reruns them with other pool settings. Invariant kernels; the
   default kernels on the same comparisons beside them.
-speed: tok/s end to end, SmolLM2 with the shipped drafter, batch 1, 8 and 64 (--speed-requests
-  prompts at each, at least a batch: one by one, or in waves of the batch), target alone, chain of
-  4, tree and prompt lookup, with and without batch_invariant; each engine in a process of its own,
-  timed --speed-repeats times after a pass that compiled every shape it times (the median pass), and
-  compared in tok/s and in rows x iterations a second (tok/s over the acceptance length: the two
-  kinds' replies differ, and with them what a draft accepts).
+speed: tok/s end to end, SmolLM2 with the shipped drafter, batch 1, 8 and 64 (up to --speed-waves
+  waves of the batch: one prompt at a time, or in waves), target alone, chain of 4, tree and prompt
+  lookup, with and without batch_invariant; a process a proposal, its two engines timed in turns
+  --speed-repeats times each after a pass that compiled every shape it times (the median pass), and
+  compared in tok/s (the median of the paired passes' ratios) and in rows x iterations a second
+  (tok/s over the acceptance length: the two kinds' replies differ, and with them what a draft
+  accepts).
 pool: the target's forward alone on pools of 2,000 to 150,000 pages (SmolLM2's config, random
   weights): a decode against itself repeated and against a verify, bit for bit.
 release: four engines one after another in one process, released by LLM.close(), by dropping the
@@ -615,73 +616,92 @@ def phase_release(out: dict, args, questions: list[list[dict]]) -> None:
     out["release"] = rows
 
 
+SPEED_PAGES = 16_384  # both kinds' engines on one card: 64 rows of a 128-token reply hold about 2,000
+
+
 def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tuple[int, ...]) -> None:
-    """One engine's tok/s at each batch size b, --speed-requests prompts (at least b) in waves of b,
-    timed --speed-repeats times after a pass over the same prompts compiled every shape it runs (at
-    batch 1 each prompt's prefill bucket), prefix caching off; the median pass is the figure, the
-    fastest and slowest beside it. Many short waves, not one: a run of 8 prompts moved the ratio
-    between two runs' kinds by 0.1-0.2. Greedy passes repeat the same replies, so each pass does the
-    same work; `row_iterations_s` (tok/s over the acceptance length: rows x iterations a second) is
-    the figure the kernels decide, whatever replies the kind's rounding gave, and the median TTFT and
+    """One proposal's tok/s under each kernel kind of --kinds, both engines in this process (a pool
+    of --num-pages each, prefix caching off). At each batch size b: b x min(--speed-waves, prompts //
+    b) prompts in waves of b; a pass of each engine that compiled every shape it times (at batch 1
+    each prompt's prefill bucket); then --speed-repeats timed passes of each, the engines taking
+    turns (A B, then B A) so that the host's or the card's drift falls on both alike. Per kind the
+    median pass, the fastest and slowest beside it; `vs_default` the median over the repeats of a
+    pass's tok/s over the default engine's pass beside it (runs of each kind in processes of their
+    own moved the ratio by 0.1-0.3). Greedy passes repeat the same replies, so each pass does the same
+    work; `row_iterations_s` (tok/s over the acceptance length: rows x iterations a second) is the
+    figure the kernels decide, whatever replies the kind's rounding gave, and the median TTFT and
     time a token after the first (TPOT) put prefill and decoding apart."""
     from eagle3_jax.sampling_params import SamplingParams
 
+    kinds = args.kinds.split(",")
     # No prefix caching: a warm cache would give the timed pass other (shorter) prefills than the
     # pass that compiled them.
-    llm = _llm(args.target, args.kind, args.proposal, prefix_caching=False)
+    llms = {kind: _llm(args.target, kind, args.proposal, prefix_caching=False,
+                       num_pages=args.num_pages or SPEED_PAGES) for kind in kinds}
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for b in batches:
-        prompts = questions[:max(b, args.speed_requests)]
+        prompts = questions[:b * max(1, min(args.speed_waves, len(questions) // b))]
 
-        def run(prompts=prompts, b=b):
-            return [out for i in range(0, len(prompts), b) for out in llm.chat(prompts[i:i + b], params)]
-
-        run()  # warm-up: the same shapes
-        passes = []  # (wall s, outputs)
-        for _ in range(args.speed_repeats):
+        def run(kind, prompts=prompts, b=b):
             t0 = time.perf_counter()
-            outs = run()
-            passes.append((time.perf_counter() - t0, outs))
-        passes.sort(key=lambda p: p[0])
-        wall, outs = passes[len(passes) // 2]  # the median pass
-        tokens = sum(len(o.token_ids) for o in outs)
-        acc = float(np.mean([o.metrics.acceptance_length for o in outs])) if args.proposal != "target" else 1.0
-        # Prefill and decoding apart: a request's wait for its first token, then its time a token after it.
-        ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-        tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
-                for o in outs if len(o.token_ids) > 1]
-        rows.append(dict(proposal=args.proposal, kind=args.kind, b=b, tok_s=round(tokens / wall, 1),
-                         tok_s_range=[round(tokens / passes[-1][0], 1), round(tokens / passes[0][0], 1)],
-                         acceptance=round(acc, 3), row_iterations_s=round(tokens / wall / acc, 1),
-                         ttft_p50_ms=round(1e3 * float(np.median(ttft)), 2),
-                         tpot_p50_ms=round(1e3 * float(np.median(tpot)), 3) if tpot else None, passes=len(passes)))
-        print(rows[-1], flush=True)
+            outs = [out for i in range(0, len(prompts), b) for out in llms[kind].chat(prompts[i:i + b], params)]
+            return time.perf_counter() - t0, outs
+
+        for kind in kinds:
+            run(kind)  # warm-up: the same shapes
+        passes = {kind: [] for kind in kinds}  # kind -> [(wall s, outputs)], in the order run
+        for r in range(args.speed_repeats):
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                passes[kind].append(run(kind))
+        tokens = sum(len(o.token_ids) for o in passes[kinds[0]][0][1])
+        for kind in kinds:
+            ordered = sorted(passes[kind], key=lambda p: p[0])
+            wall, outs = ordered[len(ordered) // 2]  # the median pass
+            acc = float(np.mean([o.metrics.acceptance_length for o in outs])) if args.proposal != "target" else 1.0
+            # Prefill and decoding apart: a request's wait for its first token, then its time a token after it.
+            ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+            tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+                    for o in outs if len(o.token_ids) > 1]
+            rows.append(dict(proposal=args.proposal, kind=kind, b=b, requests=len(prompts),
+                             tok_s=round(tokens / wall, 1),
+                             tok_s_range=[round(tokens / ordered[-1][0], 1), round(tokens / ordered[0][0], 1)],
+                             acceptance=round(acc, 3), row_iterations_s=round(tokens / wall / acc, 1),
+                             ttft_p50_ms=round(1e3 * float(np.median(ttft)), 2),
+                             tpot_p50_ms=round(1e3 * float(np.median(tpot)), 3) if tpot else None,
+                             passes=len(ordered)))
+            if "default" in passes and kind != "default":
+                pair = [d[0] / w[0] for w, d in zip(passes[kind], passes["default"])]  # default's wall / this one's
+                rows[-1]["vs_default_pairs"] = [round(x, 3) for x in sorted(pair)]
+            print(rows[-1], flush=True)
     out["speed"] = rows
 
 
 def phase_speed(out: dict, args) -> None:
-    """tok/s of each proposal with each kernel kind, every engine in a process of its own; each kind
-    over the default kernels in tok/s (`vs_default`), in rows x iterations a second
-    (`vs_default_per_iteration`: the kernels' cost without the replies' acceptance) and in decoding
-    alone (`vs_default_decoding`: the time a token after the first, prefill left out)."""
+    """tok/s of each proposal with each kernel kind, a process a proposal (its engines side by side:
+    `phase_speed_engine`); each kind over the default kernels in tok/s (`vs_default`: the median of
+    the paired passes' ratios), in rows x iterations a second (`vs_default_per_iteration`: the
+    kernels' cost without the replies' acceptance) and in decoding alone (`vs_default_decoding`: the
+    time a token after the first, prefill left out)."""
     rows = []
     for proposal in args.proposals.split(","):
-        for kind in args.kinds.split(","):
-            stem = f"speed-{kind}-{proposal}"
-            options = ["--kind", kind, "--proposal", proposal, "--max-tokens", str(args.max_tokens),
-                       "--batches", args.batches, "--speed-requests", str(args.speed_requests),
-                       "--speed-repeats", str(args.speed_repeats)]
-            rows += _child(args, "speed-engine", stem, options).get("speed", [])
+        options = ["--kinds", args.kinds, "--proposal", proposal, "--max-tokens", str(args.max_tokens),
+                   "--batches", args.batches, "--speed-waves", str(args.speed_waves),
+                   "--speed-repeats", str(args.speed_repeats),
+                   *(["--num-pages", str(args.num_pages)] if args.num_pages else [])]
+        rows += _child(args, "speed-engine", f"speed-{proposal}", options).get("speed", [])
     for row in rows:
         base = next((r for r in rows if r["proposal"] == row["proposal"] and r["b"] == row["b"]
                      and r["kind"] == "default"), None)
-        row["vs_default"] = round(row["tok_s"] / base["tok_s"], 3) if base else None
-        row["vs_default_per_iteration"] = (round(row["row_iterations_s"] / base["row_iterations_s"], 3)
-                                           if base else None)
+        if base is None:
+            continue
+        pairs = row.get("vs_default_pairs", [1.0])
+        row["vs_default"] = round(float(np.median(pairs)), 3)
+        # Per iteration: the same ratio with each side's tok/s over its acceptance length.
+        row["vs_default_per_iteration"] = round(row["vs_default"] * base["acceptance"] / row["acceptance"], 3)
         # Decoding alone, as a speed (the default's time a token over this one's): prefill left out.
         row["vs_default_decoding"] = (round(base["tpot_p50_ms"] / row["tpot_p50_ms"], 3)
-                                      if base and base.get("tpot_p50_ms") and row.get("tpot_p50_ms") else None)
+                                      if base.get("tpot_p50_ms") and row.get("tpot_p50_ms") else None)
     out["speed"] = rows
 
 
@@ -695,9 +715,10 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--batches", default="1,8,64", help="8b, speed: rows of the steps checked and timed")
     p.add_argument("--max-tokens", type=int, default=256, help="lossless, speed: tokens a reply")
-    p.add_argument("--speed-requests", type=int, default=64,
-                   help="speed: the prompts timed at each batch size (at least the batch), in waves of the batch")
-    p.add_argument("--speed-repeats", type=int, default=5, help="speed: timed passes at each batch size (the median)")
+    p.add_argument("--speed-waves", type=int, default=16,
+                   help="speed: waves of the batch timed at each batch size (as many as the prompts allow)")
+    p.add_argument("--speed-repeats", type=int, default=6,
+                   help="speed: timed passes of each kind at each batch size (the median)")
     p.add_argument("--kinds", default="invariant,default")
     p.add_argument("--proposals", default=",".join(PROPOSALS), help="lossless: the engines compared")
     p.add_argument("--variants", default="",
