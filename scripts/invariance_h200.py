@@ -645,7 +645,7 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
 
         def run(kind, prompts=prompts, b=b):
             t0 = time.perf_counter()
-            outs = [out for i in range(0, len(prompts), b) for out in llms[kind].chat(prompts[i:i + b], params)]
+            outs = [o for i in range(0, len(prompts), b) for o in llms[kind].chat(prompts[i:i + b], params)]
             return time.perf_counter() - t0, outs
 
         for kind in kinds:
