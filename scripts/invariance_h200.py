@@ -654,10 +654,10 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
         for r in range(args.speed_repeats):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 passes[kind].append(run(kind))
-        tokens = sum(len(o.token_ids) for o in passes[kinds[0]][0][1])
         for kind in kinds:
             ordered = sorted(passes[kind], key=lambda p: p[0])
             wall, outs = ordered[len(ordered) // 2]  # the median pass
+            tokens = sum(len(o.token_ids) for o in outs)
             acc = float(np.mean([o.metrics.acceptance_length for o in outs])) if args.proposal != "target" else 1.0
             # Prefill and decoding apart: a request's wait for its first token, then its time a token after it.
             ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
@@ -671,10 +671,16 @@ def phase_speed_engine(out: dict, args, questions: list[list[dict]], batches: tu
                              tpot_p50_ms=round(1e3 * float(np.median(tpot)), 3) if tpot else None,
                              passes=len(ordered)))
             if "default" in passes and kind != "default":
-                pair = [d[0] / w[0] for w, d in zip(passes[kind], passes["default"])]  # default's wall / this one's
+                pair = [_tok_s(p) / _tok_s(d) for p, d in zip(passes[kind], passes["default"])]
                 rows[-1]["vs_default_pairs"] = [round(x, 3) for x in sorted(pair)]
             print(rows[-1], flush=True)
     out["speed"] = rows
+
+
+def _tok_s(timed_pass: tuple[float, list]) -> float:
+    """A pass's (wall s, outputs) -> its output tokens a second."""
+    wall, outs = timed_pass
+    return sum(len(o.token_ids) for o in outs) / wall
 
 
 def phase_speed(out: dict, args) -> None:
